@@ -1,0 +1,412 @@
+"""Statistics of per-example gradients: the protocol and the built-in statistics.
+
+A statistic never sees per-example gradients directly. It declares the
+*reductions over examples* it needs (from a small fixed set, each of which the
+engine knows how to compute cheaply per layer kind and how to combine across
+batch chunks and devices), and a ``finalize`` that turns the reduced values
+into its result. Built-in statistics use exactly this protocol, so a user's
+statistic is a first-class citizen.
+
+The reductions (``g_b`` is the per-example gradient of one parameter leaf,
+``B`` the number of examples):
+
+* :class:`PhiSum` -- ``sum_b phi(g_b)`` elementwise (``phi=None``: the plain sum).
+* :class:`Centered` -- ``(mean_b g_b, sum_b (g_b - mean)^2)``, computed without
+  catastrophic cancellation and merged across chunks/devices with Chan's rule.
+* :class:`SqNorms` -- ``[B]`` array of ``||g_b||^2`` for the leaf.
+* :class:`ClippedSum` -- ``sum_b min(1, C / ||g_b||) g_b`` where ``||g_b||`` is
+  the *global* norm over every differentiated leaf.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+__all__ = [
+    "Reduction",
+    "PhiSum",
+    "Centered",
+    "SqNorms",
+    "ClippedSum",
+    "Moments",
+    "Statistic",
+    "mean",
+    "sum",
+    "second_moment",
+    "variance",
+    "sign_mean",
+    "abs_mean",
+    "sq_norms",
+    "norms",
+    "clipped_mean",
+    "clipped_sum",
+    "elementwise",
+    "snr",
+    "gradient_noise_scale",
+    "is_statistic",
+]
+
+_builtin_sum = sum
+
+
+# --------------------------------------------------------------------------- #
+# Reductions
+# --------------------------------------------------------------------------- #
+class Reduction:
+    """Base class of the reductions over examples that the engine computes."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PhiSum(Reduction):
+    """``sum_b phi(g_b)`` elementwise, per leaf (``phi=None`` is the identity).
+
+    Attributes:
+      phi: elementwise function of an array, or ``None`` for the plain sum.
+      multiplicative: declares ``phi(a * b) == phi(a) * phi(b)`` (square, sign,
+        abs, powers), which lets rank-one layers use ``phi(x)^T phi(dy)``.
+      name: used for equality and in reports; two ``PhiSum`` with the same
+        ``name`` and ``multiplicative`` are computed once.
+    """
+
+    phi: Callable[[jax.Array], jax.Array] | None = None
+    multiplicative: bool = False
+    name: str | None = None
+
+    def _key(self):
+        return ("phisum", self.name if self.name is not None else self.phi, self.multiplicative)
+
+    def __eq__(self, other):
+        return isinstance(other, PhiSum) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def apply(self, g):
+        return g if self.phi is None else self.phi(g)
+
+
+@dataclasses.dataclass(frozen=True)
+class Centered(Reduction):
+    """Mean and centered sum of squares ``(mean_b g_b, sum_b (g_b - mean)^2)``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SqNorms(Reduction):
+    """Per-example squared norm ``||g_b||^2`` of each leaf, an array ``[B]``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippedSum(Reduction):
+    """``sum_b min(1, clip_norm / ||g_b||) g_b`` with the global per-example norm."""
+
+    clip_norm: float
+
+
+class Moments(NamedTuple):
+    """Value of :class:`Centered` for one leaf: mean and centered sum of squares."""
+
+    mean: jax.Array
+    m2: jax.Array
+
+
+SQUARE = PhiSum(jnp.square, multiplicative=True, name="square")
+SIGN = PhiSum(jnp.sign, multiplicative=True, name="sign")
+ABS = PhiSum(jnp.abs, multiplicative=True, name="abs")
+SUM = PhiSum(None, multiplicative=True, name="identity")
+
+
+# --------------------------------------------------------------------------- #
+# Protocol
+# --------------------------------------------------------------------------- #
+class Statistic(abc.ABC):
+    """Protocol of a statistic of per-example gradients.
+
+    Subclasses implement:
+
+    * ``reductions() -> Mapping[str, Reduction]``: the named reductions needed.
+    * ``finalize(values, count) -> PyTree``: ``values[name]`` holds, for every
+      reduction, a pytree shaped like the differentiated arguments whose leaves
+      are the reduced values (an array like the leaf for :class:`PhiSum` and
+      :class:`ClippedSum`, a :class:`Moments` for :class:`Centered`, a ``[B]``
+      array for :class:`SqNorms`); ``count`` is the number of examples ``B``.
+
+    Example -- the per-coordinate mean of ``g^4``::
+
+        class FourthMoment(js.stats.Statistic):
+            def reductions(self):
+                return {"p4": js.stats.PhiSum(lambda g: g**4, multiplicative=True,
+                                              name="pow4")}
+            def finalize(self, values, count):
+                return jax.tree.map(lambda s: s / count, values["p4"])
+    """
+
+    @abc.abstractmethod
+    def reductions(self) -> Mapping[str, Reduction]:
+        """The named reductions this statistic needs."""
+
+    @abc.abstractmethod
+    def finalize(self, values: Mapping[str, PyTree], count) -> PyTree:
+        """Turns reduced values into the statistic's result."""
+
+    def __repr__(self):
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+def is_statistic(x) -> bool:
+    return isinstance(x, Statistic)
+
+
+def _tree_div(tree, count):
+    return jax.tree.map(lambda s: s / count, tree)
+
+
+class _Mean(Statistic):
+    def reductions(self):
+        return {"s": SUM}
+
+    def finalize(self, values, count):
+        return _tree_div(values["s"], count)
+
+
+class _Sum(Statistic):
+    def reductions(self):
+        return {"s": SUM}
+
+    def finalize(self, values, count):
+        return values["s"]
+
+
+class _PhiMean(Statistic):
+    def __init__(self, reduction: PhiSum):
+        self.reduction = reduction
+
+    def reductions(self):
+        return {"p": self.reduction}
+
+    def finalize(self, values, count):
+        return _tree_div(values["p"], count)
+
+
+class _Variance(Statistic):
+    def __init__(self, ddof: int):
+        self.ddof = ddof
+
+    def reductions(self):
+        return {"c": Centered()}
+
+    def finalize(self, values, count):
+        return jax.tree.map(
+            lambda m: m.m2 / (count - self.ddof),
+            values["c"],
+            is_leaf=lambda x: isinstance(x, Moments),
+        )
+
+
+class _SqNorms(Statistic):
+    def __init__(self, per_leaf: bool, sqrt: bool):
+        self.per_leaf = per_leaf
+        self.sqrt = sqrt
+
+    def reductions(self):
+        return {"n": SqNorms()}
+
+    def finalize(self, values, count):
+        tree = values["n"]
+        if self.per_leaf:
+            out = tree
+        else:
+            leaves = jax.tree.leaves(tree)
+            out = _builtin_sum(leaves[1:], leaves[0])
+        return jax.tree.map(jnp.sqrt, out) if self.sqrt else out
+
+
+class _Clipped(Statistic):
+    def __init__(self, clip_norm, average: bool):
+        self.clip_norm = clip_norm
+        self.average = average
+
+    def reductions(self):
+        return {"c": ClippedSum(self.clip_norm)}
+
+    def finalize(self, values, count):
+        return _tree_div(values["c"], count) if self.average else values["c"]
+
+
+class _Snr(Statistic):
+    def __init__(self, ddof: int):
+        self.ddof = ddof
+
+    def reductions(self):
+        return {"c": Centered()}
+
+    def finalize(self, values, count):
+        def one(m):
+            var = m.m2 / (count - self.ddof)
+            sig = jnp.square(m.mean)
+            safe = jnp.where(var > 0, var, 1)
+            return jnp.where(var > 0, sig / safe, jnp.where(sig > 0, jnp.inf, 0.0)).astype(
+                m.mean.dtype
+            )
+
+        return jax.tree.map(one, values["c"], is_leaf=lambda x: isinstance(x, Moments))
+
+
+class _NoiseScale(Statistic):
+    def __init__(self, ddof: int):
+        self.ddof = ddof
+
+    def reductions(self):
+        return {"c": Centered()}
+
+    def finalize(self, values, count):
+        moments = jax.tree.leaves(values["c"], is_leaf=lambda x: isinstance(x, Moments))
+        dtype = jnp.result_type(jnp.float32, *[m.mean.dtype for m in moments])
+        tr = _builtin_sum(jnp.sum(m.m2.astype(dtype)) for m in moments) / (count - self.ddof)
+        g2 = _builtin_sum(jnp.sum(jnp.square(m.mean.astype(dtype))) for m in moments)
+        return tr / g2
+
+
+# --------------------------------------------------------------------------- #
+# Public constructors
+# --------------------------------------------------------------------------- #
+def mean() -> Statistic:
+    r"""Mean per-example gradient :math:`\frac1B\sum_b g_b` (equals ``jax.grad`` of a mean loss)."""
+    return _Mean()
+
+
+def sum() -> Statistic:  # noqa: A001 - the contract's name
+    r"""Sum of per-example gradients :math:`\sum_b g_b`."""
+    return _Sum()
+
+
+def second_moment() -> Statistic:
+    r"""Elementwise second moment :math:`\frac1B\sum_b g_b^2`."""
+    return _PhiMean(SQUARE)
+
+
+def variance(ddof: int = 1) -> Statistic:
+    r"""Elementwise variance :math:`\sum_b (g_b-\bar g)^2/(B-\mathrm{ddof})`.
+
+    Computed from centered sums (never as :math:`E[g^2]-\bar g^2`), so it stays
+    accurate when the examples nearly agree.
+    """
+    if not isinstance(ddof, int) or ddof < 0:
+        raise ValueError(f"variance(ddof=...): ddof must be a non-negative int, got {ddof!r}.")
+    return _Variance(ddof)
+
+
+def sign_mean() -> Statistic:
+    r"""Mean of signs :math:`\frac1B\sum_b \mathrm{sign}(g_b)` (``sign(0) = 0``)."""
+    return _PhiMean(SIGN)
+
+
+def abs_mean() -> Statistic:
+    r"""Mean absolute value :math:`\frac1B\sum_b |g_b|`."""
+    return _PhiMean(ABS)
+
+
+def sq_norms(per_leaf: bool = False) -> Statistic:
+    r"""Per-example squared norms :math:`\|g_b\|^2`, an array ``[B]``.
+
+    Args:
+      per_leaf: if True, a pytree like params of ``[B]`` arrays, one per leaf.
+    """
+    return _SqNorms(bool(per_leaf), sqrt=False)
+
+
+def norms(per_leaf: bool = False) -> Statistic:
+    r"""Per-example gradient norms :math:`\|g_b\|` (square roots of :func:`sq_norms`)."""
+    return _SqNorms(bool(per_leaf), sqrt=True)
+
+
+def _check_clip(clip_norm, name):
+    if isinstance(clip_norm, (int, float)):
+        if not clip_norm > 0:  # also rejects NaN
+            raise ValueError(
+                f"{name}(clip_norm=...): clip_norm must be a positive number (or inf), "
+                f"got {clip_norm!r}."
+            )
+        return float(clip_norm)
+    return clip_norm
+
+
+def clipped_mean(clip_norm) -> Statistic:
+    r"""DP-SGD clipped mean :math:`\frac1B\sum_b g_b\min(1, C/\|g_b\|)`, global norm."""
+    return _Clipped(_check_clip(clip_norm, "clipped_mean"), average=True)
+
+
+def clipped_sum(clip_norm) -> Statistic:
+    r"""Clipped sum :math:`\sum_b g_b\min(1, C/\|g_b\|)`, global norm over all params."""
+    return _Clipped(_check_clip(clip_norm, "clipped_sum"), average=False)
+
+
+def elementwise(phi: Callable[[jax.Array], jax.Array], multiplicative: bool = False,
+                name: str | None = None) -> Statistic:
+    r"""Mean of a user's elementwise function :math:`\frac1B\sum_b \varphi(g_b)`.
+
+    Args:
+      phi: elementwise function (applied to arrays of per-example gradients).
+      multiplicative: declare :math:`\varphi(ab)=\varphi(a)\varphi(b)` so the
+        rank-one fast path :math:`\varphi(X)^T\varphi(dY)` applies. Declaring it
+        falsely gives wrong numbers; leave it False when unsure.
+      name: optional identity used to share work between equal statistics.
+    """
+    if not callable(phi):
+        raise TypeError(f"elementwise(phi=...): phi must be callable, got {phi!r}.")
+    return _PhiMean(PhiSum(phi, bool(multiplicative), name))
+
+
+def snr(ddof: int = 1) -> Statistic:
+    r"""Per-coordinate signal-to-noise ratio :math:`\bar g^2/\mathrm{Var}_b(g_b)`.
+
+    Where the variance is 0, the result is ``inf`` (or 0 where the mean is 0 too).
+    """
+    return _Snr(ddof)
+
+
+def gradient_noise_scale(ddof: int = 1) -> Statistic:
+    r"""Simple gradient noise scale :math:`\mathrm{tr}(\Sigma)/\|\bar g\|^2` (McCandlish et al.).
+
+    :math:`\mathrm{tr}(\Sigma)` is the summed per-coordinate variance of the
+    per-example gradients over all parameters; a scalar.
+    """
+    return _NoiseScale(ddof)
+
+
+def validate(stat) -> dict:
+    """Checks that ``stat`` follows the protocol; returns its reductions."""
+    if not isinstance(stat, Statistic):
+        missing = [m for m in ("reductions", "finalize") if not callable(getattr(stat, m, None))]
+        if missing:
+            raise TypeError(
+                f"stat: {stat!r} is not a statistic: it lacks {', '.join(missing)}. Use a "
+                "constructor from jaxpr_surgery.stats (e.g. js.stats.mean()) or subclass "
+                "js.stats.Statistic."
+            )
+    red = stat.reductions()
+    if not isinstance(red, Mapping) or not red:
+        raise TypeError(
+            f"stat: {stat!r}.reductions() must return a non-empty mapping from names to "
+            f"reductions, got {red!r}."
+        )
+    for k, r in red.items():
+        if not isinstance(r, Reduction):
+            raise TypeError(
+                f"stat: {stat!r}.reductions()[{k!r}] is {r!r}, not a reduction. Use "
+                "js.stats.PhiSum, Centered, SqNorms or ClippedSum."
+            )
+        if isinstance(r, ClippedSum) and isinstance(r.clip_norm, float) and math.isnan(
+            r.clip_norm
+        ):
+            raise ValueError(f"stat: {stat!r} has a NaN clip_norm.")
+    return dict(red)
