@@ -1,0 +1,387 @@
+"""Analysis of the per-example jaxpr: where does each parameter leaf meet the data?
+
+Every variable gets a *tag*:
+
+* ``None`` -- constant: depends on neither parameters nor example data;
+* ``DATA`` -- depends on the example;
+* :class:`PView` -- depends on exactly one parameter leaf and no data: an
+  injective layout view of the leaf (``chain``), optionally followed by
+  parameter-only ops (``pre``) such as broadcasts that the site absorbs;
+* :class:`Mixed` -- depends on several leaves (LoRA ``A @ B``) or on a leaf
+  through a construct we do not see into; those leaves are *residual*.
+
+The first equation where a :class:`PView` meets ``DATA`` is a **site**. A leaf
+whose uses are all sites gets fast rules; any other use makes it residual
+(exact per-example gradients through a per-example copy of the leaf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from jaxpr_surgery._src import compat
+
+DATA = "data"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutOp:
+    """One injective layout step of a view chain (or a scan slicing)."""
+
+    kind: str  # "reshape" | "transpose" | "identity" | "scan"
+    in_shape: tuple
+    out_shape: tuple
+    perm: tuple | None = None
+
+    def inverse(self, value):
+        """Maps a value shaped ``lead + out_shape`` back to ``lead + in_shape``."""
+        if self.kind == "scan" or self.kind == "identity":
+            return value
+        lead = value.shape[: value.ndim - len(self.out_shape)]
+        if self.kind == "reshape":
+            return value.reshape(lead + tuple(self.in_shape))
+        if self.kind == "transpose":
+            inv = np.argsort(self.perm)
+            n = len(lead)
+            return value.transpose(tuple(range(n)) + tuple(n + int(i) for i in inv))
+        raise AssertionError(self.kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class PView:
+    leaf: int
+    chain: tuple = ()
+    depth: int = 0
+    base: Any = None  # the Var holding the layout view (only meaningful with ``pre``)
+    pre: tuple = ()  # parameter-only eqns applied after ``base`` (same scope)
+
+    @property
+    def is_layout(self):
+        return not self.pre
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixed:
+    leaves: frozenset
+
+
+@dataclasses.dataclass
+class Site:
+    path: tuple
+    eqn: Any
+    kind: str  # dense | embedding | scale-shift | conv | generic
+    leaf: int
+    chain: tuple
+    depth: int
+    base: Any  # Var with the view value passed to the site
+    pre: tuple  # eqns from base to the param operand
+    ext_vars: tuple  # every other input var (data and constants), ordered
+    param_pos: int  # operand index of the parameter in ``eqn``
+    scan_lengths: tuple  # lengths of the enclosing scans, outermost first
+    view_shape: tuple  # shape of ``base`` (per scan slice)
+    ext_batched: tuple = ()  # whether each ext var depends on the example
+
+
+@dataclasses.dataclass
+class LeafInfo:
+    sites: list = dataclasses.field(default_factory=list)
+    reasons: list = dataclasses.field(default_factory=list)
+
+    @property
+    def residual(self):
+        return bool(self.reasons)
+
+
+@dataclasses.dataclass
+class Analysis:
+    leaves: list  # LeafInfo per parameter leaf
+    sites: dict  # path -> Site (active sites only, after residual pruning)
+    scopes: set  # eqn paths that contain an active site below them
+    primitives: set  # every primitive seen (for the tripwire)
+
+    def rule(self, i):
+        info = self.leaves[i]
+        if info.residual:
+            return "residual"
+        if not info.sites:
+            return "unused"
+        return "single" if len(info.sites) == 1 else "multi"
+
+
+def _is_literal(v):
+    return isinstance(v, compat.Literal)
+
+
+def _shape(v):
+    return tuple(v.aval.shape)
+
+
+_CALL_PRIMS = tuple(p for p in (compat.jit_p, compat.closed_call_p, compat.call_p) if p is not None)
+_IDENTITY_PRIMS = tuple(
+    p for p in (compat.copy_p, compat.sharding_constraint_p, *compat.vma_cast_prims) if p is not None
+)
+
+
+def _call_jaxpr(eqn):
+    """(jaxpr, consts) of a call-like eqn."""
+    j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(j, compat.ClosedJaxpr):
+        return j.jaxpr, j.consts
+    return j, ()
+
+
+def _layout_op(eqn):
+    """The :class:`LayoutOp` of an injective layout eqn, or None."""
+    p = eqn.primitive
+    ins, outs = eqn.invars, eqn.outvars
+    if len(outs) != 1:
+        return None
+    i_shape, o_shape = _shape(ins[0]), _shape(outs[0])
+    if p is compat.convert_p:
+        import jax.numpy as jnp
+
+        if jnp.issubdtype(ins[0].aval.dtype, jnp.floating) and jnp.issubdtype(
+            outs[0].aval.dtype, jnp.floating
+        ):
+            return LayoutOp("identity", i_shape, o_shape)
+        return None
+    if p in _IDENTITY_PRIMS:
+        return LayoutOp("identity", i_shape, o_shape)
+    if p is compat.reshape_p and len(ins) == 1 and eqn.params.get("dimensions") is None:
+        return LayoutOp("reshape", i_shape, o_shape)
+    if p is compat.squeeze_p:
+        return LayoutOp("reshape", i_shape, o_shape)
+    if p is compat.broadcast_p and len(ins) == 1 and math.prod(i_shape) == math.prod(o_shape):
+        return LayoutOp("reshape", i_shape, o_shape)
+    if p is compat.transpose_p:
+        return LayoutOp("transpose", i_shape, o_shape, tuple(eqn.params["permutation"]))
+    return None
+
+
+class _Analyzer:
+    def __init__(self, n_leaves):
+        self.leaves = [LeafInfo() for _ in range(n_leaves)]
+        self.sites = {}
+        self.primitives = set()
+
+    # -- helpers ---------------------------------------------------------- #
+    def residual(self, tag, reason):
+        for leaf in self.leaves_of(tag):
+            if reason not in self.leaves[leaf].reasons:
+                self.leaves[leaf].reasons.append(reason)
+
+    @staticmethod
+    def leaves_of(tag):
+        if isinstance(tag, PView):
+            return {tag.leaf}
+        if isinstance(tag, Mixed):
+            return set(tag.leaves)
+        return set()
+
+    def to_boundary(self, tag, where):
+        """A tag crossing into or out of a sub-jaxpr."""
+        if isinstance(tag, PView) and tag.pre:
+            self.residual(tag, f"transformed outside the {where} where it meets the data")
+            return Mixed(frozenset({tag.leaf}))
+        return tag
+
+    # -- main walk -------------------------------------------------------- #
+    def run(self, jaxpr, in_tags, path, scan_lengths):
+        env = {}
+
+        def read(v):
+            return None if _is_literal(v) else env.get(v)
+
+        for v, t in zip(jaxpr.invars, in_tags):
+            env[v] = t
+        for v in jaxpr.constvars:
+            env[v] = None
+
+        for i, eqn in enumerate(jaxpr.eqns):
+            self.primitives.add(eqn.primitive)
+            p = path + (i,)
+            tags = [read(v) for v in eqn.invars]
+            out_tags = self.eqn(eqn, tags, p, scan_lengths)
+            for v, t in zip(eqn.outvars, out_tags):
+                env[v] = t
+        return [read(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn, tags, path, scan_lengths):
+        prim = eqn.primitive
+        n_out = len(eqn.outvars)
+        params_tags = [t for t in tags if isinstance(t, (PView, Mixed))]
+        has_data = any(t == DATA for t in tags)
+
+        if prim in _CALL_PRIMS:
+            jaxpr, _ = _call_jaxpr(eqn)
+            inner = [self.to_boundary(t, "jit") for t in tags]
+            outs = self.run(jaxpr, inner, path, scan_lengths)
+            return [self.to_boundary(t, "jit") for t in outs]
+        if prim is compat.remat_p:
+            inner = [self.to_boundary(t, "checkpoint") for t in tags]
+            outs = self.run(eqn.params["jaxpr"], inner, path, scan_lengths)
+            return [self.to_boundary(t, "checkpoint") for t in outs]
+        if prim is compat.scan_p:
+            return self.scan(eqn, tags, path, scan_lengths)
+
+        if not params_tags:
+            return [DATA if has_data else None] * n_out
+
+        if compat.subjaxprs(eqn) or prim in compat.custom_prims:
+            self.residual_all(params_tags, f"used inside {prim}")
+            return [DATA] * n_out if has_data else [Mixed(self.union(params_tags))] * n_out
+
+        pvars = {v for v, t in zip(eqn.invars, tags) if isinstance(t, (PView, Mixed))}
+        if len(pvars) > 1 or any(isinstance(t, Mixed) for t in params_tags):
+            if len(pvars) > 1:
+                self.residual_all(params_tags, f"combined with another parameter in {prim}")
+            return [DATA] * n_out if has_data else [Mixed(self.union(params_tags))] * n_out
+
+        (pv,) = pvars
+        tag = params_tags[0]
+        pos = [k for k, v in enumerate(eqn.invars) if v is pv]
+
+        if not has_data:
+            # parameter-only op: extend the view or absorb into the site later
+            if tag.is_layout and n_out == 1 and len(pos) == 1 and pos[0] == 0:
+                op = _layout_op(eqn)
+                if op is not None and all(_is_literal(v) or v is pv for v in eqn.invars):
+                    return [dataclasses.replace(tag, chain=tag.chain + (op,), base=eqn.outvars[0])]
+            if n_out != 1:
+                self.residual(tag, f"parameter-only {prim} with several outputs")
+                return [Mixed(frozenset({tag.leaf}))] * n_out
+            base = tag.base if tag.pre else pv
+            return [dataclasses.replace(tag, base=base, pre=tag.pre + (eqn,))]
+
+        # a site: the view meets the data
+        if tag.depth < len(scan_lengths):
+            self.residual(tag, "closed over by lax.scan (used in every iteration)")
+            return [DATA] * n_out
+        kind = self.kind(eqn, tag, pos)
+        base = tag.base if tag.pre else pv
+        pre_out = {e.outvars[0] for e in tag.pre}
+        ext, seen = [], set()
+        for e in (*tag.pre, eqn):
+            for v in e.invars:
+                if _is_literal(v) or v is base or v in pre_out or v in seen:
+                    continue
+                seen.add(v)
+                ext.append(v)
+        site = Site(
+            path=path,
+            eqn=eqn,
+            kind=kind,
+            leaf=tag.leaf,
+            chain=tag.chain,
+            depth=tag.depth,
+            base=base,
+            pre=tag.pre,
+            ext_vars=tuple(ext),
+            param_pos=pos[0],
+            scan_lengths=tuple(scan_lengths),
+            view_shape=_shape(base),
+            ext_batched=tuple(
+                any(v is u and t == DATA for u, t in zip(eqn.invars, tags)) for v in ext
+            ),
+        )
+        self.sites[path] = site
+        self.leaves[tag.leaf].sites.append(site)
+        return [DATA] * n_out
+
+    @staticmethod
+    def union(tags):
+        out = set()
+        for t in tags:
+            out |= _Analyzer.leaves_of(t)
+        return frozenset(out)
+
+    def residual_all(self, tags, reason):
+        for t in tags:
+            self.residual(t, reason)
+
+    @staticmethod
+    def kind(eqn, tag, pos):
+        prim = eqn.primitive
+        if tag.pre:
+            absorbable = all(
+                e.primitive in (compat.broadcast_p, compat.reshape_p, compat.convert_p)
+                for e in tag.pre
+            )
+            if prim in (compat.mul_p, compat.add_p, compat.sub_p) and absorbable:
+                return "scale-shift"
+            return "generic"
+        if prim is compat.dot_general_p and len(pos) == 1:
+            return "dense"
+        if prim is compat.gather_p and pos == [0] and _is_row_gather(eqn):
+            return "embedding"
+        if prim is compat.conv_p and pos == [1]:
+            return "conv"
+        if prim in (compat.mul_p, compat.add_p, compat.sub_p):
+            return "scale-shift"
+        return "generic"
+
+    def scan(self, eqn, tags, path, scan_lengths):
+        prm = eqn.params
+        nc, ncar = prm["num_consts"], prm["num_carry"]
+        body = prm["jaxpr"].jaxpr
+        consts, carry, xs = tags[:nc], tags[nc : nc + ncar], tags[nc + ncar :]
+        consts = [self.to_boundary(t, "scan") for t in consts]
+        for t in carry:
+            if isinstance(t, (PView, Mixed)):
+                self.residual(t, "carried through lax.scan")
+        xs_in = []
+        for v, t in zip(eqn.invars[nc + ncar :], xs):
+            t = self.to_boundary(t, "scan")
+            if isinstance(t, PView):
+                op = LayoutOp("scan", _shape(v), _shape(v)[1:])
+                t = dataclasses.replace(t, chain=t.chain + (op,), depth=t.depth + 1, base=None)
+            xs_in.append(t)
+        inner_lengths = tuple(scan_lengths) + (prm["length"],)
+        # Carries are evaluated batched (per example), so they are DATA: a site
+        # fed by a carry computes exact per-example quantities either way.
+        carry = [DATA] * ncar
+        outs = self.run(body, consts + carry + xs_in, path, inner_lengths)
+        for t in outs:
+            if isinstance(t, (PView, Mixed)):
+                self.residual(t, "returned from lax.scan")
+        outs = [DATA if isinstance(t, (PView, Mixed)) else t for t in outs]
+        return outs
+
+
+def _is_row_gather(eqn):
+    """``table[ids]``: rows of a 2-D table gathered by integer ids."""
+    dn = eqn.params["dimension_numbers"]
+    operand, idx = eqn.invars
+    if len(_shape(operand)) != 2 or _shape(idx)[-1:] != (1,):
+        return False
+    if tuple(dn.collapsed_slice_dims) != (0,) or tuple(dn.start_index_map) != (0,):
+        return False
+    if getattr(dn, "operand_batching_dims", ()) or getattr(dn, "start_indices_batching_dims", ()):
+        return False
+    out_rank = len(_shape(eqn.outvars[0]))
+    if tuple(dn.offset_dims) != (out_rank - 1,):
+        return False
+    return tuple(eqn.params["slice_sizes"]) == (1, _shape(operand)[1])
+
+
+def analyse_jaxpr(jaxpr, in_tags, n_leaves):
+    a = _Analyzer(n_leaves)
+    outs = a.run(jaxpr, in_tags, (), ())
+    if outs and isinstance(outs[0], (PView, Mixed)):
+        a.residual(outs[0], "the loss depends on it without passing through example data")
+    # prune sites of residual leaves
+    sites = {p: s for p, s in a.sites.items() if not a.leaves[s.leaf].residual}
+    for li in a.leaves:
+        if li.residual:
+            li.sites = [s for s in li.sites if s.path in sites]
+        else:
+            li.sites = sorted(li.sites, key=lambda s: s.path)
+    scopes = set()
+    for p in sites:
+        for k in range(1, len(p)):
+            scopes.add(p[:k])
+    return Analysis(a.leaves, sites, scopes, a.primitives)

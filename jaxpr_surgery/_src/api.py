@@ -1,0 +1,535 @@
+"""Public entry points: ``per_example_stat``, ``value_and_per_example_stat``, ``check_per_example``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpr_surgery._src import analysis as A
+from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import engine
+from jaxpr_surgery._src import stats as S
+
+PyTree = Any
+
+
+# --------------------------------------------------------------------------- #
+# Argument handling
+# --------------------------------------------------------------------------- #
+def _norm_nums(nums, name, nargs):
+    if isinstance(nums, (int, np.integer)):
+        nums = (int(nums),)
+    elif isinstance(nums, Sequence) and all(isinstance(n, (int, np.integer)) for n in nums):
+        nums = tuple(int(n) for n in nums)
+    else:
+        raise TypeError(f"{name} must be an int or a tuple of ints, got {nums!r}.")
+    if not nums:
+        raise ValueError(f"{name} must name at least one argument, got an empty tuple.")
+    out = []
+    for n in nums:
+        if not -nargs <= n < nargs:
+            raise ValueError(
+                f"{name}={n} is out of range: the function was called with {nargs} positional "
+                f"argument(s)."
+            )
+        out.append(n % nargs)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name}={nums!r} names the same argument twice.")
+    return tuple(out)
+
+
+def _is_array(x):
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(
+        x, jax.core.Tracer
+    )
+
+
+def _path_str(path):
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    argnums: tuple
+    batch_argnums: tuple
+    keep_batch_dim: bool
+    has_aux: bool
+    chunk_size: int | None
+    strict: bool
+    axis_name: Any
+
+
+def _flatten_stats(stat):
+    leaves, treedef = jax.tree.flatten(
+        stat, is_leaf=lambda x: S.is_statistic(x) or (
+            hasattr(x, "reductions") and hasattr(x, "finalize"))
+    )
+    if not leaves:
+        raise TypeError("stat: expected a statistic or a pytree of statistics, got an empty tree.")
+    reqs = [S.validate(s) for s in leaves]
+    return leaves, treedef, reqs
+
+
+class _Prepared:
+    """Everything derived from the call's arguments, shared by the entry points."""
+
+    def __init__(self, fn, args, opts: Options, name: str):
+        nargs = len(args)
+        self.argnums = _norm_nums(opts.argnums, "argnums", nargs)
+        self.batch_argnums = _norm_nums(opts.batch_argnums, "batch_argnums", nargs)
+        overlap = set(self.argnums) & set(self.batch_argnums)
+        if overlap:
+            raise ValueError(
+                f"{name}: argnums={opts.argnums!r} and batch_argnums={opts.batch_argnums!r} "
+                f"overlap on argument {sorted(overlap)}: an argument is either differentiated "
+                "(parameters) or split into examples (data), not both."
+            )
+        self.single = isinstance(opts.argnums, (int, np.integer))
+        diff = args[self.argnums[0]] if self.single else tuple(args[i] for i in self.argnums)
+        flat, self.diff_tree = jax.tree_util.tree_flatten_with_path(diff)
+        self.diff_paths = [_path_str(p) for p, _ in flat]
+        self.diff_leaves = [x for _, x in flat]
+        for path, x in zip(self.diff_paths, self.diff_leaves):
+            if not (_is_array(x) or isinstance(x, (float, complex))):
+                raise TypeError(
+                    f"{name}: parameter leaf {path} is a {type(x).__name__}, not an array. "
+                    "Differentiated arguments (argnums) must be pytrees of floating-point arrays; "
+                    "pass static values through other arguments or close over them."
+                )
+            if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+                raise TypeError(
+                    f"{name}: parameter leaf {path} has dtype {jnp.result_type(x)}; only "
+                    "floating-point parameters have gradients. Move integer leaves out of the "
+                    "differentiated argument (argnums)."
+                )
+        self.diff_leaves = [jnp.asarray(x) for x in self.diff_leaves]
+        if not self.diff_leaves:
+            raise ValueError(f"{name}: the differentiated argument(s) {self.argnums} hold no arrays.")
+
+        batch = tuple(args[i] for i in self.batch_argnums)
+        bflat, self.batch_tree = jax.tree_util.tree_flatten_with_path(batch)
+        if not bflat:
+            raise ValueError(
+                f"{name}: the batch argument(s) batch_argnums={self.batch_argnums} hold no arrays."
+            )
+        sizes = {}
+        for p, x in bflat:
+            if not _is_array(x):
+                raise TypeError(
+                    f"{name}: batch leaf {_path_str(p)} is a {type(x).__name__}; every leaf of the "
+                    "batch argument(s) must be an array with examples on axis 0."
+                )
+            if np.ndim(x) == 0:
+                raise ValueError(
+                    f"{name}: batch leaf {_path_str(p)} is a scalar; every batch leaf needs a "
+                    "leading example axis."
+                )
+            sizes[_path_str(p)] = int(np.shape(x)[0])
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"{name}: batch leaves have different leading sizes {sizes}; every leaf of the "
+                "batch must hold the same number of examples on axis 0."
+            )
+        self.B = next(iter(sizes.values()))
+        if self.B == 0:
+            raise ValueError(f"{name}: the batch is empty (0 examples); statistics need B >= 1.")
+        self.ex_leaves = [jnp.asarray(x) for _, x in bflat]
+
+        # other arguments: arrays become jaxpr inputs, the rest stay static
+        self.other_idx = [i for i in range(nargs) if i not in self.argnums + self.batch_argnums]
+        other = tuple(args[i] for i in self.other_idx)
+        oleaves, self.other_tree = jax.tree.flatten(other)
+        self.other_is_arr = [_is_array(x) for x in oleaves]
+        self.other_static = [None if a else x for a, x in zip(self.other_is_arr, oleaves)]
+        self.other_leaves = [x for a, x in zip(self.other_is_arr, oleaves) if a]
+        self.fn, self.args_n, self.opts, self.name = fn, nargs, opts, name
+
+    def rebuild(self, diff_leaves, batch_leaves, other_leaves, *, one_example):
+        diff = jax.tree.unflatten(self.diff_tree, diff_leaves)
+        diff = (diff,) if self.single else diff
+        if one_example and self.opts.keep_batch_dim:
+            batch_leaves = [x[None] for x in batch_leaves]
+        batch = jax.tree.unflatten(self.batch_tree, batch_leaves)
+        it = iter(other_leaves)
+        oleaves = [next(it) if a else s for a, s in zip(self.other_is_arr, self.other_static)]
+        other = jax.tree.unflatten(self.other_tree, oleaves)
+        args = [None] * self.args_n
+        for k, i in enumerate(self.argnums):
+            args[i] = diff[k]
+        for k, i in enumerate(self.batch_argnums):
+            args[i] = batch[k]
+        for k, i in enumerate(self.other_idx):
+            args[i] = other[k]
+        return args
+
+    def split_out(self, out):
+        if self.opts.has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(
+                    f"{self.name}: has_aux=True requires fn to return a pair (loss, aux), got "
+                    f"{type(out).__name__}."
+                )
+            return out
+        return out, None
+
+    def per_example_fn(self):
+        def pe(diff_leaves, ex_leaves, other_leaves):
+            args = self.rebuild(diff_leaves, ex_leaves, other_leaves, one_example=True)
+            loss, aux = self.split_out(self.fn(*args))
+            return (loss, aux)
+
+        return pe
+
+    def trace(self):
+        """Per-example jaxpr, traced under vmap over the real batch (keeps sharding/vma)."""
+        holder = {}
+        pe = self.per_example_fn()
+
+        def flat_pe(diff_leaves, ex_leaves, other_leaves):
+            out = pe(diff_leaves, ex_leaves, other_leaves)
+            flat, tree = jax.tree.flatten(out)
+            holder["out_tree"] = tree
+            return flat
+
+        def trace_one(ex_leaves):
+            closed, shapes = jax.make_jaxpr(flat_pe, return_shape=True)(
+                self.diff_leaves, ex_leaves, self.other_leaves
+            )
+            holder["closed"], holder["shapes"] = closed, shapes
+            return jnp.zeros(())
+
+        jax.eval_shape(jax.vmap(trace_one), self.ex_leaves)
+        loss = holder["shapes"][0]
+        if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+            raise ValueError(
+                f"{self.name}: fn must return a scalar floating-point loss (the mean over the "
+                f"batch), but on one example it returned {loss.dtype}{list(loss.shape)}. "
+                + ("Reduce the loss to a scalar" if loss.shape else "Return a float loss")
+                + (", or pass has_aux=True to return (loss, aux)." if not self.opts.has_aux else ".")
+            )
+        return holder["closed"], holder["out_tree"]
+
+
+# --------------------------------------------------------------------------- #
+# Accumulators: merge across chunks and devices
+# --------------------------------------------------------------------------- #
+def _merge(red, a, na, b, nb):
+    if isinstance(red, S.Centered):
+        n = na + nb
+        delta = b.mean - a.mean
+        mean = a.mean + delta * (nb / n)
+        m2 = a.m2 + b.m2 + jnp.square(delta) * (na * nb / n)
+        return S.Moments(mean, m2)
+    if isinstance(red, S.SqNorms):
+        return jnp.concatenate([a, b], axis=0)
+    return a + b
+
+
+def _combine_axis(red, v, n_local, N, axis_name):
+    if isinstance(red, S.SqNorms):
+        return v
+    if isinstance(red, S.Centered):
+        mean = jax.lax.psum(v.mean * n_local, axis_name) / N
+        m2 = jax.lax.psum(v.m2 + n_local * jnp.square(v.mean - mean), axis_name)
+        return S.Moments(mean, m2)
+    return jax.lax.psum(v, axis_name)
+
+
+# --------------------------------------------------------------------------- #
+# The computation
+# --------------------------------------------------------------------------- #
+def _compute(fn, stat, opts: Options, args, name):
+    prep = _Prepared(fn, args, opts, name)
+    stat_leaves, stat_tree, reqs = _flatten_stats(stat)
+    reductions = []
+    for req in reqs:
+        for r in req.values():
+            if r not in reductions:
+                reductions.append(r)
+
+    cs = opts.chunk_size
+    if cs is not None and (not isinstance(cs, (int, np.integer)) or cs <= 0):
+        raise ValueError(f"{name}: chunk_size must be a positive int or None, got {cs!r}.")
+
+    closed, out_tree = prep.trace()
+    n = len(prep.diff_leaves)
+    in_tags = (
+        [A.PView(i) for i in range(n)]
+        + [A.DATA] * len(prep.ex_leaves)
+        + [None] * len(prep.other_leaves)
+    )
+    an = A.analyse_jaxpr(closed.jaxpr, in_tags, n)
+    if opts.strict:
+        bad = [(prep.diff_paths[i], li.reasons) for i, li in enumerate(an.leaves) if li.residual]
+        if bad:
+            lines = "; ".join(f"{p}: {', '.join(r)}" for p, r in bad)
+            raise NotImplementedError(
+                f"{name}(strict=True): no fast rule for parameter leaf/leaves: {lines}. "
+                "Pass strict=False to compute them exactly from per-example gradients of those "
+                "leaves (chunk_size bounds the memory)."
+            )
+    leaf_avals = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in prep.diff_leaves]
+    plan = engine.make_plan(closed, an, leaf_avals, reductions, len(prep.ex_leaves),
+                            len(prep.other_leaves), out_tree)
+    data_axes = frozenset().union(*[compat.vma_of(x) for x in prep.ex_leaves])
+
+    def run_chunk(ex_leaves, b):
+        return engine.run(plan, prep.diff_leaves, ex_leaves, prep.other_leaves, b, data_axes)
+
+    B = prep.B
+    if cs is None or cs >= B:
+        values, loss_b, aux = run_chunk(prep.ex_leaves, B)
+    else:
+        values, loss_b, aux = _chunked(run_chunk, prep.ex_leaves, B, int(cs), reductions)
+
+    N = B
+    loss_sum = jnp.sum(loss_b)
+    if opts.axis_name is not None:
+        N = jax.lax.psum(B, opts.axis_name)
+        values = {
+            j: [_combine_axis(reductions[j], v, B, N, opts.axis_name) for v in vals]
+            for j, vals in values.items()
+        }
+        loss_sum = jax.lax.psum(loss_sum, opts.axis_name)
+    loss = loss_sum / N
+
+    results = []
+    for s, req in zip(stat_leaves, reqs):
+        vals = {
+            k: jax.tree.unflatten(prep.diff_tree, values[reductions.index(r)])
+            for k, r in req.items()
+        }
+        results.append(_cast_like(s.finalize(vals, N), prep))
+    result = jax.tree.unflatten(stat_tree, results)
+    aux_out = jax.tree.unflatten(out_tree, [loss_b] + list(aux))[1]
+    return loss, aux_out, result
+
+
+def _cast_like(result, prep):
+    """Statistics shaped like the parameters come back in the parameters' dtypes."""
+    try:
+        params = jax.tree.unflatten(prep.diff_tree, prep.diff_leaves)
+        if jax.tree.structure(result) != jax.tree.structure(params):
+            return result
+        return jax.tree.map(
+            lambda r, p: r.astype(p.dtype) if jnp.shape(r) == jnp.shape(p) else r, result, params
+        )
+    except Exception:  # noqa: BLE001 - result not shaped like params
+        return result
+
+
+def _chunked(run_chunk, ex_leaves, B, cs, reductions):
+    nfull, rem = divmod(B, cs)
+    head = [x[: nfull * cs].reshape((nfull, cs) + x.shape[1:]) for x in ex_leaves]
+    sq = [j for j, r in enumerate(reductions) if isinstance(r, S.SqNorms)]
+
+    first_vals, first_loss, first_aux = run_chunk([h[0] for h in head], cs)
+    carry0 = {j: v for j, v in first_vals.items() if j not in sq}
+
+    def step(carry, xs):
+        k, chunk = xs
+        vals, loss_b, aux = run_chunk(chunk, cs)
+        na = k * cs
+        new = {
+            j: [_merge(reductions[j], a, na, b, cs) for a, b in zip(carry[j], vals[j])]
+            for j in carry
+        }
+        return new, ({j: vals[j] for j in sq}, loss_b, aux)
+
+    if nfull > 1:
+        rest = [h[1:] for h in head]
+        carry, (sqv, loss_rest, aux_rest) = jax.lax.scan(
+            step, carry0, (jnp.arange(1, nfull), rest)
+        )
+        loss_b = jnp.concatenate([first_loss[None], loss_rest]).reshape((nfull * cs,))
+        aux = [jnp.concatenate([a[None], r]).reshape((nfull * cs,) + a.shape[1:])
+               for a, r in zip(first_aux, aux_rest)]
+        sq_vals = {
+            j: [jnp.concatenate([f[None], r]).reshape((-1,)) for f, r in zip(first_vals[j], sqv[j])]
+            for j in sq
+        }
+    else:
+        carry, loss_b, aux = carry0, first_loss, list(first_aux)
+        sq_vals = {j: first_vals[j] for j in sq}
+    values = dict(carry)
+    values.update(sq_vals)
+    if rem:
+        tail = [x[nfull * cs :] for x in ex_leaves]
+        tv, tl, ta = run_chunk(tail, rem)
+        values = {
+            j: [_merge(reductions[j], a, nfull * cs, b, rem) for a, b in zip(values[j], tv[j])]
+            for j in values
+        }
+        loss_b = jnp.concatenate([loss_b, tl])
+        aux = [jnp.concatenate([a, t]) for a, t in zip(aux, ta)]
+    return values, loss_b, aux
+
+
+# --------------------------------------------------------------------------- #
+# Public entry points
+# --------------------------------------------------------------------------- #
+def value_and_per_example_stat(
+    fn: Callable[..., Any],
+    stat: PyTree,
+    *,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] = 1,
+    keep_batch_dim: bool = True,
+    has_aux: bool = False,
+    chunk_size: int | None = None,
+    strict: bool = False,
+    axis_name: Any = None,
+) -> Callable[..., tuple[Any, PyTree]]:
+    r"""Like :func:`per_example_stat`, also returning the loss (and aux).
+
+    The loss is the mean of the per-example losses :math:`\frac1B\sum_b l_b`
+    (equal to ``fn(params, batch)`` for a batch-mean loss without cross-example
+    interaction). With ``has_aux=True`` the first output is ``(loss, aux)``
+    where ``aux`` holds the per-example aux outputs stacked on axis 0.
+
+    Returns:
+      A function with the signature of ``fn`` returning ``(loss, result)`` or
+      ``((loss, aux), result)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> w = jnp.ones((3,)); b = {"x": jnp.eye(4, 3), "y": jnp.arange(4.0)}
+      >>> l, m = js.value_and_per_example_stat(loss, js.stats.mean())(w, b)
+      >>> bool(jnp.allclose(m, jax.grad(loss)(w, b)))
+      True
+    """
+    opts = Options(argnums, batch_argnums, bool(keep_batch_dim), bool(has_aux), chunk_size,
+                   bool(strict), axis_name)
+    name = "value_and_per_example_stat"
+    _flatten_stats(stat)  # validate early
+    if not callable(fn):
+        raise TypeError(f"{name}: fn must be callable, got {fn!r}.")
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        loss, aux, result = _compute(fn, stat, opts, args, name)
+        return ((loss, aux) if opts.has_aux else loss), result
+
+    return wrapped
+
+
+def per_example_stat(
+    fn: Callable[..., Any],
+    stat: PyTree,
+    *,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] = 1,
+    keep_batch_dim: bool = True,
+    has_aux: bool = False,
+    chunk_size: int | None = None,
+    strict: bool = False,
+    axis_name: Any = None,
+) -> Callable[..., PyTree]:
+    r"""Transforms a batch loss into a function computing statistics of per-example gradients.
+
+    With per-example loss :math:`l_b = \mathrm{fn}(\theta, \mathrm{batch}[b{:}b{+}1])`
+    and per-example gradient :math:`g_b = \nabla_\theta l_b`, returns a function
+    computing ``stat`` (one statistic of :mod:`jaxpr_surgery.stats` or any
+    pytree of them) over the batch, in one forward and one backward pass.
+    Dense, embedding, scale-shift and conv uses of parameters are detected in
+    the jaxpr and get cheap rules; any other parameter gets exact per-example
+    gradients. Composes with ``jit``, ``grad``, ``vmap``, ``pmap`` and
+    ``shard_map``.
+
+    Args:
+      fn: the loss, ``fn(*args) -> scalar`` (a mean over the batch), or
+        ``(scalar, aux)`` with ``has_aux=True``.
+      stat: a statistic or pytree of statistics (``js.stats.mean()``, ...).
+      argnums: positional argument(s) differentiated (pytrees of float arrays).
+      batch_argnums: positional argument(s) holding examples on axis 0 of every leaf.
+      keep_batch_dim: ``fn`` is written for a batch; each example is passed with
+        a leading axis of size 1. False: ``fn`` is written for one example.
+      has_aux: ``fn`` returns ``(loss, aux)``.
+      chunk_size: process examples in chunks of this size (bounds memory of
+        materialised per-example gradients); statistics are merged exactly.
+      strict: raise ``NotImplementedError`` instead of falling back to exact
+        per-example gradients for a leaf without a fast rule.
+      axis_name: inside ``pmap``/``shard_map`` with the batch split over this
+        axis, combine so that every device gets the statistic of all examples.
+
+    Returns:
+      A function with the signature of ``fn`` returning ``stat``'s structure
+      filled with values.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> w = jnp.ones((3,)); b = {"x": jnp.eye(4, 3), "y": jnp.arange(4.0)}
+      >>> m2 = js.per_example_stat(loss, js.stats.second_moment())(w, b)
+      >>> m2.shape
+      (3,)
+    """
+    vfn = value_and_per_example_stat(
+        fn, stat, argnums=argnums, batch_argnums=batch_argnums, keep_batch_dim=keep_batch_dim,
+        has_aux=has_aux, chunk_size=chunk_size, strict=strict, axis_name=axis_name,
+    )
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        return vfn(*args)[1]
+
+    return wrapped
+
+
+def check_per_example(
+    fn: Callable[..., Any],
+    *,
+    batch_argnums: int | Sequence[int] = 1,
+    has_aux: bool = False,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> Callable[..., None]:
+    r"""Checks that ``fn`` is a mean of independent per-example losses; raises if not.
+
+    Compares ``fn(*args)`` with :math:`\frac1B\sum_b \mathrm{fn}(\ldots, \mathrm{batch}[b{:}b{+}1])`.
+    Models whose examples interact (batch norm in training mode, in-batch
+    negatives, normalising by the whole batch's token count) fail: their
+    per-example gradients are not defined, and every statistic computed with
+    the batch-of-one convention would silently describe a different model.
+
+    Returns:
+      A function of ``fn``'s arguments that returns ``None`` or raises ``ValueError``.
+    """
+
+    def check(*args):
+        prep = _Prepared(fn, args, Options(0, batch_argnums, True, has_aux, None, False, None),
+                         "check_per_example")
+        # parameters are whatever argnums 0 is; use every non-batch argument as given
+        full = fn(*args)
+        full = full[0] if has_aux else full
+
+        def one(ex):
+            a = prep.rebuild(prep.diff_leaves, ex, prep.other_leaves, one_example=True)
+            out = fn(*a)
+            return out[0] if has_aux else out
+
+        per = jax.vmap(one)(prep.ex_leaves)
+        mean = jnp.mean(per)
+        dt = jnp.result_type(full)
+        r = rtol if rtol is not None else (1e-9 if dt == jnp.float64 else 1e-4)
+        a_ = atol if atol is not None else (1e-12 if dt == jnp.float64 else 1e-6)
+        full_v, mean_v = float(full), float(mean)
+        if not abs(full_v - mean_v) <= a_ + r * abs(mean_v):
+            raise ValueError(
+                f"check_per_example: fn(batch) = {full_v:.8g} but the mean of the per-example "
+                f"losses fn(batch[b:b+1]) is {mean_v:.8g}: the examples of this model interact "
+                "(batch norm, in-batch negatives, normalising by the batch's token count, ...). "
+                "Per-example gradients of such a model are not defined; statistics computed by "
+                "jaxpr_surgery would describe each example alone in a batch of one. Make the loss "
+                "a mean of independent per-example terms (e.g. batch norm in inference mode, "
+                "per-example normalisation)."
+            )
+
+    return check

@@ -1,0 +1,265 @@
+"""One pass over a chunk of examples: plan, batched forward, one VJP, assembly.
+
+``Plan`` is built once per trace from the analysed per-example jaxpr; ``run``
+evaluates one chunk of ``B`` examples and returns the reduced values of every
+requested reduction for every leaf (in leaf space), the per-example losses and
+the per-example aux outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.interpreter import Evaluator, make_site_fn
+from jaxpr_surgery._src.sites import kernel_for
+from jaxpr_surgery._src.sites.base import acc_dtype_for, reduce_materialised, weighted_sum_materialised
+
+SDS = jax.ShapeDtypeStruct
+
+
+@dataclasses.dataclass
+class Plan:
+    closed: Any  # ClosedJaxpr of the per-example loss
+    analysis: Any
+    leaf_avals: list
+    reductions: list  # unique Reduction objects
+    n_ex: int
+    n_other: int
+    out_tree: Any  # treedef of (loss, aux)
+    kernels: dict = dataclasses.field(default_factory=dict)  # path -> Kernel
+    modes: list = dataclasses.field(default_factory=list)  # per leaf
+
+    @property
+    def needs_norms(self):
+        return any(isinstance(r, (S.SqNorms, S.ClippedSum)) for r in self.reductions)
+
+    @property
+    def has_clip(self):
+        return any(isinstance(r, S.ClippedSum) for r in self.reductions)
+
+
+def rkey(j):
+    return f"r{j}"
+
+
+def make_plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree):
+    plan = Plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree)
+    for i, aval in enumerate(leaf_avals):
+        rule = analysis.rule(i)
+        if rule == "single" and not plan.has_clip:
+            plan.modes.append("direct")
+        elif rule in ("single", "multi"):
+            plan.modes.append("ingredients")
+        else:
+            plan.modes.append(rule)  # residual | unused
+    for p, site in analysis.sites.items():
+        dts = [site.base.aval.dtype] + [v.aval.dtype for v in site.eqn.outvars]
+        plan.kernels[p] = kernel_for(site, acc_dtype_for(*dts))
+    return plan
+
+
+def _site_request(plan, site):
+    mode = plan.modes[site.leaf]
+    if mode == "direct":
+        return {rkey(j): r for j, r in enumerate(plan.reductions)}, False
+    return {}, True
+
+
+def _sink_avals(plan, site, B):
+    kernel = plan.kernels[site.path]
+    direct, want_ing = _site_request(plan, site)
+    w = SDS(site.view_shape, site.base.aval.dtype)
+    ext = tuple(
+        SDS(((B,) if b else ()) + tuple(v.aval.shape), v.aval.dtype)
+        for v, b in zip(site.ext_vars, site.ext_batched)
+    )
+    dy = tuple(SDS((B,) + tuple(v.aval.shape), v.aval.dtype) for v in site.eqn.outvars)
+
+    def f(w, ext, dy):
+        ctx = kernel.prepare(w, ext, site.ext_batched, dy)
+        out = {k: kernel.direct(ctx, r) for k, r in direct.items()}
+        if want_ing:
+            out["ing"] = kernel.ingredients(ctx)
+        return out
+
+    out = jax.eval_shape(f, w, ext, dy)
+    lead = tuple(site.scan_lengths)
+    return jax.tree.map(lambda a: SDS(lead + tuple(a.shape), a.dtype), out)
+
+
+def _stacked(fn, depth):
+    for _ in range(depth):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def _to_leaf(value, site):
+    for op in reversed(site.chain):
+        value = op.inverse(value)
+    return value
+
+
+def _moments_to_leaf(m, site):
+    return S.Moments(_to_leaf(m.mean, site), _to_leaf(m.m2, site))
+
+
+def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
+    """Evaluates one chunk; returns (values: dict j -> list per leaf, loss_b, aux_flat)."""
+    an = plan.analysis
+    vary = lambda x: compat.make_varying(x, data_axes)  # noqa: E731
+
+    sinks = {
+        p: jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), _sink_avals(plan, s, B))
+        for p, s in an.sites.items()
+    }
+    residual = [i for i, m in enumerate(plan.modes) if m == "residual"]
+    copies = {
+        i: vary(jnp.broadcast_to(diff_leaves[i], (B,) + tuple(jnp.shape(diff_leaves[i]))))
+        for i in residual
+    }
+    ev = Evaluator(an, plan.kernels, make_site_fn(lambda s: _site_request(plan, s)), B)
+    n = len(diff_leaves)
+
+    def forward(sinks, copies):
+        vals = [copies.get(i, diff_leaves[i]) for i in range(n)]
+        flags = [i in copies for i in range(n)]
+        vals += list(ex_leaves) + list(other_leaves)
+        flags += [True] * len(ex_leaves) + [False] * len(other_leaves)
+        outs, ofl = ev.run(plan.closed.jaxpr, plan.closed.consts, vals, flags, sinks)
+        outs = [o if f else jnp.broadcast_to(o, (B,) + jnp.shape(o)) for o, f in zip(outs, ofl)]
+        loss_b = outs[0]
+        return jnp.sum(loss_b), (loss_b, outs[1:])
+
+    _, pull, (loss_b, aux) = jax.vjp(forward, sinks, copies, has_aux=True)
+    sink_cts, copy_cts = pull(jnp.ones((), loss_b.dtype))
+
+    values = {j: [None] * n for j in range(len(plan.reductions))}
+    norms_leaf = [None] * n
+    deferred = {}  # leaf -> fn(c) computing its clipped sum
+
+    for i, aval in enumerate(plan.leaf_avals):
+        mode = plan.modes[i]
+        acc = acc_dtype_for(aval.dtype)
+        sites = an.leaves[i].sites
+        if mode == "unused":
+            G = None
+            for j, r in enumerate(plan.reductions):
+                values[j][i] = _zeros_value(r, aval, acc, B)
+            norms_leaf[i] = jnp.zeros((B,), acc)
+            deferred[i] = lambda c, aval=aval, acc=acc: jnp.zeros(aval.shape, acc)
+            continue
+        if mode == "residual":
+            G = copy_cts[i].astype(acc)
+            for j, r in enumerate(plan.reductions):
+                if not isinstance(r, S.ClippedSum):
+                    values[j][i] = reduce_materialised(G, r)
+            norms_leaf[i] = reduce_materialised(G, S.SqNorms())
+            deferred[i] = lambda c, G=G: weighted_sum_materialised(G, c)
+            continue
+        if mode == "direct":
+            (site,) = sites
+            ct = sink_cts[site.path]
+            for j, r in enumerate(plan.reductions):
+                v = ct[rkey(j)]
+                if isinstance(r, S.SqNorms):
+                    v = v.reshape((-1, B)).sum(0) if site.depth else v
+                elif isinstance(r, S.Centered):
+                    v = _moments_to_leaf(v, site)
+                else:
+                    v = _to_leaf(v, site)
+                values[j][i] = v
+            continue
+        # ingredients mode
+        ings = [(s, plan.kernels[s.path], sink_cts[s.path]["ing"]) for s in sites]
+        _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred)
+
+    if plan.has_clip:
+        total = sum(norms_leaf[i].astype(jnp.float32) if norms_leaf[i].dtype == jnp.bfloat16
+                    else norms_leaf[i] for i in range(n))
+        norm = jnp.sqrt(total)
+        for j, r in enumerate(plan.reductions):
+            if isinstance(r, S.ClippedSum):
+                C = r.clip_norm
+                c = jnp.where(jnp.isinf(C), 1.0, C / jnp.maximum(norm, C)) if not (
+                    isinstance(C, float) and C == float("inf")) else jnp.ones_like(norm)
+                for i in range(n):
+                    values[j][i] = deferred[i](c)
+    return values, loss_b, aux
+
+
+def _zeros_value(r, aval, acc, B):
+    z = jnp.zeros(aval.shape, acc)
+    if isinstance(r, S.PhiSum):
+        return B * r.apply(z)
+    if isinstance(r, S.Centered):
+        return S.Moments(z, z)
+    if isinstance(r, S.SqNorms):
+        return jnp.zeros((B,), acc)
+    return z
+
+
+def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
+    """Reductions of a leaf from its sites' ingredients (after the backward pass)."""
+
+    def on_b_leading(ing, depth):
+        # ingredients are stacked [L..., B, ...]; kernels want B leading per slice
+        return ing
+
+    def site_fn(kernel, name, depth):
+        return _stacked(getattr(kernel, name), depth)
+
+    def weighted(c):
+        total = None
+        for s, k, ing in ings:
+            ws = _stacked(k.weighted_sum, s.depth)(ing, jnp.broadcast_to(
+                c, tuple(s.scan_lengths) + c.shape)) if s.depth else k.weighted_sum(ing, c)
+            v = _to_leaf(ws, s)
+            total = v if total is None else total + v
+        return total
+
+    def materialise():
+        total = None
+        for s, k, ing in ings:
+            g = _stacked(k.materialise, s.depth)(ing)  # [L..., B, *view]
+            g = jnp.moveaxis(g, s.depth, 0) if s.depth else g
+            v = _to_leaf(g, s)
+            total = v if total is None else total + v
+        return total
+
+    single = len(ings) == 1
+    G = None
+    if single:
+        s, k, ing = ings[0]
+        ctx = ing if k.kind != "embedding" else None
+    for j, r in enumerate(plan.reductions):
+        if isinstance(r, S.ClippedSum):
+            continue
+        if isinstance(r, S.PhiSum) and r.phi is None:
+            values[j][i] = weighted(jnp.ones((B,), jnp.float32))
+            continue
+        if single and isinstance(r, S.SqNorms):
+            values[j][i] = _single_sq_norms(ings[0], B)
+            continue
+        if G is None:
+            G = materialise()
+        values[j][i] = reduce_materialised(G, r)
+    if plan.needs_norms:
+        if single:
+            norms_leaf[i] = _single_sq_norms(ings[0], B)
+        else:
+            if G is None:
+                G = materialise()
+            norms_leaf[i] = reduce_materialised(G, S.SqNorms())
+    deferred[i] = weighted
+
+
+def _single_sq_norms(entry, B):
+    s, k, ing = entry
+    v = _stacked(k.sq_norms, s.depth)(ing)
+    return v.reshape((-1, B)).sum(0) if s.depth else v

@@ -1,0 +1,167 @@
+"""Batched evaluation of the per-example jaxpr with the sites rewired.
+
+Values carry a flag saying whether they are batched over examples (axis 0).
+Ordinary equations run under ``jax.vmap``; every *site* runs as a
+``jax.custom_vjp`` whose backward pass also emits the site's statistics (or
+ingredients) as the cotangent of a zero *sink* input. Sinks of sites inside
+``lax.scan`` travel as scanned inputs, so the statistics of stacked layers come
+out stacked; inside ``checkpoint`` they are recomputed with the rest, keeping
+remat's memory savings.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxpr_surgery._src import compat
+from jaxpr_surgery._src.analysis import _CALL_PRIMS, _call_jaxpr
+
+
+def _bcast(val, B):
+    return jnp.broadcast_to(val, (B,) + jnp.shape(val))
+
+
+def vmap_bind(eqn, vals, flags, B):
+    if not any(flags):
+        return compat.bind_eqn(eqn, vals), [False] * len(eqn.outvars)
+    in_axes = [0 if f else None for f in flags]
+    out = jax.vmap(lambda *a: compat.bind_eqn(eqn, list(a)), in_axes=in_axes, axis_size=B)(*vals)
+    return list(out), [True] * len(eqn.outvars)
+
+
+class Evaluator:
+    def __init__(self, analysis, kernels, site_fn, B):
+        self.an = analysis
+        self.kernels = kernels  # path -> Kernel
+        self.site_fn = site_fn  # (site, kernel, w, ext, ext_batched, sink) -> outs
+        self.B = B
+
+    def run(self, jaxpr, consts, vals, flags, sinks, path=()):
+        env = {}
+
+        def read(v):
+            if isinstance(v, compat.Literal):
+                return v.val, False
+            return env[v]
+
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = (c, False)
+        for v, x, f in zip(jaxpr.invars, vals, flags):
+            env[v] = (x, f)
+
+        for i, eqn in enumerate(jaxpr.eqns):
+            p = path + (i,)
+            ins = [read(v) for v in eqn.invars]
+            iv, fl = [a for a, _ in ins], [b for _, b in ins]
+            if p in self.an.sites:
+                outs, ofl = self.site(p, env, read, sinks)
+            elif p in self.an.scopes and eqn.primitive in _CALL_PRIMS:
+                sub, sub_consts = _call_jaxpr(eqn)
+                outs, ofl = self.run(sub, sub_consts, iv, fl, sinks, p)
+            elif p in self.an.scopes and eqn.primitive is compat.remat_p:
+                outs, ofl = self.remat(eqn, iv, fl, sinks, p)
+            elif p in self.an.scopes and eqn.primitive is compat.scan_p:
+                outs, ofl = self.scan(eqn, iv, fl, sinks, p)
+            else:
+                outs, ofl = vmap_bind(eqn, iv, fl, self.B)
+            for v, o, f in zip(eqn.outvars, outs, ofl):
+                env[v] = (o, f)
+        res = [read(v) for v in jaxpr.outvars]
+        return [a for a, _ in res], [b for _, b in res]
+
+    # ------------------------------------------------------------------ #
+    def site(self, p, env, read, sinks):
+        site = self.an.sites[p]
+        w, wf = env[site.base]
+        assert not wf, "internal error: parameter view of an active site is batched"
+        ext = []
+        for v, b in zip(site.ext_vars, site.ext_batched):
+            x, f = read(v)
+            if b and not f:
+                x = _bcast(x, self.B)
+            ext.append(x)
+        outs = self.site_fn(site, self.kernels[p], w, tuple(ext), site.ext_batched, sinks[p])
+        return list(outs), [True] * len(outs)
+
+    def _sub_sinks(self, sinks, p):
+        return {k: v for k, v in sinks.items() if k[: len(p)] == p and len(k) > len(p)}
+
+    def remat(self, eqn, vals, flags, sinks, p):
+        sub_sinks = self._sub_sinks(sinks, p)
+        out_flags = []
+
+        def f(vals, sub_sinks):
+            outs, ofl = self.run(eqn.params["jaxpr"], (), vals, flags, sub_sinks, p)
+            out_flags[:] = ofl
+            return outs
+
+        ck = jax.checkpoint(
+            f, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
+        )
+        outs = ck(list(vals), sub_sinks)
+        return outs, list(out_flags)
+
+    def scan(self, eqn, vals, flags, sinks, p):
+        prm = eqn.params
+        nc, ncar, L = prm["num_consts"], prm["num_carry"], prm["length"]
+        body = prm["jaxpr"]
+        consts, cf = vals[:nc], flags[:nc]
+        init = [x if f else _bcast(x, self.B) for x, f in zip(vals[nc : nc + ncar],
+                                                               flags[nc : nc + ncar])]
+        xs = [jnp.moveaxis(x, 0, 1) if f else x for x, f in zip(vals[nc + ncar :],
+                                                               flags[nc + ncar :])]
+        xf = flags[nc + ncar :]
+        sub_sinks = self._sub_sinks(sinks, p)
+        ys_flags = []
+
+        def step(carry, x):
+            x_vals, s = x
+            outs, ofl = self.run(body.jaxpr, body.consts, list(consts) + list(carry) + list(x_vals),
+                                 list(cf) + [True] * ncar + list(xf), s, p)
+            new_carry = [o if f else _bcast(o, self.B) for o, f in zip(outs[:ncar], ofl[:ncar])]
+            new_carry = [c.astype(o.dtype) for c, o in zip(new_carry, carry)]
+            ys_flags[:] = ofl[ncar:]
+            return new_carry, outs[ncar:]
+
+        carry, ys = jax.lax.scan(step, init, (xs, sub_sinks), length=L, reverse=prm["reverse"],
+                                 unroll=prm["unroll"])
+        ys = [jnp.moveaxis(y, 0, 1) if f else y for y, f in zip(ys, ys_flags)]
+        return list(carry) + list(ys), [True] * ncar + list(ys_flags)
+
+
+def make_site_fn(reduction_plan):
+    """Builds the custom_vjp-wrapped call for a site.
+
+    ``reduction_plan(site) -> (direct_reductions: dict key->Reduction, want_ingredients)``.
+    """
+    from jaxpr_surgery._src.sites.generic import composite
+
+    def site_fn(site, kernel, w, ext, ext_batched, sink):
+        f = composite(site)
+        in_axes = (None,) + tuple(0 if b else None for b in ext_batched)
+        F = jax.vmap(f, in_axes=in_axes)
+        direct, want_ing = reduction_plan(site)
+
+        @jax.custom_vjp
+        def call(w, ext, sink):
+            return F(w, *ext)
+
+        def fwd(w, ext, sink):
+            return F(w, *ext), (w, ext)
+
+        def bwd(res, dy):
+            w, ext = res
+            _, pull = jax.vjp(F, w, *ext)
+            cts = pull(dy)
+            ctx = kernel.prepare(w, ext, ext_batched, dy)
+            out = {k: kernel.direct(ctx, r) for k, r in direct.items()}
+            if want_ing:
+                out["ing"] = kernel.ingredients(ctx)
+            out = jax.tree.map(lambda o, s: o.astype(s.dtype), out, sink)
+            return cts[0], tuple(cts[1:]), out
+
+        call.defvjp(fwd, bwd)
+        return call(w, ext, sink)
+
+    return site_fn

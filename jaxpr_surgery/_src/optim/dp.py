@@ -1,0 +1,255 @@
+r"""DP-SGD and DP-Adam from the clipped-sum statistic.
+
+The per-example clipping happens in the statistic
+(:func:`jaxpr_surgery.stats.clipped_sum`, one pass, no materialised per-example
+gradients where the layer allows it); the optimizer adds the Gaussian noise and
+divides by the batch size:
+
+.. math::
+  \tilde g = \frac{1}{B}\Big(\sum_b g_b \min\big(1, \tfrac{C}{\|g_b\|}\big)
+  + \mathcal N\big(0, (z C)^2 I\big)\Big)
+
+with :math:`C` = ``clip_norm`` and :math:`z` = ``noise_multiplier``. The PRNG
+key is an explicit extra arg of ``update``: pass a fresh one every step. Privacy
+accounting (choosing :math:`z` for a target :math:`(\varepsilon, \delta)`) is
+out of scope; use e.g. ``dp_accounting``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxpr_surgery._src.optim.requests import (
+    PerExampleTransformation,
+    build_request,
+    chain,
+    register_request,
+    require,
+)
+
+__all__ = ["dp_aggregate", "dp_sgd", "dp_adam"]
+
+
+def _check(clip_norm, noise_multiplier, batch_size, owner):
+    if isinstance(clip_norm, (int, float)) and not clip_norm > 0:
+        raise ValueError(f"{owner}(clip_norm=...): must be > 0 (or inf), got {clip_norm!r}.")
+    if isinstance(noise_multiplier, (int, float)):
+        if not noise_multiplier >= 0:
+            raise ValueError(
+                f"{owner}(noise_multiplier=...): must be >= 0, got {noise_multiplier!r}."
+            )
+        if noise_multiplier > 0 and isinstance(clip_norm, (int, float)) and math.isinf(
+            clip_norm
+        ):
+            raise ValueError(
+                f"{owner}: clip_norm=inf with noise_multiplier={noise_multiplier} adds "
+                "infinite noise. Use a finite clip_norm, or noise_multiplier=0 for "
+                "non-private training."
+            )
+    if batch_size is not None and not (isinstance(batch_size, int) and batch_size > 0):
+        raise ValueError(
+            f"{owner}(batch_size=...): must be a positive int or None, got {batch_size!r}."
+        )
+
+
+def _noise_like(key, tree, std):
+    """Gaussian noise of standard deviation ``std`` shaped like ``tree``.
+
+    Sampled in at least float32, then cast to each leaf's dtype.
+    """
+    keys = optax.tree.split_key_like(key, tree)
+
+    def one(leaf, k):
+        dtype = jnp.promote_types(leaf.dtype, jnp.float32)
+        return (std * jax.random.normal(k, leaf.shape, dtype)).astype(leaf.dtype)
+
+    return jax.tree.map(one, tree, keys)
+
+
+def dp_aggregate(
+    clip_norm: float,
+    noise_multiplier: float,
+    batch_size: int | None = None,
+) -> PerExampleTransformation:
+    r"""Replaces updates by the noised mean of clipped per-example gradients.
+
+    .. math::
+      u = \frac{1}{B}\Big(\sum_b g_b \min\big(1, \tfrac{C}{\|g_b\|}\big)
+      + \mathcal N\big(0, (z C)^2 I\big)\Big)
+
+    ``updates`` (the non-private batch mean) is ignored. ``update`` takes the
+    keyword-only extra args ``clipped_sum`` (statistic
+    :func:`jaxpr_surgery.stats.clipped_sum` with the same ``clip_norm``),
+    ``batch_size`` (:math:`B`, statistic :func:`example_count`; not needed when
+    fixed here) and ``key`` (a fresh PRNG key; not needed when
+    ``noise_multiplier == 0``).
+
+    Args:
+      clip_norm: :math:`C`, the per-example global-norm bound (``inf``: no
+        clipping, only with ``noise_multiplier=0``).
+      noise_multiplier: :math:`z`, the noise standard deviation in units of ``C``.
+      batch_size: a fixed denominator :math:`B` (e.g. the expected batch size
+        under Poisson sampling); ``None`` reads the ``batch_size`` extra arg.
+
+    Returns:
+      A stateless :class:`PerExampleTransformation` requesting
+      ``mean, clipped_sum, batch_size`` (no ``batch_size`` when fixed).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxpr_surgery.optim as jso
+      >>> g = jnp.array([[3.0, 4.0], [0.3, 0.4]])  # per-example gradients, norms 5, 0.5
+      >>> tx = jso.dp_aggregate(clip_norm=1.0, noise_multiplier=0.0)
+      >>> clipped_sum = (g * jnp.minimum(1, 1.0 / jnp.linalg.norm(g, axis=1))[:, None]).sum(0)
+      >>> u, _ = tx.update(g.mean(0), tx.init(None), clipped_sum=clipped_sum, batch_size=2)
+      >>> print(u.round(4))
+      [0.45 0.6 ]
+
+    References:
+      Abadi et al., `Deep Learning with Differential Privacy
+      <https://arxiv.org/abs/1607.00133>`_, 2016
+    """
+    owner = "dp_aggregate"
+    _check(clip_norm, noise_multiplier, batch_size, owner)
+    no_noise = isinstance(noise_multiplier, (int, float)) and noise_multiplier == 0
+    fixed_batch_size = batch_size
+
+    def update_fn(
+        updates, state, params=None, *, clipped_sum=None, batch_size=None, key=None,
+        **extra_args,
+    ):
+        del updates, params, extra_args
+        clipped_sum = require(clipped_sum, "clipped_sum", owner)
+        if fixed_batch_size is not None:
+            batch_size = fixed_batch_size
+        batch_size = require(batch_size, "batch_size", owner)
+        if not no_noise:
+            key = require(key, "key", owner)
+            noise = _noise_like(key, clipped_sum, noise_multiplier * clip_norm)
+            clipped_sum = jax.tree.map(jnp.add, clipped_sum, noise)
+        out = jax.tree.map(
+            lambda s: s / jnp.asarray(batch_size).astype(s.dtype), clipped_sum
+        )
+        return out, state
+
+    keys = ("clipped_sum",) if fixed_batch_size is not None else ("clipped_sum", "batch_size")
+    return PerExampleTransformation(
+        optax.init_empty_state, update_fn, build_request(*keys, clip_norm=clip_norm)
+    )
+
+
+def dp_sgd(
+    learning_rate: optax.ScalarOrSchedule,
+    clip_norm: float,
+    noise_multiplier: float,
+    *,
+    batch_size: int | None = None,
+    momentum: float | None = None,
+    nesterov: bool = False,
+) -> PerExampleTransformation:
+    r"""DP-SGD: SGD (optionally with momentum) on the noised mean of clipped gradients.
+
+    .. math::
+      \theta_{t+1} = \theta_t - \alpha_t \frac{1}{B}\Big(\sum_b g_{t,b}
+      \min\big(1, \tfrac{C}{\|g_{t,b}\|}\big) + \mathcal N\big(0, (z C)^2 I\big)\Big)
+
+    ``update`` takes the extra args of :func:`dp_aggregate`: ``clipped_sum``,
+    ``batch_size`` and ``key``. With ``noise_multiplier=0`` and
+    ``clip_norm=inf`` this is plain SGD.
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      clip_norm: :math:`C`, the per-example global-norm bound.
+      noise_multiplier: :math:`z`, the noise standard deviation in units of ``C``.
+      batch_size: a fixed denominator; ``None`` reads the ``batch_size`` extra arg.
+      momentum: optional heavy-ball momentum decay (:func:`optax.trace`).
+      nesterov: use Nesterov momentum (with ``momentum``).
+
+    Returns:
+      A :class:`PerExampleTransformation` requesting ``mean, clipped_sum, batch_size``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import jaxpr_surgery.optim as jso
+      >>> opt = jso.dp_sgd(learning_rate=0.1, clip_norm=1.0, noise_multiplier=1.1)
+      >>> params = jnp.array([1.0, -2.0])
+      >>> state = opt.init(params)
+      >>> g = jnp.array([[3.0, 4.0], [0.3, 0.4]])  # per-example gradients
+      >>> clipped = g * jnp.minimum(1, 1.0 / jnp.linalg.norm(g, axis=1))[:, None]
+      >>> stats = {"mean": g.mean(0), "clipped_sum": clipped.sum(0), "batch_size": 2}
+      >>> updates, state = opt.update(stats["mean"], state, params,
+      ...                             **jso.update_kwargs(stats, key=jax.random.key(0)))
+      >>> updates.shape
+      (2,)
+
+    References:
+      Abadi et al., `Deep Learning with Differential Privacy
+      <https://arxiv.org/abs/1607.00133>`_, 2016
+    """
+    parts = [dp_aggregate(clip_norm, noise_multiplier, batch_size)]
+    if momentum is not None:
+        parts.append(optax.trace(decay=momentum, nesterov=nesterov))
+    parts.append(optax.scale_by_learning_rate(learning_rate))
+    return chain(*parts)
+
+
+def dp_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    clip_norm: float,
+    noise_multiplier: float,
+    *,
+    batch_size: int | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+) -> PerExampleTransformation:
+    r"""DP-Adam: Adam on the noised mean of clipped per-example gradients.
+
+    .. math::
+      \tilde g_t = \frac{1}{B}\Big(\sum_b g_{t,b}\min\big(1, \tfrac{C}{\|g_{t,b}\|}\big)
+      + \mathcal N\big(0, (z C)^2 I\big)\Big),\qquad
+      \theta_{t+1} = \theta_t - \alpha_t\,\mathrm{Adam}(\tilde g_t)
+
+    ``update`` takes the extra args of :func:`dp_aggregate`. The second moment
+    of Adam then sees the noise variance :math:`(zC/B)^2`; a larger ``eps`` is
+    common in private training.
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      clip_norm: :math:`C`, the per-example global-norm bound.
+      noise_multiplier: :math:`z`, the noise standard deviation in units of ``C``.
+      batch_size: a fixed denominator; ``None`` reads the ``batch_size`` extra arg.
+      b1: decay of Adam's first moment.
+      b2: decay of Adam's second moment.
+      eps: added to the denominator outside the square root.
+      eps_root: added to the denominator inside the square root.
+
+    Returns:
+      A :class:`PerExampleTransformation` requesting ``mean, clipped_sum, batch_size``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxpr_surgery.optim as jso
+      >>> opt = jso.dp_adam(learning_rate=1e-3, clip_norm=1.0, noise_multiplier=1.1)
+      >>> sorted(jso.stat_request(opt))
+      ['batch_size', 'clipped_sum', 'mean']
+
+    References:
+      Abadi et al., `Deep Learning with Differential Privacy
+      <https://arxiv.org/abs/1607.00133>`_, 2016
+    """
+    return chain(
+        dp_aggregate(clip_norm, noise_multiplier, batch_size),
+        optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+register_request("dp_aggregate", ("clipped_sum", "batch_size"))
+register_request("dp_sgd", ("clipped_sum", "batch_size"))
+register_request("dp_adam", ("clipped_sum", "batch_size"))

@@ -1,0 +1,171 @@
+r"""Tracking gradient statistics for logging: signal-to-noise ratio and noise scale.
+
+:func:`track_gradient_statistics` is an identity transform (``updates`` pass
+through unchanged) whose state keeps exponential moving averages of the squared
+batch mean :math:`\bar g^2` and of the per-example variance :math:`\hat\sigma^2`,
+per coordinate and summed over all parameters. Put it first in a chain and read
+``state.snr`` / ``state.noise_scale`` for logging.
+
+The ratios are formed from averaged numerators and denominators (McCandlish et
+al., 2018, App. A), not averaged per step: one step's ratio is noisy, and
+infinite wherever a coordinate's variance vanishes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxpr_surgery._src.optim.requests import (
+    PerExampleTransformation,
+    build_request,
+    register_request,
+    require,
+)
+
+__all__ = ["TrackGradientStatisticsState", "track_gradient_statistics"]
+
+
+def _ratio(num, den):
+    """``num / den`` with ``x/0 = inf`` for ``x > 0`` and ``0/0 = 0`` (as js.stats.snr)."""
+    safe = jnp.where(den > 0, den, 1)
+    return jnp.where(den > 0, num / safe, jnp.where(num > 0, jnp.inf, 0.0)).astype(num.dtype)
+
+
+class TrackGradientStatisticsState(NamedTuple):
+    r"""State of :func:`track_gradient_statistics`.
+
+    Each average starts at the first observation (no bias correction needed).
+
+    Attributes:
+      count: number of updates so far (int32 scalar).
+      mean_sq: per-coordinate EMA of :math:`\bar g^2`, a pytree like params
+        (``None`` with ``per_coordinate=False``).
+      variance: per-coordinate EMA of :math:`\hat\sigma^2`, like ``mean_sq``.
+      sq_norm: EMA of :math:`\|\bar g\|^2` over all parameters (float32 scalar).
+      trace_variance: EMA of :math:`\mathrm{tr}\,\hat\Sigma = \sum \hat\sigma^2`
+        over all parameters (float32 scalar).
+    """
+
+    count: jax.Array
+    mean_sq: optax.Updates | None
+    variance: optax.Updates | None
+    sq_norm: jax.Array
+    trace_variance: jax.Array
+
+    @property
+    def snr(self) -> optax.Updates | None:
+        r"""Per-coordinate signal-to-noise ratio :math:`\mathrm{EMA}[\bar g^2]/\mathrm{EMA}[\hat\sigma^2]`."""
+        if self.mean_sq is None:
+            return None
+        return jax.tree.map(_ratio, self.mean_sq, self.variance)
+
+    @property
+    def noise_scale(self) -> jax.Array:
+        r"""Gradient noise scale :math:`\mathrm{EMA}[\mathrm{tr}\,\hat\Sigma]/\mathrm{EMA}[\|\bar g\|^2]`."""
+        return _ratio(self.trace_variance, self.sq_norm)
+
+
+def track_gradient_statistics(
+    decay: float = 0.99, per_coordinate: bool = True
+) -> PerExampleTransformation:
+    r"""Passes updates through unchanged; tracks the gradient SNR and noise scale.
+
+    .. math::
+      \mathrm{SNR}_i = \frac{\mathrm{EMA}_t[\bar g_{t,i}^2]}{\mathrm{EMA}_t[\hat\sigma_{t,i}^2]},
+      \qquad
+      B_{\mathrm{noise}} = \frac{\mathrm{EMA}_t[\sum_i \hat\sigma_{t,i}^2]}
+      {\mathrm{EMA}_t[\|\bar g_t\|^2]}
+
+    with :math:`\hat\sigma^2` the per-example variance (``ddof=1``) and
+    :math:`\mathrm{EMA}_t[x] = \beta\,\mathrm{EMA}_{t-1}[x] + (1-\beta)x_t`
+    started at :math:`x_1`. These are the EMA'd forms of
+    :func:`jaxpr_surgery.stats.snr` and
+    :func:`jaxpr_surgery.stats.gradient_noise_scale`; note :math:`\bar g^2`
+    includes the noise :math:`\sigma^2/B` of the batch mean. ``update`` takes
+    the keyword-only extra arg ``variance`` (statistic
+    :func:`jaxpr_surgery.stats.variance`) and optionally ``mean`` (the raw
+    batch mean; defaults to ``updates``). Read ``state.snr`` (a pytree like
+    params) and ``state.noise_scale`` (a scalar).
+
+    Args:
+      decay: :math:`\beta`, the EMA decay over steps, in ``[0, 1)``.
+      per_coordinate: keep per-coordinate averages (two buffers like params);
+        ``False`` keeps only the scalar totals (``state.snr`` is ``None``).
+
+    Returns:
+      A :class:`PerExampleTransformation` requesting ``mean, variance``, with
+      state :class:`TrackGradientStatisticsState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import jaxpr_surgery.optim as jso
+      >>> opt = jso.chain(jso.track_gradient_statistics(0.9), optax.sgd(0.1))
+      >>> params = jnp.array([1.0, -2.0])
+      >>> state = opt.init(params)
+      >>> g = jnp.array([[1.0, 0.0], [3.0, -4.0]])  # per-example gradients [B=2, 2]
+      >>> stats = {"mean": g.mean(0), "variance": g.var(0, ddof=1)}
+      >>> updates, state = opt.update(stats["mean"], state, params,
+      ...                             **jso.update_kwargs(stats))
+      >>> print(state[0].snr, state[0].noise_scale)
+      [2.  0.5] 1.25
+
+    References:
+      McCandlish et al., `An Empirical Model of Large-Batch Training
+      <https://arxiv.org/abs/1812.06162>`_, 2018
+
+      Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
+      and improving optimizers <https://arxiv.org/abs/2510.00236>`_, 2025
+    """
+    if isinstance(decay, (int, float)) and not 0 <= decay < 1:
+        raise ValueError(f"track_gradient_statistics(decay=...): must be in [0, 1), got {decay!r}.")
+    owner = "track_gradient_statistics"
+
+    def init_fn(params):
+        zero = jnp.zeros([], jnp.float32)
+        if per_coordinate:
+            mean_sq = optax.tree.zeros_like(params)
+            variance = optax.tree.zeros_like(params)
+        else:
+            mean_sq = variance = None
+        return TrackGradientStatisticsState(
+            count=jnp.zeros([], jnp.int32),
+            mean_sq=mean_sq,
+            variance=variance,
+            sq_norm=zero,
+            trace_variance=zero,
+        )
+
+    def update_fn(updates, state, params=None, *, variance=None, mean=None, **extra_args):
+        del params, extra_args
+        variance = require(variance, "variance", owner)
+        mean = updates if mean is None else mean
+        first = state.count == 0
+
+        def ema(old, new):
+            new = jnp.asarray(new).astype(old.dtype)
+            return jnp.where(first, new, decay * old + (1 - decay) * new)
+
+        mean_sq = jax.tree.map(jnp.square, mean)
+        total = lambda tree: sum(
+            (jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(tree)),
+            jnp.zeros([], jnp.float32),
+        )
+        new_state = TrackGradientStatisticsState(
+            count=optax.safe_increment(state.count),
+            mean_sq=None if state.mean_sq is None else jax.tree.map(ema, state.mean_sq, mean_sq),
+            variance=None
+            if state.variance is None
+            else jax.tree.map(ema, state.variance, variance),
+            sq_norm=ema(state.sq_norm, total(mean_sq)),
+            trace_variance=ema(state.trace_variance, total(variance)),
+        )
+        return updates, new_state
+
+    return PerExampleTransformation(init_fn, update_fn, build_request("variance"))
+
+
+register_request("track_gradient_statistics", ("variance",))

@@ -1,0 +1,95 @@
+"""The kernel protocol shared by every layer kind, and the registry.
+
+A kernel serves one *site* (an equation where a parameter view meets example
+data). Inside the backward pass it receives the site's inputs (the parameter
+view ``w``, the other inputs, batched over examples on axis 0) and the output
+cotangent ``dy`` ``[B, ...]``, and produces either reduced statistics
+(``direct``) or compact *ingredients* from which norms, clipped sums and
+materialised per-example gradients are computed after the backward pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxpr_surgery._src import stats as S
+
+KERNELS: dict = {}
+
+
+def register(kind):
+    def deco(cls):
+        if kind in KERNELS:
+            raise ValueError(f"A kernel for layer kind {kind!r} is already registered.")
+        KERNELS[kind] = cls
+        cls.kind = kind
+        return cls
+
+    return deco
+
+
+def kernel_for(site, acc_dtype):
+    return KERNELS[site.kind](site, acc_dtype)
+
+
+def acc_dtype_for(*dtypes):
+    return jnp.result_type(jnp.float32, *[d for d in dtypes if jnp.issubdtype(d, jnp.floating)])
+
+
+# --------------------------------------------------------------------------- #
+# Reductions of materialised per-example gradients G [B, *shape]
+# --------------------------------------------------------------------------- #
+def reduce_materialised(G, reduction):
+    axes = tuple(range(1, G.ndim))
+    if isinstance(reduction, S.PhiSum):
+        return jnp.sum(reduction.apply(G), axis=0)
+    if isinstance(reduction, S.SqNorms):
+        return jnp.sum(jnp.square(G), axis=axes)
+    if isinstance(reduction, S.Centered):
+        m = jnp.mean(G, axis=0)
+        return S.Moments(m, jnp.sum(jnp.square(G - m), axis=0))
+    raise TypeError(f"reduction {reduction!r} cannot be computed directly")
+
+
+def weighted_sum_materialised(G, c):
+    return jnp.tensordot(c.astype(G.dtype), G, axes=(0, 0))
+
+
+class Kernel:
+    """Base class: everything derives from ``materialise`` unless overridden."""
+
+    kind = "?"
+
+    def __init__(self, site, acc_dtype):
+        self.site = site
+        self.acc = acc_dtype
+
+    # inside the backward pass ------------------------------------------- #
+    def prepare(self, w, ext, ext_batched, dy):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def direct(self, ctx, reduction):
+        return reduce_materialised(self.materialise(ctx), reduction)
+
+    def ingredients(self, ctx):
+        return ctx
+
+    # after the backward pass (ingredients; B leading) -------------------- #
+    def materialise(self, ing):
+        raise NotImplementedError
+
+    def sq_norms(self, ing):
+        return reduce_materialised(self.materialise(ing), S.SqNorms())
+
+    def weighted_sum(self, ing, c):
+        return weighted_sum_materialised(self.materialise(ing), c)
+
+    # reporting ----------------------------------------------------------- #
+    def rule(self, reduction, B):
+        """(rule name, estimated extra FLOPs) for one reduction; for explain."""
+        return "materialise", None
+
+
+def dn_batch(x):
+    return jax.tree.leaves(x)[0].shape[0]

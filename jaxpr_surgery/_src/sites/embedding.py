@@ -1,0 +1,127 @@
+"""Embedding sites: rows of a table gathered by integer ids (``table[ids]``, ``jnp.take``).
+
+Per example the table gradient has a row ``s_t = sum_{t': id_t' = id_t} dy_t'``
+at every distinct id of the example. With the ``[T, T]`` equality mask of the
+example's ids, every statistic is a scatter of per-(example, first occurrence)
+rows into the table -- no ``[B, V, d]`` tensor is ever formed:
+
+* sum: scatter-add of ``dy``;
+* ``sum_b phi(G_b)`` for ``phi(0) = 0``: scatter-add of ``phi(s_t)`` at first occurrences;
+* squared norms: ``sum_t first_t ||s_t||^2``;
+* centered moments: ``sum_touched (s - mean)^2 + (B - n_row) mean^2`` (no cancellation).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.sites.base import Kernel, register
+
+
+def _phi_zero_is_zero(reduction):
+    if reduction.phi is None:
+        return True
+    try:
+        z = np.asarray(reduction.phi(jnp.zeros((1,), jnp.float32)))
+    except Exception:  # noqa: BLE001 - phi not evaluable concretely
+        return False
+    return bool(np.all(z == 0))
+
+
+@register("embedding")
+class EmbeddingKernel(Kernel):
+    def __init__(self, site, acc_dtype):
+        super().__init__(site, acc_dtype)
+        eqn = site.eqn
+        self.V, self.d = (int(s) for s in eqn.invars[0].aval.shape)
+        self.mode = eqn.params["mode"]
+
+    def prepare(self, w, ext, ext_batched, dy):
+        from jax.lax import GatherScatterMode
+
+        idx = ext[self.site.ext_vars.index(self.site.eqn.invars[1])]
+        (dy,) = dy
+        B = dy.shape[0]
+        ids = idx.reshape(B, -1)
+        dy = dy.reshape(B, -1, self.d).astype(self.acc)
+        if self.mode == GatherScatterMode.FILL_OR_DROP:
+            valid = (ids >= 0) & (ids < self.V)
+        else:
+            valid = jnp.ones(ids.shape, bool)
+        ids = jnp.clip(ids, 0, self.V - 1)
+        dy = jnp.where(valid[..., None], dy, 0)
+        return ids, valid, dy
+
+    # helpers ------------------------------------------------------------------ #
+    @staticmethod
+    def _segments(ids, valid, dy):
+        eq = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :]
+        s = jnp.einsum("btu,bud->btd", eq.astype(dy.dtype), dy)
+        T = ids.shape[1]
+        earlier = jnp.tril(jnp.ones((T, T), bool), -1)
+        first = valid & ~jnp.any(eq & earlier[None], axis=2)
+        return s, first
+
+    def _scatter(self, ids, rows):
+        flat = ids.reshape(-1)
+        return jnp.zeros((self.V,) + rows.shape[2:], rows.dtype).at[flat].add(
+            rows.reshape((-1,) + rows.shape[2:]), mode="drop"
+        )
+
+    # reductions ----------------------------------------------------------------- #
+    def direct(self, ctx, reduction):
+        ids, valid, dy = ctx
+        B = ids.shape[0]
+        if isinstance(reduction, S.PhiSum):
+            if reduction.phi is None:
+                return self._scatter(ids, dy)
+            if _phi_zero_is_zero(reduction):
+                s, first = self._segments(ids, valid, dy)
+                return self._scatter(ids, jnp.where(first[..., None], reduction.apply(s), 0))
+            return super().direct(ctx, reduction)
+        if isinstance(reduction, S.SqNorms):
+            return self.sq_norms(ctx)
+        if isinstance(reduction, S.Centered):
+            s, first = self._segments(ids, valid, dy)
+            mean = self._scatter(ids, dy) / B
+            n_row = self._scatter(ids, first.astype(dy.dtype))
+            dev = jnp.where(first[..., None], jnp.square(s - mean[ids]), 0)
+            m2 = self._scatter(ids, dev) + (B - n_row)[:, None] * jnp.square(mean)
+            return S.Moments(mean, m2)
+        return super().direct(ctx, reduction)
+
+    def ingredients(self, ctx):
+        ids, valid, dy = ctx
+        # ids travel as floats (exact below 2**24 in float32; checked at planning)
+        return jnp.where(valid, ids, -1).astype(dy.dtype), dy
+
+    @staticmethod
+    def _unpack(ing):
+        fids, dy = ing
+        valid = fids >= 0
+        return jnp.where(valid, fids, 0).astype(jnp.int32), valid, dy
+
+    def materialise(self, ing):
+        ids, valid, dy = self._unpack(ing) if len(ing) == 2 else ing
+        return jax.vmap(lambda i, r: self._scatter(i[None], r[None]))(ids, dy)
+
+    def sq_norms(self, ing):
+        ids, valid, dy = self._unpack(ing) if len(ing) == 2 else ing
+        s, first = self._segments(ids, valid, dy)
+        return jnp.sum(jnp.where(first[..., None], jnp.square(s), 0), axis=(1, 2))
+
+    def weighted_sum(self, ing, c):
+        ids, valid, dy = self._unpack(ing)
+        return self._scatter(ids, dy * c.astype(dy.dtype)[:, None, None])
+
+    def rule(self, reduction, B):
+        T = int(np.prod(self.site.eqn.invars[1].aval.shape[:-1]))
+        seg = 2 * B * T * T * self.d
+        if isinstance(reduction, S.PhiSum) and reduction.phi is None:
+            return "scatter-add", B * T * self.d
+        if isinstance(reduction, S.PhiSum) and not _phi_zero_is_zero(reduction):
+            return "materialise per-example", B * self.V * self.d
+        return "segment-sum (T x T ids mask)", seg

@@ -1,0 +1,65 @@
+"""Generic sites: exact per-example VJP of the one op where the parameter meets data.
+
+Covers scale-shift (layernorm / rmsnorm gain and bias, biases, positional
+embeddings: a broadcast parameter multiplied or added), convolutions and any
+other first-order op. Per-example gradients ``[B, *view]`` are materialised,
+which is cheap when the parameter is small (gains, biases, kernels).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxpr_surgery._src import compat
+from jaxpr_surgery._src.sites.base import Kernel, register
+
+
+def composite(site):
+    """``f(w, *ext) -> outs`` for one example: the absorbed pre-ops, then the site eqn."""
+    eqn, pre, base, ext_vars = site.eqn, site.pre, site.base, site.ext_vars
+
+    def f(w, *ext):
+        env = {base: w}
+        env.update(zip(ext_vars, ext))
+
+        def read(v):
+            return v.val if isinstance(v, compat.Literal) else env[v]
+
+        for e in (*pre, eqn):
+            outs = compat.bind_eqn(e, [read(v) for v in e.invars])
+            env.update(zip(e.outvars, outs))
+        return tuple(read(v) for v in eqn.outvars)
+
+    return f
+
+
+def per_example_vjp(site, w, ext, ext_batched, dy):
+    """G [B, *w.shape]: per-example gradient of the site output w.r.t. ``w``."""
+    f = composite(site)
+    dys = dy if isinstance(dy, tuple) else (dy,)
+
+    def one(ext_b, dy_b):
+        _, pull = jax.vjp(lambda w_: f(w_, *ext_b), w)
+        return pull(tuple(dy_b))[0]
+
+    in_axes = (tuple(0 if b else None for b in ext_batched), 0)
+    return jax.vmap(one, in_axes=in_axes)(tuple(ext), dys)
+
+
+@register("generic")
+class GenericKernel(Kernel):
+    def prepare(self, w, ext, ext_batched, dy):
+        return per_example_vjp(self.site, w, ext, ext_batched, dy).astype(self.acc)
+
+    def materialise(self, ing):
+        return ing
+
+
+@register("scale-shift")
+class ScaleShiftKernel(GenericKernel):
+    pass
+
+
+@register("conv")
+class ConvKernel(GenericKernel):
+    pass

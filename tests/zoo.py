@@ -1,0 +1,832 @@
+"""A zoo of small models for testing per-example gradient statistics.
+
+Every entry is ``make_<name>(dtype=jnp.float32, key=...) -> ZooCase`` where
+``case.loss_fn(params, batch)`` is a scalar *mean over the batch* of per-example
+losses with no cross-example interaction, and every leaf of ``batch`` carries
+examples on axis 0.
+
+Random values are drawn in float32 and then cast to ``dtype``, so the float32
+and float64 instances of a case hold the same values (the float64 instance is a
+high-precision reference for the float32 one). Build a float64 case inside
+``with x64():`` (``jax.enable_x64(True)``) and use it only inside such a block.
+
+``per_example_loss(case)`` and ``per_example_grads(case)`` give the reference
+per-example quantities, and ``oracle(case, stat_name, **kw)`` computes every
+statistic of ``api.md`` from ``jax.vmap(jax.grad(per_example_loss))`` with the
+reduction done in numpy float64.
+
+Framework models (flax linen / nnx, equinox, haiku) import their framework
+lazily, so this module imports with plain JAX alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+PyTree = Any
+
+__all__ = [
+    "ZooCase",
+    "ZOO",
+    "CORE_ZOO",
+    "FRAMEWORK_ZOO",
+    "LOW_PRECISION",
+    "x64",
+    "get_case",
+    "per_example_loss",
+    "per_example_grads",
+    "oracle",
+    "oracle_scale",
+    "STAT_NAMES",
+]
+
+
+class ZooCase(NamedTuple):
+    name: str
+    loss_fn: Callable[[PyTree, PyTree], jax.Array]
+    params: PyTree
+    batch: PyTree
+
+
+def x64():
+    """Context manager enabling 64-bit types (``jax.enable_x64(True)`` in jax 0.10)."""
+    enable = getattr(jax, "enable_x64", None)
+    if enable is not None:
+        return enable(True)
+    from jax.experimental import enable_x64  # older jax
+
+    return enable_x64()
+
+
+def _is_f64(tree) -> bool:
+    return any(
+        getattr(x, "dtype", None) == np.float64 for x in jax.tree.leaves(tree)
+    )
+
+
+def _maybe_x64(tree):
+    return x64() if _is_f64(tree) else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------- #
+# Helpers
+# --------------------------------------------------------------------------- #
+class _Rand:
+    """Draws float32 normals / ints from a key, cast to ``dtype``."""
+
+    def __init__(self, key, dtype):
+        if isinstance(key, int):
+            key = jax.random.PRNGKey(key)
+        self.key = key
+        self.dtype = dtype
+
+    def _next(self):
+        self.key, sub = jax.random.split(self.key)
+        return sub
+
+    def normal(self, shape, scale=1.0, offset=0.0):
+        x = jax.random.normal(self._next(), shape, jnp.float32) * scale + offset
+        return x.astype(self.dtype)
+
+    def dense(self, fan_in, fan_out, scale=1.0):
+        return self.normal((fan_in, fan_out), scale / math.sqrt(fan_in))
+
+    def ints(self, shape, high):
+        return jax.random.randint(self._next(), shape, 0, high, dtype=jnp.int32)
+
+    def uniform(self, shape):
+        return jax.random.uniform(self._next(), shape, jnp.float32)
+
+
+def _xent(logits, labels):
+    """Per-position softmax cross-entropy (computed in float32 or wider)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+
+
+def _layernorm(x, g, b, eps=1e-5):
+    mu = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+    return (x - mu) * lax.rsqrt(var + eps) * g + b
+
+
+def _rmsnorm(x, g, eps=1e-6):
+    ms = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * lax.rsqrt(ms + eps) * g
+
+
+def _causal_attention(h, wq, wk, wv, wo):
+    """Multi-head causal self-attention; projections as einsums."""
+    q = jnp.einsum("btd,dhk->bthk", h, wq)
+    k = jnp.einsum("btd,dhk->bthk", h, wk)
+    v = jnp.einsum("btd,dhk->bthk", h, wv)
+    return _attend(q, k, v, wo)
+
+
+def _attend(q, k, v, wo):
+    t = q.shape[1]
+    scores = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.asarray(-1e9, scores.dtype))
+    w = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhts,bshk->bthk", w, v)
+    return jnp.einsum("bthk,hkd->btd", out, wo)
+
+
+# --------------------------------------------------------------------------- #
+# Plain JAX models
+# --------------------------------------------------------------------------- #
+def make_mlp(dtype=jnp.float32, key=0) -> ZooCase:
+    """Three dense layers with bias (tanh, relu), softmax cross-entropy."""
+    r = _Rand(key, dtype)
+    B, D, H, C = 6, 5, 8, 4
+    params = {
+        "l1": {"w": r.dense(D, H), "b": r.normal((H,), 0.3)},
+        "l2": {"w": r.dense(H, H), "b": r.normal((H,), 0.3)},
+        "l3": {"w": r.dense(H, C), "b": r.normal((C,), 0.3)},
+    }
+    batch = {"x": r.normal((B, D)), "y": r.ints((B,), C)}
+
+    def loss_fn(params, batch):
+        h = jnp.tanh(batch["x"] @ params["l1"]["w"] + params["l1"]["b"])
+        h = jax.nn.relu(h @ params["l2"]["w"] + params["l2"]["b"])
+        logits = h @ params["l3"]["w"] + params["l3"]["b"]
+        return jnp.mean(_xent(logits, batch["y"]))
+
+    return ZooCase("mlp", loss_fn, params, batch)
+
+
+def make_cnn(dtype=jnp.float32, key=1) -> ZooCase:
+    """2-D convs (NHWC, SAME then strided VALID) + dense head, cross-entropy."""
+    r = _Rand(key, dtype)
+    B, S, Cin, C1, C2, K = 5, 6, 2, 4, 3, 3
+    params = {
+        "conv1": {"w": r.normal((3, 3, Cin, C1), 1 / math.sqrt(9 * Cin)), "b": r.normal((C1,), 0.3)},
+        "conv2": {"w": r.normal((3, 3, C1, C2), 1 / math.sqrt(9 * C1)), "b": r.normal((C2,), 0.3)},
+        "head": {"w": r.dense(2 * 2 * C2, K), "b": r.normal((K,), 0.3)},
+    }
+    batch = {"x": r.normal((B, S, S, Cin)), "y": r.ints((B,), K)}
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def loss_fn(params, batch):
+        x = batch["x"]
+        h = lax.conv_general_dilated(x, params["conv1"]["w"], (1, 1), "SAME", dimension_numbers=dn)
+        h = jnp.tanh(h + params["conv1"]["b"])
+        h = lax.conv_general_dilated(h, params["conv2"]["w"], (2, 2), "VALID", dimension_numbers=dn)
+        h = jnp.tanh(h + params["conv2"]["b"])  # [B, 2, 2, C2]
+        h = h.reshape(h.shape[0], -1)
+        logits = h @ params["head"]["w"] + params["head"]["b"]
+        return jnp.mean(_xent(logits, batch["y"]))
+
+    return ZooCase("cnn", loss_fn, params, batch)
+
+
+def make_cnn1d(dtype=jnp.float32, key=2) -> ZooCase:
+    """1-D convs (NWC; grouped + dilated, then SAME) + mean-pool + dense head."""
+    r = _Rand(key, dtype)
+    B, W, Cin, C1, C2, K = 4, 10, 3, 6, 4, 3
+    params = {
+        # feature_group_count=3: kernel in-features = Cin / 3 = 1
+        "conv1": {"w": r.normal((3, 1, C1), 0.6), "b": r.normal((C1,), 0.3)},
+        "conv2": {"w": r.normal((3, C1, C2), 1 / math.sqrt(3 * C1))},
+        "head": {"w": r.dense(C2, K), "b": r.normal((K,), 0.3)},
+    }
+    batch = {"x": r.normal((B, W, Cin)), "y": r.ints((B,), K)}
+    dn = ("NWC", "WIO", "NWC")
+
+    def loss_fn(params, batch):
+        h = lax.conv_general_dilated(
+            batch["x"], params["conv1"]["w"], (1,), "VALID", rhs_dilation=(2,),
+            dimension_numbers=dn, feature_group_count=3,
+        )
+        h = jax.nn.relu(h + params["conv1"]["b"])  # [B, 6, C1]
+        h = lax.conv_general_dilated(h, params["conv2"]["w"], (1,), "SAME", dimension_numbers=dn)
+        h = jnp.mean(jnp.tanh(h), axis=1)
+        logits = h @ params["head"]["w"] + params["head"]["b"]
+        return jnp.mean(_xent(logits, batch["y"]))
+
+    return ZooCase("cnn1d", loss_fn, params, batch)
+
+
+def _token_batch(r, B, T, V, with_mask):
+    ids = r.ints((B, T + 1), V)
+    batch = {"ids": ids[:, :-1], "targets": ids[:, 1:]}
+    if with_mask:
+        # example b keeps its first `lengths[b]` tokens (>= 1), the rest is padding
+        lengths = jnp.array([T, 2, T - 1, 1, 4, T][:B], dtype=jnp.int32)
+        batch["mask"] = jnp.arange(T)[None, :] < lengths[:, None]
+    return batch
+
+
+def make_transformer(dtype=jnp.float32, key=3) -> ZooCase:
+    """Decoder-only LM: table[ids] + pos[:T], pre-LN blocks, tied output, padding mask."""
+    r = _Rand(key, dtype)
+    B, T, V, D, H, K, F, L, MAXLEN = 6, 6, 11, 8, 2, 4, 16, 2, 8
+    layers = []
+    for _ in range(L):
+        layers.append({
+            "ln1": {"g": r.normal((D,), 0.1, 1.0), "b": r.normal((D,), 0.1)},
+            "wq": r.normal((D, H, K), 1 / math.sqrt(D)),
+            "wk": r.normal((D, H, K), 1 / math.sqrt(D)),
+            "wv": r.normal((D, H, K), 1 / math.sqrt(D)),
+            "wo": r.normal((H, K, D), 1 / math.sqrt(H * K)),
+            "ln2": {"g": r.normal((D,), 0.1, 1.0), "b": r.normal((D,), 0.1)},
+            "w1": r.dense(D, F), "b1": r.normal((F,), 0.1),
+            "w2": r.dense(F, D), "b2": r.normal((D,), 0.1),
+        })
+    params = {
+        "embed": r.normal((V, D), 0.5),
+        "pos": r.normal((MAXLEN, D), 0.3),
+        "layers": layers,
+        "lnf": {"g": r.normal((D,), 0.1, 1.0), "b": r.normal((D,), 0.1)},
+    }
+    batch = _token_batch(r, B, T, V, with_mask=True)
+
+    def loss_fn(params, batch):
+        ids = batch["ids"]
+        t = ids.shape[1]
+        table = params["embed"]
+        h = table[ids] + params["pos"][:t]
+        for lp in params["layers"]:
+            a = _layernorm(h, lp["ln1"]["g"], lp["ln1"]["b"])
+            h = h + _causal_attention(a, lp["wq"], lp["wk"], lp["wv"], lp["wo"])
+            m = _layernorm(h, lp["ln2"]["g"], lp["ln2"]["b"])
+            h = h + jax.nn.gelu(m @ lp["w1"] + lp["b1"]) @ lp["w2"] + lp["b2"]
+        h = _layernorm(h, params["lnf"]["g"], params["lnf"]["b"])
+        logits = h @ table.T  # tied output embedding
+        nll = _xent(logits, batch["targets"])
+        mask = batch["mask"].astype(nll.dtype)
+        per_example = jnp.sum(nll * mask, axis=1) / jnp.sum(mask, axis=1)
+        return jnp.mean(per_example)
+
+    return ZooCase("transformer", loss_fn, params, batch)
+
+
+def make_transformer_rms_swiglu(dtype=jnp.float32, key=4) -> ZooCase:
+    """RMSNorm (gain only) + SwiGLU, fused QKV einsum, jnp.take embedding, untied head."""
+    r = _Rand(key, dtype)
+    B, T, V, D, H, K, F = 5, 5, 13, 8, 2, 4, 12
+    params = {
+        "embed": r.normal((V, D), 0.5),
+        "block": {
+            "norm1": r.normal((D,), 0.1, 1.0),
+            "wqkv": r.normal((D, 3, H, K), 1 / math.sqrt(D)),
+            "wo": r.normal((H, K, D), 1 / math.sqrt(H * K)),
+            "norm2": r.normal((D,), 0.1, 1.0),
+            "w_gate": r.dense(D, F),
+            "w_up": r.dense(D, F),
+            "w_down": r.dense(F, D),
+        },
+        "norm_f": r.normal((D,), 0.1, 1.0),
+        "head": r.dense(D, V),
+    }
+    batch = _token_batch(r, B, T, V, with_mask=False)
+
+    def loss_fn(params, batch):
+        p = params["block"]
+        h = jnp.take(params["embed"], batch["ids"], axis=0)
+        a = _rmsnorm(h, p["norm1"])
+        qkv = jnp.einsum("btd,dchk->btchk", a, p["wqkv"])
+        h = h + _attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], p["wo"])
+        m = _rmsnorm(h, p["norm2"])
+        h = h + (jax.nn.silu(m @ p["w_gate"]) * (m @ p["w_up"])) @ p["w_down"]
+        logits = _rmsnorm(h, params["norm_f"]) @ params["head"]
+        return jnp.mean(_xent(logits, batch["targets"]))
+
+    return ZooCase("transformer_rms_swiglu", loss_fn, params, batch)
+
+
+def make_transformer_scan_remat(dtype=jnp.float32, key=5) -> ZooCase:
+    """Layers stacked on a leading [L] axis, lax.scan over layers, body in jax.checkpoint."""
+    r = _Rand(key, dtype)
+    B, T, V, D, H, K, F, L = 4, 5, 9, 8, 2, 4, 16, 3
+    params = {
+        "embed": r.normal((V, D), 0.5),
+        "pos": r.normal((T, D), 0.3),
+        "layers": {
+            "ln1_g": r.normal((L, D), 0.1, 1.0), "ln1_b": r.normal((L, D), 0.1),
+            "wq": r.normal((L, D, H, K), 1 / math.sqrt(D)),
+            "wk": r.normal((L, D, H, K), 1 / math.sqrt(D)),
+            "wv": r.normal((L, D, H, K), 1 / math.sqrt(D)),
+            "wo": r.normal((L, H, K, D), 1 / math.sqrt(H * K)),
+            "ln2_g": r.normal((L, D), 0.1, 1.0), "ln2_b": r.normal((L, D), 0.1),
+            "w1": r.normal((L, D, F), 1 / math.sqrt(D)), "b1": r.normal((L, F), 0.1),
+            "w2": r.normal((L, F, D), 1 / math.sqrt(F)), "b2": r.normal((L, D), 0.1),
+        },
+        "lnf": {"g": r.normal((D,), 0.1, 1.0), "b": r.normal((D,), 0.1)},
+        "head": {"w": r.dense(D, V), "b": r.normal((V,), 0.1)},
+    }
+    batch = _token_batch(r, B, T, V, with_mask=False)
+
+    @jax.checkpoint
+    def block(h, lp):
+        a = _layernorm(h, lp["ln1_g"], lp["ln1_b"])
+        h = h + _causal_attention(a, lp["wq"], lp["wk"], lp["wv"], lp["wo"])
+        m = _layernorm(h, lp["ln2_g"], lp["ln2_b"])
+        return h + jnp.tanh(m @ lp["w1"] + lp["b1"]) @ lp["w2"] + lp["b2"]
+
+    def loss_fn(params, batch):
+        h = params["embed"][batch["ids"]] + params["pos"]
+        h, _ = lax.scan(lambda c, lp: (block(c, lp), None), h, params["layers"])
+        h = _layernorm(h, params["lnf"]["g"], params["lnf"]["b"])
+        logits = h @ params["head"]["w"] + params["head"]["b"]
+        return jnp.mean(_xent(logits, batch["targets"]))
+
+    return ZooCase("transformer_scan_remat", loss_fn, params, batch)
+
+
+def make_rnn(dtype=jnp.float32, key=6) -> ZooCase:
+    """GRU over T steps with lax.scan (weights closed over as scan constants), MSE head."""
+    r = _Rand(key, dtype)
+    B, T, D, Hd, O = 5, 6, 3, 5, 2
+    params = {
+        "W": r.normal((D, 3 * Hd), 1 / math.sqrt(D)),
+        "U": r.normal((Hd, 3 * Hd), 1 / math.sqrt(Hd)),
+        "b": r.normal((3 * Hd,), 0.2),
+        "h0": r.normal((Hd,), 0.3),
+        "out": {"w": r.dense(Hd, O), "b": r.normal((O,), 0.2)},
+    }
+    batch = {"x": r.normal((B, T, D)), "y": r.normal((B, O))}
+
+    def loss_fn(params, batch):
+        x = batch["x"]
+        W, U, b = params["W"], params["U"], params["b"]
+
+        def step(h, xt):
+            gx = xt @ W + b
+            gh = h @ U
+            z = jax.nn.sigmoid(gx[:, :Hd] + gh[:, :Hd])
+            rr = jax.nn.sigmoid(gx[:, Hd:2 * Hd] + gh[:, Hd:2 * Hd])
+            n = jnp.tanh(gx[:, 2 * Hd:] + rr * gh[:, 2 * Hd:])
+            h = (1 - z) * n + z * h
+            return h, h
+
+        h0 = jnp.broadcast_to(params["h0"], (x.shape[0], Hd))
+        h, hs = lax.scan(step, h0, jnp.swapaxes(x, 0, 1))
+        pred = jnp.mean(hs, axis=0) @ params["out"]["w"] + params["out"]["b"]
+        return jnp.mean(jnp.sum(jnp.square(pred - batch["y"]), axis=-1))
+
+    return ZooCase("rnn", loss_fn, params, batch)
+
+
+def make_mlp_bf16(dtype=jnp.float32, key=7) -> ZooCase:
+    """Master params in ``dtype`` cast to bfloat16 in the loss; loss returned in float32."""
+    r = _Rand(key, dtype)
+    B, D, H, C = 6, 8, 16, 5
+    params = {
+        "l1": {"w": r.dense(D, H), "b": r.normal((H,), 0.3)},
+        "l2": {"w": r.dense(H, C), "b": r.normal((C,), 0.3)},
+    }
+    batch = {"x": r.normal((B, D)), "y": r.ints((B,), C)}
+
+    def loss_fn(params, batch):
+        p = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
+        x = batch["x"].astype(jnp.bfloat16)
+        h = jnp.tanh(x @ p["l1"]["w"] + p["l1"]["b"])
+        logits = (h @ p["l2"]["w"] + p["l2"]["b"]).astype(jnp.float32)
+        return jnp.mean(_xent(logits, batch["y"]))
+
+    return ZooCase("mlp_bf16", loss_fn, params, batch)
+
+
+def make_onehot_embedding(dtype=jnp.float32, key=8) -> ZooCase:
+    """Embedding as one_hot(ids) @ table, mean-pooled, dense head, cross-entropy."""
+    r = _Rand(key, dtype)
+    B, T, V, D, C = 6, 4, 10, 6, 3
+    params = {
+        "table": r.normal((V, D), 0.7),
+        "head": {"w": r.dense(D, C), "b": r.normal((C,), 0.3)},
+    }
+    batch = {"ids": r.ints((B, T), V), "y": r.ints((B,), C)}
+
+    def loss_fn(params, batch):
+        table = params["table"]
+        e = jax.nn.one_hot(batch["ids"], table.shape[0], dtype=table.dtype) @ table
+        h = jnp.tanh(jnp.mean(e, axis=1))
+        logits = h @ params["head"]["w"] + params["head"]["b"]
+        return jnp.mean(_xent(logits, batch["y"]))
+
+    return ZooCase("onehot_embedding", loss_fn, params, batch)
+
+
+def make_weight_decay_lora(dtype=jnp.float32, key=9) -> ZooCase:
+    """x @ (W + A @ B) + b with weight decay 1e-2 * sum(W**2) added to the loss."""
+    r = _Rand(key, dtype)
+    Bn, D, H, R, C = 5, 6, 7, 2, 4
+    params = {
+        "W": r.dense(D, H),
+        "A": r.normal((D, R), 0.3),
+        "B": r.normal((R, H), 0.3),
+        "b": r.normal((H,), 0.3),
+        "head": {"w": r.dense(H, C), "b": r.normal((C,), 0.3)},
+    }
+    batch = {"x": r.normal((Bn, D)), "y": r.ints((Bn,), C)}
+
+    def loss_fn(params, batch):
+        w = params["W"] + params["A"] @ params["B"]
+        h = jnp.tanh(batch["x"] @ w + params["b"])
+        logits = h @ params["head"]["w"] + params["head"]["b"]
+        return jnp.mean(_xent(logits, batch["y"])) + 1e-2 * jnp.sum(jnp.square(params["W"]))
+
+    return ZooCase("weight_decay_lora", loss_fn, params, batch)
+
+
+@jax.custom_vjp
+def _tanh_dense(x, w):
+    return jnp.tanh(x @ w)
+
+
+def _tanh_dense_fwd(x, w):
+    y = jnp.tanh(x @ w)
+    return y, (x, w, y)
+
+
+def _tanh_dense_bwd(res, g):
+    x, w, y = res
+    dz = g * (1 - jnp.square(y))
+    return dz @ w.T, x.T @ dz
+
+
+_tanh_dense.defvjp(_tanh_dense_fwd, _tanh_dense_bwd)
+
+
+def make_custom_vjp_and_cond(dtype=jnp.float32, key=10) -> ZooCase:
+    """A param in a custom_vjp function, one in lax.cond, a data-only while_loop, fori_loop."""
+    r = _Rand(key, dtype)
+    B, D, H, C = 6, 5, 6, 3
+    params = {
+        "w_custom": r.dense(D, H),
+        "w_cond": r.dense(H, H),
+        "w_loop": r.dense(H, H, 0.8),
+        "head": {"w": r.dense(H, C), "b": r.normal((C,), 0.3)},
+    }
+    batch = {"x": r.normal((B, D), 2.0), "y": r.ints((B,), C)}
+
+    def loss_fn(params, batch):
+        x = batch["x"]
+
+        # data-only while_loop with a per-example trip count: halve each example
+        # until its norm is <= 1 (no example influences another).
+        def cond_fn(c):
+            return jnp.any(jnp.sum(jnp.square(c), axis=-1) > 1.0)
+
+        def body_fn(c):
+            big = jnp.sum(jnp.square(c), axis=-1, keepdims=True) > 1.0
+            return jnp.where(big, 0.5 * c, c)
+
+        x = lax.while_loop(cond_fn, body_fn, x)
+        h = _tanh_dense(x, params["w_custom"])
+        w_cond = params["w_cond"]
+        h = lax.cond(
+            jnp.sum(w_cond) > 0,
+            lambda h, w: jnp.tanh(h @ w),
+            lambda h, w: jnp.sin(h @ w),
+            h, w_cond,
+        )
+        h = lax.fori_loop(0, 2, lambda i, h: jnp.tanh(h @ params["w_loop"] + 0.1 * h), h)
+        logits = h @ params["head"]["w"] + params["head"]["b"]
+        return jnp.mean(_xent(logits, batch["y"]))
+
+    return ZooCase("custom_vjp_and_cond", loss_fn, params, batch)
+
+
+# --------------------------------------------------------------------------- #
+# Framework models
+# --------------------------------------------------------------------------- #
+def _perturb(tree, r: _Rand, scale=0.2):
+    """Adds noise to every float leaf (bias inits are zero, LN scales one) and casts."""
+    return jax.tree.map(
+        lambda p: (p.astype(jnp.float32) + r.normal(p.shape, scale).astype(jnp.float32)).astype(
+            r.dtype
+        ),
+        tree,
+    )
+
+
+def make_flax_linen_mlp(dtype=jnp.float32, key=11) -> ZooCase:
+    import flax.linen as nn
+
+    r = _Rand(key, dtype)
+    B, D, H, C = 6, 5, 8, 4
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = jnp.tanh(nn.Dense(H, dtype=dtype, param_dtype=dtype)(x))
+            x = nn.gelu(nn.Dense(H, dtype=dtype, param_dtype=dtype)(x))
+            return nn.Dense(C, dtype=dtype, param_dtype=dtype)(x)
+
+    model = MLP()
+    batch = {"x": r.normal((B, D)), "y": r.ints((B,), C)}
+    params = _perturb(model.init(r._next(), batch["x"])["params"], r)
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["x"])
+        return jnp.mean(_xent(logits, batch["y"]))
+
+    return ZooCase("flax_linen_mlp", loss_fn, params, batch)
+
+
+def make_flax_linen_transformer(dtype=jnp.float32, key=12) -> ZooCase:
+    import flax.linen as nn
+
+    r = _Rand(key, dtype)
+    B, T, V, D, H = 4, 5, 11, 8, 2
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            kw = dict(dtype=dtype, param_dtype=dtype)
+            embed = nn.Embed(V, D, **kw)
+            h = embed(ids)
+            a = nn.LayerNorm(**kw)(h)
+            mask = nn.make_causal_mask(ids)
+            h = h + nn.MultiHeadDotProductAttention(num_heads=H, deterministic=True, **kw)(
+                a, a, mask=mask
+            )
+            m = nn.LayerNorm(**kw)(h)
+            h = h + nn.Dense(D, **kw)(nn.gelu(nn.Dense(2 * D, **kw)(m)))
+            h = nn.LayerNorm(**kw)(h)
+            return embed.attend(h)  # tied output embedding
+
+    model = Block()
+    batch = _token_batch(r, B, T, V, with_mask=False)
+    params = _perturb(model.init(r._next(), batch["ids"])["params"], r, 0.1)
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["ids"])
+        return jnp.mean(_xent(logits, batch["targets"]))
+
+    return ZooCase("flax_linen_transformer", loss_fn, params, batch)
+
+
+def make_flax_nnx_mlp(dtype=jnp.float32, key=13) -> ZooCase:
+    from flax import nnx
+
+    r = _Rand(key, dtype)
+    B, D, H, C = 5, 4, 8, 3
+    seed = int(jax.random.randint(r._next(), (), 0, 2**20))
+    rngs = nnx.Rngs(seed)
+    kw = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
+    model = nnx.Sequential(
+        nnx.Linear(D, H, **kw), nnx.LayerNorm(H, **kw), jnp.tanh, nnx.Linear(H, C, **kw)
+    )
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = _perturb(params, r)
+    batch = {"x": r.normal((B, D)), "y": r.ints((B,), C)}
+
+    def loss_fn(params, batch):
+        m = nnx.merge(graphdef, params)
+        return jnp.mean(_xent(m(batch["x"]), batch["y"]))
+
+    return ZooCase("flax_nnx_mlp", loss_fn, params, batch)
+
+
+def make_equinox_mlp(dtype=jnp.float32, key=14) -> ZooCase:
+    import equinox as eqx
+
+    r = _Rand(key, dtype)
+    B, D, H, C = 5, 4, 7, 3
+    model = eqx.nn.MLP(D, C, width_size=H, depth=2, activation=jnp.tanh, key=r._next())
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    params = _perturb(params, r, 0.1)
+    batch = {"x": r.normal((B, D)), "y": r.ints((B,), C)}
+
+    def loss_fn(params, batch):
+        m = eqx.combine(params, static)
+        logits = jax.vmap(m)(batch["x"])
+        return jnp.mean(_xent(logits, batch["y"]))
+
+    return ZooCase("equinox_mlp", loss_fn, params, batch)
+
+
+def make_haiku_mlp(dtype=jnp.float32, key=15) -> ZooCase:
+    import haiku as hk
+
+    r = _Rand(key, dtype)
+    B, D, H, C = 6, 5, 8, 4
+
+    def forward(x):
+        h = hk.Linear(H)(x)
+        h = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(h)
+        h = jax.nn.relu(h)
+        h = jnp.tanh(hk.Linear(H)(h))
+        return hk.Linear(C)(h)
+
+    fwd = hk.without_apply_rng(hk.transform(forward))
+    batch = {"x": r.normal((B, D)), "y": r.ints((B,), C)}
+    params = _perturb(fwd.init(r._next(), batch["x"].astype(jnp.float32)), r)
+
+    def loss_fn(params, batch):
+        return jnp.mean(_xent(fwd.apply(params, batch["x"]), batch["y"]))
+
+    return ZooCase("haiku_mlp", loss_fn, params, batch)
+
+
+# --------------------------------------------------------------------------- #
+# Registry
+# --------------------------------------------------------------------------- #
+ZOO: dict[str, Callable[..., ZooCase]] = {
+    "mlp": make_mlp,
+    "cnn": make_cnn,
+    "cnn1d": make_cnn1d,
+    "transformer": make_transformer,
+    "transformer_rms_swiglu": make_transformer_rms_swiglu,
+    "transformer_scan_remat": make_transformer_scan_remat,
+    "rnn": make_rnn,
+    "mlp_bf16": make_mlp_bf16,
+    "onehot_embedding": make_onehot_embedding,
+    "weight_decay_lora": make_weight_decay_lora,
+    "custom_vjp_and_cond": make_custom_vjp_and_cond,
+    "flax_linen_mlp": make_flax_linen_mlp,
+    "flax_linen_transformer": make_flax_linen_transformer,
+    "flax_nnx_mlp": make_flax_nnx_mlp,
+    "equinox_mlp": make_equinox_mlp,
+    "haiku_mlp": make_haiku_mlp,
+}
+
+FRAMEWORK_ZOO: list[str] = [
+    "flax_linen_mlp",
+    "flax_linen_transformer",
+    "flax_nnx_mlp",
+    "equinox_mlp",
+    "haiku_mlp",
+]
+
+CORE_ZOO: list[str] = [n for n in ZOO if n not in FRAMEWORK_ZOO]
+
+# Cases whose internal computation is low precision (loose tolerances).
+LOW_PRECISION = frozenset({"mlp_bf16"})
+
+
+@functools.lru_cache(maxsize=None)
+def _get_case(name: str, dtype_name: str) -> ZooCase:
+    dtype = jnp.dtype(dtype_name)
+    if dtype == jnp.float64:
+        with x64():
+            return ZOO[name](dtype=dtype)
+    return ZOO[name](dtype=dtype)
+
+
+def get_case(name: str, dtype=jnp.float32) -> ZooCase:
+    """Cached ``ZOO[name](dtype)``; a float64 case is built inside ``x64()``."""
+    return _get_case(name, jnp.dtype(dtype).name)
+
+
+# --------------------------------------------------------------------------- #
+# Reference per-example quantities and statistics
+# --------------------------------------------------------------------------- #
+def per_example_loss(case: ZooCase) -> Callable[[PyTree, PyTree], jax.Array]:
+    """``l(params, example) = loss_fn(params, example[None])`` (batch axis kept, size 1)."""
+
+    def l(params, example):
+        return case.loss_fn(params, jax.tree.map(lambda x: x[None], example))
+
+    return l
+
+
+_GRADS_CACHE: dict[int, tuple[ZooCase, PyTree]] = {}
+
+
+def per_example_grads(case: ZooCase) -> PyTree:
+    """``vmap(grad(per_example_loss))`` as a pytree of numpy arrays ``[B, *leaf]``.
+
+    Cached per case object; computed in the case's dtype (float64 cases inside
+    ``x64()``), returned as numpy arrays of that dtype.
+    """
+    hit = _GRADS_CACHE.get(id(case))
+    if hit is not None and hit[0] is case:
+        return hit[1]
+    with _maybe_x64(case.params):
+        g = jax.jit(jax.vmap(jax.grad(per_example_loss(case)), in_axes=(None, 0)))(
+            case.params, case.batch
+        )
+        g = jax.tree.map(lambda a: np.asarray(a), g)
+    _GRADS_CACHE[id(case)] = (case, g)
+    return g
+
+
+def per_example_losses(case: ZooCase) -> np.ndarray:
+    with _maybe_x64(case.params):
+        v = jax.vmap(per_example_loss(case), in_axes=(None, 0))(case.params, case.batch)
+        return np.asarray(v)
+
+
+def _f64(tree):
+    return jax.tree.map(lambda a: np.asarray(a, dtype=np.float64), tree)
+
+
+def _global_sq_norms(g) -> np.ndarray:
+    leaves = jax.tree.leaves(g)
+    return sum(np.sum(np.square(x).reshape(x.shape[0], -1), axis=1) for x in leaves)
+
+
+def _apply_phi(phi, x: np.ndarray) -> np.ndarray:
+    with x64():
+        return np.asarray(phi(x), dtype=np.float64)
+
+
+STAT_NAMES = (
+    "mean", "sum", "second_moment", "variance", "sign_mean", "abs_mean", "sq_norms",
+    "norms", "clipped_mean", "clipped_sum", "elementwise", "snr", "gradient_noise_scale",
+)
+
+
+def oracle_from_grads(g: PyTree, stat_name: str, **kw) -> PyTree:
+    """Every statistic of ``api.md`` from per-example grads ``g`` (leaves ``[B, ...]``).
+
+    Computed in numpy float64; returns numpy arrays (pytree like params, a
+    ``[B]`` array, a pytree of ``[B]`` arrays, or a scalar as the statistic says).
+    """
+    g = _f64(g)
+    leaves = jax.tree.leaves(g)
+    B = leaves[0].shape[0]
+    tm = jax.tree.map
+    if stat_name == "mean":
+        return tm(lambda x: x.mean(0), g)
+    if stat_name == "sum":
+        return tm(lambda x: x.sum(0), g)
+    if stat_name == "second_moment":
+        return tm(lambda x: np.square(x).mean(0), g)
+    if stat_name == "variance":
+        ddof = kw.get("ddof", 1)
+        return tm(lambda x: np.square(x - x.mean(0)).sum(0) / (B - ddof), g)
+    if stat_name == "sign_mean":
+        return tm(lambda x: np.sign(x).mean(0), g)
+    if stat_name == "abs_mean":
+        return tm(lambda x: np.abs(x).mean(0), g)
+    if stat_name in ("sq_norms", "norms"):
+        if kw.get("per_leaf", False):
+            out = tm(lambda x: np.sum(np.square(x).reshape(B, -1), axis=1), g)
+        else:
+            out = _global_sq_norms(g)
+        return tm(np.sqrt, out) if stat_name == "norms" else out
+    if stat_name in ("clipped_mean", "clipped_sum"):
+        c = float(kw["clip_norm"])
+        n = np.sqrt(_global_sq_norms(g))
+        with np.errstate(divide="ignore"):
+            factor = np.where(n > 0, np.minimum(1.0, c / np.where(n > 0, n, 1.0)), 1.0)
+        out = tm(lambda x: np.tensordot(factor, x, axes=(0, 0)), g)
+        return tm(lambda x: x / B, out) if stat_name == "clipped_mean" else out
+    if stat_name == "elementwise":
+        phi = kw["phi"]
+        return tm(lambda x: _apply_phi(phi, x).mean(0), g)
+    if stat_name == "snr":
+        ddof = kw.get("ddof", 1)
+
+        def one(x):
+            m = x.mean(0)
+            var = np.square(x - m).sum(0) / (B - ddof)
+            sig = np.square(m)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return np.where(var > 0, sig / np.where(var > 0, var, 1.0),
+                                np.where(sig > 0, np.inf, 0.0))
+
+        return tm(one, g)
+    if stat_name == "gradient_noise_scale":
+        ddof = kw.get("ddof", 1)
+        tr = sum(np.square(x - x.mean(0)).sum() for x in leaves) / (B - ddof)
+        g2 = sum(np.square(x.mean(0)).sum() for x in leaves)
+        return np.asarray(tr / g2)
+    raise ValueError(f"unknown statistic {stat_name!r}; known: {STAT_NAMES}")
+
+
+def oracle(case: ZooCase, stat_name: str, **kw) -> PyTree:
+    """The reference value of statistic ``stat_name`` for ``case`` (numpy float64).
+
+    Per-example grads come from ``jax.vmap(jax.grad(per_example_loss(case)))`` in
+    the case's own dtype; the reduction is done in float64.
+    """
+    return oracle_from_grads(per_example_grads(case), stat_name, **kw)
+
+
+def oracle_scale(case: ZooCase, stat_name: str, **kw) -> PyTree:
+    """Magnitude against which absolute errors of ``stat_name`` are measured, per leaf.
+
+    For statistics linear in the gradients (mean, sum, clipped) this is the
+    largest *absolute* summand-scale of the leaf (the terms can cancel, and
+    rounding errors scale with the terms, not with the result); otherwise the
+    largest magnitude of the value itself. Returns a pytree of python floats
+    shaped like the oracle's value (one float per leaf).
+    """
+    g = _f64(per_example_grads(case))
+    B = jax.tree.leaves(g)[0].shape[0]
+    if stat_name in ("mean", "sum", "clipped_mean", "clipped_sum", "sign_mean"):
+        absval = jax.tree.map(lambda x: np.abs(x).mean(0), g)
+        if stat_name in ("sum", "clipped_sum"):
+            absval = jax.tree.map(lambda x: x * B, absval)
+        return jax.tree.map(lambda x: float(np.max(x)), absval)
+    if stat_name == "elementwise":
+        phi = kw["phi"]
+        return jax.tree.map(lambda x: float(np.max(np.abs(_apply_phi(phi, x)))), g)
+    val = oracle_from_grads(g, stat_name, **kw)
+    return jax.tree.map(lambda x: float(np.max(np.abs(x))) if np.size(x) else 0.0, val)
