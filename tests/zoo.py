@@ -518,16 +518,18 @@ def make_flax_linen_mlp(dtype=jnp.float32, key=11) -> ZooCase:
     r = _Rand(key, dtype)
     B, D, H, C = 6, 5, 8, 4
 
+    # dtype=None everywhere: computation follows the (cast) params' dtype.
     class MLP(nn.Module):
         @nn.compact
         def __call__(self, x):
-            x = jnp.tanh(nn.Dense(H, dtype=dtype, param_dtype=dtype)(x))
-            x = nn.gelu(nn.Dense(H, dtype=dtype, param_dtype=dtype)(x))
-            return nn.Dense(C, dtype=dtype, param_dtype=dtype)(x)
+            x = jnp.tanh(nn.Dense(H)(x))
+            x = nn.gelu(nn.Dense(H)(x))
+            return nn.Dense(C)(x)
 
     model = MLP()
     batch = {"x": r.normal((B, D)), "y": r.ints((B,), C)}
-    params = _perturb(model.init(r._next(), batch["x"])["params"], r)
+    # init in float32 so every dtype gets the same values, then perturb and cast
+    params = _perturb(model.init(r._next(), batch["x"].astype(jnp.float32))["params"], r)
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch["x"])
@@ -545,17 +547,19 @@ def make_flax_linen_transformer(dtype=jnp.float32, key=12) -> ZooCase:
     class Block(nn.Module):
         @nn.compact
         def __call__(self, ids):
-            kw = dict(dtype=dtype, param_dtype=dtype)
-            embed = nn.Embed(V, D, **kw)
+            # dtype=None everywhere: computation follows the (cast) params' dtype.
+            embed = nn.Embed(V, D)
             h = embed(ids)
-            a = nn.LayerNorm(**kw)(h)
+            a = nn.LayerNorm()(h)
             mask = nn.make_causal_mask(ids)
-            h = h + nn.MultiHeadDotProductAttention(num_heads=H, deterministic=True, **kw)(
+            # note: the key bias gets an exactly-zero gradient mathematically
+            # (softmax shift invariance); numerically it is rounding noise.
+            h = h + nn.MultiHeadDotProductAttention(num_heads=H, deterministic=True)(
                 a, a, mask=mask
             )
-            m = nn.LayerNorm(**kw)(h)
-            h = h + nn.Dense(D, **kw)(nn.gelu(nn.Dense(2 * D, **kw)(m)))
-            h = nn.LayerNorm(**kw)(h)
+            m = nn.LayerNorm()(h)
+            h = h + nn.Dense(D)(nn.gelu(nn.Dense(2 * D)(m)))
+            h = nn.LayerNorm()(h)
             return embed.attend(h)  # tied output embedding
 
     model = Block()
@@ -576,7 +580,9 @@ def make_flax_nnx_mlp(dtype=jnp.float32, key=13) -> ZooCase:
     B, D, H, C = 5, 4, 8, 3
     seed = int(jax.random.randint(r._next(), (), 0, 2**20))
     rngs = nnx.Rngs(seed)
-    kw = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
+    # float32 init (same values for every dtype), dtype=None: computation
+    # follows the (cast) params' dtype.
+    kw = dict(param_dtype=jnp.float32, rngs=rngs)
     model = nnx.Sequential(
         nnx.Linear(D, H, **kw), nnx.LayerNorm(H, **kw), jnp.tanh, nnx.Linear(H, C, **kw)
     )
@@ -596,7 +602,9 @@ def make_equinox_mlp(dtype=jnp.float32, key=14) -> ZooCase:
 
     r = _Rand(key, dtype)
     B, D, H, C = 5, 4, 7, 3
-    model = eqx.nn.MLP(D, C, width_size=H, depth=2, activation=jnp.tanh, key=r._next())
+    model = eqx.nn.MLP(
+        D, C, width_size=H, depth=2, activation=jnp.tanh, dtype=jnp.float32, key=r._next()
+    )
     params, static = eqx.partition(model, eqx.is_inexact_array)
     params = _perturb(params, r, 0.1)
     batch = {"x": r.normal((B, D)), "y": r.ints((B,), C)}

@@ -112,6 +112,16 @@ class Analysis:
         return "single" if len(info.sites) == 1 else "multi"
 
 
+def _absorbable():
+    from jax._src.lax import slicing
+
+    return (compat.broadcast_p, compat.reshape_p, compat.convert_p, compat.squeeze_p,
+            slicing.slice_p, slicing.dynamic_slice_p)
+
+
+_ABSORBABLE = _absorbable()
+
+
 def _is_literal(v):
     return isinstance(v, compat.Literal)
 
@@ -308,8 +318,7 @@ class _Analyzer:
         prim = eqn.primitive
         if tag.pre:
             absorbable = all(
-                e.primitive in (compat.broadcast_p, compat.reshape_p, compat.convert_p)
-                for e in tag.pre
+                e.primitive in _ABSORBABLE for e in tag.pre
             )
             if prim in (compat.mul_p, compat.add_p, compat.sub_p) and absorbable:
                 return "scale-shift"

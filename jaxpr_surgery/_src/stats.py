@@ -158,8 +158,11 @@ class Statistic(abc.ABC):
         """Turns reduced values into the statistic's result."""
 
     def __repr__(self):
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"{type(self).__name__}({fields})"
+        name = getattr(self, "_name", None) or type(self).__name__
+        fields = ", ".join(
+            f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and k != "reduction"
+        )
+        return f"{name}({fields})"
 
 
 def is_statistic(x) -> bool:
@@ -171,6 +174,8 @@ def _tree_div(tree, count):
 
 
 class _Mean(Statistic):
+    _name = "mean"
+
     def reductions(self):
         return {"s": SUM}
 
@@ -179,6 +184,8 @@ class _Mean(Statistic):
 
 
 class _Sum(Statistic):
+    _name = "sum"
+
     def reductions(self):
         return {"s": SUM}
 
@@ -187,8 +194,9 @@ class _Sum(Statistic):
 
 
 class _PhiMean(Statistic):
-    def __init__(self, reduction: PhiSum):
+    def __init__(self, reduction: PhiSum, name: str = "elementwise"):
         self.reduction = reduction
+        self._name = name
 
     def reductions(self):
         return {"p": self.reduction}
@@ -198,6 +206,8 @@ class _PhiMean(Statistic):
 
 
 class _Variance(Statistic):
+    _name = "variance"
+
     def __init__(self, ddof: int):
         self.ddof = ddof
 
@@ -215,7 +225,8 @@ class _Variance(Statistic):
 class _SqNorms(Statistic):
     def __init__(self, per_leaf: bool, sqrt: bool):
         self.per_leaf = per_leaf
-        self.sqrt = sqrt
+        self._sqrt = sqrt
+        self._name = "norms" if sqrt else "sq_norms"
 
     def reductions(self):
         return {"n": SqNorms()}
@@ -227,22 +238,25 @@ class _SqNorms(Statistic):
         else:
             leaves = jax.tree.leaves(tree)
             out = _builtin_sum(leaves[1:], leaves[0])
-        return jax.tree.map(jnp.sqrt, out) if self.sqrt else out
+        return jax.tree.map(jnp.sqrt, out) if self._sqrt else out
 
 
 class _Clipped(Statistic):
     def __init__(self, clip_norm, average: bool):
         self.clip_norm = clip_norm
-        self.average = average
+        self._average = average
+        self._name = "clipped_mean" if average else "clipped_sum"
 
     def reductions(self):
         return {"c": ClippedSum(self.clip_norm)}
 
     def finalize(self, values, count):
-        return _tree_div(values["c"], count) if self.average else values["c"]
+        return _tree_div(values["c"], count) if self._average else values["c"]
 
 
 class _Snr(Statistic):
+    _name = "snr"
+
     def __init__(self, ddof: int):
         self.ddof = ddof
 
@@ -262,6 +276,8 @@ class _Snr(Statistic):
 
 
 class _NoiseScale(Statistic):
+    _name = "gradient_noise_scale"
+
     def __init__(self, ddof: int):
         self.ddof = ddof
 
@@ -291,7 +307,7 @@ def sum() -> Statistic:  # noqa: A001 - the contract's name
 
 def second_moment() -> Statistic:
     r"""Elementwise second moment :math:`\frac1B\sum_b g_b^2`."""
-    return _PhiMean(SQUARE)
+    return _PhiMean(SQUARE, "second_moment")
 
 
 def variance(ddof: int = 1) -> Statistic:
@@ -307,12 +323,12 @@ def variance(ddof: int = 1) -> Statistic:
 
 def sign_mean() -> Statistic:
     r"""Mean of signs :math:`\frac1B\sum_b \mathrm{sign}(g_b)` (``sign(0) = 0``)."""
-    return _PhiMean(SIGN)
+    return _PhiMean(SIGN, "sign_mean")
 
 
 def abs_mean() -> Statistic:
     r"""Mean absolute value :math:`\frac1B\sum_b |g_b|`."""
-    return _PhiMean(ABS)
+    return _PhiMean(ABS, "abs_mean")
 
 
 def sq_norms(per_leaf: bool = False) -> Statistic:

@@ -101,12 +101,13 @@ def dp_aggregate(
 
     Example:
       >>> import jax, jax.numpy as jnp
+      >>> import numpy as np
       >>> import jaxpr_surgery.optim as jso
       >>> g = jnp.array([[3.0, 4.0], [0.3, 0.4]])  # per-example gradients, norms 5, 0.5
       >>> tx = jso.dp_aggregate(clip_norm=1.0, noise_multiplier=0.0)
       >>> clipped_sum = (g * jnp.minimum(1, 1.0 / jnp.linalg.norm(g, axis=1))[:, None]).sum(0)
       >>> u, _ = tx.update(g.mean(0), tx.init(None), clipped_sum=clipped_sum, batch_size=2)
-      >>> print(u.round(4))
+      >>> print(np.asarray(u).round(4))
       [0.45 0.6 ]
 
     References:

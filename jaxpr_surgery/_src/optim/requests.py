@@ -154,8 +154,8 @@ class PerExampleTransformation(optax.GradientTransformationExtraArgs):
         self.stat_request = types.MappingProxyType(request)
         return self
 
-    def __getnewargs__(self):
-        return (self.init, self.update, dict(self.stat_request))
+    def __reduce__(self):  # copy / deepcopy / pickle keep the request
+        return (type(self), (self.init, self.update, dict(self.stat_request)))
 
     def _replace(self, **kwargs):
         fields = {"init": self.init, "update": self.update, **kwargs}

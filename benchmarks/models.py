@@ -1,0 +1,247 @@
+"""Benchmark models, written the ordinary way: ``loss(params, batch)`` is the mean
+over the batch of per-example losses, with no cross-example interaction.
+
+Every builder takes the model's hyper-parameters and returns a :class:`Model`
+whose ``make_batch(B)`` draws a batch of ``B`` examples and whose
+``batch_spec(B)`` gives the same batch as ``jax.ShapeDtypeStruct`` leaves (used
+to compile at large batch sizes without allocating anything).
+
+Regimes (see ``benchmarks/run.py`` for the sizes actually used):
+
+* ``mlp`` -- token-free MLP, 784 -> 1024 -> 10, ReLU, softmax cross-entropy.
+* ``cnn`` -- small CNN on 28x28x1 images: conv3x3(16, SAME) -> conv3x3(32,
+  stride 2, VALID) -> dense(10).
+* ``transformer`` -- decoder-only LM: learned positions, pre-LayerNorm blocks
+  with causal multi-head attention and a GELU MLP (4d), tied input/output
+  embedding, next-token cross-entropy averaged over positions then examples.
+  Used for the ``short`` (T < d), ``long`` (T >= d) and ``vocab`` (V >> d)
+  regimes.
+* ``scan_remat`` -- the same transformer with its layers stacked on a leading
+  ``[L]`` axis, a ``lax.scan`` over layers and the block wrapped in
+  ``jax.checkpoint`` (rematerialisation).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+PyTree = Any
+
+__all__ = ["Model", "mlp", "cnn", "transformer", "scan_remat", "n_params"]
+
+
+class Model(NamedTuple):
+    name: str
+    loss: Callable[[PyTree, PyTree], jax.Array]
+    params: PyTree
+    make_batch: Callable[[int], PyTree]
+    batch_spec: Callable[[int], PyTree]
+    info: dict
+
+
+def n_params(params) -> int:
+    return int(sum(x.size for x in jax.tree.leaves(params)))
+
+
+class _Rand:
+    def __init__(self, seed):
+        self.key = jax.random.PRNGKey(seed)
+
+    def next(self):
+        self.key, sub = jax.random.split(self.key)
+        return sub
+
+    def normal(self, shape, scale=1.0, offset=0.0):
+        return jax.random.normal(self.next(), shape, jnp.float32) * scale + offset
+
+    def dense(self, fan_in, fan_out):
+        return self.normal((fan_in, fan_out), 1.0 / math.sqrt(fan_in))
+
+
+def _xent(logits, labels):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+
+
+def _layernorm(x, g, b, eps=1e-5):
+    mu = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+    return (x - mu) * lax.rsqrt(var + eps) * g + b
+
+
+def _attention(h, wq, wk, wv, wo):
+    q = jnp.einsum("btd,dhk->bthk", h, wq)
+    k = jnp.einsum("btd,dhk->bthk", h, wk)
+    v = jnp.einsum("btd,dhk->bthk", h, wv)
+    t = q.shape[1]
+    scores = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.asarray(-1e9, scores.dtype))
+    w = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhts,bshk->bthk", w, v)
+    return jnp.einsum("bthk,hkd->btd", out, wo)
+
+
+def _spec(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+# --------------------------------------------------------------------------- #
+# Token-free models
+# --------------------------------------------------------------------------- #
+def mlp(din=784, hidden=1024, nclass=10, seed=0) -> Model:
+    r = _Rand(seed)
+    params = {
+        "l1": {"w": r.dense(din, hidden), "b": jnp.zeros((hidden,))},
+        "l2": {"w": r.dense(hidden, nclass), "b": jnp.zeros((nclass,))},
+    }
+
+    def loss(params, batch):
+        h = jax.nn.relu(batch["x"] @ params["l1"]["w"] + params["l1"]["b"])
+        logits = h @ params["l2"]["w"] + params["l2"]["b"]
+        return jnp.mean(_xent(logits, batch["y"]))
+
+    def make_batch(B, seed=1):
+        k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+        return {"x": jax.random.normal(k1, (B, din)),
+                "y": jax.random.randint(k2, (B,), 0, nclass, dtype=jnp.int32)}
+
+    def batch_spec(B):
+        return {"x": jax.ShapeDtypeStruct((B, din), jnp.float32),
+                "y": jax.ShapeDtypeStruct((B,), jnp.int32)}
+
+    info = {"model": "mlp", "din": din, "hidden": hidden, "nclass": nclass,
+            "n_params": n_params(params)}
+    return Model("mlp", loss, params, make_batch, batch_spec, info)
+
+
+def cnn(size=28, c1=16, c2=32, nclass=10, seed=0) -> Model:
+    r = _Rand(seed)
+    s2 = (size - 3) // 2 + 1
+    params = {
+        "conv1": {"w": r.normal((3, 3, 1, c1), 1 / 3.0), "b": jnp.zeros((c1,))},
+        "conv2": {"w": r.normal((3, 3, c1, c2), 1 / math.sqrt(9 * c1)), "b": jnp.zeros((c2,))},
+        "head": {"w": r.dense(s2 * s2 * c2, nclass), "b": jnp.zeros((nclass,))},
+    }
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def loss(params, batch):
+        h = lax.conv_general_dilated(batch["x"], params["conv1"]["w"], (1, 1), "SAME",
+                                     dimension_numbers=dn)
+        h = jax.nn.relu(h + params["conv1"]["b"])
+        h = lax.conv_general_dilated(h, params["conv2"]["w"], (2, 2), "VALID",
+                                     dimension_numbers=dn)
+        h = jax.nn.relu(h + params["conv2"]["b"])
+        h = h.reshape(h.shape[0], -1)
+        logits = h @ params["head"]["w"] + params["head"]["b"]
+        return jnp.mean(_xent(logits, batch["y"]))
+
+    def make_batch(B, seed=1):
+        k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+        return {"x": jax.random.normal(k1, (B, size, size, 1)),
+                "y": jax.random.randint(k2, (B,), 0, nclass, dtype=jnp.int32)}
+
+    def batch_spec(B):
+        return {"x": jax.ShapeDtypeStruct((B, size, size, 1), jnp.float32),
+                "y": jax.ShapeDtypeStruct((B,), jnp.int32)}
+
+    info = {"model": "cnn", "size": size, "c1": c1, "c2": c2, "nclass": nclass,
+            "n_params": n_params(params)}
+    return Model("cnn", loss, params, make_batch, batch_spec, info)
+
+
+# --------------------------------------------------------------------------- #
+# Transformers
+# --------------------------------------------------------------------------- #
+def _token_batch_fns(T, V):
+    def make_batch(B, seed=1):
+        ids = jax.random.randint(jax.random.PRNGKey(seed), (B, T + 1), 0, V, dtype=jnp.int32)
+        return {"ids": ids[:, :-1], "targets": ids[:, 1:]}
+
+    def batch_spec(B):
+        s = jax.ShapeDtypeStruct((B, T), jnp.int32)
+        return {"ids": s, "targets": s}
+
+    return make_batch, batch_spec
+
+
+def _layer_params(r, d, heads, ff):
+    k = d // heads
+    return {
+        "ln1_g": jnp.ones((d,)), "ln1_b": jnp.zeros((d,)),
+        "wq": r.normal((d, heads, k), 1 / math.sqrt(d)),
+        "wk": r.normal((d, heads, k), 1 / math.sqrt(d)),
+        "wv": r.normal((d, heads, k), 1 / math.sqrt(d)),
+        "wo": r.normal((heads, k, d), 1 / math.sqrt(d)),
+        "ln2_g": jnp.ones((d,)), "ln2_b": jnp.zeros((d,)),
+        "w1": r.dense(d, ff), "b1": jnp.zeros((ff,)),
+        "w2": r.dense(ff, d), "b2": jnp.zeros((d,)),
+    }
+
+
+def _block(h, lp):
+    a = _layernorm(h, lp["ln1_g"], lp["ln1_b"])
+    h = h + _attention(a, lp["wq"], lp["wk"], lp["wv"], lp["wo"])
+    m = _layernorm(h, lp["ln2_g"], lp["ln2_b"])
+    return h + jax.nn.gelu(m @ lp["w1"] + lp["b1"]) @ lp["w2"] + lp["b2"]
+
+
+def _lm_head(params, h, targets):
+    h = _layernorm(h, params["lnf_g"], params["lnf_b"])
+    logits = h @ params["embed"].T  # tied output embedding
+    return jnp.mean(_xent(logits, targets))
+
+
+def transformer(T=32, d=256, V=8192, layers=2, heads=4, ff_mult=4, seed=0,
+                name="transformer") -> Model:
+    """Decoder-only LM, Python loop over layers, tied embeddings, learned positions."""
+    r = _Rand(seed)
+    params = {
+        "embed": r.normal((V, d), 0.02),
+        "pos": r.normal((T, d), 0.02),
+        "layers": [_layer_params(r, d, heads, ff_mult * d) for _ in range(layers)],
+        "lnf_g": jnp.ones((d,)), "lnf_b": jnp.zeros((d,)),
+    }
+
+    def loss(params, batch):
+        ids = batch["ids"]
+        h = params["embed"][ids] + params["pos"][: ids.shape[1]]
+        for lp in params["layers"]:
+            h = _block(h, lp)
+        return _lm_head(params, h, batch["targets"])
+
+    make_batch, batch_spec = _token_batch_fns(T, V)
+    info = {"model": "transformer", "T": T, "d": d, "V": V, "layers": layers, "heads": heads,
+            "ff": ff_mult * d, "tied": True, "n_params": n_params(params)}
+    return Model(name, loss, params, make_batch, batch_spec, info)
+
+
+def scan_remat(T=32, d=128, V=2048, layers=4, heads=4, ff_mult=4, seed=0) -> Model:
+    """Same transformer, layers stacked on [L], lax.scan over jax.checkpoint(block)."""
+    r = _Rand(seed)
+    per_layer = [_layer_params(r, d, heads, ff_mult * d) for _ in range(layers)]
+    params = {
+        "embed": r.normal((V, d), 0.02),
+        "pos": r.normal((T, d), 0.02),
+        "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer),
+        "lnf_g": jnp.ones((d,)), "lnf_b": jnp.zeros((d,)),
+    }
+    block = jax.checkpoint(_block)
+
+    def loss(params, batch):
+        ids = batch["ids"]
+        h = params["embed"][ids] + params["pos"][: ids.shape[1]]
+        h, _ = lax.scan(lambda c, lp: (block(c, lp), None), h, params["layers"])
+        return _lm_head(params, h, batch["targets"])
+
+    make_batch, batch_spec = _token_batch_fns(T, V)
+    info = {"model": "scan_remat", "T": T, "d": d, "V": V, "layers": layers, "heads": heads,
+            "ff": ff_mult * d, "tied": True, "scan": True, "remat": True,
+            "n_params": n_params(params)}
+    return Model("scan_remat", loss, params, make_batch, batch_spec, info)

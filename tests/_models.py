@@ -1,0 +1,267 @@
+"""Small self-contained models (plain JAX) and a vmap(grad) oracle for the
+composition tests (jit, grad, vmap, pmap, shard_map, sharded jit, chunking,
+errors, tripwire, explain).
+
+Every model is ``make_<name>(dtype=jnp.float32, seed=...) -> (loss, params, batch)``
+with ``loss(params, batch)`` a scalar *mean* over ``B = 8`` examples that do not
+interact. ``oracle(loss, params, batch)`` returns every statistic of ``api.md``
+computed from ``jax.vmap(jax.grad(per_example_loss))`` (reductions in numpy
+float64), and ``STATS`` pairs each statistic's name with its constructor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxpr_surgery as js
+
+B = 8
+CLIP = 0.5  # clip norm used throughout; below most per-example norms of the models
+
+
+def x64():
+    """Context manager enabling float64 locally (``jax.enable_x64(True)`` in jax 0.10)."""
+    enable = getattr(jax, "enable_x64", None)
+    if enable is not None:
+        return enable(True)
+    from jax.experimental import enable_x64  # pragma: no cover - older jax
+
+    return enable_x64()
+
+
+def _normal(key, shape, scale, dtype, offset=0.0):
+    return (jax.random.normal(key, shape, jnp.float32) * scale + offset).astype(dtype)
+
+
+# --------------------------------------------------------------------------- #
+# MLP with bias
+# --------------------------------------------------------------------------- #
+def mlp_loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["l1"]["w"] + params["l1"]["b"])
+    logits = h @ params["l2"]["w"] + params["l2"]["b"]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["y"][:, None], axis=-1)[:, 0]
+    return jnp.mean(nll)
+
+
+def make_mlp(dtype=jnp.float32, seed=0, batch_size=B):
+    D, H, C = 5, 7, 3
+    k = jax.random.split(jax.random.PRNGKey(seed), 6)
+    params = {
+        "l1": {"w": _normal(k[0], (D, H), 1 / math.sqrt(D), dtype),
+               "b": _normal(k[1], (H,), 0.3, dtype)},
+        "l2": {"w": _normal(k[2], (H, C), 1 / math.sqrt(H), dtype),
+               "b": _normal(k[3], (C,), 0.3, dtype)},
+    }
+    batch = {
+        "x": _normal(k[4], (batch_size, D), 1.0, dtype),
+        "y": jax.random.randint(k[5], (batch_size,), 0, C, dtype=jnp.int32),
+    }
+    return mlp_loss, params, batch
+
+
+# --------------------------------------------------------------------------- #
+# Tiny 1-layer transformer: embedding, einsum attention, layernorm, tied output
+# --------------------------------------------------------------------------- #
+T, V, D_MODEL, HEADS, D_HEAD = 5, 11, 8, 2, 4
+
+
+def _layernorm(x, g, b, eps=1e-5):
+    mu = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(var + eps) * g + b
+
+
+def transformer_loss(params, batch):
+    ids = batch["ids"]
+    table = params["embed"]
+    h = table[ids]  # [b, T, D]
+    a = _layernorm(h, params["ln1"]["g"], params["ln1"]["b"])
+    q = jnp.einsum("btd,dhk->bthk", a, params["wq"])
+    k = jnp.einsum("btd,dhk->bthk", a, params["wk"])
+    v = jnp.einsum("btd,dhk->bthk", a, params["wv"])
+    s = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(D_HEAD)
+    t = ids.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    s = jnp.where(causal, s, jnp.asarray(-1e9, s.dtype))
+    w = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhts,bshk->bthk", w, v)
+    h = h + jnp.einsum("bthk,hkd->btd", o, params["wo"])
+    h = _layernorm(h, params["lnf"]["g"], params["lnf"]["b"])
+    logits = h @ table.T  # tied output embedding
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    return jnp.mean(nll)
+
+
+def make_transformer(dtype=jnp.float32, seed=1, batch_size=B):
+    k = jax.random.split(jax.random.PRNGKey(seed), 12)
+    D, H, K = D_MODEL, HEADS, D_HEAD
+    params = {
+        "embed": _normal(k[0], (V, D), 0.5, dtype),
+        "ln1": {"g": _normal(k[1], (D,), 0.1, dtype, 1.0), "b": _normal(k[2], (D,), 0.1, dtype)},
+        "wq": _normal(k[3], (D, H, K), 1 / math.sqrt(D), dtype),
+        "wk": _normal(k[4], (D, H, K), 1 / math.sqrt(D), dtype),
+        "wv": _normal(k[5], (D, H, K), 1 / math.sqrt(D), dtype),
+        "wo": _normal(k[6], (H, K, D), 1 / math.sqrt(H * K), dtype),
+        "lnf": {"g": _normal(k[7], (D,), 0.1, dtype, 1.0), "b": _normal(k[8], (D,), 0.1, dtype)},
+    }
+    ids = jax.random.randint(k[9], (batch_size, T + 1), 0, V, dtype=jnp.int32)
+    batch = {"ids": ids[:, :-1], "targets": ids[:, 1:]}
+    return transformer_loss, params, batch
+
+
+# --------------------------------------------------------------------------- #
+# LoRA + weight decay: leaves without a fast rule (fallback)
+# --------------------------------------------------------------------------- #
+def lora_loss(params, batch):
+    w = params["W"] + params["A"] @ params["B"]
+    h = jnp.tanh(batch["x"] @ w + params["b"])
+    pred = h @ params["head"]
+    return jnp.mean(jnp.square(pred[:, 0] - batch["y"])) + 1e-2 * jnp.sum(jnp.square(params["W"]))
+
+
+def make_lora(dtype=jnp.float32, seed=2, batch_size=B):
+    D, H, R = 4, 5, 2
+    k = jax.random.split(jax.random.PRNGKey(seed), 7)
+    params = {
+        "W": _normal(k[0], (D, H), 0.5, dtype),
+        "A": _normal(k[1], (D, R), 0.3, dtype),
+        "B": _normal(k[2], (R, H), 0.3, dtype),
+        "b": _normal(k[3], (H,), 0.3, dtype),
+        "head": _normal(k[4], (H, 1), 0.5, dtype),
+    }
+    batch = {"x": _normal(k[5], (batch_size, D), 1.0, dtype),
+             "y": _normal(k[6], (batch_size,), 1.0, dtype)}
+    return lora_loss, params, batch
+
+
+MODELS = {"mlp": make_mlp, "transformer": make_transformer}
+
+
+# --------------------------------------------------------------------------- #
+# Statistics and the oracle
+# --------------------------------------------------------------------------- #
+STATS = {
+    "mean": js.stats.mean,
+    "sum": js.stats.sum,
+    "second_moment": js.stats.second_moment,
+    "variance": js.stats.variance,
+    "sign_mean": js.stats.sign_mean,
+    "abs_mean": js.stats.abs_mean,
+    "sq_norms": js.stats.sq_norms,
+    "norms": js.stats.norms,
+    "clipped_mean": lambda: js.stats.clipped_mean(CLIP),
+    "clipped_sum": lambda: js.stats.clipped_sum(CLIP),
+    "snr": js.stats.snr,
+    "gradient_noise_scale": js.stats.gradient_noise_scale,
+}
+STAT_NAMES = tuple(STATS)
+# statistics that return one value per example (not reduced over examples)
+PER_EXAMPLE = ("sq_norms", "norms")
+
+
+def all_stats():
+    """A dict of every built-in statistic (one pass computes them all)."""
+    return {name: make() for name, make in STATS.items()}
+
+
+def per_example_loss(loss):
+    def l(params, example):
+        return loss(params, jax.tree.map(lambda x: x[None], example))
+
+    return l
+
+
+def per_example_grads(loss, params, batch):
+    """``vmap(grad(per_example_loss))``: pytree like params with leaves ``[B, ...]``."""
+    return jax.vmap(jax.grad(per_example_loss(loss)), in_axes=(None, 0))(params, batch)
+
+
+def stats_from_grads(g, clip_norm=CLIP, xp=np):
+    """Every statistic of ``api.md`` from per-example grads ``g`` (leaves ``[B, ...]``).
+
+    ``xp=np``: reductions in numpy float64 (the oracle). ``xp=jnp``: the same
+    formulas in JAX (differentiable; used by the second-order tests).
+    """
+    if xp is np:
+        g = jax.tree.map(lambda a: np.asarray(a, dtype=np.float64), g)
+    tm = jax.tree.map
+    leaves = jax.tree.leaves(g)
+    n = leaves[0].shape[0]
+    sq = sum(xp.sum(xp.square(x).reshape(n, -1), axis=1) for x in leaves)
+    norm = xp.sqrt(sq)
+    safe = xp.where(norm > 0, norm, 1.0)
+    factor = xp.where(norm > 0, xp.minimum(1.0, clip_norm / safe), 1.0)
+    mean = tm(lambda x: x.mean(0), g)
+    var = tm(lambda x: xp.square(x - x.mean(0)).sum(0) / (n - 1), g)
+
+    def snr(m, v):
+        sig = xp.square(m)
+        return xp.where(v > 0, sig / xp.where(v > 0, v, 1.0), xp.where(sig > 0, xp.inf, 0.0))
+
+    clipped_sum = tm(lambda x: xp.tensordot(factor, x, axes=(0, 0)), g)
+    return {
+        "mean": mean,
+        "sum": tm(lambda x: x.sum(0), g),
+        "second_moment": tm(lambda x: xp.square(x).mean(0), g),
+        "variance": var,
+        "sign_mean": tm(lambda x: xp.sign(x).mean(0), g),
+        "abs_mean": tm(lambda x: xp.abs(x).mean(0), g),
+        "sq_norms": sq,
+        "norms": norm,
+        "clipped_mean": tm(lambda x: x / n, clipped_sum),
+        "clipped_sum": clipped_sum,
+        "snr": tm(snr, mean, var),
+        "gradient_noise_scale": sum(xp.sum(v) for v in jax.tree.leaves(var))
+        / sum(xp.sum(xp.square(m)) for m in jax.tree.leaves(mean)),
+    }
+
+
+def oracle(loss, params, batch, clip_norm=CLIP):
+    """Every statistic from ``jax.vmap(jax.grad(per_example_loss))`` (numpy float64)."""
+    return stats_from_grads(per_example_grads(loss, params, batch), clip_norm)
+
+
+# --------------------------------------------------------------------------- #
+# Comparison
+# --------------------------------------------------------------------------- #
+def assert_tree_close(actual, expected, rtol=2e-4, atol=2e-5, err_msg=""):
+    """Structure and values equal (non-finite values must match exactly)."""
+    a_leaves, a_tree = jax.tree.flatten(actual)
+    e_leaves, e_tree = jax.tree.flatten(expected)
+    assert a_tree == e_tree, f"{err_msg}: structure {a_tree} != {e_tree}"
+    for a, e in zip(a_leaves, e_leaves):
+        a = np.asarray(a, dtype=np.float64)
+        e = np.asarray(e, dtype=np.float64)
+        assert a.shape == e.shape, f"{err_msg}: shape {a.shape} != {e.shape}"
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=err_msg)
+
+
+def assert_stat_close(name, actual, expected, rtol=2e-4, atol=2e-5):
+    """Like :func:`assert_tree_close` with tolerances per statistic.
+
+    ``sign_mean`` and ``snr`` are discontinuous / ill-conditioned where a
+    per-example gradient is ~0 or a variance is tiny; those entries are compared
+    loosely (signs of near-zero entries can flip with rounding).
+    """
+    if name == "sign_mean":
+        # each entry is k/B; a sign flip of one near-zero example moves it by 2/B
+        assert_tree_close(actual, expected, rtol=0, atol=2.0 / B + 1e-6, err_msg=name)
+        return
+    if name == "snr":
+        assert_tree_close(actual, expected, rtol=1e-2, atol=1e-3, err_msg=name)
+        return
+    assert_tree_close(actual, expected, rtol=rtol, atol=atol, err_msg=name)
+
+
+def assert_not_all_zero(tree, err_msg=""):
+    """Guards against the shard_map trap: a silently missed site returns zeros."""
+    leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
+    assert leaves, err_msg
+    for x in leaves:
+        assert np.any(x != 0), f"{err_msg}: a leaf is all zeros (missed site?)"
