@@ -219,16 +219,7 @@ class _Prepared:
 # --------------------------------------------------------------------------- #
 # Accumulators: merge across chunks and devices
 # --------------------------------------------------------------------------- #
-def _merge(red, a, na, b, nb):
-    if isinstance(red, S.Centered):
-        n = na + nb
-        delta = b.mean - a.mean
-        mean = a.mean + delta * (nb / n)
-        m2 = a.m2 + b.m2 + jnp.square(delta) * (na * nb / n)
-        return S.Moments(mean, m2)
-    if isinstance(red, S.SqNorms):
-        return jnp.concatenate([a, b], axis=0)
-    return a + b
+_merge = engine.merge
 
 
 def _combine_axis(red, v, n_local, N, axis_name):
@@ -504,18 +495,26 @@ def check_per_example(
     """
 
     def check(*args):
-        prep = _Prepared(fn, args, Options(0, batch_argnums, True, has_aux, None, False, None),
-                         "check_per_example")
-        # parameters are whatever argnums 0 is; use every non-batch argument as given
+        nums = _norm_nums(batch_argnums, "batch_argnums", len(args))
+        batch = tuple(args[i] for i in nums)
+        leaves, tree = jax.tree.flatten(batch)
+        sizes = {int(np.shape(x)[0]) for x in leaves if np.ndim(x) > 0}
+        if len(sizes) != 1 or any(np.ndim(x) == 0 for x in leaves):
+            raise ValueError(
+                "check_per_example: every batch leaf needs the same leading example axis; got "
+                f"shapes {[np.shape(x) for x in leaves]}."
+            )
         full = fn(*args)
         full = full[0] if has_aux else full
 
         def one(ex):
-            a = prep.rebuild(prep.diff_leaves, ex, prep.other_leaves, one_example=True)
+            a = list(args)
+            for k, i in enumerate(nums):
+                a[i] = jax.tree.unflatten(tree, [x[None] for x in ex])[k]
             out = fn(*a)
             return out[0] if has_aux else out
 
-        per = jax.vmap(one)(prep.ex_leaves)
+        per = jax.vmap(one)(leaves)
         mean = jnp.mean(per)
         dt = jnp.result_type(full)
         r = rtol if rtol is not None else (1e-9 if dt == jnp.float64 else 1e-4)

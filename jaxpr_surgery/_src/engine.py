@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpr_surgery._src import compat
 from jaxpr_surgery._src import stats as S
@@ -166,14 +167,7 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
             (site,) = sites
             ct = sink_cts[site.path]
             for j, r in enumerate(plan.reductions):
-                v = ct[rkey(j)]
-                if isinstance(r, S.SqNorms):
-                    v = v.reshape((-1, B)).sum(0) if site.depth else v
-                elif isinstance(r, S.Centered):
-                    v = _moments_to_leaf(v, site)
-                else:
-                    v = _to_leaf(v, site)
-                values[j][i] = v
+                values[j][i] = _direct_to_leaf(site, r, ct[rkey(j)], B)
             continue
         # ingredients mode
         ings = [(s, plan.kernels[s.path], sink_cts[s.path]["ing"]) for s in sites]
@@ -204,62 +198,163 @@ def _zeros_value(r, aval, acc, B):
     return z
 
 
+MATERIALISE_BUDGET_BYTES = 1 << 27  # per chunk of materialised per-example gradients
+
+
+def merge(red, a, na, b, nb):
+    """Merges the values of one reduction over two disjoint sets of examples."""
+    if isinstance(red, S.Centered):
+        n = na + nb
+        delta = b.mean - a.mean
+        mean = a.mean + delta * (nb / n)
+        m2 = a.m2 + b.m2 + jnp.square(delta) * (na * nb / n)
+        return S.Moments(mean, m2)
+    if isinstance(red, S.SqNorms):
+        return jnp.concatenate([a, b], axis=0)
+    return a + b
+
+
+def _direct_to_leaf(site, r, v, B):
+    """A site's direct value (stacked over enclosing scans) in leaf space."""
+    if isinstance(r, S.SqNorms):
+        return v.reshape((-1, B)).sum(0) if site.depth else v
+    if isinstance(r, S.Centered):
+        return _moments_to_leaf(v, site)
+    return _to_leaf(v, site)
+
+
+def _slice_b(ing, depth, b0, size):
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, b0, size, axis=depth), ing)
+
+
+def _chunked_materialised(mat, B, nbytes, reductions):
+    """Reductions of G [B, *leaf] = mat(b0, size), materialised ``chunk`` examples at a time."""
+    chunk = int(max(1, min(B, MATERIALISE_BUDGET_BYTES // max(nbytes, 1))))
+    nfull, rem = divmod(B, chunk)
+
+    def red_of(G):
+        return [reduce_materialised(G, r) for r in reductions]
+
+    acc = red_of(mat(0, chunk))
+    if nfull > 1:
+        keep = [not isinstance(r, S.SqNorms) for r in reductions]
+
+        def step(carry, k):
+            vals = red_of(mat(k * chunk, chunk))
+            new = [merge(r, a, k * chunk, v, chunk) if kp else a
+                   for r, a, v, kp in zip(reductions, carry, vals, keep)]
+            return new, [v if not kp else jnp.zeros(()) for v, kp in zip(vals, keep)]
+
+        acc, ys = jax.lax.scan(step, acc, jnp.arange(1, nfull))
+        acc = [a if kp else jnp.concatenate([a, y.reshape(-1)]) for a, y, kp in zip(acc, ys, keep)]
+    if rem:
+        vals = red_of(mat(nfull * chunk, rem))
+        acc = [merge(r, a, nfull * chunk, v, rem) for r, a, v in zip(reductions, acc, vals)]
+    return acc
+
+
+def _cross_fast(sa, ka, inga, sb, kb, ingb):
+    """<G_a, G_b> per example for an embedding site and a dense site on a 2-D leaf (tying)."""
+    if ka.kind == "dense" and kb.kind == "embedding":
+        sa, ka, inga, sb, kb, ingb = sb, kb, ingb, sa, ka, inga
+    if not (ka.kind == "embedding" and kb.kind == "dense") or sa.depth or sb.depth:
+        return None
+    c = kb.c
+    if c["K"] != 1:
+        return None
+    V, d = ka.V, ka.d
+    # where does canonical (c, f) land in the [V, d] leaf?
+    idx = np.arange(c["C"] * c["F"]).reshape(1, c["C"], c["F"])
+    leaf_idx = _to_leaf(kb.to_view(idx), sb)  # numpy all the way: static
+    if leaf_idx.shape != (V, d):
+        return None
+    vv, dd = np.meshgrid(np.arange(V), np.arange(d), indexing="ij")
+    if c["C"] == d and c["F"] == V and np.array_equal(leaf_idx, dd * V + vv):
+        rows_on = "F"
+    elif c["C"] == V and c["F"] == d and np.array_equal(leaf_idx, vv * d + dd):
+        rows_on = "C"
+    else:
+        return None
+    ids, valid, dye = ka.ctx(inga)  # [B, T], [B, T], [B, T, d]
+    x, dy = ingb  # [B, 1, N, C], [B, 1, N, F]
+    x, dy = x[:, 0], dy[:, 0]
+    if rows_on == "F":  # G_b[v, :] = sum_n dy[n, v] x[n, :]
+        A = jnp.einsum("btc,bnc->btn", dye, x)
+        Dg = jnp.take_along_axis(dy, ids[:, None, :], axis=2)  # [B, N, T]
+        return jnp.einsum("btn,bnt->b", A, Dg)
+    A = jnp.einsum("btc,bnc->btn", dye, dy)  # G_b[v, :] = sum_n x[n, v] dy[n, :]
+    Xg = jnp.take_along_axis(x, ids[:, None, :], axis=2)
+    return jnp.einsum("btn,bnt->b", A, Xg)
+
+
 def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
     """Reductions of a leaf from its sites' ingredients (after the backward pass)."""
-
-    def on_b_leading(ing, depth):
-        # ingredients are stacked [L..., B, ...]; kernels want B leading per slice
-        return ing
-
-    def site_fn(kernel, name, depth):
-        return _stacked(getattr(kernel, name), depth)
+    aval = plan.leaf_avals[i]
+    acc = acc_dtype_for(aval.dtype)
+    nbytes = int(np.prod(aval.shape)) * jnp.dtype(acc).itemsize
 
     def weighted(c):
         total = None
         for s, k, ing in ings:
-            ws = _stacked(k.weighted_sum, s.depth)(ing, jnp.broadcast_to(
-                c, tuple(s.scan_lengths) + c.shape)) if s.depth else k.weighted_sum(ing, c)
+            if s.depth:
+                cs = jnp.broadcast_to(c, tuple(s.scan_lengths) + c.shape)
+                ws = _stacked(k.weighted_sum, s.depth)(ing, cs)
+            else:
+                ws = k.weighted_sum(ing, c)
             v = _to_leaf(ws, s)
             total = v if total is None else total + v
         return total
 
-    def materialise():
+    def mat(b0, size):
         total = None
         for s, k, ing in ings:
-            g = _stacked(k.materialise, s.depth)(ing)  # [L..., B, *view]
+            g = _stacked(k.materialise, s.depth)(_slice_b(ing, s.depth, b0, size))
             g = jnp.moveaxis(g, s.depth, 0) if s.depth else g
-            v = _to_leaf(g, s)
+            v = _to_leaf(g, s).astype(acc)
             total = v if total is None else total + v
         return total
 
-    single = len(ings) == 1
-    G = None
-    if single:
-        s, k, ing = ings[0]
-        ctx = ing if k.kind != "embedding" else None
+    def sq_norms():
+        if len(ings) == 1:
+            s, k, ing = ings[0]
+            return _direct_to_leaf(s, S.SqNorms(), _stacked(k.sq_norms, s.depth)(ing), B)
+        crosses = []
+        for a in range(len(ings)):
+            for b in range(a + 1, len(ings)):
+                cr = _cross_fast(*ings[a], *ings[b])
+                if cr is None:
+                    return None
+                crosses.append(cr)
+        own = [_direct_to_leaf(s, S.SqNorms(), _stacked(k.sq_norms, s.depth)(ing), B)
+               for s, k, ing in ings]
+        return sum(own) + 2 * sum(crosses)
+
+    todo = []
     for j, r in enumerate(plan.reductions):
         if isinstance(r, S.ClippedSum):
             continue
         if isinstance(r, S.PhiSum) and r.phi is None:
-            values[j][i] = weighted(jnp.ones((B,), jnp.float32))
-            continue
-        if single and isinstance(r, S.SqNorms):
-            values[j][i] = _single_sq_norms(ings[0], B)
-            continue
-        if G is None:
-            G = materialise()
-        values[j][i] = reduce_materialised(G, r)
-    if plan.needs_norms:
-        if single:
-            norms_leaf[i] = _single_sq_norms(ings[0], B)
+            values[j][i] = weighted(jnp.ones((B,), acc))
+        elif isinstance(r, S.SqNorms) and (v := sq_norms()) is not None:
+            values[j][i] = v
+        elif len(ings) == 1:
+            s, k, ing = ings[0]
+            fn = lambda ing, k=k, r=r: k.direct(k.ctx(ing), r)  # noqa: E731
+            values[j][i] = _direct_to_leaf(s, r, _stacked(fn, s.depth)(ing), B)
         else:
-            if G is None:
-                G = materialise()
-            norms_leaf[i] = reduce_materialised(G, S.SqNorms())
+            todo.append(j)
+    if plan.needs_norms:
+        sq = sq_norms()
+        if sq is None:
+            todo.append(None)
+        else:
+            norms_leaf[i] = sq
+    if todo:
+        reds = [S.SqNorms() if j is None else plan.reductions[j] for j in todo]
+        outs = _chunked_materialised(mat, B, nbytes, reds)
+        for j, v in zip(todo, outs):
+            if j is None:
+                norms_leaf[i] = v
+            else:
+                values[j][i] = v
     deferred[i] = weighted
-
-
-def _single_sq_norms(entry, B):
-    s, k, ing = entry
-    v = _stacked(k.sq_norms, s.depth)(ing)
-    return v.reshape((-1, B)).sum(0) if s.depth else v

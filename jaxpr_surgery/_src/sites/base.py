@@ -75,6 +75,10 @@ class Kernel:
     def ingredients(self, ctx):
         return ctx
 
+    def ctx(self, ing):
+        """The ``prepare`` context back from ingredients."""
+        return ing
+
     # after the backward pass (ingredients; B leading) -------------------- #
     def materialise(self, ing):
         raise NotImplementedError

@@ -86,7 +86,7 @@ class DenseKernel(Kernel):
         lead = g.shape[:-3]
         g = g.reshape(lead + self.c["canon_shape"])
         n = len(lead)
-        return jnp.transpose(g, tuple(range(n)) + tuple(n + i for i in self.c["inv_w"]))
+        return g.transpose(tuple(range(n)) + tuple(n + i for i in self.c["inv_w"]))
 
     # reductions ------------------------------------------------------------ #
     def direct(self, ctx, reduction):

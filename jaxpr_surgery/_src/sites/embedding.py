@@ -98,6 +98,9 @@ class EmbeddingKernel(Kernel):
         # ids travel as floats (exact below 2**24 in float32; checked at planning)
         return jnp.where(valid, ids, -1).astype(dy.dtype), dy
 
+    def ctx(self, ing):
+        return self._unpack(ing)
+
     @staticmethod
     def _unpack(ing):
         fids, dy = ing
