@@ -174,3 +174,22 @@ def float0_zeros(shape):
     import numpy as np
 
     return np.zeros(shape, dtype=jax.dtypes.float0)
+
+
+def explicit_axes(x) -> tuple:
+    """Mesh axes of ``x``'s sharding that are in Explicit mode (sharding-in-types)."""
+    try:
+        sharding = jax.typeof(x).sharding
+    except Exception:  # noqa: BLE001
+        return ()
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None or not hasattr(mesh, "axis_types"):
+        return ()
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    out = []
+    for entry in spec:
+        for a in (entry if isinstance(entry, tuple) else (entry,)):
+            if a is not None and types.get(a) == explicit:
+                out.append(a)
+    return tuple(out)

@@ -137,8 +137,9 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
         loss_b = outs[0]
         return jnp.sum(loss_b), (loss_b, outs[1:])
 
-    _, pull, (loss_b, aux) = jax.vjp(forward, sinks, copies, has_aux=True)
-    sink_cts, copy_cts = pull(jnp.ones((), loss_b.dtype))
+    total, pull, (loss_b, aux) = jax.vjp(forward, sinks, copies, has_aux=True)
+    seed = compat.make_varying(jnp.ones((), total.dtype), compat.vma_of(total))
+    sink_cts, copy_cts = pull(seed)
 
     values = {j: [None] * n for j in range(len(plan.reductions))}
     norms_leaf = [None] * n
