@@ -11,7 +11,6 @@ under those names, so a training step is one statistic call and one update::
 
     import jax, optax
     import jaxpr_surgery as js
-    import jaxpr_surgery.optim  # noqa: F401  (js.optim)
 
     opt = js.optim.micro_adam(learning_rate=1e-3)
     request = js.optim.stat_request(opt)  # {"mean": ..., "second_moment": ...}

@@ -46,6 +46,7 @@ __all__ = [
     "micro_adam_msq",
 ]
 
+
 class ScaleByMicroAdamState(NamedTuple):
     """State of the per-example Adam variants (same fields as ``optax.ScaleByAdamState``).
 
@@ -90,7 +91,6 @@ def _adam_core(b1, b2, eps, eps_root, mu_dtype, state_cls):
         return updates, state_cls(count=count_inc, mu=mu, nu=nu)
 
     return init_fn, step
-
 
 
 def _check(b1, b2, eps, eps_root, owner):
@@ -218,7 +218,7 @@ def scale_by_micro_adam_var(
     eps_root: float = 0.0,
     mu_dtype: Any | None = None,
 ) -> PerExampleTransformation:
-    r"""Rescales updates by MicroAdamVar: :math:`v` is an EMA of the per-example variance.
+    r"""Rescales updates by MicroAdamVar: :math:`v` averages the per-example variance.
 
     .. math::
       v_t = \beta_2 v_{t-1} + (1-\beta_2)\,\hat\sigma_t^2,\qquad
@@ -273,7 +273,7 @@ def scale_by_micro_adam_msq(
     eps_root: float = 0.0,
     mu_dtype: Any | None = None,
 ) -> PerExampleTransformation:
-    r"""Rescales updates by MicroAdamMSQ: :math:`v` is an EMA of the unbiased squared mean.
+    r"""Rescales updates by MicroAdamMSQ: :math:`v` averages the unbiased squared mean.
 
     .. math::
       v_t = \beta_2 v_{t-1} + (1-\beta_2)\,\max\!\Big(\bar g_t^2 - \frac{\hat\sigma_t^2}{B},\ 0\Big)
@@ -399,7 +399,7 @@ def micro_adam(
     eps_root: float = 0.0,
     mu_dtype: Any | None = None,
 ) -> PerExampleTransformation:
-    r"""MicroAdam: Adam whose second moment averages per-example squares :math:`E_b[g_b^2]`.
+    r"""MicroAdam: Adam whose second moment averages the per-example squares.
 
     .. math::
       \theta_{t+1} = \theta_t - \alpha_t \frac{\hat m_t}{\sqrt{\hat v_t + \bar\varepsilon}
@@ -450,7 +450,7 @@ def micro_adam_var(
     eps_root: float = 0.0,
     mu_dtype: Any | None = None,
 ) -> PerExampleTransformation:
-    r"""MicroAdamVar: Adam whose second moment averages the per-example variance :math:`\hat\sigma^2`.
+    r"""MicroAdamVar: Adam whose second moment averages the per-example variance.
 
     .. math::
       \theta_{t+1} = \theta_t - \alpha_t \frac{\hat m_t}{\sqrt{\hat v_t + \bar\varepsilon}
@@ -503,7 +503,7 @@ def micro_adam_msq(
     eps_root: float = 0.0,
     mu_dtype: Any | None = None,
 ) -> PerExampleTransformation:
-    r"""MicroAdamMSQ: Adam whose second moment averages the unbiased squared mean :math:`\mu^2`.
+    r"""MicroAdamMSQ: Adam whose second moment averages the unbiased squared mean.
 
     .. math::
       \theta_{t+1} = \theta_t - \alpha_t \frac{\hat m_t}{\sqrt{\hat v_t + \bar\varepsilon}

@@ -42,9 +42,7 @@ def _check(clip_norm, noise_multiplier, batch_size, owner):
             raise ValueError(
                 f"{owner}(noise_multiplier=...): must be >= 0, got {noise_multiplier!r}."
             )
-        if noise_multiplier > 0 and isinstance(clip_norm, (int, float)) and math.isinf(
-            clip_norm
-        ):
+        if noise_multiplier > 0 and isinstance(clip_norm, (int, float)) and math.isinf(clip_norm):
             raise ValueError(
                 f"{owner}: clip_norm=inf with noise_multiplier={noise_multiplier} adds "
                 "infinite noise. Use a finite clip_norm, or noise_multiplier=0 for "
@@ -120,7 +118,13 @@ def dp_aggregate(
     fixed_batch_size = batch_size
 
     def update_fn(
-        updates, state, params=None, *, clipped_sum=None, batch_size=None, key=None,
+        updates,
+        state,
+        params=None,
+        *,
+        clipped_sum=None,
+        batch_size=None,
+        key=None,
         **extra_args,
     ):
         del updates, params, extra_args
@@ -132,9 +136,7 @@ def dp_aggregate(
             key = require(key, "key", owner)
             noise = _noise_like(key, clipped_sum, noise_multiplier * clip_norm)
             clipped_sum = jax.tree.map(jnp.add, clipped_sum, noise)
-        out = jax.tree.map(
-            lambda s: s / jnp.asarray(batch_size).astype(s.dtype), clipped_sum
-        )
+        out = jax.tree.map(lambda s: s / jnp.asarray(batch_size).astype(s.dtype), clipped_sum)
         return out, state
 
     keys = ("clipped_sum",) if fixed_batch_size is not None else ("clipped_sum", "batch_size")

@@ -29,6 +29,13 @@ from jaxpr_surgery._src.optim.requests import (
 __all__ = ["TrackGradientStatisticsState", "track_gradient_statistics"]
 
 
+def _total(tree):
+    """Sum of every element of every leaf, in float32."""
+    return sum(
+        (jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(tree)), jnp.zeros([], jnp.float32)
+    )
+
+
 def _ratio(num, den):
     """``num / den`` with ``x/0 = inf`` for ``x > 0`` and ``0/0 = 0`` (as js.stats.snr)."""
     safe = jnp.where(den > 0, den, 1)
@@ -58,14 +65,14 @@ class TrackGradientStatisticsState(NamedTuple):
 
     @property
     def snr(self) -> optax.Updates | None:
-        r"""Per-coordinate signal-to-noise ratio :math:`\mathrm{EMA}[\bar g^2]/\mathrm{EMA}[\hat\sigma^2]`."""
+        r"""Per-coordinate SNR :math:`\mathrm{EMA}[\bar g^2]/\mathrm{EMA}[\hat\sigma^2]`."""
         if self.mean_sq is None:
             return None
         return jax.tree.map(_ratio, self.mean_sq, self.variance)
 
     @property
     def noise_scale(self) -> jax.Array:
-        r"""Gradient noise scale :math:`\mathrm{EMA}[\mathrm{tr}\,\hat\Sigma]/\mathrm{EMA}[\|\bar g\|^2]`."""
+        r"""Noise scale :math:`\mathrm{EMA}[\mathrm{tr}\,\hat\Sigma]/\mathrm{EMA}[\|\bar g\|^2]`."""
         return _ratio(self.trace_variance, self.sq_norm)
 
 
@@ -150,18 +157,13 @@ def track_gradient_statistics(
             return jnp.where(first, new, decay * old + (1 - decay) * new)
 
         mean_sq = jax.tree.map(jnp.square, mean)
-        total = lambda tree: sum(
-            (jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(tree)),
-            jnp.zeros([], jnp.float32),
-        )
+        per_coord = state.mean_sq is not None
         new_state = TrackGradientStatisticsState(
             count=optax.safe_increment(state.count),
-            mean_sq=None if state.mean_sq is None else jax.tree.map(ema, state.mean_sq, mean_sq),
-            variance=None
-            if state.variance is None
-            else jax.tree.map(ema, state.variance, variance),
-            sq_norm=ema(state.sq_norm, total(mean_sq)),
-            trace_variance=ema(state.trace_variance, total(variance)),
+            mean_sq=jax.tree.map(ema, state.mean_sq, mean_sq) if per_coord else None,
+            variance=jax.tree.map(ema, state.variance, variance) if per_coord else None,
+            sq_norm=ema(state.sq_norm, _total(mean_sq)),
+            trace_variance=ema(state.trace_variance, _total(variance)),
         )
         return updates, new_state
 

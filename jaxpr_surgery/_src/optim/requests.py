@@ -327,7 +327,8 @@ def require(value, name: str, owner: str):
             f"{owner}: update() needs the keyword-only extra argument `{name}` "
             f"(statistic: {_HINTS.get(name, name)}). Compute the statistics of "
             "js.optim.stat_request(opt) with js.value_and_per_example_stat and pass "
-            "**js.optim.update_kwargs(stats) to update(). Note that optax.chain "
-            "drops the request of its parts; use js.optim.chain instead."
+            "**js.optim.update_kwargs(stats) to update(). Wrappers such as optax.chain "
+            "or optax.inject_hyperparams drop the request of what they wrap: use "
+            "js.optim.chain, or js.optim.stat_request('<optimizer name>')."
         )
     return value

@@ -109,14 +109,14 @@ def per_example_sign_sgd(
       >>> import jax.numpy as jnp, optax
       >>> import jaxpr_surgery.optim as jso
       >>> opt = jso.per_example_sign_sgd(learning_rate=0.1)
-      >>> params = jnp.array([1.0, -2.0])
+      >>> params = jnp.array([1.0, -2.0, 3.0])
       >>> state = opt.init(params)
-      >>> g = jnp.array([[1.0, 1.0], [-3.0, 3.0]]) * params  # per-example gradients
+      >>> g = jnp.array([[1.0, 1.0, -1.0], [3.0, 3.0, 2.0]]) * params  # per-example
       >>> stats = {"mean": g.mean(0), "sign_mean": jnp.sign(g).mean(0)}
       >>> updates, state = opt.update(stats["mean"], state, params,
       ...                             **jso.update_kwargs(stats))
-      >>> print(updates)
-      [-0.   0.1]
+      >>> print(updates)  # the examples disagree on the last coordinate: no step
+      [-0.1  0.1 -0. ]
 
     References:
       Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
