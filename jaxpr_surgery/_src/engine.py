@@ -84,7 +84,7 @@ def _sink_avals(plan, site, B):
 
     def f(w, ext, dy):
         ctx = kernel.prepare(w, ext, site.ext_batched, dy)
-        out = {k: kernel.direct(ctx, r) for k, r in direct.items()}
+        out = kernel.direct_all(ctx, direct)
         if want_ing:
             out["ing"] = kernel.ingredients(ctx)
         return out

@@ -155,7 +155,7 @@ def make_site_fn(reduction_plan):
             _, pull = jax.vjp(F, w, *ext)
             cts = pull(dy)
             ctx = kernel.prepare(w, ext, ext_batched, dy)
-            out = {k: kernel.direct(ctx, r) for k, r in direct.items()}
+            out = kernel.direct_all(ctx, direct)
             if want_ing:
                 out["ing"] = kernel.ingredients(ctx)
             out = jax.tree.map(lambda o, s: o.astype(s.dtype), out, sink)

@@ -72,6 +72,10 @@ class Kernel:
     def direct(self, ctx, reduction):
         return reduce_materialised(self.materialise(ctx), reduction)
 
+    def direct_all(self, ctx, reductions):
+        """``{key: direct(ctx, r)}``; kernels override to share work between reductions."""
+        return {k: self.direct(ctx, r) for k, r in reductions.items()}
+
     def ingredients(self, ctx):
         return ctx
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.sites.base import Kernel, register
+from jaxpr_surgery._src.sites.base import Kernel, reduce_materialised, register
 
 
 def _canon(site):
@@ -105,6 +105,33 @@ class DenseKernel(Kernel):
         if isinstance(reduction, S.Centered) and N == 1:
             return self._centered_rank_one(x[:, :, 0], dy[:, :, 0])
         return super().direct(ctx, reduction)
+
+    def needs_materialise(self, r):
+        N = self.c["N"]
+        if isinstance(r, S.PhiSum):
+            return not (r.phi is None or (r.multiplicative and N == 1))
+        if isinstance(r, S.Centered):
+            return N != 1
+        if isinstance(r, S.SqNorms):
+            return N != 1 and not self.use_ghost()
+        return True
+
+    def direct_all(self, ctx, reductions):
+        if not any(self.needs_materialise(r) for r in reductions.values()):
+            return super().direct_all(ctx, reductions)
+        # G_b is formed anyway: derive every reduction from it (the sum and the
+        # norms then cost O(B I O) instead of another contraction).
+        x, dy = ctx
+        G = jnp.einsum("bknc,bknf->bkcf", x, dy)
+        out = {}
+        for k, r in reductions.items():
+            if isinstance(r, S.SqNorms):
+                out[k] = jnp.sum(jnp.square(G), axis=(1, 2, 3))
+            else:
+                red = reduce_materialised(G, r)
+                out[k] = S.Moments(self.to_view(red.mean), self.to_view(red.m2)) if isinstance(
+                    red, S.Moments) else self.to_view(red)
+        return out
 
     def _centered_rank_one(self, x, d):
         B = x.shape[0]
