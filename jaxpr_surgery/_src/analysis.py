@@ -177,6 +177,7 @@ class _Analyzer:
         self.leaves = [LeafInfo() for _ in range(n_leaves)]
         self.sites = {}
         self.primitives = set()
+        self.patterns = {}  # Var -> ("bcast"|"iota"|"eq"|"onehot", info): one-hot detection
 
     # -- helpers ---------------------------------------------------------- #
     def residual(self, tag, reason):
@@ -215,6 +216,7 @@ class _Analyzer:
             self.primitives.add(eqn.primitive)
             p = path + (i,)
             tags = [read(v) for v in eqn.invars]
+            self.track_onehot(eqn)
             out_tags = self.eqn(eqn, tags, p, scan_lengths)
             for v, t in zip(eqn.outvars, out_tags):
                 env[v] = t
@@ -230,6 +232,13 @@ class _Analyzer:
             jaxpr, _ = _call_jaxpr(eqn)
             inner = [self.to_boundary(t, "jit") for t in tags]
             outs = self.run(jaxpr, inner, path, scan_lengths)
+            # one-hot vectors built inside the call, from ids passed into it
+            for vi, vo in zip(jaxpr.outvars, eqn.outvars):
+                pat = self.patterns.get(vi)
+                if pat and pat[0] == "onehot" and pat[1][0] in jaxpr.invars:
+                    outer_ids = eqn.invars[jaxpr.invars.index(pat[1][0])]
+                    if not _is_literal(outer_ids):
+                        self.patterns[vo] = ("onehot", (outer_ids,) + pat[1][1:])
             return [self.to_boundary(t, "jit") for t in outs]
         if prim is compat.remat_p:
             inner = [self.to_boundary(t, "checkpoint") for t in tags]
@@ -272,6 +281,13 @@ class _Analyzer:
             self.residual(tag, "closed over by lax.scan (used in every iteration)")
             return [DATA] * n_out
         kind = self.kind(eqn, tag, pos)
+        extra = []
+        if kind == "dense":
+            x = eqn.invars[1 - pos[0]]
+            pat = self.patterns.get(x)
+            if pat and pat[0] == "onehot" and _onehot_dense_ok(eqn, pos[0], pat[1][1]):
+                kind = "onehot-embedding"
+                extra = [pat[1][0]]
         base = tag.base if tag.pre else pv
         pre_out = {e.outvars[0] for e in tag.pre}
         ext, seen = [], set()
@@ -279,6 +295,10 @@ class _Analyzer:
             for v in e.invars:
                 if _is_literal(v) or v is base or v in pre_out or v in seen:
                     continue
+                seen.add(v)
+                ext.append(v)
+        for v in extra:
+            if v not in seen:
                 seen.add(v)
                 ext.append(v)
         site = Site(
@@ -295,12 +315,45 @@ class _Analyzer:
             scan_lengths=tuple(scan_lengths),
             view_shape=_shape(base),
             ext_batched=tuple(
-                any(v is u and t == DATA for u, t in zip(eqn.invars, tags)) for v in ext
+                any(v is u and t == DATA for u, t in zip(eqn.invars, tags)) or v in extra
+                for v in ext
             ),
         )
         self.sites[path] = site
         self.leaves[tag.leaf].sites.append(site)
         return [DATA] * n_out
+
+    def track_onehot(self, eqn):
+        """Recognises ``one_hot(ids) = convert(eq(broadcast(ids), iota))``."""
+        import jax.numpy as jnp
+        from jax._src.lax import lax as _lax
+
+        prim, pat = eqn.primitive, self.patterns
+        if len(eqn.outvars) != 1:
+            return
+        out = eqn.outvars[0]
+        if prim is compat.broadcast_p and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.integer):
+            if not _is_literal(eqn.invars[0]):
+                pat[out] = ("bcast", (eqn.invars[0], tuple(eqn.params["broadcast_dimensions"])))
+        elif prim is _lax.iota_p:
+            pat[out] = ("iota", eqn.params["dimension"])
+        elif prim is _lax.eq_p and not any(_is_literal(v) for v in eqn.invars):
+            a, b = (pat.get(v) for v in eqn.invars)
+            if a and b and a[0] == "iota" and b[0] == "bcast":
+                a, b = b, a
+            if not (a and b and a[0] == "bcast" and b[0] == "iota"):
+                return
+            ids, bdims = a[1]
+            axis = b[1]
+            shape = _shape(out)
+            ids_shape = _shape(ids)
+            rest = tuple(i for i in range(len(shape)) if i != axis)
+            if bdims == rest and tuple(shape[i] for i in rest) == ids_shape:
+                pat[out] = ("eq", (ids, axis, shape[axis]))
+        elif prim is compat.convert_p and jnp.issubdtype(out.aval.dtype, jnp.floating):
+            src = pat.get(eqn.invars[0])
+            if src and src[0] == "eq":
+                pat[out] = ("onehot", src[1])
 
     @staticmethod
     def union(tags):
@@ -359,6 +412,14 @@ class _Analyzer:
                 self.residual(t, "returned from lax.scan")
         outs = [DATA if isinstance(t, (PView, Mixed)) else t for t in outs]
         return outs
+
+
+def _onehot_dense_ok(eqn, p, axis):
+    """The one-hot axis is the only contracted dim, against a 2-D [V, d] weight (no dot batch)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    xc, wc = (rc, lc) if p == 0 else (lc, rc)
+    w_shape = _shape(eqn.invars[p])
+    return (not lb and tuple(xc) == (axis,) and len(w_shape) == 2 and len(wc) == 1)
 
 
 def _is_row_gather(eqn):

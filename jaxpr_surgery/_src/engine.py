@@ -258,7 +258,7 @@ def _cross_fast(sa, ka, inga, sb, kb, ingb):
     """<G_a, G_b> per example for an embedding site and a dense site on a 2-D leaf (tying)."""
     if ka.kind == "dense" and kb.kind == "embedding":
         sa, ka, inga, sb, kb, ingb = sb, kb, ingb, sa, ka, inga
-    if not (ka.kind == "embedding" and kb.kind == "dense") or sa.depth or sb.depth:
+    if ka.kind == "onehot-embedding" or not (ka.kind == "embedding" and kb.kind == "dense") or sa.depth or sb.depth:
         return None
     c = kb.c
     if c["K"] != 1:

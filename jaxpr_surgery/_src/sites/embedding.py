@@ -128,3 +128,50 @@ class EmbeddingKernel(Kernel):
         if isinstance(reduction, S.PhiSum) and not _phi_zero_is_zero(reduction):
             return "materialise per-example", B * self.V * self.d
         return "segment-sum (T x T ids mask)", seg
+
+
+@register("onehot-embedding")
+class OneHotEmbeddingKernel(EmbeddingKernel):
+    """``one_hot(ids) @ table``: a dense site computed as an embedding (rows = one-hot axis).
+
+    Out-of-range ids give an all-zero one-hot row, i.e. no gradient (drop semantics).
+    """
+
+    def __init__(self, site, acc_dtype):
+        from jaxpr_surgery._src.sites.dense import _canon
+
+        Kernel.__init__(self, site, acc_dtype)
+        self.c = _canon(site)
+        self.V, self.d = self.c["C"], self.c["F"]
+        self.ids_var = site.ext_vars[-1]
+
+    def prepare(self, w, ext, ext_batched, dy):
+        c = self.c
+        ids = ext[self.site.ext_vars.index(self.ids_var)]
+        (dy,) = dy
+        B = dy.shape[0]
+        dy = jnp.transpose(dy, (0,) + tuple(1 + i for i in c["dy_perm"]))
+        dy = dy.reshape(B, c["N"], c["F"]).astype(self.acc)
+        ids = ids.reshape(B, c["N"])
+        valid = (ids >= 0) & (ids < self.V)
+        dy = jnp.where(valid[..., None], dy, 0)
+        return jnp.clip(ids, 0, self.V - 1), valid, dy
+
+    def _view(self, v):
+        from jaxpr_surgery._src.sites.dense import DenseKernel
+
+        return DenseKernel.to_view(self, v[..., None, :, :])
+
+    def direct(self, ctx, reduction):
+        out = super().direct(ctx, reduction)
+        if isinstance(reduction, S.SqNorms):
+            return out
+        if isinstance(out, S.Moments):
+            return S.Moments(self._view(out.mean), self._view(out.m2))
+        return self._view(out)
+
+    def materialise(self, ing):
+        return self._view(super().materialise(ing))
+
+    def weighted_sum(self, ing, c):
+        return self._view(super().weighted_sum(ing, c))
