@@ -47,10 +47,12 @@ class EmbeddingKernel(Kernel):
         B = dy.shape[0]
         ids = idx.reshape(B, -1)
         dy = dy.reshape(B, -1, self.d).astype(self.acc)
-        if self.mode == GatherScatterMode.FILL_OR_DROP:
-            valid = (ids >= 0) & (ids < self.V)
-        else:
+        if self.mode == GatherScatterMode.CLIP:
             valid = jnp.ones(ids.shape, bool)
+        else:
+            # FILL_OR_DROP and PROMISE_IN_BOUNDS: the transposed scatter drops
+            # out-of-range rows, so they get no gradient
+            valid = (ids >= 0) & (ids < self.V)
         ids = jnp.clip(ids, 0, self.V - 1)
         dy = jnp.where(valid[..., None], dy, 0)
         return ids, valid, dy
