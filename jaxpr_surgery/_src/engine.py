@@ -150,7 +150,6 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
         acc = acc_dtype_for(aval.dtype)
         sites = an.leaves[i].sites
         if mode == "unused":
-            G = None
             for j, r in enumerate(plan.reductions):
                 values[j][i] = _zeros_value(r, aval, acc, B)
             norms_leaf[i] = jnp.zeros((B,), acc)
@@ -175,17 +174,25 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
         _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred)
 
     if plan.has_clip:
-        total = sum(norms_leaf[i].astype(jnp.float32) if norms_leaf[i].dtype == jnp.bfloat16
-                    else norms_leaf[i] for i in range(n))
-        norm = jnp.sqrt(total)
+        norm = jnp.sqrt(sum(norms_leaf))
         for j, r in enumerate(plan.reductions):
             if isinstance(r, S.ClippedSum):
-                C = r.clip_norm
-                c = jnp.where(jnp.isinf(C), 1.0, C / jnp.maximum(norm, C)) if not (
-                    isinstance(C, float) and C == float("inf")) else jnp.ones_like(norm)
+                c = _clip_factor(r.clip_norm, norm)
                 for i in range(n):
                     values[j][i] = deferred[i](c)
     return values, loss_b, aux
+
+
+def _clip_factor(C, norm):
+    """min(1, C / norm) without NaN at norm = 0 or C = inf."""
+    if isinstance(C, (int, float)):
+        if C == float("inf"):
+            return jnp.ones_like(norm)
+        return C / jnp.maximum(norm, C)
+    C = jnp.asarray(C, norm.dtype)
+    finite = jnp.isfinite(C)
+    Cs = jnp.where(finite, C, 1.0)
+    return jnp.where(finite, Cs / jnp.maximum(norm, Cs), 1.0)
 
 
 def _zeros_value(r, aval, acc, B):
