@@ -261,28 +261,37 @@ def _chunked_materialised(mat, B, nbytes, reductions):
     return acc
 
 
-def _cross_fast(sa, ka, inga, sb, kb, ingb):
-    """<G_a, G_b> per example for an embedding site and a dense site on a 2-D leaf (tying)."""
+def cross_layout(sa, ka, sb, kb):
+    """For an embedding site and a dense site on the same [V, d] leaf (tying): on which
+    canonical dense axis ("C" or "F") the table rows lie, or None if no ghost cross term."""
     if ka.kind == "dense" and kb.kind == "embedding":
-        sa, ka, inga, sb, kb, ingb = sb, kb, ingb, sa, ka, inga
-    if ka.kind == "onehot-embedding" or not (ka.kind == "embedding" and kb.kind == "dense") or sa.depth or sb.depth:
+        sa, ka, sb, kb = sb, kb, sa, ka
+    if not (ka.kind == "embedding" and kb.kind == "dense") or sa.depth or sb.depth:
         return None
     c = kb.c
     if c["K"] != 1:
         return None
     V, d = ka.V, ka.d
-    # where does canonical (c, f) land in the [V, d] leaf?
+    # where does canonical (c, f) land in the [V, d] leaf? (numpy: static)
     idx = np.arange(c["C"] * c["F"]).reshape(1, c["C"], c["F"])
-    leaf_idx = _to_leaf(kb.to_view(idx), sb)  # numpy all the way: static
+    leaf_idx = _to_leaf(kb.to_view(idx), sb)
     if leaf_idx.shape != (V, d):
         return None
     vv, dd = np.meshgrid(np.arange(V), np.arange(d), indexing="ij")
     if c["C"] == d and c["F"] == V and np.array_equal(leaf_idx, dd * V + vv):
-        rows_on = "F"
-    elif c["C"] == V and c["F"] == d and np.array_equal(leaf_idx, vv * d + dd):
-        rows_on = "C"
-    else:
+        return "F"
+    if c["C"] == V and c["F"] == d and np.array_equal(leaf_idx, vv * d + dd):
+        return "C"
+    return None
+
+
+def _cross_fast(sa, ka, inga, sb, kb, ingb):
+    """<G_a, G_b> per example (ghost form), or None when there is no cheap formula."""
+    rows_on = cross_layout(sa, ka, sb, kb)
+    if rows_on is None:
         return None
+    if ka.kind == "dense":
+        sa, ka, inga, sb, kb, ingb = sb, kb, ingb, sa, ka, inga
     ids, valid, dye = ka.ctx(inga)  # [B, T], [B, T], [B, T, d]
     x, dy = ingb  # [B, 1, N, C], [B, 1, N, F]
     x, dy = x[:, 0], dy[:, 0]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxpr_surgery._src import analysis as A
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared
+from jaxpr_surgery._src.engine import cross_layout
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import acc_dtype_for
 
@@ -166,14 +167,23 @@ def explain(
             kinds = [s.kind for s in info.sites]
             flops, mem, parts = 0.0, 0.0, []
             multi = len(info.sites) > 1
-            for s in info.sites:
-                k = kernel_for(s, acc_dtype_for(x.dtype))
+            ks = [kernel_for(s, acc_dtype_for(x.dtype)) for s in info.sites]
+            ghost_cross = multi and all(
+                cross_layout(info.sites[a], ks[a], info.sites[b], ks[b]) is not None
+                for a in range(len(ks)) for b in range(a + 1, len(ks))
+            )
+            for s, k in zip(info.sites, ks):
                 reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
                 for r in reductions:
                     name, f = k.rule(r, B)
-                    if multi and not (isinstance(r, S.PhiSum) and r.phi is None):
-                        name, f = "materialise per-example (shared leaf)", 2.0 * B * size
-                    parts.append(f"{_rname(r)}: {name}")
+                    linear = isinstance(r, S.PhiSum) and r.phi is None
+                    if multi and not linear:
+                        if isinstance(r, (S.SqNorms, S.ClippedSum)) and ghost_cross:
+                            name = f"{name} + ghost cross terms (shared leaf)"
+                        else:
+                            name, f = "materialise per-example (shared leaf)", 2.0 * B * size
+                    parts.append(f"{_rname(r)}[{s.kind}]: {name}" if multi else
+                                 f"{_rname(r)}: {name}")
                     flops += (f or 0) * reps
                     if "materialise" in name:
                         mem = max(mem, B * size * itemsize)
