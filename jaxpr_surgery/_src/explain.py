@@ -125,7 +125,7 @@ def explain(
       >>> b = {"x": jnp.ones((4, 3)), "y": jnp.ones((4, 2))}
       >>> rep = js.explain(loss)(p, b)
       >>> [(leaf.path, leaf.kinds, leaf.rule) for leaf in rep.leaves]
-      [("[0]['b']", ['scale-shift'], 'fast'), ("[0]['w']", ['dense'], 'fast')]
+      [("['b']", ['scale-shift'], 'fast'), ("['w']", ['dense'], 'fast')]
     """
     stat = _default_stats() if stat is None else stat
     stat_leaves, _, reqs = _flatten_stats(stat)

@@ -1,0 +1,325 @@
+"""Bad input gets a clear error (type and message); NaN propagates like jax.grad;
+zero-gradient examples give no NaN; check_per_example catches batch norm."""
+
+from __future__ import annotations
+
+import _models as M
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxpr_surgery as js
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return M.get("mlp")
+
+
+def _mean_fn(loss=None, **kw):
+    return js.per_example_stat(loss or M.mlp_loss, js.stats.mean(), **kw)
+
+
+# --------------------------------------------------------------------------- #
+# The loss
+# --------------------------------------------------------------------------- #
+def test_loss_not_scalar(mlp):
+    _, params, batch = mlp
+
+    def per_example_losses(p, b):
+        return jax.vmap(lambda x, y: M.mlp_loss(p, {"x": x[None], "y": y[None]}))(b["x"], b["y"])
+
+    with pytest.raises(ValueError, match="scalar"):
+        _mean_fn(per_example_losses)(params, batch)
+
+
+def test_loss_integer(mlp):
+    _, params, batch = mlp
+    with pytest.raises(ValueError, match="scalar floating-point loss"):
+        _mean_fn(lambda p, b: jnp.sum(b["y"]))(params, batch)
+
+
+def test_has_aux_but_fn_returns_scalar(mlp):
+    _, params, batch = mlp
+    with pytest.raises(TypeError, match="has_aux=True requires fn to return a pair"):
+        _mean_fn(has_aux=True)(params, batch)
+
+
+def test_fn_not_callable():
+    with pytest.raises(TypeError, match="callable"):
+        js.per_example_stat("not a function", js.stats.mean())
+
+
+# --------------------------------------------------------------------------- #
+# The batch
+# --------------------------------------------------------------------------- #
+def test_batch_leaves_with_different_leading_sizes(mlp):
+    _, params, batch = mlp
+    bad = {"x": batch["x"], "y": batch["y"][:-1]}
+    with pytest.raises(ValueError, match="different leading sizes"):
+        _mean_fn()(params, bad)
+
+
+def test_empty_batch(mlp):
+    _, params, batch = mlp
+    empty = jax.tree.map(lambda x: x[:0], batch)
+    with pytest.raises(ValueError, match="empty"):
+        _mean_fn()(params, empty)
+
+
+def test_scalar_batch_leaf(mlp):
+    _, params, batch = mlp
+    with pytest.raises(ValueError, match="leading example axis"):
+        _mean_fn(lambda p, b: M.mlp_loss(p, b) * b["t"])(params, {**batch, "t": jnp.float32(2)})
+
+
+def test_batch_with_no_arrays(mlp):
+    _, params, _ = mlp
+    with pytest.raises(ValueError, match="hold no arrays"):
+        _mean_fn(lambda p, b: jnp.sum(p["l1"]["w"]))(params, {})
+
+
+# --------------------------------------------------------------------------- #
+# argnums / batch_argnums
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(argnums=2), "argnums=2 is out of range"),
+        (dict(argnums=-3), "argnums=-3 is out of range"),
+        (dict(batch_argnums=5), "batch_argnums=5 is out of range"),
+        (dict(argnums=1, batch_argnums=1), "overlap"),
+        (dict(argnums=(0, 1)), "overlap"),
+        (dict(argnums=(0, 0), batch_argnums=1), "same argument twice"),
+        (dict(argnums=()), "at least one"),
+    ],
+)
+def test_argnums_errors(mlp, kw, match):
+    _, params, batch = mlp
+    with pytest.raises(ValueError, match=match):
+        _mean_fn(**kw)(params, batch)
+
+
+def test_argnums_wrong_type(mlp):
+    _, params, batch = mlp
+    with pytest.raises(TypeError, match="argnums must be an int or a tuple of ints"):
+        _mean_fn(argnums="0")(params, batch)
+
+
+# --------------------------------------------------------------------------- #
+# Parameters
+# --------------------------------------------------------------------------- #
+def test_integer_parameter_leaf(mlp):
+    _, params, batch = mlp
+    bad = {**params, "step": jnp.int32(3)}
+    with pytest.raises(TypeError, match=r"\['step'\].*int32"):
+        _mean_fn()(bad, batch)
+
+
+def test_non_array_parameter_leaf(mlp):
+    _, params, batch = mlp
+    bad = {**params, "act": "tanh"}
+    with pytest.raises(TypeError, match=r"\['act'\] is a str, not an array"):
+        _mean_fn()(bad, batch)
+
+
+# --------------------------------------------------------------------------- #
+# Statistics and options
+# --------------------------------------------------------------------------- #
+def test_not_a_statistic():
+    with pytest.raises(TypeError, match="is not a statistic"):
+        js.per_example_stat(M.mlp_loss, "mean")
+    with pytest.raises(TypeError, match="is not a statistic"):
+        js.per_example_stat(M.mlp_loss, {"m": js.stats.mean(), "bad": 3})
+    with pytest.raises(TypeError, match="is not a statistic"):
+        js.per_example_stat(M.mlp_loss, js.stats.mean)  # the constructor, not a statistic
+
+
+class _JunkList(js.stats.Statistic):
+    def reductions(self):
+        return ["square"]
+
+    def finalize(self, values, count):
+        return values
+
+
+class _JunkValue(js.stats.Statistic):
+    def reductions(self):
+        return {"s": "square"}
+
+    def finalize(self, values, count):
+        return values
+
+
+class _Empty(js.stats.Statistic):
+    def reductions(self):
+        return {}
+
+    def finalize(self, values, count):
+        return values
+
+
+def test_reductions_returning_junk():
+    with pytest.raises(TypeError, match="must return a non-empty mapping"):
+        js.per_example_stat(M.mlp_loss, _JunkList())
+    with pytest.raises(TypeError, match="must return a non-empty mapping"):
+        js.per_example_stat(M.mlp_loss, _Empty())
+    with pytest.raises(TypeError, match=r"\['s'\] is 'square', not a reduction"):
+        js.per_example_stat(M.mlp_loss, _JunkValue())
+
+
+def test_empty_stat_tree():
+    with pytest.raises(TypeError, match="empty tree"):
+        js.per_example_stat(M.mlp_loss, {})
+
+
+@pytest.mark.parametrize("clip", [0, 0.0, -1.0, float("nan")])
+@pytest.mark.parametrize("ctor", [js.stats.clipped_mean, js.stats.clipped_sum])
+def test_clip_norm_not_positive(ctor, clip):
+    with pytest.raises(ValueError, match="clip_norm must be a positive number"):
+        ctor(clip)
+
+
+def test_other_constructor_arguments():
+    with pytest.raises(ValueError, match="ddof must be a non-negative int"):
+        js.stats.variance(ddof=-1)
+    with pytest.raises(TypeError, match="phi must be callable"):
+        js.stats.elementwise(2.0)
+
+
+@pytest.mark.parametrize("chunk", [0, -2, 1.5])
+def test_chunk_size_invalid(mlp, chunk):
+    _, params, batch = mlp
+    with pytest.raises(ValueError, match="chunk_size must be a positive int or None"):
+        _mean_fn(chunk_size=chunk)(params, batch)
+
+
+# --------------------------------------------------------------------------- #
+# strict=True
+# --------------------------------------------------------------------------- #
+def _cond_loss(p, b):
+    h = jnp.tanh(b["x"] @ p["w_dense"])
+    h = lax.cond(jnp.sum(b["x"]) > 0, lambda h, w: jnp.tanh(h @ w), lambda h, w: h @ w,
+                 h, p["w_cond"])
+    return jnp.mean(jnp.sum(jnp.square(h), axis=-1))
+
+
+def _cond_case():
+    r = np.random.default_rng(4)
+    p = {"w_dense": jnp.asarray(r.standard_normal((3, 4)) * 0.5, jnp.float32),
+         "w_cond": jnp.asarray(r.standard_normal((4, 4)) * 0.5, jnp.float32)}
+    return p, {"x": jnp.asarray(r.standard_normal((M.B, 3)), jnp.float32)}
+
+
+def test_strict_raises_naming_the_leaf_inside_cond():
+    p, b = _cond_case()
+    with pytest.raises(NotImplementedError, match=r"\['w_cond'\]") as e:
+        js.per_example_stat(_cond_loss, js.stats.second_moment(), strict=True)(p, b)
+    assert "['w_dense']" not in str(e.value), "w_dense has a fast rule and must not be named"
+    assert "cond" in str(e.value)
+
+
+def test_non_strict_falls_back_exactly_inside_cond():
+    p, b = _cond_case()
+    stat = {k: M.STATS[k]() for k in ("mean", "second_moment", "variance", "sq_norms",
+                                      "clipped_mean")}
+    out = jax.jit(js.per_example_stat(_cond_loss, stat))(p, b)
+    ora = M.oracle(_cond_loss, p, b)
+    for k in stat:
+        M.assert_stat_close(k, out[k], ora[k])
+    rep = js.explain(_cond_loss)(p, b)
+    assert rep.fallback_leaves == ["['w_cond']"], str(rep)
+
+
+# --------------------------------------------------------------------------- #
+# Numerics at the edges
+# --------------------------------------------------------------------------- #
+def test_nan_in_data_propagates_like_jax_grad(mlp):
+    loss, params, batch = mlp
+    x = np.array(batch["x"])
+    x[2, 1] = np.nan
+    bad = {**batch, "x": jnp.asarray(x)}
+    stat = M.all_stats()
+    out = jax.jit(js.per_example_stat(loss, stat))(params, bad)  # no crash
+    ora = M.oracle(loss, params, bad)
+    # NaN exactly where the vmap(grad) oracle has NaN, equal elsewhere
+    for k in M.STAT_NAMES:
+        for a, e in zip(jax.tree.leaves(out[k]), jax.tree.leaves(ora[k]), strict=True):
+            np.testing.assert_array_equal(np.isnan(np.asarray(a)), np.isnan(e), err_msg=k)
+    sq = np.asarray(out["sq_norms"])
+    assert np.isnan(sq[2]) and np.all(np.isfinite(np.delete(sq, 2))), sq
+    M.assert_stat_close("sq_norms", sq, ora["sq_norms"])
+    assert np.all(np.isnan(np.asarray(jax.tree.leaves(out["mean"])[0])))
+
+
+def _masked_loss(p, b):
+    h = jnp.tanh(b["x"] @ p["l1"]["w"] + p["l1"]["b"])
+    logits = h @ p["l2"]["w"] + p["l2"]["b"]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, b["y"][:, None], axis=-1)[:, 0]
+    return jnp.mean(b["weight"] * nll)
+
+
+def test_zero_gradient_examples_give_no_nan(mlp):
+    _, params, batch = mlp
+    weight = jnp.array([1, 0, 1, 1, 0, 1, 1, 0], jnp.float32)
+    b = {**batch, "weight": weight}
+    names = ("norms", "sq_norms", "clipped_mean", "clipped_sum", "mean", "variance", "sign_mean")
+    out = jax.jit(js.per_example_stat(_masked_loss, {k: M.STATS[k]() for k in names}))(params, b)
+    for k in names:
+        for x in jax.tree.leaves(out[k]):
+            assert np.all(np.isfinite(np.asarray(x))), k
+    np.testing.assert_array_equal(np.asarray(out["norms"])[[1, 4, 7]], 0.0)
+    ora = M.oracle(_masked_loss, params, b)
+    for k in names:
+        M.assert_stat_close(k, out[k], ora[k])
+
+
+def test_all_examples_zero_gradient():
+    """Every g_b = 0: clipped statistics are 0, snr is 0 (not NaN), norms 0."""
+    p = {"w": jnp.ones((3,))}
+    b = {"x": jnp.ones((M.B, 3)), "weight": jnp.zeros((M.B,))}
+    stat = {"cm": js.stats.clipped_mean(1.0), "n": js.stats.norms(), "snr": js.stats.snr()}
+    out = jax.jit(js.per_example_stat(lambda p, b: jnp.mean(b["weight"] * (b["x"] @ p["w"])),
+                                      stat))(p, b)
+    np.testing.assert_array_equal(out["cm"]["w"], 0.0)
+    np.testing.assert_array_equal(out["n"], 0.0)
+    np.testing.assert_array_equal(out["snr"]["w"], 0.0)
+
+
+# --------------------------------------------------------------------------- #
+# check_per_example
+# --------------------------------------------------------------------------- #
+def _batchnorm_loss(p, b):
+    z = b["x"] @ p["w"]
+    z = (z - jnp.mean(z, axis=0)) / jnp.sqrt(jnp.var(z, axis=0) + 1e-5)  # batch statistics
+    h = jnp.tanh(z * p["g"] + p["b"])
+    return jnp.mean(jnp.sum(jnp.square(h - b["y"]), axis=-1))
+
+
+def test_check_per_example_rejects_batch_norm():
+    r = np.random.default_rng(5)
+    f32 = lambda *shape: jnp.asarray(r.standard_normal(shape), jnp.float32)  # noqa: E731
+    p = {"w": f32(3, 4), "g": jnp.ones(4), "b": jnp.zeros(4)}
+    b = {"x": f32(M.B, 3), "y": f32(M.B, 4)}
+    with pytest.raises(ValueError, match="examples of this model interact"):
+        js.check_per_example(_batchnorm_loss)(p, b)
+
+
+def test_check_per_example_rejects_in_batch_normalisation(mlp):
+    _, params, batch = mlp
+    # normalising by the whole batch's total instead of per example
+    def loss(p, b):
+        return jnp.sum(b["x"] @ p["l1"]["w"]) / jnp.sum(jnp.abs(b["x"]))
+
+    with pytest.raises(ValueError, match="interact"):
+        js.check_per_example(loss)(params, batch)
+
+
+def test_check_per_example_passes_on_mlp(mlp):
+    loss, params, batch = mlp
+    assert js.check_per_example(loss)(params, batch) is None
+    loss_t, params_t, batch_t = M.get("tied")
+    assert js.check_per_example(loss_t)(params_t, batch_t) is None

@@ -1,0 +1,134 @@
+"""explain(): layer kinds and rules per parameter leaf, readable and machine-readable."""
+
+from __future__ import annotations
+
+import json
+
+import _models as M
+import jax
+import pytest
+
+import jaxpr_surgery as js
+
+
+def _paths(params):
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+def _by_path(rep):
+    return {leaf.path: leaf for leaf in rep.leaves}
+
+
+@pytest.fixture(scope="module")
+def reports():
+    out = {}
+    for name in ("mlp", "transformer", "lora"):
+        loss, params, batch = M.get(name)
+        out[name] = (js.explain(loss)(params, batch), params)
+    return out
+
+
+def test_mlp_dense_and_scale_shift_fast(reports):
+    rep, params = reports["mlp"]
+    leaves = _by_path(rep)
+    assert sorted(leaves) == sorted(_paths(params))
+    for layer in ("l1", "l2"):
+        w, b = leaves[f"['{layer}']['w']"], leaves[f"['{layer}']['b']"]
+        assert w.kinds == ["dense"] and w.rule == "fast", str(rep)
+        assert b.kinds == ["scale-shift"] and b.rule == "fast", str(rep)
+        assert w.shape == tuple(params[layer]["w"].shape)
+        assert w.reasons == [] and not w.fallback
+    assert rep.fallback_leaves == []
+    assert rep.batch_size == M.B
+
+
+def test_transformer_tied_embedding_multi_site(reports):
+    rep, params = reports["transformer"]
+    leaves = _by_path(rep)
+    assert sorted(leaves) == sorted(_paths(params))
+    embed = leaves["['embed']"]
+    assert embed.rule == "multi-site", str(rep)
+    assert sorted(embed.kinds) == ["dense", "embedding"], str(rep)
+    for k in ("wq", "wk", "wv", "wo"):
+        assert leaves[f"['{k}']"].kinds == ["dense"] and leaves[f"['{k}']"].rule == "fast"
+    for ln in ("ln1", "lnf"):
+        for k in ("g", "b"):
+            leaf = leaves[f"['{ln}']['{k}']"]
+            assert leaf.kinds == ["scale-shift"] and leaf.rule == "fast", str(rep)
+    assert rep.fallback_leaves == [], str(rep)
+    assert all(leaf.rule != "fallback" for leaf in rep.leaves)
+
+
+def test_lora_and_weight_decay_fall_back_with_reason(reports):
+    rep, params = reports["lora"]
+    leaves = _by_path(rep)
+    # W is weight-decayed and summed with A @ B; A and B are combined with each other
+    for k in ("W", "A", "B"):
+        leaf = leaves[f"['{k}']"]
+        assert leaf.rule == "fallback", str(rep)
+        assert leaf.fallback and leaf.reasons, str(rep)
+        assert all(isinstance(r, str) and r for r in leaf.reasons)
+        assert "exact per-example" in leaf.detail
+    assert "combined with another parameter" in " ".join(leaves["['A']"].reasons)
+    assert sorted(rep.fallback_leaves) == ["['A']", "['B']", "['W']"]
+    # the rest still gets fast rules
+    assert leaves["['b']"].rule == "fast" and leaves["['head']"].rule == "fast", str(rep)
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer", "lora"])
+def test_str_contains_every_leaf_path(reports, name):
+    rep, params = reports[name]
+    text = str(rep)
+    for path in _paths(params):
+        assert path in text, f"{path} missing from\n{text}"
+    for word in ("leaf", "rule", f"B={M.B}"):
+        assert word in text
+    if name == "lora":
+        assert "fallback" in text
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer", "lora"])
+def test_as_dict_is_json_serialisable(reports, name):
+    rep, params = reports[name]
+    d = rep.as_dict()
+    s = json.dumps(d)
+    back = json.loads(s)
+    assert [leaf["path"] for leaf in back["leaves"]] == [leaf.path for leaf in rep.leaves]
+    assert back["batch_size"] == M.B
+    for leaf in back["leaves"]:
+        assert {"path", "shape", "kinds", "rule", "detail", "reasons"} <= set(leaf)
+
+
+def test_explain_with_custom_statistics_and_estimates():
+    loss, params, batch = M.get("transformer")
+    rep = js.explain(loss, {"cm": js.stats.clipped_mean(1.0), "n": js.stats.norms()})(
+        params, batch)
+    assert len(rep.statistics) == 2
+    for leaf in rep.leaves:
+        assert leaf.extra_flops is None or leaf.extra_flops >= 0
+        assert leaf.extra_bytes is None or leaf.extra_bytes >= 0
+    # every used leaf has a cost estimate and a rule per requested reduction
+    for leaf in rep.leaves:
+        if "dense" in leaf.kinds or "embedding" in leaf.kinds:
+            assert leaf.extra_flops is not None and leaf.extra_flops > 0, str(rep)
+        assert "clipped" in leaf.detail and "sq_norms" in leaf.detail, str(rep)
+
+
+def test_explain_unused_leaf():
+    loss, params, batch = M.get("mlp")
+    p = {**params, "unused": params["l1"]["b"]}
+    rep = js.explain(loss)(p, batch)
+    assert _by_path(rep)["['unused']"].rule == "unused", str(rep)
+
+
+def test_explain_matches_per_example_stat_fallback_behaviour():
+    """strict=True raises exactly for the leaves explain reports as fallback."""
+    loss, params, batch = M.get("lora")
+    rep = js.explain(loss)(params, batch)
+    with pytest.raises(NotImplementedError) as e:
+        js.per_example_stat(loss, js.stats.mean(), strict=True)(params, batch)
+    for path in rep.fallback_leaves:
+        assert path in str(e.value)
+    for leaf in rep.leaves:
+        if not leaf.fallback:
+            assert f"{leaf.path}:" not in str(e.value)
