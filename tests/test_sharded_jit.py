@@ -1,10 +1,9 @@
 """jit with the batch placed with NamedSharding(mesh, P('d')) (params replicated):
 results equal the unsharded computation.
 
-Auto mesh axes are supported. Explicit axes (sharding in types; the default of
-``jax.make_mesh`` in jax 0.10) are refused by the core with a clear
-``NotImplementedError`` for now: the Explicit case is kept as a strict xfail
-so that it flips when support lands.
+Both Auto mesh axes and Explicit axes (sharding in types; the default of
+``jax.make_mesh`` in jax 0.10) are supported: with Explicit axes the core runs
+in Auto mode for those axes and returns replicated outputs.
 """
 
 from __future__ import annotations
@@ -35,16 +34,10 @@ def _placed(name, axis_type):
     return loss, params, batch, mesh
 
 
-_EXPLICIT_UNSUPPORTED = pytest.mark.xfail(
-    raises=NotImplementedError, strict=True,
-    reason="core refuses batch sharded over Explicit mesh axes (api.py: 'not support yet')",
-)
-
-
 @pytest.mark.parametrize(
     "name,axis_type",
     [("mlp", "Auto"), ("transformer", "Auto"),
-     pytest.param("mlp", "Explicit", marks=_EXPLICIT_UNSUPPORTED)],
+     ("mlp", "Explicit"), ("transformer", "Explicit")],
 )
 def test_batch_sharded_jit_equals_unsharded(name, axis_type):
     loss, params, batch, mesh = _placed(name, axis_type)
@@ -57,10 +50,11 @@ def test_batch_sharded_jit_equals_unsharded(name, axis_type):
         M.assert_stat_close(k, out[k], ora[k])
 
 
-def test_explicit_axes_refused_with_clear_error():
+def test_explicit_axes_eager_and_value():
     loss, params, batch, _ = _placed("mlp", "Explicit")
-    with pytest.raises(NotImplementedError, match="Explicit"):
-        js.per_example_stat(loss, js.stats.mean())(params, batch)
+    l, out = js.value_and_per_example_stat(loss, js.stats.mean())(params, batch)
+    np.testing.assert_allclose(l, loss(params, batch), rtol=1e-5)
+    M.assert_stat_close("mean", out, M.oracle_of("mlp")["mean"])
 
 
 def test_batch_sharded_jit_with_mesh_context_and_chunks():

@@ -140,14 +140,8 @@ class _Prepared:
         if self.B == 0:
             raise ValueError(f"{name}: the batch is empty (0 examples); statistics need B >= 1.")
         self.ex_leaves = [jnp.asarray(x) for _, x in bflat]
-        explicit = sorted({a for x in self.ex_leaves for a in compat.explicit_axes(x)})
-        if explicit:
-            raise NotImplementedError(
-                f"{name}: the batch is sharded over mesh axes {explicit} in Explicit mode "
-                "(sharding in types), which jaxpr_surgery does not support yet. Use a mesh with "
-                "jax.sharding.AxisType.Auto axes (jax.make_mesh(..., axis_types=(AxisType.Auto,))) "
-                "for batch-sharded jit, or shard_map with axis_name=... ."
-            )
+        # mesh axes in Explicit mode (sharding in types): computed in Auto mode
+        self.explicit = compat.explicit_mesh_axes([*self.ex_leaves, *self.diff_leaves])
 
         # other arguments: arrays become jaxpr inputs, the rest stay static
         self.other_idx = [i for i in range(nargs) if i not in self.argnums + self.batch_argnums]
@@ -413,7 +407,13 @@ def value_and_per_example_stat(
 
     @functools.wraps(fn)
     def wrapped(*args):
-        loss, aux, result = _compute(fn, stat, opts, args, name)
+        explicit = _Prepared(fn, args, opts, name).explicit
+        if explicit is None:
+            loss, aux, result = _compute(fn, stat, opts, args, name)
+        else:
+            loss, aux, result = compat.in_auto_mode(
+                lambda *a: _compute(fn, stat, opts, a, name), args, *explicit
+            )
         return ((loss, aux) if opts.has_aux else loss), result
 
     return wrapped

@@ -193,3 +193,22 @@ def explicit_axes(x) -> tuple:
             if a is not None and types.get(a) == explicit:
                 out.append(a)
     return tuple(out)
+
+
+def explicit_mesh_axes(arrays):
+    """(abstract mesh, axes) of the Explicit-mode mesh axes the arrays are sharded over, or None."""
+    axes, mesh = set(), None
+    for x in arrays:
+        ax = explicit_axes(x)
+        if ax:
+            axes.update(ax)
+            mesh = jax.typeof(x).sharding.mesh
+    return (mesh, tuple(sorted(axes))) if axes else None
+
+
+def in_auto_mode(fn, args, mesh, axes):
+    """Runs ``fn(*args)`` with the Explicit mesh ``axes`` switched to Auto; outputs replicated."""
+    from jax.sharding import PartitionSpec
+
+    with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
+        return jax.sharding.auto_axes(fn, axes=axes, out_sharding=PartitionSpec())(*args)
