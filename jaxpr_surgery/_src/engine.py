@@ -346,11 +346,19 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
                for s, k, ing in ings]
         return sum(own) + 2 * sum(crosses)
 
+    multi = len(ings) > 1
+    # with several sites, nonlinear reductions materialise G_b: then the plain sum
+    # comes from the same materialisation instead of another contraction
+    materialising = multi and any(
+        not isinstance(r, (S.ClippedSum, S.SqNorms)) and not (isinstance(r, S.PhiSum)
+                                                               and r.phi is None)
+        for r in plan.reductions
+    )
     todo = []
     for j, r in enumerate(plan.reductions):
         if isinstance(r, S.ClippedSum):
             continue
-        if isinstance(r, S.PhiSum) and r.phi is None:
+        if isinstance(r, S.PhiSum) and r.phi is None and not materialising:
             values[j][i] = weighted(jnp.ones((B,), acc))
         elif isinstance(r, S.SqNorms) and (v := sq_norms()) is not None:
             values[j][i] = v
