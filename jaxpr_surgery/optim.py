@@ -1,13 +1,13 @@
 """Optax optimizers that use statistics of per-example gradients.
 
-Every optimizer here is an :class:`optax.GradientTransformationExtraArgs`
-(:class:`PerExampleTransformation`) whose ``update(updates, state, params,
+Every optimizer here is an `optax.GradientTransformationExtraArgs`
+(`PerExampleTransformation`) whose ``update(updates, state, params,
 **extra_args)`` takes the batch-mean gradient as ``updates`` and the other
 per-example statistics it needs as keyword-only extra args, named after them
 (``second_moment=...``, ``variance=...``, ``sign_mean=...``,
 ``clipped_sum=...``, ``batch_size=...``; DP also takes a PRNG ``key=...``).
 Each optimizer also carries ``stat_request``, the dict of statistics to compute
-under those names, so a training step is one statistic call and one update::
+under those names, so a training step is one statistic call and one update:
 
     import jax, optax
     import jaxpr_surgery as js
@@ -23,20 +23,20 @@ under those names, so a training step is one statistic call and one update::
         return optax.apply_updates(params, updates), state, loss
 
 ``update_kwargs(stats, key=k)`` adds further extra args (the DP noise key).
-Chain with :func:`chain` rather than :func:`optax.chain`, which forgets the
+Chain with `chain` rather than `optax.chain`, which forgets the
 parts' requests: ``js.optim.chain(js.optim.track_gradient_statistics(),
 optax.clip_by_global_norm(1.0), js.optim.micro_adam_var(1e-3))``.
 ``stat_request("dp_sgd", clip_norm=1.0)`` also accepts optimizer names.
 
 Families (Roulet & Agarwala, arXiv 2510.00236):
 
-* sign placement: :func:`per_example_sign_sgd`, :func:`sign_sgd`,
-  :func:`ema_of_sign`, :func:`sign_ema` (Signum);
-* Adam's preconditioner: :func:`adam`, :func:`micro_adam`,
-  :func:`micro_adam_var`, :func:`micro_adam_msq` and their ``scale_by_*``;
-* differential privacy: :func:`dp_sgd`, :func:`dp_adam`, :func:`dp_aggregate`;
-* monitoring: :func:`track_gradient_statistics`;
-* schedules: :func:`sqrt_batch_size_scaling`.
+* sign placement: `per_example_sign_sgd`, `sign_sgd`,
+  `ema_of_sign`, `sign_ema` (Signum);
+* Adam's preconditioner: `adam`, `micro_adam`,
+  `micro_adam_var`, `micro_adam_msq` and their ``scale_by_*``;
+* differential privacy: `dp_sgd`, `dp_adam`, `dp_aggregate`;
+* monitoring: `track_gradient_statistics`;
+* schedules: `sqrt_batch_size_scaling`.
 """
 
 from jaxpr_surgery._src.optim.adam import ScaleByMicroAdamState as ScaleByMicroAdamState

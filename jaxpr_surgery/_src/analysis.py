@@ -4,13 +4,13 @@ Every variable gets a *tag*:
 
 * ``None`` -- constant: depends on neither parameters nor example data;
 * ``DATA`` -- depends on the example;
-* :class:`PView` -- depends on exactly one parameter leaf and no data: an
+* `PView` -- depends on exactly one parameter leaf and no data: an
   injective layout view of the leaf (``chain``), optionally followed by
   parameter-only ops (``pre``) such as broadcasts that the site absorbs;
-* :class:`Mixed` -- depends on several leaves (LoRA ``A @ B``) or on a leaf
+* `Mixed` -- depends on several leaves (LoRA ``A @ B``) or on a leaf
   through a construct we do not see into; those leaves are *residual*.
 
-The first equation where a :class:`PView` meets ``DATA`` is a **site**. A leaf
+The first equation where a `PView` meets ``DATA`` is a **site**. A leaf
 whose uses are all sites gets fast rules; any other use makes it residual
 (exact per-example gradients through a per-example copy of the leaf).
 """
@@ -145,7 +145,7 @@ def _call_jaxpr(eqn):
 
 
 def _layout_op(eqn):
-    """The :class:`LayoutOp` of an injective layout eqn, or None."""
+    """The `LayoutOp` of an injective layout eqn, or None."""
     p = eqn.primitive
     ins, outs = eqn.invars, eqn.outvars
     if len(outs) != 1:

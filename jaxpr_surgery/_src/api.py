@@ -379,9 +379,9 @@ def value_and_per_example_stat(
     strict: bool = False,
     axis_name: Any = None,
 ) -> Callable[..., tuple[Any, PyTree]]:
-    r"""Like :func:`per_example_stat`, also returning the loss (and aux).
+    r"""Like `per_example_stat`, also returning the loss (and aux).
 
-    The loss is the mean of the per-example losses :math:`\frac1B\sum_b l_b`
+    The loss is the mean of the per-example losses \(\frac1B\sum_b l_b\)
     (equal to ``fn(params, batch)`` for a batch-mean loss without cross-example
     interaction). With ``has_aux=True`` the first output is ``(loss, aux)``
     where ``aux`` holds the per-example aux outputs stacked on axis 0.
@@ -390,7 +390,7 @@ def value_and_per_example_stat(
       A function with the signature of ``fn`` returning ``(loss, result)`` or
       ``((loss, aux), result)``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, jaxpr_surgery as js
       >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
       >>> w = jnp.ones((3,)); b = {"x": jnp.eye(4, 3), "y": jnp.arange(4.0)}
@@ -433,9 +433,9 @@ def per_example_stat(
 ) -> Callable[..., PyTree]:
     r"""Transforms a batch loss into a function computing statistics of per-example gradients.
 
-    With per-example loss :math:`l_b = \mathrm{fn}(\theta, \mathrm{batch}[b{:}b{+}1])`
-    and per-example gradient :math:`g_b = \nabla_\theta l_b`, returns a function
-    computing ``stat`` (one statistic of :mod:`jaxpr_surgery.stats` or any
+    With per-example loss \(l_b = \mathrm{fn}(\theta, \mathrm{batch}[b{:}b{+}1])\)
+    and per-example gradient \(g_b = \nabla_\theta l_b\), returns a function
+    computing ``stat`` (one statistic of `jaxpr_surgery.stats` or any
     pytree of them) over the batch, in one forward and one backward pass.
     Dense, embedding, scale-shift and conv uses of parameters are detected in
     the jaxpr and get cheap rules; any other parameter gets exact per-example
@@ -462,7 +462,7 @@ def per_example_stat(
       A function with the signature of ``fn`` returning ``stat``'s structure
       filled with values.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, jaxpr_surgery as js
       >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
       >>> w = jnp.ones((3,)); b = {"x": jnp.eye(4, 3), "y": jnp.arange(4.0)}
@@ -492,7 +492,7 @@ def check_per_example(
 ) -> Callable[..., None]:
     r"""Checks that ``fn`` is a mean of independent per-example losses; raises if not.
 
-    Compares ``fn(*args)`` with :math:`\frac1B\sum_b \mathrm{fn}(\ldots, \mathrm{batch}[b{:}b{+}1])`.
+    Compares ``fn(*args)`` with \(\frac1B\sum_b \mathrm{fn}(\ldots, \mathrm{batch}[b{:}b{+}1])\).
     Models whose examples interact (batch norm in training mode, in-batch
     negatives, normalising by the whole batch's token count) fail: their
     per-example gradients are not defined, and every statistic computed with

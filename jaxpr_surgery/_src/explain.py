@@ -39,7 +39,7 @@ class LeafReport:
 
 @dataclasses.dataclass
 class Report:
-    """Result of :func:`explain`: one :class:`LeafReport` per parameter leaf.
+    """Result of `explain`: one `LeafReport` per parameter leaf.
 
     ``str(report)`` is a table; ``report.leaves`` and ``report.as_dict()`` are
     machine-readable.
@@ -104,21 +104,24 @@ def explain(
     r"""Reports, for every parameter leaf, the layer kind detected and the rule used.
 
     Args:
-      fn: the loss, as for :func:`per_example_stat`.
+      fn: the loss, as for `per_example_stat`.
       stat: the statistics whose cost to estimate (default: mean, second
         moment, variance and squared norms).
-      argnums, batch_argnums, keep_batch_dim, has_aux: as for :func:`per_example_stat`.
+      argnums: as for `per_example_stat`.
+      batch_argnums: as for `per_example_stat`.
+      keep_batch_dim: as for `per_example_stat`.
+      has_aux: as for `per_example_stat`.
 
     Returns:
-      A function of ``fn``'s arguments returning a :class:`Report`.
+      A function of ``fn``'s arguments returning a `Report`.
 
     Note:
       A model whose examples interact (batch norm in training mode, in-batch
       negatives) has no per-example gradients: the per-example loss is the
       model applied to a batch of one. ``explain`` cannot see that from one
-      example's trace; run :func:`check_per_example` to test it.
+      example's trace; run `check_per_example` to test it.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxpr_surgery as js
       >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
       >>> p = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}

@@ -10,11 +10,11 @@ statistic is a first-class citizen.
 The reductions (``g_b`` is the per-example gradient of one parameter leaf,
 ``B`` the number of examples):
 
-* :class:`PhiSum` -- ``sum_b phi(g_b)`` elementwise (``phi=None``: the plain sum).
-* :class:`Centered` -- ``(mean_b g_b, sum_b (g_b - mean)^2)``, computed without
+* `PhiSum` -- ``sum_b phi(g_b)`` elementwise (``phi=None``: the plain sum).
+* `Centered` -- ``(mean_b g_b, sum_b (g_b - mean)^2)``, computed without
   catastrophic cancellation and merged across chunks/devices with Chan's rule.
-* :class:`SqNorms` -- ``[B]`` array of ``||g_b||^2`` for the leaf.
-* :class:`ClippedSum` -- ``sum_b min(1, C / ||g_b||) g_b`` where ``||g_b||`` is
+* `SqNorms` -- ``[B]`` array of ``||g_b||^2`` for the leaf.
+* `ClippedSum` -- ``sum_b min(1, C / ||g_b||) g_b`` where ``||g_b||`` is
   the *global* norm over every differentiated leaf.
 """
 
@@ -112,7 +112,7 @@ class ClippedSum(Reduction):
 
 
 class Moments(NamedTuple):
-    """Value of :class:`Centered` for one leaf: mean and centered sum of squares."""
+    """Value of `Centered` for one leaf: mean and centered sum of squares."""
 
     mean: jax.Array
     m2: jax.Array
@@ -135,11 +135,11 @@ class Statistic(abc.ABC):
     * ``reductions() -> Mapping[str, Reduction]``: the named reductions needed.
     * ``finalize(values, count) -> PyTree``: ``values[name]`` holds, for every
       reduction, a pytree shaped like the differentiated arguments whose leaves
-      are the reduced values (an array like the leaf for :class:`PhiSum` and
-      :class:`ClippedSum`, a :class:`Moments` for :class:`Centered`, a ``[B]``
-      array for :class:`SqNorms`); ``count`` is the number of examples ``B``.
+      are the reduced values (an array like the leaf for `PhiSum` and
+      `ClippedSum`, a `Moments` for `Centered`, a ``[B]``
+      array for `SqNorms`); ``count`` is the number of examples ``B``.
 
-    Example -- the per-coordinate mean of ``g^4``::
+    Example -- the per-coordinate mean of ``g^4``:
 
         class FourthMoment(js.stats.Statistic):
             def reductions(self):
@@ -296,25 +296,68 @@ class _NoiseScale(Statistic):
 # Public constructors
 # --------------------------------------------------------------------------- #
 def mean() -> Statistic:
-    r"""Mean per-example gradient :math:`\frac1B\sum_b g_b` (equals ``jax.grad`` of a mean loss)."""
+    r"""Mean per-example gradient \(\frac1B\sum_b g_b\) (equals ``jax.grad`` of a mean loss).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.mean())(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [-2.6667 -3.3333]
+    """
     return _Mean()
 
 
 def sum() -> Statistic:  # noqa: A001 - the contract's name
-    r"""Sum of per-example gradients :math:`\sum_b g_b`."""
+    r"""Sum of per-example gradients \(\sum_b g_b\).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.sum())(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [ -8. -10.]
+    """
     return _Sum()
 
 
 def second_moment() -> Statistic:
-    r"""Elementwise second moment :math:`\frac1B\sum_b g_b^2`."""
+    r"""Elementwise second moment \(\frac1B\sum_b g_b^2\).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.second_moment())(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [13.3333 17.3333]
+    """
     return _PhiMean(SQUARE, "second_moment")
 
 
 def variance(ddof: int = 1) -> Statistic:
-    r"""Elementwise variance :math:`\sum_b (g_b-\bar g)^2/(B-\mathrm{ddof})`.
+    r"""Elementwise variance \(\sum_b (g_b-\bar g)^2/(B-\mathrm{ddof})\).
 
-    Computed from centered sums (never as :math:`E[g^2]-\bar g^2`), so it stays
+    Computed from centered sums (never as \(E[g^2]-\bar g^2\)), so it stays
     accurate when the examples nearly agree.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.variance())(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [9.3333 9.3333]
     """
     if not isinstance(ddof, int) or ddof < 0:
         raise ValueError(f"variance(ddof=...): ddof must be a non-negative int, got {ddof!r}.")
@@ -322,26 +365,69 @@ def variance(ddof: int = 1) -> Statistic:
 
 
 def sign_mean() -> Statistic:
-    r"""Mean of signs :math:`\frac1B\sum_b \mathrm{sign}(g_b)` (``sign(0) = 0``)."""
+    r"""Mean of signs \(\frac1B\sum_b \mathrm{sign}(g_b)\) (``sign(0) = 0``).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.sign_mean())(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [-0.6667 -0.6667]
+    """
     return _PhiMean(SIGN, "sign_mean")
 
 
 def abs_mean() -> Statistic:
-    r"""Mean absolute value :math:`\frac1B\sum_b |g_b|`."""
+    r"""Mean absolute value \(\frac1B\sum_b |g_b|\).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.abs_mean())(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [2.6667 3.3333]
+    """
     return _PhiMean(ABS, "abs_mean")
 
 
 def sq_norms(per_leaf: bool = False) -> Statistic:
-    r"""Per-example squared norms :math:`\|g_b\|^2`, an array ``[B]``.
+    r"""Per-example squared norms \(\|g_b\|^2\), an array ``[B]``.
 
     Args:
       per_leaf: if True, a pytree like params of ``[B]`` arrays, one per leaf.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.sq_norms())(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [ 4. 16. 72.]
     """
     return _SqNorms(bool(per_leaf), sqrt=False)
 
 
 def norms(per_leaf: bool = False) -> Statistic:
-    r"""Per-example gradient norms :math:`\|g_b\|` (square roots of :func:`sq_norms`)."""
+    r"""Per-example gradient norms \(\|g_b\|\) (square roots of `sq_norms`).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.norms())(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [2.     4.     8.4853]
+    """
     return _SqNorms(bool(per_leaf), sqrt=True)
 
 
@@ -357,25 +443,57 @@ def _check_clip(clip_norm, name):
 
 
 def clipped_mean(clip_norm) -> Statistic:
-    r"""DP-SGD clipped mean :math:`\frac1B\sum_b g_b\min(1, C/\|g_b\|)`, global norm."""
+    r"""DP-SGD clipped mean \(\frac1B\sum_b g_b\min(1, C/\|g_b\|)\), global norm.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.clipped_mean(4.0))(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [-1.6095 -2.2761]
+    """
     return _Clipped(_check_clip(clip_norm, "clipped_mean"), average=True)
 
 
 def clipped_sum(clip_norm) -> Statistic:
-    r"""Clipped sum :math:`\sum_b g_b\min(1, C/\|g_b\|)`, global norm over all params."""
+    r"""Clipped sum \(\sum_b g_b\min(1, C/\|g_b\|)\), global norm over all params.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.clipped_sum(4.0))(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [-4.8284 -6.8284]
+    """
     return _Clipped(_check_clip(clip_norm, "clipped_sum"), average=False)
 
 
 def elementwise(phi: Callable[[jax.Array], jax.Array], multiplicative: bool = False,
                 name: str | None = None) -> Statistic:
-    r"""Mean of a user's elementwise function :math:`\frac1B\sum_b \varphi(g_b)`.
+    r"""Mean of a user's elementwise function \(\frac1B\sum_b \varphi(g_b)\).
 
     Args:
       phi: elementwise function (applied to arrays of per-example gradients).
-      multiplicative: declare :math:`\varphi(ab)=\varphi(a)\varphi(b)` so the
-        rank-one fast path :math:`\varphi(X)^T\varphi(dY)` applies. Declaring it
+      multiplicative: declare \(\varphi(ab)=\varphi(a)\varphi(b)\) so the
+        rank-one fast path \(\varphi(X)^T\varphi(dY)\) applies. Declaring it
         falsely gives wrong numbers; leave it False when unsure.
       name: optional identity used to share work between equal statistics.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.elementwise(lambda g: jnp.abs(g) ** 3, multiplicative=True))(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [74.6667 93.3333]
     """
     if not callable(phi):
         raise TypeError(f"elementwise(phi=...): phi must be callable, got {phi!r}.")
@@ -383,18 +501,38 @@ def elementwise(phi: Callable[[jax.Array], jax.Array], multiplicative: bool = Fa
 
 
 def snr(ddof: int = 1) -> Statistic:
-    r"""Per-coordinate signal-to-noise ratio :math:`\bar g^2/\mathrm{Var}_b(g_b)`.
+    r"""Per-coordinate signal-to-noise ratio \(\bar g^2/\mathrm{Var}_b(g_b)\).
 
     Where the variance is 0, the result is ``inf`` (or 0 where the mean is 0 too).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.snr())(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [0.7619 1.1905]
     """
     return _Snr(ddof)
 
 
 def gradient_noise_scale(ddof: int = 1) -> Statistic:
-    r"""Simple gradient noise scale :math:`\mathrm{tr}(\Sigma)/\|\bar g\|^2` (McCandlish et al.).
+    r"""Simple gradient noise scale \(\mathrm{tr}(\Sigma)/\|\bar g\|^2\) (McCandlish et al.).
 
-    :math:`\mathrm{tr}(\Sigma)` is the summed per-coordinate variance of the
+    \(\mathrm{tr}(\Sigma)\) is the summed per-coordinate variance of the
     per-example gradients over all parameters; a scalar.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.gradient_noise_scale())(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      1.0244
     """
     return _NoiseScale(ddof)
 

@@ -1,21 +1,21 @@
 r"""Adam and its per-example preconditioner variants (MicroAdam, -Var, -MSQ).
 
 All four keep Adam's first moment, an EMA of the batch-mean gradient
-:math:`\bar g`, and differ only in what the second moment :math:`v` averages.
-With per-example gradients of mean :math:`\mu` and variance :math:`\sigma^2`
-over the data, and a batch of :math:`B` examples:
+\(\bar g\), and differ only in what the second moment \(v\) averages.
+With per-example gradients of mean \(\mu\) and variance \(\sigma^2\)
+over the data, and a batch of \(B\) examples:
 
 =================  ==========================================  ==========================
-optimizer          EMA input of :math:`v`                      expectation
+optimizer          EMA input of \(v\)                      expectation
 =================  ==========================================  ==========================
-``adam``           :math:`\bar g^2`                            :math:`\mu^2+\sigma^2/B`
-``micro_adam``     :math:`\frac1B\sum_b g_b^2`                 :math:`\mu^2+\sigma^2`
-``micro_adam_var`` :math:`\hat\sigma^2` (per-example variance)  :math:`\sigma^2`
-``micro_adam_msq`` :math:`\max(\bar g^2-\hat\sigma^2/B,\ 0)`   :math:`\mu^2` (before floor)
+``adam``           \(\bar g^2\)                            \(\mu^2+\sigma^2/B\)
+``micro_adam``     \(\frac1B\sum_b g_b^2\)                 \(\mu^2+\sigma^2\)
+``micro_adam_var`` \(\hat\sigma^2\) (per-example variance)  \(\sigma^2\)
+``micro_adam_msq`` \(\max(\bar g^2-\hat\sigma^2/B,\ 0)\)   \(\mu^2\) (before floor)
 =================  ==========================================  ==========================
 
 Roulet & Agarwala (2025) find training best when the preconditioner is
-dominated by :math:`\mu^2` rather than :math:`\sigma^2`.
+dominated by \(\mu^2\) rather than \(\sigma^2\).
 """
 
 from __future__ import annotations
@@ -112,16 +112,17 @@ def scale_by_adam(
     eps_root: float = 0.0,
     mu_dtype: Any | None = None,
 ) -> PerExampleTransformation:
-    r"""Rescales updates by Adam: :math:`v` is an EMA of the squared batch mean.
+    r"""Rescales updates by Adam: \(v\) is an EMA of the squared batch mean.
 
-    .. math::
+    \[
       m_t = \beta_1 m_{t-1} + (1-\beta_1)\bar g_t,\qquad
       v_t = \beta_2 v_{t-1} + (1-\beta_2)\bar g_t^2,\qquad
       u_t = \frac{\hat m_t}{\sqrt{\hat v_t + \bar\varepsilon} + \varepsilon}
+    \]
 
-    with :math:`\hat m_t = m_t/(1-\beta_1^t)`, :math:`\hat v_t = v_t/(1-\beta_2^t)`.
-    Identical to :func:`optax.scale_by_adam` (same state type): the baseline of
-    the family, whose :math:`v` estimates :math:`\mu^2+\sigma^2/B`.
+    with \(\hat m_t = m_t/(1-\beta_1^t)\), \(\hat v_t = v_t/(1-\beta_2^t)\).
+    Identical to `optax.scale_by_adam` (same state type): the baseline of
+    the family, whose \(v\) estimates \(\mu^2+\sigma^2/B\).
 
     Args:
       b1: decay of the EMA of the batch-mean gradient (first moment).
@@ -131,9 +132,9 @@ def scale_by_adam(
       mu_dtype: optional dtype of the first-moment accumulator.
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean``.
+      A `PerExampleTransformation` requesting ``mean``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import numpy as np
       >>> import jaxpr_surgery.optim as jso
@@ -144,8 +145,8 @@ def scale_by_adam(
       [ 1. -1.]
 
     References:
-      Kingma & Ba, `Adam: A Method for Stochastic Optimization
-      <https://arxiv.org/abs/1412.6980>`_, 2014
+      Kingma & Ba, Adam: A Method for Stochastic Optimization
+      <https://arxiv.org/abs/1412.6980>, 2014
     """
     _check(b1, b2, eps, eps_root, "scale_by_adam")
     init_fn, step = _adam_core(b1, b2, eps, eps_root, mu_dtype, optax.ScaleByAdamState)
@@ -164,16 +165,17 @@ def scale_by_micro_adam(
     eps_root: float = 0.0,
     mu_dtype: Any | None = None,
 ) -> PerExampleTransformation:
-    r"""Rescales updates by MicroAdam: :math:`v` is an EMA of :math:`E_b[g_b^2]`.
+    r"""Rescales updates by MicroAdam: \(v\) is an EMA of \(E_b[g_b^2]\).
 
-    .. math::
+    \[
       v_t = \beta_2 v_{t-1} + (1-\beta_2)\,\frac1B\sum_b g_{t,b}^2,\qquad
       u_t = \frac{\hat m_t}{\sqrt{\hat v_t + \bar\varepsilon} + \varepsilon}
+    \]
 
-    with :math:`m_t` and the bias corrections as in Adam. The input estimates
-    :math:`\mu^2+\sigma^2` whatever the batch size; with one example per batch
+    with \(m_t\) and the bias corrections as in Adam. The input estimates
+    \(\mu^2+\sigma^2\) whatever the batch size; with one example per batch
     this is Adam. ``update`` takes the keyword-only extra arg ``second_moment``
-    (statistic :func:`jaxpr_surgery.stats.second_moment`).
+    (statistic `jaxpr_surgery.stats.second_moment`).
 
     Args:
       b1: decay of the EMA of the batch-mean gradient (first moment).
@@ -183,9 +185,9 @@ def scale_by_micro_adam(
       mu_dtype: optional dtype of the first-moment accumulator.
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean, second_moment``.
+      A `PerExampleTransformation` requesting ``mean, second_moment``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import numpy as np
       >>> import jaxpr_surgery.optim as jso
@@ -197,8 +199,8 @@ def scale_by_micro_adam(
       [0. 1.]
 
     References:
-      Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
-      and improving optimizers <https://arxiv.org/abs/2510.00236>`_, 2025
+      Roulet & Agarwala, Per-example gradients: a new frontier for understanding
+      and improving optimizers <https://arxiv.org/abs/2510.00236>, 2025
     """
     _check(b1, b2, eps, eps_root, "scale_by_micro_adam")
     init_fn, step = _adam_core(b1, b2, eps, eps_root, mu_dtype, ScaleByMicroAdamState)
@@ -218,17 +220,18 @@ def scale_by_micro_adam_var(
     eps_root: float = 0.0,
     mu_dtype: Any | None = None,
 ) -> PerExampleTransformation:
-    r"""Rescales updates by MicroAdamVar: :math:`v` averages the per-example variance.
+    r"""Rescales updates by MicroAdamVar: \(v\) averages the per-example variance.
 
-    .. math::
+    \[
       v_t = \beta_2 v_{t-1} + (1-\beta_2)\,\hat\sigma_t^2,\qquad
       \hat\sigma_t^2 = \frac{1}{B-1}\sum_b (g_{t,b}-\bar g_t)^2
+    \]
 
-    with :math:`m_t`, bias corrections and :math:`u_t` as in Adam: the pure
+    with \(m_t\), bias corrections and \(u_t\) as in Adam: the pure
     "variance adaptation" reading of Adam. Where the examples agree,
-    :math:`\hat\sigma^2\approx 0` and steps are large; pair it with gradient
+    \(\hat\sigma^2\approx 0\) and steps are large; pair it with gradient
     clipping. ``update`` takes the keyword-only extra arg ``variance``
-    (statistic :func:`jaxpr_surgery.stats.variance`; needs ``B >= 2``).
+    (statistic `jaxpr_surgery.stats.variance`; needs ``B >= 2``).
 
     Args:
       b1: decay of the EMA of the batch-mean gradient (first moment).
@@ -238,9 +241,9 @@ def scale_by_micro_adam_var(
       mu_dtype: optional dtype of the first-moment accumulator.
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean, variance``.
+      A `PerExampleTransformation` requesting ``mean, variance``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import numpy as np
       >>> import jaxpr_surgery.optim as jso
@@ -252,8 +255,8 @@ def scale_by_micro_adam_var(
       [1.4142 0.7071]
 
     References:
-      Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
-      and improving optimizers <https://arxiv.org/abs/2510.00236>`_, 2025
+      Roulet & Agarwala, Per-example gradients: a new frontier for understanding
+      and improving optimizers <https://arxiv.org/abs/2510.00236>, 2025
     """
     _check(b1, b2, eps, eps_root, "scale_by_micro_adam_var")
     init_fn, step = _adam_core(b1, b2, eps, eps_root, mu_dtype, ScaleByMicroAdamState)
@@ -273,26 +276,27 @@ def scale_by_micro_adam_msq(
     eps_root: float = 0.0,
     mu_dtype: Any | None = None,
 ) -> PerExampleTransformation:
-    r"""Rescales updates by MicroAdamMSQ: :math:`v` averages the unbiased squared mean.
+    r"""Rescales updates by MicroAdamMSQ: \(v\) averages the unbiased squared mean.
 
-    .. math::
+    \[
       v_t = \beta_2 v_{t-1} + (1-\beta_2)\,\max\!\Big(\bar g_t^2 - \frac{\hat\sigma_t^2}{B},\ 0\Big)
+    \]
 
-    with :math:`m_t`, bias corrections and :math:`u_t` as in Adam. Since
-    :math:`E[\bar g^2] = \mu^2 + \sigma^2/B` and :math:`\hat\sigma^2`
-    (``ddof=1``) is unbiased, the input estimates :math:`\mu^2` before the floor
+    with \(m_t\), bias corrections and \(u_t\) as in Adam. Since
+    \(E[\bar g^2] = \mu^2 + \sigma^2/B\) and \(\hat\sigma^2\)
+    (``ddof=1``) is unbiased, the input estimates \(\mu^2\) before the floor
     at 0. ``update`` takes the keyword-only extra args ``variance`` (statistic
-    :func:`jaxpr_surgery.stats.variance`) and ``batch_size`` (:math:`B`;
-    statistic :func:`example_count`), and optionally ``mean`` (the raw batch
-    mean :math:`\bar g`; defaults to ``updates``).
+    `jaxpr_surgery.stats.variance`) and ``batch_size`` (\(B\);
+    statistic `example_count`), and optionally ``mean`` (the raw batch
+    mean \(\bar g\); defaults to ``updates``).
 
-    .. warning::
-      Where the estimate floors at 0 (the batch mean is within noise of 0),
-      :math:`\hat v` is 0 until later steps raise it, and the step is
-      :math:`\hat m/\varepsilon`: unbounded for the default ``eps``. Raise
-      ``eps``/``eps_root`` to the gradient scale, or clip the update afterwards
-      (``js.optim.chain(scale_by_micro_adam_msq(), optax.clip_by_global_norm(c),
-      optax.scale_by_learning_rate(lr))``).
+    !!! warning
+        Where the estimate floors at 0 (the batch mean is within noise of 0),
+        \(\hat v\) is 0 until later steps raise it, and the step is
+        \(\hat m/\varepsilon\): unbounded for the default ``eps``. Raise
+        ``eps``/``eps_root`` to the gradient scale, or clip the update afterwards
+        (``js.optim.chain(scale_by_micro_adam_msq(), optax.clip_by_global_norm(c),
+        optax.scale_by_learning_rate(lr))``).
 
     Args:
       b1: decay of the EMA of the batch-mean gradient (first moment).
@@ -302,9 +306,9 @@ def scale_by_micro_adam_msq(
       mu_dtype: optional dtype of the first-moment accumulator.
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean, variance, batch_size``.
+      A `PerExampleTransformation` requesting ``mean, variance, batch_size``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jaxpr_surgery.optim as jso
       >>> g = jnp.array([[1.0, 2.0], [-1.0, 2.0]])  # per-example gradients [B=2, 2]
@@ -315,8 +319,8 @@ def scale_by_micro_adam_msq(
       [0.    0.004]
 
     References:
-      Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
-      and improving optimizers <https://arxiv.org/abs/2510.00236>`_, 2025
+      Roulet & Agarwala, Per-example gradients: a new frontier for understanding
+      and improving optimizers <https://arxiv.org/abs/2510.00236>, 2025
     """
     owner = "scale_by_micro_adam_msq"
     _check(b1, b2, eps, eps_root, owner)
@@ -350,14 +354,15 @@ def adam(
     eps_root: float = 0.0,
     mu_dtype: Any | None = None,
 ) -> PerExampleTransformation:
-    r"""The Adam optimizer, as :func:`optax.adam`, with its statistic request.
+    r"""The Adam optimizer, as `optax.adam`, with its statistic request.
 
-    .. math::
+    \[
       \theta_{t+1} = \theta_t - \alpha_t \frac{\hat m_t}{\sqrt{\hat v_t + \bar\varepsilon}
       + \varepsilon},\qquad v_t \text{ an EMA of } \bar g_t^2
+    \]
 
     The baseline against which the per-example variants compare; numerically
-    identical to ``optax.adam`` (see :func:`scale_by_adam`).
+    identical to ``optax.adam`` (see `scale_by_adam`).
 
     Args:
       learning_rate: a float or an optax schedule.
@@ -368,9 +373,9 @@ def adam(
       mu_dtype: optional dtype of the first-moment accumulator.
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean``.
+      A `PerExampleTransformation` requesting ``mean``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> import numpy as np
       >>> import jaxpr_surgery.optim as jso
@@ -382,8 +387,8 @@ def adam(
       [ 0.9 -1.9]
 
     References:
-      Kingma & Ba, `Adam: A Method for Stochastic Optimization
-      <https://arxiv.org/abs/1412.6980>`_, 2014
+      Kingma & Ba, Adam: A Method for Stochastic Optimization
+      <https://arxiv.org/abs/1412.6980>, 2014
     """
     return chain(
         scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype),
@@ -401,11 +406,12 @@ def micro_adam(
 ) -> PerExampleTransformation:
     r"""MicroAdam: Adam whose second moment averages the per-example squares.
 
-    .. math::
+    \[
       \theta_{t+1} = \theta_t - \alpha_t \frac{\hat m_t}{\sqrt{\hat v_t + \bar\varepsilon}
       + \varepsilon},\qquad v_t \text{ an EMA of } \frac1B\sum_b g_{t,b}^2
+    \]
 
-    ``update`` takes the extra arg ``second_moment`` (see :func:`scale_by_micro_adam`).
+    ``update`` takes the extra arg ``second_moment`` (see `scale_by_micro_adam`).
 
     Args:
       learning_rate: a float or an optax schedule.
@@ -416,9 +422,9 @@ def micro_adam(
       mu_dtype: optional dtype of the first-moment accumulator.
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean, second_moment``.
+      A `PerExampleTransformation` requesting ``mean, second_moment``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> import numpy as np
       >>> import jaxpr_surgery.optim as jso
@@ -433,8 +439,8 @@ def micro_adam(
       [ 0.9106 -1.9106]
 
     References:
-      Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
-      and improving optimizers <https://arxiv.org/abs/2510.00236>`_, 2025
+      Roulet & Agarwala, Per-example gradients: a new frontier for understanding
+      and improving optimizers <https://arxiv.org/abs/2510.00236>, 2025
     """
     return chain(
         scale_by_micro_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype),
@@ -452,11 +458,12 @@ def micro_adam_var(
 ) -> PerExampleTransformation:
     r"""MicroAdamVar: Adam whose second moment averages the per-example variance.
 
-    .. math::
+    \[
       \theta_{t+1} = \theta_t - \alpha_t \frac{\hat m_t}{\sqrt{\hat v_t + \bar\varepsilon}
       + \varepsilon},\qquad v_t \text{ an EMA of } \hat\sigma_t^2
+    \]
 
-    ``update`` takes the extra arg ``variance`` (see :func:`scale_by_micro_adam_var`).
+    ``update`` takes the extra arg ``variance`` (see `scale_by_micro_adam_var`).
     Less stable than Adam (Roulet & Agarwala): combine with gradient clipping,
     e.g. ``js.optim.chain(optax.clip_by_global_norm(1.0), micro_adam_var(lr))``.
 
@@ -469,9 +476,9 @@ def micro_adam_var(
       mu_dtype: optional dtype of the first-moment accumulator.
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean, variance``.
+      A `PerExampleTransformation` requesting ``mean, variance``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> import numpy as np
       >>> import jaxpr_surgery.optim as jso
@@ -486,8 +493,8 @@ def micro_adam_var(
       [ 0.8586 -1.8586]
 
     References:
-      Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
-      and improving optimizers <https://arxiv.org/abs/2510.00236>`_, 2025
+      Roulet & Agarwala, Per-example gradients: a new frontier for understanding
+      and improving optimizers <https://arxiv.org/abs/2510.00236>, 2025
     """
     return chain(
         scale_by_micro_adam_var(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype),
@@ -505,13 +512,14 @@ def micro_adam_msq(
 ) -> PerExampleTransformation:
     r"""MicroAdamMSQ: Adam whose second moment averages the unbiased squared mean.
 
-    .. math::
+    \[
       \theta_{t+1} = \theta_t - \alpha_t \frac{\hat m_t}{\sqrt{\hat v_t + \bar\varepsilon}
       + \varepsilon},\qquad v_t \text{ an EMA of } \max(\bar g_t^2 - \hat\sigma_t^2/B,\ 0)
+    \]
 
     ``update`` takes the extra args ``variance`` and ``batch_size`` (see
-    :func:`scale_by_micro_adam_msq`, and its warning: where the estimate floors
-    at 0 the step is :math:`\hat m/\varepsilon`).
+    `scale_by_micro_adam_msq`, and its warning: where the estimate floors
+    at 0 the step is \(\hat m/\varepsilon\)).
 
     Args:
       learning_rate: a float or an optax schedule.
@@ -522,9 +530,9 @@ def micro_adam_msq(
       mu_dtype: optional dtype of the first-moment accumulator.
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean, variance, batch_size``.
+      A `PerExampleTransformation` requesting ``mean, variance, batch_size``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> import numpy as np
       >>> import jaxpr_surgery.optim as jso
@@ -539,8 +547,8 @@ def micro_adam_msq(
       [ 0.8845 -1.8845]
 
     References:
-      Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
-      and improving optimizers <https://arxiv.org/abs/2510.00236>`_, 2025
+      Roulet & Agarwala, Per-example gradients: a new frontier for understanding
+      and improving optimizers <https://arxiv.org/abs/2510.00236>, 2025
     """
     return chain(
         scale_by_micro_adam_msq(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype),

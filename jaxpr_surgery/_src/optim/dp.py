@@ -1,17 +1,18 @@
 r"""DP-SGD and DP-Adam from the clipped-sum statistic.
 
 The per-example clipping happens in the statistic
-(:func:`jaxpr_surgery.stats.clipped_sum`, one pass, no materialised per-example
+(`jaxpr_surgery.stats.clipped_sum`, one pass, no materialised per-example
 gradients where the layer allows it); the optimizer adds the Gaussian noise and
 divides by the batch size:
 
-.. math::
+\[
   \tilde g = \frac{1}{B}\Big(\sum_b g_b \min\big(1, \tfrac{C}{\|g_b\|}\big)
   + \mathcal N\big(0, (z C)^2 I\big)\Big)
+\]
 
-with :math:`C` = ``clip_norm`` and :math:`z` = ``noise_multiplier``. The PRNG
+with \(C\) = ``clip_norm`` and \(z\) = ``noise_multiplier``. The PRNG
 key is an explicit extra arg of ``update``: pass a fresh one every step. Privacy
-accounting (choosing :math:`z` for a target :math:`(\varepsilon, \delta)`) is
+accounting (choosing \(z\) for a target \((\varepsilon, \delta)\)) is
 out of scope; use e.g. ``dp_accounting``.
 """
 
@@ -75,29 +76,30 @@ def dp_aggregate(
 ) -> PerExampleTransformation:
     r"""Replaces updates by the noised mean of clipped per-example gradients.
 
-    .. math::
+    \[
       u = \frac{1}{B}\Big(\sum_b g_b \min\big(1, \tfrac{C}{\|g_b\|}\big)
       + \mathcal N\big(0, (z C)^2 I\big)\Big)
+    \]
 
     ``updates`` (the non-private batch mean) is ignored. ``update`` takes the
     keyword-only extra args ``clipped_sum`` (statistic
-    :func:`jaxpr_surgery.stats.clipped_sum` with the same ``clip_norm``),
-    ``batch_size`` (:math:`B`, statistic :func:`example_count`; not needed when
+    `jaxpr_surgery.stats.clipped_sum` with the same ``clip_norm``),
+    ``batch_size`` (\(B\), statistic `example_count`; not needed when
     fixed here) and ``key`` (a fresh PRNG key; not needed when
     ``noise_multiplier == 0``).
 
     Args:
-      clip_norm: :math:`C`, the per-example global-norm bound (``inf``: no
+      clip_norm: \(C\), the per-example global-norm bound (``inf``: no
         clipping, only with ``noise_multiplier=0``).
-      noise_multiplier: :math:`z`, the noise standard deviation in units of ``C``.
-      batch_size: a fixed denominator :math:`B` (e.g. the expected batch size
+      noise_multiplier: \(z\), the noise standard deviation in units of ``C``.
+      batch_size: a fixed denominator \(B\) (e.g. the expected batch size
         under Poisson sampling); ``None`` reads the ``batch_size`` extra arg.
 
     Returns:
-      A stateless :class:`PerExampleTransformation` requesting
+      A stateless `PerExampleTransformation` requesting
       ``mean, clipped_sum, batch_size`` (no ``batch_size`` when fixed).
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> import numpy as np
       >>> import jaxpr_surgery.optim as jso
@@ -109,8 +111,8 @@ def dp_aggregate(
       [0.45 0.6 ]
 
     References:
-      Abadi et al., `Deep Learning with Differential Privacy
-      <https://arxiv.org/abs/1607.00133>`_, 2016
+      Abadi et al., Deep Learning with Differential Privacy
+      <https://arxiv.org/abs/1607.00133>, 2016
     """
     owner = "dp_aggregate"
     _check(clip_norm, noise_multiplier, batch_size, owner)
@@ -156,26 +158,27 @@ def dp_sgd(
 ) -> PerExampleTransformation:
     r"""DP-SGD: SGD (optionally with momentum) on the noised mean of clipped gradients.
 
-    .. math::
+    \[
       \theta_{t+1} = \theta_t - \alpha_t \frac{1}{B}\Big(\sum_b g_{t,b}
       \min\big(1, \tfrac{C}{\|g_{t,b}\|}\big) + \mathcal N\big(0, (z C)^2 I\big)\Big)
+    \]
 
-    ``update`` takes the extra args of :func:`dp_aggregate`: ``clipped_sum``,
+    ``update`` takes the extra args of `dp_aggregate`: ``clipped_sum``,
     ``batch_size`` and ``key``. With ``noise_multiplier=0`` and
     ``clip_norm=inf`` this is plain SGD.
 
     Args:
       learning_rate: a float or an optax schedule.
-      clip_norm: :math:`C`, the per-example global-norm bound.
-      noise_multiplier: :math:`z`, the noise standard deviation in units of ``C``.
+      clip_norm: \(C\), the per-example global-norm bound.
+      noise_multiplier: \(z\), the noise standard deviation in units of ``C``.
       batch_size: a fixed denominator; ``None`` reads the ``batch_size`` extra arg.
-      momentum: optional heavy-ball momentum decay (:func:`optax.trace`).
+      momentum: optional heavy-ball momentum decay (`optax.trace`).
       nesterov: use Nesterov momentum (with ``momentum``).
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean, clipped_sum, batch_size``.
+      A `PerExampleTransformation` requesting ``mean, clipped_sum, batch_size``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax
       >>> import jaxpr_surgery.optim as jso
       >>> opt = jso.dp_sgd(learning_rate=0.1, clip_norm=1.0, noise_multiplier=1.1)
@@ -190,8 +193,8 @@ def dp_sgd(
       (2,)
 
     References:
-      Abadi et al., `Deep Learning with Differential Privacy
-      <https://arxiv.org/abs/1607.00133>`_, 2016
+      Abadi et al., Deep Learning with Differential Privacy
+      <https://arxiv.org/abs/1607.00133>, 2016
     """
     parts = [dp_aggregate(clip_norm, noise_multiplier, batch_size)]
     if momentum is not None:
@@ -213,19 +216,20 @@ def dp_adam(
 ) -> PerExampleTransformation:
     r"""DP-Adam: Adam on the noised mean of clipped per-example gradients.
 
-    .. math::
+    \[
       \tilde g_t = \frac{1}{B}\Big(\sum_b g_{t,b}\min\big(1, \tfrac{C}{\|g_{t,b}\|}\big)
       + \mathcal N\big(0, (z C)^2 I\big)\Big),\qquad
       \theta_{t+1} = \theta_t - \alpha_t\,\mathrm{Adam}(\tilde g_t)
+    \]
 
-    ``update`` takes the extra args of :func:`dp_aggregate`. The second moment
-    of Adam then sees the noise variance :math:`(zC/B)^2`; a larger ``eps`` is
+    ``update`` takes the extra args of `dp_aggregate`. The second moment
+    of Adam then sees the noise variance \((zC/B)^2\); a larger ``eps`` is
     common in private training.
 
     Args:
       learning_rate: a float or an optax schedule.
-      clip_norm: :math:`C`, the per-example global-norm bound.
-      noise_multiplier: :math:`z`, the noise standard deviation in units of ``C``.
+      clip_norm: \(C\), the per-example global-norm bound.
+      noise_multiplier: \(z\), the noise standard deviation in units of ``C``.
       batch_size: a fixed denominator; ``None`` reads the ``batch_size`` extra arg.
       b1: decay of Adam's first moment.
       b2: decay of Adam's second moment.
@@ -233,9 +237,9 @@ def dp_adam(
       eps_root: added to the denominator inside the square root.
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean, clipped_sum, batch_size``.
+      A `PerExampleTransformation` requesting ``mean, clipped_sum, batch_size``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxpr_surgery.optim as jso
       >>> opt = jso.dp_adam(learning_rate=1e-3, clip_norm=1.0, noise_multiplier=1.1)
@@ -243,8 +247,8 @@ def dp_adam(
       ['batch_size', 'clipped_sum', 'mean']
 
     References:
-      Abadi et al., `Deep Learning with Differential Privacy
-      <https://arxiv.org/abs/1607.00133>`_, 2016
+      Abadi et al., Deep Learning with Differential Privacy
+      <https://arxiv.org/abs/1607.00133>, 2016
     """
     return chain(
         dp_aggregate(clip_norm, noise_multiplier, batch_size),

@@ -1,8 +1,8 @@
 r"""Tracking gradient statistics for logging: signal-to-noise ratio and noise scale.
 
-:func:`track_gradient_statistics` is an identity transform (``updates`` pass
+`track_gradient_statistics` is an identity transform (``updates`` pass
 through unchanged) whose state keeps exponential moving averages of the squared
-batch mean :math:`\bar g^2` and of the per-example variance :math:`\hat\sigma^2`,
+batch mean \(\bar g^2\) and of the per-example variance \(\hat\sigma^2\),
 per coordinate and summed over all parameters. Put it first in a chain and read
 ``state.snr`` / ``state.noise_scale`` for logging.
 
@@ -43,17 +43,17 @@ def _ratio(num, den):
 
 
 class TrackGradientStatisticsState(NamedTuple):
-    r"""State of :func:`track_gradient_statistics`.
+    r"""State of `track_gradient_statistics`.
 
     Each average starts at the first observation (no bias correction needed).
 
     Attributes:
       count: number of updates so far (int32 scalar).
-      mean_sq: per-coordinate EMA of :math:`\bar g^2`, a pytree like params
+      mean_sq: per-coordinate EMA of \(\bar g^2\), a pytree like params
         (``None`` with ``per_coordinate=False``).
-      variance: per-coordinate EMA of :math:`\hat\sigma^2`, like ``mean_sq``.
-      sq_norm: EMA of :math:`\|\bar g\|^2` over all parameters (float32 scalar).
-      trace_variance: EMA of :math:`\mathrm{tr}\,\hat\Sigma = \sum \hat\sigma^2`
+      variance: per-coordinate EMA of \(\hat\sigma^2\), like ``mean_sq``.
+      sq_norm: EMA of \(\|\bar g\|^2\) over all parameters (float32 scalar).
+      trace_variance: EMA of \(\mathrm{tr}\,\hat\Sigma = \sum \hat\sigma^2\)
         over all parameters (float32 scalar).
     """
 
@@ -65,14 +65,14 @@ class TrackGradientStatisticsState(NamedTuple):
 
     @property
     def snr(self) -> optax.Updates | None:
-        r"""Per-coordinate SNR :math:`\mathrm{EMA}[\bar g^2]/\mathrm{EMA}[\hat\sigma^2]`."""
+        r"""Per-coordinate SNR \(\mathrm{EMA}[\bar g^2]/\mathrm{EMA}[\hat\sigma^2]\)."""
         if self.mean_sq is None:
             return None
         return jax.tree.map(_ratio, self.mean_sq, self.variance)
 
     @property
     def noise_scale(self) -> jax.Array:
-        r"""Noise scale :math:`\mathrm{EMA}[\mathrm{tr}\,\hat\Sigma]/\mathrm{EMA}[\|\bar g\|^2]`."""
+        r"""Noise scale \(\mathrm{EMA}[\mathrm{tr}\,\hat\Sigma]/\mathrm{EMA}[\|\bar g\|^2]\)."""
         return _ratio(self.trace_variance, self.sq_norm)
 
 
@@ -81,33 +81,34 @@ def track_gradient_statistics(
 ) -> PerExampleTransformation:
     r"""Passes updates through unchanged; tracks the gradient SNR and noise scale.
 
-    .. math::
+    \[
       \mathrm{SNR}_i = \frac{\mathrm{EMA}_t[\bar g_{t,i}^2]}{\mathrm{EMA}_t[\hat\sigma_{t,i}^2]},
       \qquad
       B_{\mathrm{noise}} = \frac{\mathrm{EMA}_t[\sum_i \hat\sigma_{t,i}^2]}
       {\mathrm{EMA}_t[\|\bar g_t\|^2]}
+    \]
 
-    with :math:`\hat\sigma^2` the per-example variance (``ddof=1``) and
-    :math:`\mathrm{EMA}_t[x] = \beta\,\mathrm{EMA}_{t-1}[x] + (1-\beta)x_t`
-    started at :math:`x_1`. These are the EMA'd forms of
-    :func:`jaxpr_surgery.stats.snr` and
-    :func:`jaxpr_surgery.stats.gradient_noise_scale`; note :math:`\bar g^2`
-    includes the noise :math:`\sigma^2/B` of the batch mean. ``update`` takes
+    with \(\hat\sigma^2\) the per-example variance (``ddof=1``) and
+    \(\mathrm{EMA}_t[x] = \beta\,\mathrm{EMA}_{t-1}[x] + (1-\beta)x_t\)
+    started at \(x_1\). These are the EMA'd forms of
+    `jaxpr_surgery.stats.snr` and
+    `jaxpr_surgery.stats.gradient_noise_scale`; note \(\bar g^2\)
+    includes the noise \(\sigma^2/B\) of the batch mean. ``update`` takes
     the keyword-only extra arg ``variance`` (statistic
-    :func:`jaxpr_surgery.stats.variance`) and optionally ``mean`` (the raw
+    `jaxpr_surgery.stats.variance`) and optionally ``mean`` (the raw
     batch mean; defaults to ``updates``). Read ``state.snr`` (a pytree like
     params) and ``state.noise_scale`` (a scalar).
 
     Args:
-      decay: :math:`\beta`, the EMA decay over steps, in ``[0, 1)``.
+      decay: \(\beta\), the EMA decay over steps, in ``[0, 1)``.
       per_coordinate: keep per-coordinate averages (two buffers like params);
         ``False`` keeps only the scalar totals (``state.snr`` is ``None``).
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean, variance``, with
-      state :class:`TrackGradientStatisticsState`.
+      A `PerExampleTransformation` requesting ``mean, variance``, with
+      state `TrackGradientStatisticsState`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> import jaxpr_surgery.optim as jso
       >>> opt = jso.chain(jso.track_gradient_statistics(0.9), optax.sgd(0.1))
@@ -121,11 +122,11 @@ def track_gradient_statistics(
       [2.  0.5] 1.25
 
     References:
-      McCandlish et al., `An Empirical Model of Large-Batch Training
-      <https://arxiv.org/abs/1812.06162>`_, 2018
+      McCandlish et al., An Empirical Model of Large-Batch Training
+      <https://arxiv.org/abs/1812.06162>, 2018
 
-      Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
-      and improving optimizers <https://arxiv.org/abs/2510.00236>`_, 2025
+      Roulet & Agarwala, Per-example gradients: a new frontier for understanding
+      and improving optimizers <https://arxiv.org/abs/2510.00236>, 2025
     """
     if isinstance(decay, (int, float)) and not 0 <= decay < 1:
         raise ValueError(f"track_gradient_statistics(decay=...): must be in [0, 1), got {decay!r}.")

@@ -1,10 +1,10 @@
 """Which per-example statistics an optimizer consumes, and how they reach ``update``.
 
-Every optimizer in :mod:`jaxpr_surgery.optim` is a :class:`PerExampleTransformation`:
-an ordinary :class:`optax.GradientTransformationExtraArgs` that also carries
+Every optimizer in `jaxpr_surgery.optim` is a `PerExampleTransformation`:
+an ordinary `optax.GradientTransformationExtraArgs` that also carries
 ``stat_request``, the dict of statistics its ``update`` reads as keyword-only
 extra args. The keys of that dict are the extra-arg names, so one call computes
-everything and one update consumes it::
+everything and one update consumes it:
 
     request = js.optim.stat_request(opt)     # {"mean": ..., "second_moment": ...}
     loss, stats = js.value_and_per_example_stat(loss_fn, request)(params, batch)
@@ -53,9 +53,9 @@ class _ExampleCount(_stats.Statistic):
 
 
 def example_count() -> _stats.Statistic:
-    r"""Statistic whose value is the number of examples :math:`B` in the batch.
+    r"""Statistic whose value is the number of examples \(B\) in the batch.
 
-    It reuses the plain-sum reduction of :func:`jaxpr_surgery.stats.mean`, so
+    It reuses the plain-sum reduction of `jaxpr_surgery.stats.mean`, so
     adding it to a request costs nothing. Optimizers that divide by the batch
     size (``micro_adam_msq``, ``dp_sgd``) request it under the key
     ``"batch_size"``.
@@ -133,10 +133,10 @@ def build_request(*keys: str, clip_norm=None) -> dict[str, _stats.Statistic]:
 # The transformation type
 # --------------------------------------------------------------------------- #
 class PerExampleTransformation(optax.GradientTransformationExtraArgs):
-    """An :class:`optax.GradientTransformationExtraArgs` that knows its statistics.
+    """An `optax.GradientTransformationExtraArgs` that knows its statistics.
 
     It is an ordinary optax transformation (a ``(init, update)`` pair, usable in
-    :func:`optax.chain` and anywhere optax expects one) with one extra read-only
+    `optax.chain` and anywhere optax expects one) with one extra read-only
     attribute.
 
     Attributes:
@@ -144,7 +144,7 @@ class PerExampleTransformation(optax.GradientTransformationExtraArgs):
       update: ``update(updates, state, params=None, **extra_args)``; the
         per-example statistics arrive as keyword-only extra args.
       stat_request: mapping from extra-arg name to the
-        :class:`jaxpr_surgery.stats.Statistic` to compute for it. Always holds
+        `jaxpr_surgery.stats.Statistic` to compute for it. Always holds
         ``"mean"`` (the batch-mean gradient, passed as ``updates``).
     """
 
@@ -189,22 +189,22 @@ def _merge(requests) -> dict[str, Any]:
 
 
 def chain(*transforms: optax.GradientTransformation) -> PerExampleTransformation:
-    """:func:`optax.chain` that keeps the union of the parts' statistic requests.
+    """`optax.chain` that keeps the union of the parts' statistic requests.
 
-    :func:`optax.chain` returns a plain optax transformation, which forgets the
+    `optax.chain` returns a plain optax transformation, which forgets the
     ``stat_request`` of its parts; use this instead when chaining optimizers of
-    :mod:`jaxpr_surgery.optim` with each other or with optax transforms.
+    `jaxpr_surgery.optim` with each other or with optax transforms.
 
     Args:
       *transforms: optax transformations, with or without ``stat_request``.
 
     Returns:
-      A :class:`PerExampleTransformation`.
+      A `PerExampleTransformation`.
 
     Raises:
       ValueError: if two parts request different statistics under one name.
 
-    Example:
+    Examples:
       >>> import optax
       >>> import jaxpr_surgery.optim as jso
       >>> opt = jso.chain(jso.track_gradient_statistics(0.99),
@@ -218,7 +218,7 @@ def chain(*transforms: optax.GradientTransformation) -> PerExampleTransformation
 
 
 def with_request(tx: optax.GradientTransformation, *keys: str, clip_norm=None):
-    """Wraps ``tx`` as a :class:`PerExampleTransformation` requesting ``keys``."""
+    """Wraps ``tx`` as a `PerExampleTransformation` requesting ``keys``."""
     return PerExampleTransformation(tx.init, tx.update, build_request(*keys, clip_norm=clip_norm))
 
 
@@ -228,11 +228,11 @@ def with_request(tx: optax.GradientTransformation, *keys: str, clip_norm=None):
 def stat_request(optimizer_or_name, *, clip_norm=None) -> dict[str, _stats.Statistic]:
     """The statistics to compute for an optimizer, keyed by its extra-arg names.
 
-    Pass the result to :func:`jaxpr_surgery.value_and_per_example_stat` (or
+    Pass the result to `jaxpr_surgery.value_and_per_example_stat` (or
     ``per_example_stat``); it always contains ``"mean"``.
 
     Args:
-      optimizer_or_name: an optimizer of :mod:`jaxpr_surgery.optim` (or any
+      optimizer_or_name: an optimizer of `jaxpr_surgery.optim` (or any
         transformation with a ``stat_request`` attribute), a plain optax
         transformation (which needs only the mean), or the name of an optimizer
         or transform of this module, e.g. ``"micro_adam"``.
@@ -240,12 +240,12 @@ def stat_request(optimizer_or_name, *, clip_norm=None) -> dict[str, _stats.Stati
         clip norm of that statistic. Ignored for optimizer objects.
 
     Returns:
-      A new ``dict`` from extra-arg name to :class:`jaxpr_surgery.stats.Statistic`.
+      A new ``dict`` from extra-arg name to `jaxpr_surgery.stats.Statistic`.
 
     Raises:
       ValueError: on an unknown name, or a missing ``clip_norm``.
 
-    Example:
+    Examples:
       >>> import jaxpr_surgery.optim as jso
       >>> sorted(jso.stat_request("micro_adam_msq"))
       ['batch_size', 'mean', 'variance']
@@ -291,7 +291,7 @@ def update_kwargs(stats: Mapping[str, Any], **extra) -> dict[str, Any]:
       TypeError: if ``stats`` is not a mapping with string keys.
       ValueError: if a key of ``extra`` is also a statistic.
 
-    Example:
+    Examples:
       >>> import jaxpr_surgery.optim as jso
       >>> sorted(jso.update_kwargs({"mean": 0.0, "variance": 1.0}, key=0))
       ['key', 'mean', 'variance']

@@ -14,18 +14,19 @@ def sqrt_batch_size_scaling(
 ) -> optax.ScalarOrSchedule:
     r"""Scales a learning rate (or schedule) by the square root of the batch-size ratio.
 
-    .. math::
+    \[
       \alpha(B) = \alpha_0 \sqrt{B / B_0}
+    \]
 
     The square-root rule keeps the noise of an Adam-type update comparable
     across batch sizes; Roulet & Agarwala report matching training curves with
     it over small to medium batch sizes.
 
     Args:
-      base_lr: :math:`\alpha_0`, a float or an optax schedule (``step -> lr``),
+      base_lr: \(\alpha_0\), a float or an optax schedule (``step -> lr``),
         tuned at batch size ``base_batch_size``.
-      base_batch_size: :math:`B_0`, a positive number.
-      batch_size: :math:`B`, a positive number.
+      base_batch_size: \(B_0\), a positive number.
+      batch_size: \(B\), a positive number.
 
     Returns:
       A float when ``base_lr`` is a number, otherwise a schedule.
@@ -33,7 +34,7 @@ def sqrt_batch_size_scaling(
     Raises:
       ValueError: if a batch size is not positive.
 
-    Example:
+    Examples:
       >>> import optax
       >>> import jaxpr_surgery.optim as jso
       >>> jso.sqrt_batch_size_scaling(1e-3, base_batch_size=64, batch_size=256)
@@ -43,11 +44,11 @@ def sqrt_batch_size_scaling(
       0.5
 
     References:
-      Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
-      and improving optimizers <https://arxiv.org/abs/2510.00236>`_, 2025
+      Roulet & Agarwala, Per-example gradients: a new frontier for understanding
+      and improving optimizers <https://arxiv.org/abs/2510.00236>, 2025
 
-      Malladi et al., `On the SDEs and Scaling Rules for Adaptive Gradient
-      Algorithms <https://arxiv.org/abs/2205.10287>`_, 2022
+      Malladi et al., On the SDEs and Scaling Rules for Adaptive Gradient
+      Algorithms <https://arxiv.org/abs/2205.10287>, 2022
     """
     for name, value in (("base_batch_size", base_batch_size), ("batch_size", batch_size)):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:

@@ -1,22 +1,22 @@
 r"""Sign-based optimizers, by where the sign sits in the processing chain.
 
-Per-example gradients :math:`g_b` go through batch mean, then an EMA over
+Per-example gradients \(g_b\) go through batch mean, then an EMA over
 steps, then the update. ``sign`` can be applied at any of these points:
 
 =========================  =================================================
 optimizer                  update direction
 =========================  =================================================
-``per_example_sign_sgd``   :math:`\frac1B\sum_b \mathrm{sign}(g_b)` (optionally EMA'd)
-``sign_sgd``               :math:`\mathrm{sign}(\bar g)`
-``ema_of_sign``            :math:`\mathrm{EMA}_t[\mathrm{sign}(\bar g_t)]`
-``sign_ema``               :math:`\mathrm{sign}(\mathrm{EMA}_t[\bar g_t])` (Signum)
+``per_example_sign_sgd``   \(\frac1B\sum_b \mathrm{sign}(g_b)\) (optionally EMA'd)
+``sign_sgd``               \(\mathrm{sign}(\bar g)\)
+``ema_of_sign``            \(\mathrm{EMA}_t[\mathrm{sign}(\bar g_t)]\)
+``sign_ema``               \(\mathrm{sign}(\mathrm{EMA}_t[\bar g_t])\) (Signum)
 =========================  =================================================
 
 The signal-to-noise argument of Roulet & Agarwala (2025): averaging raises the
 SNR of a coordinate, and ``sign`` destroys the most information where the SNR
 is lowest, so it is best applied as late as possible -- ``sign_ema``.
-``sign(0) = 0`` throughout, as in :func:`jnp.sign` and
-:func:`jaxpr_surgery.stats.sign_mean`.
+``sign(0) = 0`` throughout, as in `jnp.sign` and
+`jaxpr_surgery.stats.sign_mean`.
 """
 
 from __future__ import annotations
@@ -50,16 +50,17 @@ def _check_decay(b1, owner, allow_none=False):
 def scale_by_per_example_sign() -> PerExampleTransformation:
     r"""Replaces updates by the mean of per-example signs.
 
-    .. math::
+    \[
       u = \frac1B \sum_b \mathrm{sign}(g_b)
+    \]
 
     ``updates`` (the batch mean) is ignored; ``update`` takes the keyword-only
-    extra arg ``sign_mean`` (statistic :func:`jaxpr_surgery.stats.sign_mean`).
+    extra arg ``sign_mean`` (statistic `jaxpr_surgery.stats.sign_mean`).
 
     Returns:
-      A stateless :class:`PerExampleTransformation` requesting ``mean, sign_mean``.
+      A stateless `PerExampleTransformation` requesting ``mean, sign_mean``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import numpy as np
       >>> import jaxpr_surgery.optim as jso
@@ -70,8 +71,8 @@ def scale_by_per_example_sign() -> PerExampleTransformation:
       [1. 0.]
 
     References:
-      Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
-      and improving optimizers <https://arxiv.org/abs/2510.00236>`_, 2025
+      Roulet & Agarwala, Per-example gradients: a new frontier for understanding
+      and improving optimizers <https://arxiv.org/abs/2510.00236>, 2025
     """
 
     def update_fn(updates, state, params=None, *, sign_mean=None, **extra_args):
@@ -89,23 +90,24 @@ def per_example_sign_sgd(
 ) -> PerExampleTransformation:
     r"""SGD on the mean of per-example gradient signs: the earliest sign placement.
 
-    .. math::
+    \[
       s_t = \frac1B\sum_b \mathrm{sign}(g_{t,b}),\quad
       m_t = \beta_1 m_{t-1} + (1-\beta_1) s_t,\quad
       \theta_{t+1} = \theta_t - \alpha_t\, m_t
+    \]
 
-    (with ``b1=None``, :math:`m_t = s_t`). ``update`` takes the extra arg
-    ``sign_mean`` (statistic :func:`jaxpr_surgery.stats.sign_mean`).
+    (with ``b1=None``, \(m_t = s_t\)). ``update`` takes the extra arg
+    ``sign_mean`` (statistic `jaxpr_surgery.stats.sign_mean`).
 
     Args:
       learning_rate: a float or an optax schedule.
       b1: decay of an optional EMA of the sign mean over steps; ``None``: none.
-      debias: divide the EMA by :math:`1-\beta_1^t` (as Adam's first moment).
+      debias: divide the EMA by \(1-\beta_1^t\) (as Adam's first moment).
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean, sign_mean``.
+      A `PerExampleTransformation` requesting ``mean, sign_mean``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> import jaxpr_surgery.optim as jso
       >>> opt = jso.per_example_sign_sgd(learning_rate=0.1)
@@ -119,8 +121,8 @@ def per_example_sign_sgd(
       [-0.1  0.1 -0. ]
 
     References:
-      Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
-      and improving optimizers <https://arxiv.org/abs/2510.00236>`_, 2025
+      Roulet & Agarwala, Per-example gradients: a new frontier for understanding
+      and improving optimizers <https://arxiv.org/abs/2510.00236>, 2025
     """
     _check_decay(b1, "per_example_sign_sgd", allow_none=True)
     parts = [scale_by_per_example_sign()]
@@ -133,16 +135,17 @@ def per_example_sign_sgd(
 def sign_sgd(learning_rate: optax.ScalarOrSchedule) -> PerExampleTransformation:
     r"""signSGD: SGD on the sign of the batch-mean gradient.
 
-    .. math::
+    \[
       \theta_{t+1} = \theta_t - \alpha_t\, \mathrm{sign}(\bar g_t)
+    \]
 
     Args:
       learning_rate: a float or an optax schedule.
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean``.
+      A `PerExampleTransformation` requesting ``mean``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> import jaxpr_surgery.optim as jso
       >>> opt = jso.sign_sgd(learning_rate=0.1)
@@ -152,8 +155,8 @@ def sign_sgd(learning_rate: optax.ScalarOrSchedule) -> PerExampleTransformation:
       [-0.1  0.1]
 
     References:
-      Bernstein et al., `signSGD: Compressed Optimisation for Non-Convex Problems
-      <https://arxiv.org/abs/1802.04434>`_, 2018
+      Bernstein et al., signSGD: Compressed Optimisation for Non-Convex Problems
+      <https://arxiv.org/abs/1802.04434>, 2018
     """
     return chain(optax.scale_by_sign(), optax.scale_by_learning_rate(learning_rate))
 
@@ -165,21 +168,22 @@ def ema_of_sign(
 ) -> PerExampleTransformation:
     r"""SGD on an EMA over steps of the sign of the batch-mean gradient.
 
-    .. math::
+    \[
       m_t = \beta_1 m_{t-1} + (1-\beta_1)\,\mathrm{sign}(\bar g_t),\quad
       \theta_{t+1} = \theta_t - \alpha_t\, m_t
+    \]
 
-    (with ``debias``, :math:`m_t` is divided by :math:`1-\beta_1^t`).
+    (with ``debias``, \(m_t\) is divided by \(1-\beta_1^t\)).
 
     Args:
       learning_rate: a float or an optax schedule.
       b1: decay of the EMA of signs.
-      debias: divide the EMA by :math:`1-\beta_1^t` (as Adam's first moment).
+      debias: divide the EMA by \(1-\beta_1^t\) (as Adam's first moment).
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean``.
+      A `PerExampleTransformation` requesting ``mean``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> import numpy as np
       >>> import jaxpr_surgery.optim as jso
@@ -192,8 +196,8 @@ def ema_of_sign(
       [-0.1    -0.0333]
 
     References:
-      Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
-      and improving optimizers <https://arxiv.org/abs/2510.00236>`_, 2025
+      Roulet & Agarwala, Per-example gradients: a new frontier for understanding
+      and improving optimizers <https://arxiv.org/abs/2510.00236>, 2025
     """
     _check_decay(b1, "ema_of_sign")
     return chain(
@@ -206,9 +210,10 @@ def ema_of_sign(
 def sign_ema(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9) -> PerExampleTransformation:
     r"""SignEMA (Signum): SGD on the sign of an EMA of batch-mean gradients.
 
-    .. math::
+    \[
       m_t = \beta_1 m_{t-1} + (1-\beta_1)\,\bar g_t,\quad
       \theta_{t+1} = \theta_t - \alpha_t\, \mathrm{sign}(m_t)
+    \]
 
     The latest sign placement, and the best one by the SNR argument of Roulet &
     Agarwala. Numerically identical to ``optax.signum(learning_rate, beta=b1)``
@@ -219,9 +224,9 @@ def sign_ema(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9) -> PerExamp
       b1: decay of the EMA of batch-mean gradients.
 
     Returns:
-      A :class:`PerExampleTransformation` requesting ``mean``.
+      A `PerExampleTransformation` requesting ``mean``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> import jaxpr_surgery.optim as jso
       >>> opt = jso.sign_ema(learning_rate=0.1, b1=0.5)
@@ -233,11 +238,11 @@ def sign_ema(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9) -> PerExamp
       [-0.1  0.1]
 
     References:
-      Bernstein et al., `signSGD: Compressed Optimisation for Non-Convex Problems
-      <https://arxiv.org/abs/1802.04434>`_, 2018
+      Bernstein et al., signSGD: Compressed Optimisation for Non-Convex Problems
+      <https://arxiv.org/abs/1802.04434>, 2018
 
-      Roulet & Agarwala, `Per-example gradients: a new frontier for understanding
-      and improving optimizers <https://arxiv.org/abs/2510.00236>`_, 2025
+      Roulet & Agarwala, Per-example gradients: a new frontier for understanding
+      and improving optimizers <https://arxiv.org/abs/2510.00236>, 2025
     """
     _check_decay(b1, "sign_ema")
     return chain(

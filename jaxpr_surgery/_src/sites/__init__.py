@@ -1,4 +1,4 @@
-"""Layer kinds: one module per kind, each registering a :class:`~.base.Kernel`."""
+"""Layer kinds: one module per kind, each registering a `.base.Kernel`."""
 
 from jaxpr_surgery._src.sites import dense as _dense  # noqa: F401
 from jaxpr_surgery._src.sites import embedding as _embedding  # noqa: F401

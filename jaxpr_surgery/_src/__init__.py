@@ -1,0 +1,1 @@
+"""Private implementation of jaxpr_surgery; import from the public modules."""
