@@ -1,7 +1,7 @@
 """jaxpr_surgery: statistics of per-example gradients by surgery of the jaxpr.
 
-    import jaxpr_surgery as js
-    m, v = js.per_example_stat(loss, (js.stats.mean(), js.stats.variance()))(params, batch)
+import jaxpr_surgery as js
+m, v = js.per_example_stat(loss, (js.stats.mean(), js.stats.variance()))(params, batch)
 """
 
 from jaxpr_surgery import optim as optim

@@ -115,8 +115,14 @@ class Analysis:
 def _absorbable():
     from jax._src.lax import slicing
 
-    return (compat.broadcast_p, compat.reshape_p, compat.convert_p, compat.squeeze_p,
-            slicing.slice_p, slicing.dynamic_slice_p)
+    return (
+        compat.broadcast_p,
+        compat.reshape_p,
+        compat.convert_p,
+        compat.squeeze_p,
+        slicing.slice_p,
+        slicing.dynamic_slice_p,
+    )
 
 
 _ABSORBABLE = _absorbable()
@@ -132,7 +138,9 @@ def _shape(v):
 
 _CALL_PRIMS = tuple(p for p in (compat.jit_p, compat.closed_call_p, compat.call_p) if p is not None)
 _IDENTITY_PRIMS = tuple(
-    p for p in (compat.copy_p, compat.sharding_constraint_p, *compat.vma_cast_prims) if p is not None
+    p
+    for p in (compat.copy_p, compat.sharding_constraint_p, *compat.vma_cast_prims)
+    if p is not None
 )
 
 
@@ -370,9 +378,7 @@ class _Analyzer:
     def kind(eqn, tag, pos):
         prim = eqn.primitive
         if tag.pre:
-            absorbable = all(
-                e.primitive in _ABSORBABLE for e in tag.pre
-            )
+            absorbable = all(e.primitive in _ABSORBABLE for e in tag.pre)
             if prim in (compat.mul_p, compat.add_p, compat.sub_p) and absorbable:
                 return "scale-shift"
             return "generic"
@@ -419,7 +425,7 @@ def _onehot_dense_ok(eqn, p, axis):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     xc, wc = (rc, lc) if p == 0 else (lc, rc)
     w_shape = _shape(eqn.invars[p])
-    return (not lb and tuple(xc) == (axis,) and len(w_shape) == 2 and len(wc) == 1)
+    return not lb and tuple(xc) == (axis,) and len(w_shape) == 2 and len(wc) == 1
 
 
 def _is_row_gather(eqn):

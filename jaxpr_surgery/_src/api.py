@@ -1,4 +1,5 @@
-"""Public entry points: ``per_example_stat``, ``value_and_per_example_stat``, ``check_per_example``."""
+"""Public entry points: ``per_example_stat``, ``value_and_per_example_stat`` and
+``check_per_example``."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import compat
-from jaxpr_surgery._src import engine
+from jaxpr_surgery._src import compat, engine
 from jaxpr_surgery._src import stats as S
 
 PyTree = Any
@@ -45,9 +45,7 @@ def _norm_nums(nums, name, nargs):
 
 
 def _is_array(x):
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(
-        x, jax.core.Tracer
-    )
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(x, jax.core.Tracer)
 
 
 def _path_str(path):
@@ -67,8 +65,10 @@ class Options:
 
 def _flatten_stats(stat):
     leaves, treedef = jax.tree.flatten(
-        stat, is_leaf=lambda x: S.is_statistic(x) or (
-            hasattr(x, "reductions") and hasattr(x, "finalize"))
+        stat,
+        is_leaf=lambda x: (
+            S.is_statistic(x) or (hasattr(x, "reductions") and hasattr(x, "finalize"))
+        ),
     )
     if not leaves:
         raise TypeError("stat: expected a statistic or a pytree of statistics, got an empty tree.")
@@ -110,7 +110,9 @@ class _Prepared:
                 )
         self.diff_leaves = [jnp.asarray(x) for x in self.diff_leaves]
         if not self.diff_leaves:
-            raise ValueError(f"{name}: the differentiated argument(s) {self.argnums} hold no arrays.")
+            raise ValueError(
+                f"{name}: the differentiated argument(s) {self.argnums} hold no arrays."
+            )
 
         batch = tuple(args[i] for i in self.batch_argnums)
         bflat, self.batch_tree = jax.tree_util.tree_flatten_with_path(batch)
@@ -213,7 +215,11 @@ class _Prepared:
                 f"{self.name}: fn must return a scalar floating-point loss (the mean over the "
                 f"batch), but on one example it returned {loss.dtype}{list(loss.shape)}. "
                 + ("Reduce the loss to a scalar" if loss.shape else "Return a float loss")
-                + (", or pass has_aux=True to return (loss, aux)." if not self.opts.has_aux else ".")
+                + (
+                    ", or pass has_aux=True to return (loss, aux)."
+                    if not self.opts.has_aux
+                    else "."
+                )
             )
         return holder["closed"], holder["out_tree"]
 
@@ -268,8 +274,9 @@ def _compute(fn, stat, opts: Options, args, name):
                 "leaves (chunk_size bounds the memory)."
             )
     leaf_avals = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in prep.diff_leaves]
-    plan = engine.make_plan(closed, an, leaf_avals, reductions, len(prep.ex_leaves),
-                            len(prep.other_leaves), out_tree)
+    plan = engine.make_plan(
+        closed, an, leaf_avals, reductions, len(prep.ex_leaves), len(prep.other_leaves), out_tree
+    )
     data_axes = frozenset().union(*[compat.vma_of(x) for x in prep.ex_leaves])
 
     def run_chunk(ex_leaves, b):
@@ -337,12 +344,12 @@ def _chunked(run_chunk, ex_leaves, B, cs, reductions):
 
     if nfull > 1:
         rest = [h[1:] for h in head]
-        carry, (sqv, loss_rest, aux_rest) = jax.lax.scan(
-            step, carry0, (jnp.arange(1, nfull), rest)
-        )
+        carry, (sqv, loss_rest, aux_rest) = jax.lax.scan(step, carry0, (jnp.arange(1, nfull), rest))
         loss_b = jnp.concatenate([first_loss[None], loss_rest]).reshape((nfull * cs,))
-        aux = [jnp.concatenate([a[None], r]).reshape((nfull * cs,) + a.shape[1:])
-               for a, r in zip(first_aux, aux_rest)]
+        aux = [
+            jnp.concatenate([a[None], r]).reshape((nfull * cs,) + a.shape[1:])
+            for a, r in zip(first_aux, aux_rest)
+        ]
         sq_vals = {
             j: [jnp.concatenate([f[None], r]).reshape((-1,)) for f, r in zip(first_vals[j], sqv[j])]
             for j in sq
@@ -398,8 +405,15 @@ def value_and_per_example_stat(
       >>> bool(jnp.allclose(m, jax.grad(loss)(w, b)))
       True
     """
-    opts = Options(argnums, batch_argnums, bool(keep_batch_dim), bool(has_aux), chunk_size,
-                   bool(strict), axis_name)
+    opts = Options(
+        argnums,
+        batch_argnums,
+        bool(keep_batch_dim),
+        bool(has_aux),
+        chunk_size,
+        bool(strict),
+        axis_name,
+    )
     name = "value_and_per_example_stat"
     _flatten_stats(stat)  # validate early
     if not callable(fn):
@@ -471,8 +485,15 @@ def per_example_stat(
       (3,)
     """
     vfn = value_and_per_example_stat(
-        fn, stat, argnums=argnums, batch_argnums=batch_argnums, keep_batch_dim=keep_batch_dim,
-        has_aux=has_aux, chunk_size=chunk_size, strict=strict, axis_name=axis_name,
+        fn,
+        stat,
+        argnums=argnums,
+        batch_argnums=batch_argnums,
+        keep_batch_dim=keep_batch_dim,
+        has_aux=has_aux,
+        chunk_size=chunk_size,
+        strict=strict,
+        axis_name=axis_name,
     )
 
     @functools.wraps(fn)

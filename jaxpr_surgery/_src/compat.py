@@ -11,10 +11,10 @@ import jax
 import jax.extend as jex
 from jax import lax
 from jax._src import core as _core  # noqa: F401  (Literal/Var types)
+from jax._src.lax import control_flow as _cf
 from jax._src.lax import convolution as _conv
 from jax._src.lax import lax as _lax
 from jax._src.lax import slicing as _slicing
-from jax._src.lax import control_flow as _cf
 
 ClosedJaxpr = jex.core.ClosedJaxpr
 Jaxpr = jex.core.Jaxpr
@@ -58,7 +58,7 @@ cond_p = _cf.conditionals.cond_p
 def _pjit_p():
     from jax._src import pjit
 
-    return getattr(pjit, "jit_p", None) or getattr(pjit, "pjit_p")
+    return getattr(pjit, "jit_p", None) or pjit.pjit_p
 
 
 jit_p = _pjit_p()
@@ -189,7 +189,7 @@ def explicit_axes(x) -> tuple:
     types = dict(zip(mesh.axis_names, mesh.axis_types))
     out = []
     for entry in spec:
-        for a in (entry if isinstance(entry, tuple) else (entry,)):
+        for a in entry if isinstance(entry, tuple) else (entry,):
             if a is not None and types.get(a) == explicit:
                 out.append(a)
     return tuple(out)

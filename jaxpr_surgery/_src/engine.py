@@ -19,7 +19,11 @@ from jaxpr_surgery._src import compat
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.interpreter import Evaluator, make_site_fn
 from jaxpr_surgery._src.sites import kernel_for
-from jaxpr_surgery._src.sites.base import acc_dtype_for, reduce_materialised, weighted_sum_materialised
+from jaxpr_surgery._src.sites.base import (
+    acc_dtype_for,
+    reduce_materialised,
+    weighted_sum_materialised,
+)
 
 SDS = jax.ShapeDtypeStruct
 
@@ -51,7 +55,7 @@ def rkey(j):
 
 def make_plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree):
     plan = Plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree)
-    for i, aval in enumerate(leaf_avals):
+    for i in range(len(leaf_avals)):
         rule = analysis.rule(i)
         if rule == "single" and not plan.has_clip:
             plan.modes.append("direct")
@@ -249,8 +253,10 @@ def _chunked_materialised(mat, B, nbytes, reductions):
 
         def step(carry, k):
             vals = red_of(mat(k * chunk, chunk))
-            new = [merge(r, a, k * chunk, v, chunk) if kp else a
-                   for r, a, v, kp in zip(reductions, carry, vals, keep)]
+            new = [
+                merge(r, a, k * chunk, v, chunk) if kp else a
+                for r, a, v, kp in zip(reductions, carry, vals, keep)
+            ]
             return new, [v if not kp else jnp.zeros(()) for v, kp in zip(vals, keep)]
 
         acc, ys = jax.lax.scan(step, acc, jnp.arange(1, nfull))
@@ -342,16 +348,18 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
                 if cr is None:
                     return None
                 crosses.append(cr)
-        own = [_direct_to_leaf(s, S.SqNorms(), _stacked(k.sq_norms, s.depth)(ing), B)
-               for s, k, ing in ings]
+        own = [
+            _direct_to_leaf(s, S.SqNorms(), _stacked(k.sq_norms, s.depth)(ing), B)
+            for s, k, ing in ings
+        ]
         return sum(own) + 2 * sum(crosses)
 
     multi = len(ings) > 1
     # with several sites, nonlinear reductions materialise G_b: then the plain sum
     # comes from the same materialisation instead of another contraction
     materialising = multi and any(
-        not isinstance(r, (S.ClippedSum, S.SqNorms)) and not (isinstance(r, S.PhiSum)
-                                                               and r.phi is None)
+        not isinstance(r, (S.ClippedSum, S.SqNorms))
+        and not (isinstance(r, S.PhiSum) and r.phi is None)
         for r in plan.reductions
     )
     todo = []

@@ -140,13 +140,17 @@ def explain(
 
     def run(*args):
         prep = _Prepared(
-            fn, args, Options(argnums, batch_argnums, keep_batch_dim, has_aux, None, False, None),
+            fn,
+            args,
+            Options(argnums, batch_argnums, keep_batch_dim, has_aux, None, False, None),
             "explain",
         )
         closed, _ = prep.trace()
         n = len(prep.diff_leaves)
-        tags = [A.PView(i) for i in range(n)] + [A.DATA] * len(prep.ex_leaves) + [None] * len(
-            prep.other_leaves
+        tags = (
+            [A.PView(i) for i in range(n)]
+            + [A.DATA] * len(prep.ex_leaves)
+            + [None] * len(prep.other_leaves)
         )
         an = A.analyse_jaxpr(closed.jaxpr, tags, n)
         B = prep.B
@@ -156,16 +160,34 @@ def explain(
             size = math.prod(jnp.shape(x))
             itemsize = jnp.dtype(acc_dtype_for(x.dtype)).itemsize
             if info.residual:
-                leaves.append(LeafReport(
-                    prep.diff_paths[i], tuple(jnp.shape(x)), str(x.dtype),
-                    [s.kind for s in info.sites], "fallback",
-                    "exact per-example gradients: " + "; ".join(info.reasons),
-                    list(info.reasons), float(2 * B * size), float(B * size * itemsize)))
+                leaves.append(
+                    LeafReport(
+                        prep.diff_paths[i],
+                        tuple(jnp.shape(x)),
+                        str(x.dtype),
+                        [s.kind for s in info.sites],
+                        "fallback",
+                        "exact per-example gradients: " + "; ".join(info.reasons),
+                        list(info.reasons),
+                        float(2 * B * size),
+                        float(B * size * itemsize),
+                    )
+                )
                 continue
             if not info.sites:
-                leaves.append(LeafReport(prep.diff_paths[i], tuple(jnp.shape(x)), str(x.dtype),
-                                         [], "unused", "does not affect the loss: zeros", [],
-                                         0.0, 0.0))
+                leaves.append(
+                    LeafReport(
+                        prep.diff_paths[i],
+                        tuple(jnp.shape(x)),
+                        str(x.dtype),
+                        [],
+                        "unused",
+                        "does not affect the loss: zeros",
+                        [],
+                        0.0,
+                        0.0,
+                    )
+                )
                 continue
             kinds = [s.kind for s in info.sites]
             flops, mem, parts = 0.0, 0.0, []
@@ -173,7 +195,8 @@ def explain(
             ks = [kernel_for(s, acc_dtype_for(x.dtype)) for s in info.sites]
             ghost_cross = multi and all(
                 cross_layout(info.sites[a], ks[a], info.sites[b], ks[b]) is not None
-                for a in range(len(ks)) for b in range(a + 1, len(ks))
+                for a in range(len(ks))
+                for b in range(a + 1, len(ks))
             )
             for s, k in zip(info.sites, ks):
                 reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
@@ -185,20 +208,37 @@ def explain(
                             name = f"{name} + ghost cross terms (shared leaf)"
                         else:
                             name, f = "materialise per-example (shared leaf)", 2.0 * B * size
-                    parts.append(f"{_rname(r)}[{s.kind}]: {name}" if multi else
-                                 f"{_rname(r)}: {name}")
+                    parts.append(
+                        f"{_rname(r)}[{s.kind}]: {name}" if multi else f"{_rname(r)}: {name}"
+                    )
                     flops += (f or 0) * reps
                     if "materialise" in name:
                         mem = max(mem, B * size * itemsize)
             detail = "; ".join(dict.fromkeys(parts))
-            leaves.append(LeafReport(prep.diff_paths[i], tuple(jnp.shape(x)), str(x.dtype), kinds,
-                                     "multi-site" if multi else "fast", detail, [], flops, mem))
+            leaves.append(
+                LeafReport(
+                    prep.diff_paths[i],
+                    tuple(jnp.shape(x)),
+                    str(x.dtype),
+                    kinds,
+                    "multi-site" if multi else "fast",
+                    detail,
+                    [],
+                    flops,
+                    mem,
+                )
+            )
         notes = [
             "Per-example gradients assume independent examples: run js.check_per_example(fn) "
             "to detect batch norm / in-batch negatives."
         ]
-        return Report(leaves, B, [repr(s) for s in stat_leaves],
-                      sorted({str(p) for p in an.primitives}), notes)
+        return Report(
+            leaves,
+            B,
+            [repr(s) for s in stat_leaves],
+            sorted({str(p) for p in an.primitives}),
+            notes,
+        )
 
     return run
 

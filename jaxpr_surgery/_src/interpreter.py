@@ -107,25 +107,35 @@ class Evaluator:
         nc, ncar, L = prm["num_consts"], prm["num_carry"], prm["length"]
         body = prm["jaxpr"]
         consts, cf = vals[:nc], flags[:nc]
-        init = [x if f else _bcast(x, self.B) for x, f in zip(vals[nc : nc + ncar],
-                                                               flags[nc : nc + ncar])]
-        xs = [jnp.moveaxis(x, 0, 1) if f else x for x, f in zip(vals[nc + ncar :],
-                                                               flags[nc + ncar :])]
+        init = [
+            x if f else _bcast(x, self.B)
+            for x, f in zip(vals[nc : nc + ncar], flags[nc : nc + ncar])
+        ]
+        xs = [
+            jnp.moveaxis(x, 0, 1) if f else x for x, f in zip(vals[nc + ncar :], flags[nc + ncar :])
+        ]
         xf = flags[nc + ncar :]
         sub_sinks = self._sub_sinks(sinks, p)
         ys_flags = []
 
         def step(carry, x):
             x_vals, s = x
-            outs, ofl = self.run(body.jaxpr, body.consts, list(consts) + list(carry) + list(x_vals),
-                                 list(cf) + [True] * ncar + list(xf), s, p)
+            outs, ofl = self.run(
+                body.jaxpr,
+                body.consts,
+                list(consts) + list(carry) + list(x_vals),
+                list(cf) + [True] * ncar + list(xf),
+                s,
+                p,
+            )
             new_carry = [o if f else _bcast(o, self.B) for o, f in zip(outs[:ncar], ofl[:ncar])]
             new_carry = [c.astype(o.dtype) for c, o in zip(new_carry, carry)]
             ys_flags[:] = ofl[ncar:]
             return new_carry, outs[ncar:]
 
-        carry, ys = jax.lax.scan(step, init, (xs, sub_sinks), length=L, reverse=prm["reverse"],
-                                 unroll=prm["unroll"])
+        carry, ys = jax.lax.scan(
+            step, init, (xs, sub_sinks), length=L, reverse=prm["reverse"], unroll=prm["unroll"]
+        )
         ys = [jnp.moveaxis(y, 0, 1) if f else y for y, f in zip(ys, ys_flags)]
         return list(carry) + list(ys), [True] * ncar + list(ys_flags)
 

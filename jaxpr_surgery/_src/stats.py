@@ -160,7 +160,9 @@ class Statistic(abc.ABC):
     def __repr__(self):
         name = getattr(self, "_name", None) or type(self).__name__
         fields = ", ".join(
-            f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and k != "reduction"
+            f"{k}={v!r}"
+            for k, v in vars(self).items()
+            if not k.startswith("_") and k != "reduction"
         )
         return f"{name}({fields})"
 
@@ -474,8 +476,9 @@ def clipped_sum(clip_norm) -> Statistic:
     return _Clipped(_check_clip(clip_norm, "clipped_sum"), average=False)
 
 
-def elementwise(phi: Callable[[jax.Array], jax.Array], multiplicative: bool = False,
-                name: str | None = None) -> Statistic:
+def elementwise(
+    phi: Callable[[jax.Array], jax.Array], multiplicative: bool = False, name: str | None = None
+) -> Statistic:
     r"""Mean of a user's elementwise function \(\frac1B\sum_b \varphi(g_b)\).
 
     Args:
@@ -491,7 +494,8 @@ def elementwise(phi: Callable[[jax.Array], jax.Array], multiplicative: bool = Fa
       >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
       ...          "y": jnp.array([1.0, 2.0, 3.0])}
       >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
-      >>> out = js.per_example_stat(loss, js.stats.elementwise(lambda g: jnp.abs(g) ** 3, multiplicative=True))(jnp.zeros(2), batch)
+      >>> cube = js.stats.elementwise(lambda g: jnp.abs(g) ** 3, multiplicative=True)
+      >>> out = js.per_example_stat(loss, cube)(jnp.zeros(2), batch)
       >>> print(np.asarray(out, float).round(4))
       [74.6667 93.3333]
     """
@@ -559,8 +563,6 @@ def validate(stat) -> dict:
                 f"stat: {stat!r}.reductions()[{k!r}] is {r!r}, not a reduction. Use "
                 "js.stats.PhiSum, Centered, SqNorms or ClippedSum."
             )
-        if isinstance(r, ClippedSum) and isinstance(r.clip_norm, float) and math.isnan(
-            r.clip_norm
-        ):
+        if isinstance(r, ClippedSum) and isinstance(r.clip_norm, float) and math.isnan(r.clip_norm):
             raise ValueError(f"stat: {stat!r} has a NaN clip_norm.")
     return dict(red)

@@ -47,16 +47,26 @@ def _canon(site):
     # dy dims: batch, lhs free, rhs free
     nb = len(wb)
     if p == 0:  # lhs is the weight: dy = [K, F, N]
-        dy_perm = tuple(range(nb)) + tuple(range(nb + len(wf), nb + len(wf) + len(xf))) + tuple(
-            range(nb, nb + len(wf))
+        dy_perm = (
+            tuple(range(nb))
+            + tuple(range(nb + len(wf), nb + len(wf) + len(xf)))
+            + tuple(range(nb, nb + len(wf)))
         )
     else:
         dy_perm = tuple(range(nb + len(xf) + len(wf)))
     canon_w = wb + wc + wf
     canon_shape = tuple(w_shape[i] for i in canon_w)
-    return dict(K=K, C=C, F=F, N=N, x_perm=x_perm, dy_perm=dy_perm,
-                canon_shape=canon_shape, inv_w=tuple(int(i) for i in np.argsort(canon_w)),
-                x_pos=1 - p)
+    return dict(
+        K=K,
+        C=C,
+        F=F,
+        N=N,
+        x_perm=x_perm,
+        dy_perm=dy_perm,
+        canon_shape=canon_shape,
+        inv_w=tuple(int(i) for i in np.argsort(canon_w)),
+        x_pos=1 - p,
+    )
 
 
 @register("dense")
@@ -97,8 +107,9 @@ class DenseKernel(Kernel):
                 return self.to_view(jnp.einsum("bknc,bknf->kcf", x, dy))
             if reduction.multiplicative and N == 1:
                 return self.to_view(
-                    jnp.einsum("bkc,bkf->kcf", reduction.apply(x[:, :, 0]),
-                               reduction.apply(dy[:, :, 0]))
+                    jnp.einsum(
+                        "bkc,bkf->kcf", reduction.apply(x[:, :, 0]), reduction.apply(dy[:, :, 0])
+                    )
                 )
         if isinstance(reduction, S.SqNorms):
             return self.sq_norms(ctx)
@@ -129,8 +140,11 @@ class DenseKernel(Kernel):
                 out[k] = jnp.sum(jnp.square(G), axis=(1, 2, 3))
             else:
                 red = reduce_materialised(G, r)
-                out[k] = S.Moments(self.to_view(red.mean), self.to_view(red.m2)) if isinstance(
-                    red, S.Moments) else self.to_view(red)
+                out[k] = (
+                    S.Moments(self.to_view(red.mean), self.to_view(red.m2))
+                    if isinstance(red, S.Moments)
+                    else self.to_view(red)
+                )
         return out
 
     def _centered_rank_one(self, x, d):
@@ -158,8 +172,9 @@ class DenseKernel(Kernel):
     def sq_norms(self, ing):
         x, dy = ing
         if self.c["N"] == 1:
-            return jnp.einsum("bkc,bkc,bkf,bkf->b", x[:, :, 0], x[:, :, 0], dy[:, :, 0],
-                              dy[:, :, 0])
+            return jnp.einsum(
+                "bkc,bkc,bkf,bkf->b", x[:, :, 0], x[:, :, 0], dy[:, :, 0], dy[:, :, 0]
+            )
         if self.use_ghost():
             gx = jnp.einsum("bknc,bkmc->bknm", x, x)
             gd = jnp.einsum("bknf,bkmf->bknm", dy, dy)

@@ -69,8 +69,10 @@ class EmbeddingKernel(Kernel):
 
     def _scatter(self, ids, rows):
         flat = ids.reshape(-1)
-        return jnp.zeros((self.V,) + rows.shape[2:], rows.dtype).at[flat].add(
-            rows.reshape((-1,) + rows.shape[2:]), mode="drop"
+        return (
+            jnp.zeros((self.V,) + rows.shape[2:], rows.dtype)
+            .at[flat]
+            .add(rows.reshape((-1,) + rows.shape[2:]), mode="drop")
         )
 
     # reductions ----------------------------------------------------------------- #
