@@ -178,7 +178,10 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
         _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred)
 
     if plan.has_clip:
-        norm = jnp.sqrt(sum(norms_leaf))
+        total = sum(norms_leaf)
+        # double-where: no NaN in the gradient of the clip factor at a zero norm
+        pos = total > 0
+        norm = jnp.where(pos, jnp.sqrt(jnp.where(pos, total, 1.0)), 0.0)
         for j, r in enumerate(plan.reductions):
             if isinstance(r, S.ClippedSum):
                 c = _clip_factor(r.clip_norm, norm)
