@@ -136,8 +136,16 @@ class DenseKernel(Kernel):
         G = jnp.einsum("bknc,bknf->bkcf", x, dy)
         out = {}
         for k, r in reductions.items():
-            if isinstance(r, S.SqNorms):
+            if isinstance(r, S.PhiSum) and r.phi is None:
+                # measured: a second consumer of G makes XLA:CPU write G out and
+                # reduce it in a poor layout; the plain contraction is faster
+                out[k] = self.direct(ctx, r)
+            elif isinstance(r, S.SqNorms):
                 out[k] = jnp.sum(jnp.square(G), axis=(1, 2, 3))
+            elif isinstance(r, S.Centered):
+                mean = jnp.einsum("bknc,bknf->kcf", x, dy) / x.shape[0]
+                m2 = jnp.sum(jnp.square(G - mean), axis=0)
+                out[k] = S.Moments(self.to_view(mean), self.to_view(m2))
             else:
                 red = reduce_materialised(G, r)
                 out[k] = (
