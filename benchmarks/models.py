@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 PyTree = Any
@@ -50,18 +51,26 @@ def n_params(params) -> int:
 
 
 class _Rand:
-    def __init__(self, seed):
-        self.key = jax.random.PRNGKey(seed)
+    """numpy RNG (no XLA compilation for initialisation; eager jax.random ops each
+    compile a kernel, which costs seconds on a loaded machine)."""
 
-    def next(self):
-        self.key, sub = jax.random.split(self.key)
-        return sub
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
 
     def normal(self, shape, scale=1.0, offset=0.0):
-        return jax.random.normal(self.next(), shape, jnp.float32) * scale + offset
+        x = self.rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
+        return jnp.asarray(x + np.float32(offset))
 
     def dense(self, fan_in, fan_out):
         return self.normal((fan_in, fan_out), 1.0 / math.sqrt(fan_in))
+
+
+def _zeros(n):
+    return jnp.asarray(np.zeros((n,), np.float32))
+
+
+def _ones(n):
+    return jnp.asarray(np.ones((n,), np.float32))
 
 
 def _xent(logits, labels):
@@ -98,8 +107,8 @@ def _spec(tree):
 def mlp(din=784, hidden=1024, nclass=10, seed=0) -> Model:
     r = _Rand(seed)
     params = {
-        "l1": {"w": r.dense(din, hidden), "b": jnp.zeros((hidden,))},
-        "l2": {"w": r.dense(hidden, nclass), "b": jnp.zeros((nclass,))},
+        "l1": {"w": r.dense(din, hidden), "b": _zeros(hidden)},
+        "l2": {"w": r.dense(hidden, nclass), "b": _zeros(nclass)},
     }
 
     def loss(params, batch):
@@ -108,9 +117,9 @@ def mlp(din=784, hidden=1024, nclass=10, seed=0) -> Model:
         return jnp.mean(_xent(logits, batch["y"]))
 
     def make_batch(B, seed=1):
-        k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-        return {"x": jax.random.normal(k1, (B, din)),
-                "y": jax.random.randint(k2, (B,), 0, nclass, dtype=jnp.int32)}
+        g = np.random.default_rng(seed)
+        return {"x": jnp.asarray(g.standard_normal((B, din), dtype=np.float32)),
+                "y": jnp.asarray(g.integers(0, nclass, (B,), dtype=np.int32))}
 
     def batch_spec(B):
         return {"x": jax.ShapeDtypeStruct((B, din), jnp.float32),
@@ -125,9 +134,9 @@ def cnn(size=28, c1=16, c2=32, nclass=10, seed=0) -> Model:
     r = _Rand(seed)
     s2 = (size - 3) // 2 + 1
     params = {
-        "conv1": {"w": r.normal((3, 3, 1, c1), 1 / 3.0), "b": jnp.zeros((c1,))},
-        "conv2": {"w": r.normal((3, 3, c1, c2), 1 / math.sqrt(9 * c1)), "b": jnp.zeros((c2,))},
-        "head": {"w": r.dense(s2 * s2 * c2, nclass), "b": jnp.zeros((nclass,))},
+        "conv1": {"w": r.normal((3, 3, 1, c1), 1 / 3.0), "b": _zeros(c1)},
+        "conv2": {"w": r.normal((3, 3, c1, c2), 1 / math.sqrt(9 * c1)), "b": _zeros(c2)},
+        "head": {"w": r.dense(s2 * s2 * c2, nclass), "b": _zeros(nclass)},
     }
     dn = ("NHWC", "HWIO", "NHWC")
 
@@ -143,9 +152,9 @@ def cnn(size=28, c1=16, c2=32, nclass=10, seed=0) -> Model:
         return jnp.mean(_xent(logits, batch["y"]))
 
     def make_batch(B, seed=1):
-        k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-        return {"x": jax.random.normal(k1, (B, size, size, 1)),
-                "y": jax.random.randint(k2, (B,), 0, nclass, dtype=jnp.int32)}
+        g = np.random.default_rng(seed)
+        return {"x": jnp.asarray(g.standard_normal((B, size, size, 1), dtype=np.float32)),
+                "y": jnp.asarray(g.integers(0, nclass, (B,), dtype=np.int32))}
 
     def batch_spec(B):
         return {"x": jax.ShapeDtypeStruct((B, size, size, 1), jnp.float32),
@@ -161,8 +170,8 @@ def cnn(size=28, c1=16, c2=32, nclass=10, seed=0) -> Model:
 # --------------------------------------------------------------------------- #
 def _token_batch_fns(T, V):
     def make_batch(B, seed=1):
-        ids = jax.random.randint(jax.random.PRNGKey(seed), (B, T + 1), 0, V, dtype=jnp.int32)
-        return {"ids": ids[:, :-1], "targets": ids[:, 1:]}
+        ids = np.random.default_rng(seed).integers(0, V, (B, T + 1), dtype=np.int32)
+        return {"ids": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:])}
 
     def batch_spec(B):
         s = jax.ShapeDtypeStruct((B, T), jnp.int32)
@@ -174,14 +183,14 @@ def _token_batch_fns(T, V):
 def _layer_params(r, d, heads, ff):
     k = d // heads
     return {
-        "ln1_g": jnp.ones((d,)), "ln1_b": jnp.zeros((d,)),
+        "ln1_g": _ones(d), "ln1_b": _zeros(d),
         "wq": r.normal((d, heads, k), 1 / math.sqrt(d)),
         "wk": r.normal((d, heads, k), 1 / math.sqrt(d)),
         "wv": r.normal((d, heads, k), 1 / math.sqrt(d)),
         "wo": r.normal((heads, k, d), 1 / math.sqrt(d)),
-        "ln2_g": jnp.ones((d,)), "ln2_b": jnp.zeros((d,)),
-        "w1": r.dense(d, ff), "b1": jnp.zeros((ff,)),
-        "w2": r.dense(ff, d), "b2": jnp.zeros((d,)),
+        "ln2_g": _ones(d), "ln2_b": _zeros(d),
+        "w1": r.dense(d, ff), "b1": _zeros(ff),
+        "w2": r.dense(ff, d), "b2": _zeros(d),
     }
 
 
@@ -206,7 +215,7 @@ def transformer(T=32, d=256, V=8192, layers=2, heads=4, ff_mult=4, seed=0,
         "embed": r.normal((V, d), 0.02),
         "pos": r.normal((T, d), 0.02),
         "layers": [_layer_params(r, d, heads, ff_mult * d) for _ in range(layers)],
-        "lnf_g": jnp.ones((d,)), "lnf_b": jnp.zeros((d,)),
+        "lnf_g": _ones(d), "lnf_b": _zeros(d),
     }
 
     def loss(params, batch):
@@ -229,8 +238,8 @@ def scan_remat(T=32, d=128, V=2048, layers=4, heads=4, ff_mult=4, seed=0) -> Mod
     params = {
         "embed": r.normal((V, d), 0.02),
         "pos": r.normal((T, d), 0.02),
-        "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer),
-        "lnf_g": jnp.ones((d,)), "lnf_b": jnp.zeros((d,)),
+        "layers": jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *per_layer),
+        "lnf_g": _ones(d), "lnf_b": _zeros(d),
     }
     block = jax.checkpoint(_block)
 

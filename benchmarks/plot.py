@@ -1,0 +1,394 @@
+"""Render benchmark results: PNG plots into ``docs/img/`` and ``docs/benchmarks.md``.
+
+Usage::
+
+    python -m benchmarks.plot                                  # benchmarks/results/cpu.json
+    python -m benchmarks.plot benchmarks/results/a.json b.json # merged (results concatenated)
+    python -m benchmarks.plot --md docs/benchmarks.md --img-dir docs/img
+
+Targets are re-evaluated from the merged rows with ``benchmarks.run.evaluate_targets``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+from benchmarks.run import ALL_STATS, evaluate_targets
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+METHOD_STYLE = {"js": "-", "vmap": "--", "micro_grad": ":", "micro_grad_mb": "-."}
+METHOD_MARK = {"js": "o", "vmap": "s", "micro_grad": "^", "micro_grad_mb": "v"}
+STAT_COLOR = {s: f"C{i}" for i, s in enumerate(ALL_STATS)}
+REGIME_ORDER = ["mlp", "cnn", "short", "long", "vocab", "scan_remat"]
+
+
+def load(paths):
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            docs.append(json.load(f))
+    if not docs:
+        raise SystemExit("no input")
+    doc = dict(docs[0])
+    doc["results"] = [r for d in docs for r in d.get("results", [])]
+    doc["max_batch"] = [r for d in docs for r in d.get("max_batch", [])]
+    doc["regimes"] = {}
+    for d in docs:
+        doc["regimes"].update(d.get("regimes", {}))
+    doc["chunk_curve"] = next((d["chunk_curve"] for d in docs if d.get("chunk_curve")), None)
+    doc["targets"] = evaluate_targets(doc["results"])
+    doc["sources"] = [os.path.relpath(p, ROOT) for p in paths]
+    doc["total_wall_s"] = sum(d.get("total_wall_s") or 0 for d in docs)
+    return doc
+
+
+def _regimes(doc):
+    present = {r["regime"] for r in doc["results"]}
+    return [r for r in REGIME_ORDER if r in present] + sorted(present - set(REGIME_ORDER))
+
+
+# --------------------------------------------------------------------------- #
+# Plots
+# --------------------------------------------------------------------------- #
+def plot_regimes(doc, img_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(img_dir, exist_ok=True)
+    paths = {}
+    for reg in _regimes(doc):
+        rows = [r for r in doc["results"] if r["regime"] == reg and r["ok"]
+                and r["method"] != "grad"]
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+        for ax, key, title in [(axes[0], "time_ratio", "wall time / grad"),
+                               (axes[1], "temp_ratio", "XLA temp memory / grad")]:
+            series = defaultdict(list)
+            for r in rows:
+                if r.get(key) is not None:
+                    series[(r["method"], r["statistic"])].append((r["batch"], r[key]))
+            for (m, s), pts in sorted(series.items()):
+                pts.sort()
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], METHOD_STYLE.get(m, "-"),
+                        marker=METHOD_MARK.get(m, "o"), color=STAT_COLOR.get(s, "k"),
+                        label=f"{m}:{s}", alpha=0.85)
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("batch size B")
+            ax.set_ylabel(title)
+            ax.set_title(f"{reg}: {title}")
+            ax.grid(True, which="both", alpha=0.3)
+        h, lab = axes[0].get_legend_handles_labels()
+        fig.legend(h, lab, loc="center right", fontsize=7, frameon=False)
+        desc = doc["regimes"].get(reg, {}).get("description", "")
+        fig.suptitle(f"{reg} -- {desc}", fontsize=10)
+        fig.tight_layout(rect=(0, 0, 0.83, 0.95))
+        p = os.path.join(img_dir, f"bench_{reg}.png")
+        fig.savefig(p, dpi=90)
+        plt.close(fig)
+        paths[reg] = p
+
+    if doc.get("max_batch"):
+        recs = [r for r in doc["max_batch"] if r.get("max_batch") is not None]
+        regs = [g for g in _regimes(doc) if any(r["regime"] == g for r in recs)]
+        if regs:
+            fig, axes = plt.subplots(1, len(regs), figsize=(4 * len(regs), 4), squeeze=False)
+            for ax, g in zip(axes[0], regs):
+                rr = [r for r in recs if r["regime"] == g]
+                ax.barh([r["label"] for r in rr], [max(r["max_batch"], 1) for r in rr],
+                        color=["C2" if r["capped"] else "C0" for r in rr])
+                ax.set_xscale("log")
+                ax.set_title(f"{g}: largest B, temp <= "
+                             f"{rr[0]['budget_bytes'] / 2**30:.3g} GiB", fontsize=9)
+                ax.tick_params(axis="y", labelsize=7)
+            fig.tight_layout()
+            p = os.path.join(img_dir, "bench_max_batch.png")
+            fig.savefig(p, dpi=90)
+            plt.close(fig)
+            paths["max_batch"] = p
+
+    cc = doc.get("chunk_curve")
+    if cc and cc.get("points"):
+        pts = [p for p in cc["points"] if p.get("temp_bytes") is not None]
+        if pts:
+            B = cc["batch"]
+            xs = [p["chunk_size"] or B for p in pts]
+            fig, ax = plt.subplots(figsize=(6, 4))
+            ax.plot(xs, [p["temp_bytes"] / 2**20 for p in pts], "o-", color="C0")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(f"chunk_size (B={B}; None = B)")
+            ax.set_ylabel("XLA temp memory (MiB)", color="C0")
+            tp = [(x, p["time_median_s"]) for x, p in zip(xs, pts) if p.get("time_median_s")]
+            if tp:
+                ax2 = ax.twinx()
+                ax2.plot([t[0] for t in tp], [t[1] * 1e3 for t in tp], "s--", color="C1")
+                ax2.set_ylabel("wall time (ms)", color="C1")
+            ax.set_title(f"{cc['regime']}: js second_moment vs chunk_size", fontsize=10)
+            fig.tight_layout()
+            p = os.path.join(img_dir, "bench_chunk_size.png")
+            fig.savefig(p, dpi=90)
+            plt.close(fig)
+            paths["chunk"] = p
+    return paths
+
+
+# --------------------------------------------------------------------------- #
+# Markdown
+# --------------------------------------------------------------------------- #
+def _f(x, fmt="{:.2f}"):
+    if x is None:
+        return "–"
+    if fmt == "{:.2f}" and 0 < abs(x) < 0.01:
+        return f"{x:.2g}"
+    return fmt.format(x)
+
+
+def _mib(b):
+    return "–" if b is None else f"{b / 2**20:.1f}"
+
+
+def _ms(s):
+    return "–" if s is None else (f"{s * 1e3:.1f}" if s < 10 else f"{s:.1f} s")
+
+
+def _mark(met):
+    return {True: "met", False: "**MISSED**", None: "not measured"}[met]
+
+
+def render_md(doc, img_paths, md_path):
+    m = doc["machine"]
+    md_dir = os.path.dirname(os.path.abspath(md_path))
+    rel = {k: os.path.relpath(v, md_dir) for k, v in img_paths.items()}
+    L = []
+    L.append("# Benchmarks")
+    L.append("")
+    L.append("<!-- generated by `python -m benchmarks.plot`; edit benchmarks/plot.py, "
+             "not this file -->")
+    L.append("")
+    L.append("Per-example gradient statistics from `jaxpr_surgery.per_example_stat` (`js`) "
+             "against plain `jax.grad` of the batch loss (the baseline, ratio 1), "
+             "`jax.vmap(jax.grad(per_example_loss))` + the same reduction (`vmap`), and "
+             "`optax.microbatching.micro_grad` with `transform_fn`/`metrics_fn` computing the "
+             "same statistic, without microbatching (`micro_grad`) and with 4 microbatches "
+             "(`micro_grad_mb`, a `fori_loop`).")
+    L.append("")
+    L.append("Reproduce: `python -m benchmarks.run [--quick] [--regimes ...] "
+             "[--out benchmarks/results/NAME.json]`, then `python -m benchmarks.plot "
+             "[benchmarks/results/NAME.json ...]`.")
+    L.append("")
+    L.append("## Protocol")
+    L.append("")
+    L.append("* Every method is compiled with `jax.jit(f).lower(params, batch).compile()` in one "
+             "process; the compiled executable is timed with `block_until_ready`. Methods of one "
+             "(regime, batch size) run interleaved (A B C A B C ...); we report the median.")
+    L.append("* FLOPs: `compiled.cost_analysis()['flops']`; memory: "
+             "`compiled.memory_analysis().temp_size_in_bytes` (XLA temporaries, excluding "
+             "arguments and outputs). Both are deterministic, unlike wall time on this shared "
+             "machine. **`cost_analysis` counts a `while` body once**: rows with a loop "
+             "(`micro_grad_mb`'s `fori_loop`, every `scan_remat` program, chunked `js`) "
+             "under-count FLOPs; they are marked † below.")
+    L.append("* Largest batch within a memory budget: compile only (abstract shapes), "
+             "secant/bisection search on temp memory; no execution.")
+    for n in doc.get("notes", []):
+        L.append(f"* {n}")
+    L.append("")
+    L.append("## Machine")
+    L.append("")
+    keys = ["date", "platform", "cpu_model", "cpu_count", "backend", "device_kind", "python",
+            "jax", "jaxlib", "optax", "numpy", "jaxpr_surgery", "loadavg_start", "loadavg_end",
+            "xla_flags"]
+    for k in keys:
+        if k in m:
+            L.append(f"* {k}: `{m[k]}`")
+    L.append(f"* total benchmark wall time: {doc.get('total_wall_s', 0):.0f} s"
+             f"{' (quick mode)' if doc.get('quick') else ''}")
+    L.append(f"* sources: {', '.join('`' + s + '`' for s in doc.get('sources', []))}")
+    if m.get("loadavg_start") and m["loadavg_start"][0] > (m.get("cpu_count") or 1):
+        L.append(f"* **Note:** the machine was oversubscribed (load average "
+                 f"{m['loadavg_start'][0]:.1f} on {m.get('cpu_count')} cores) -- wall-time "
+                 "ratios are noisy (interleaving keeps them comparable, but expect ±20–30%); "
+                 "memory and FLOPs are exact.")
+    L.append("")
+
+    # ---------------- summary
+    L.append("## Summary (largest batch size of each regime)")
+    L.append("")
+    L.append("Wall-time ratios to `grad` (temp-memory ratio in parentheses).")
+    L.append("")
+    cols = [("js", "second_moment"), ("vmap", "second_moment"), ("js", "sign_mean"),
+            ("js", "variance"), ("js", "sq_norms"), ("js", "clipped_mean"),
+            ("js", "mean+second_moment"), ("micro_grad_mb", "second_moment")]
+    L.append("| regime | B | grad ms | " + " | ".join(f"{m}:{s}" for m, s in cols) + " |")
+    L.append("|---|---|---|" + "---|" * len(cols))
+    for reg in _regimes(doc):
+        rows = [r for r in doc["results"] if r["regime"] == reg]
+        B = max(r["batch"] for r in rows)
+        g = next((r for r in rows if r["batch"] == B and r["method"] == "grad"), None)
+        cells = []
+        for m_, s_ in cols:
+            r = next((x for x in rows if x["batch"] == B and x["method"] == m_
+                      and x["statistic"] == s_), None)
+            if r is None:
+                cells.append("")
+            elif not r["ok"]:
+                cells.append("ERROR")
+            else:
+                cells.append(f"{_f(r['time_ratio'])} ({_f(r['temp_ratio'])})")
+        L.append(f"| {reg} | {B} | {_ms(g['time_median_s']) if g else '–'} | "
+                 + " | ".join(cells) + " |")
+    L.append("")
+
+    # ---------------- targets
+    L.append("## Targets from the issue")
+    L.append("")
+    L.append("| target | regime | B | what | value | threshold | status |")
+    L.append("|---|---|---|---|---|---|---|")
+    for t in doc["targets"]:
+        L.append(f"| {t['description']} | {t['regime']} | {t['batch']} | {t['what']} | "
+                 f"{_f(t['value'])} | ≤ {t['threshold']} | {_mark(t['met'])} |")
+    L.append("")
+    summ = defaultdict(lambda: [0, 0, 0])
+    for t in doc["targets"]:
+        summ[t["description"]][0 if t["met"] else (1 if t["met"] is False else 2)] += 1
+    L.append("Summary (met / missed / not measured):")
+    L.append("")
+    for d, (a, b, c) in summ.items():
+        L.append(f"* {d}: {a} / {b} / {c}")
+    L.append("")
+
+    # ---------------- per regime
+    L.append("## Results per regime")
+    L.append("")
+    L.append("Each cell: wall-time ratio / temp-memory ratio / FLOPs ratio to `grad`; the "
+             "`grad` row gives absolute median time (ms), temp memory (MiB) and GFLOPs. "
+             "† = program has a `while` loop (FLOPs under-counted).")
+    L.append("")
+    for reg in _regimes(doc):
+        rows = [r for r in doc["results"] if r["regime"] == reg]
+        info = doc["regimes"].get(reg, {})
+        batches = sorted({r["batch"] for r in rows})
+        L.append(f"### {reg}")
+        L.append("")
+        L.append(f"{info.get('description', '')}; "
+                 f"{info.get('info', {}).get('n_params', '?')} parameters.")
+        L.append("")
+        if reg in rel:
+            L.append(f"![{reg}]({rel[reg]})")
+            L.append("")
+        L.append("| method | " + " | ".join(f"B={b}" for b in batches) + " |")
+        L.append("|---|" + "---|" * len(batches))
+        labels = []
+        for r in rows:
+            if r["label"] not in labels:
+                labels.append(r["label"])
+        for lab in labels:
+            cells = []
+            for b in batches:
+                r = next((x for x in rows if x["label"] == lab and x["batch"] == b), None)
+                if r is None:
+                    cells.append("")
+                elif not r["ok"]:
+                    cells.append("ERROR")
+                elif r["method"] == "grad":
+                    cells.append(f"{_ms(r['time_median_s'])} ms / {_mib(r['temp_bytes'])} MiB / "
+                                 f"{_f((r['flops'] or 0) / 1e9, '{:.3g}')} GF"
+                                 + (" †" if r.get("has_loop") else ""))
+                else:
+                    cells.append(f"{_f(r['time_ratio'])} / {_f(r['temp_ratio'])} / "
+                                 f"{_f(r['flops_ratio'])}" + (" †" if r.get("has_loop") else ""))
+            L.append(f"| {lab} | " + " | ".join(cells) + " |")
+        L.append("")
+        comp = [r for r in rows if r["ok"] and r.get("compile_s") is not None]
+        if comp:
+            g = [r for r in comp if r["method"] == "grad"]
+            j = [r for r in comp if r["method"] == "js"]
+            if g and j:
+                gt = sum(r["compile_s"] + r["trace_lower_s"] for r in g) / len(g)
+                jt = sum(r["compile_s"] + r["trace_lower_s"] for r in j) / len(j)
+                jl = sum(r["trace_lower_s"] for r in j) / len(j)
+                L.append(f"Compile time (trace+lower+compile), mean: grad {gt:.2f} s, "
+                         f"js {jt:.2f} s "
+                         f"(of which trace+lower {jl:.2f} s).")
+                L.append("")
+
+    # ---------------- max batch
+    if doc.get("max_batch"):
+        L.append("## Largest batch within a memory budget")
+        L.append("")
+        if "max_batch" in rel:
+            L.append(f"![max batch]({rel['max_batch']})")
+            L.append("")
+        L.append("| regime | method | budget (GiB) | largest B | compiles | note |")
+        L.append("|---|---|---|---|---|---|")
+        for r in doc["max_batch"]:
+            note = []
+            if r.get("capped"):
+                note.append("≥ search cap")
+            if r.get("microbatch_size"):
+                note.append(f"microbatch {r['microbatch_size']}")
+            if r.get("error"):
+                note.append("ERROR: " + r["error"].splitlines()[0][:120])
+            L.append(f"| {r['regime']} | {r['label']} | {r['budget_bytes'] / 2**30:.3g} | "
+                     f"{r['max_batch'] if r['max_batch'] is not None else '–'} | "
+                     f"{r['n_compiles']} | {'; '.join(note)} |")
+        L.append("")
+
+    # ---------------- chunk curve
+    cc = doc.get("chunk_curve")
+    if cc and cc.get("points"):
+        L.append("## `chunk_size` memory curve")
+        L.append("")
+        L.append(f"`js` second_moment on `{cc['regime']}` at B={cc['batch']}.")
+        L.append("")
+        if "chunk" in rel:
+            L.append(f"![chunk]({rel['chunk']})")
+            L.append("")
+        L.append("| chunk_size | temp MiB | wall ms | GFLOPs |")
+        L.append("|---|---|---|---|")
+        for p in cc["points"]:
+            L.append(f"| {p['chunk_size']} | {_mib(p.get('temp_bytes'))} | "
+                     f"{_ms(p.get('time_median_s'))} | "
+                     f"{_f((p.get('flops') or 0) / 1e9, '{:.3g}')}"
+                     f"{' †' if p.get('has_loop') else ''}"
+                     f"{' ERROR' if p.get('error') else ''} |")
+        L.append("")
+
+    # ---------------- errors
+    errs = [r for r in doc["results"] if not r["ok"]]
+    if errs:
+        L.append("## Errors")
+        L.append("")
+        for r in errs:
+            first = (r.get("error") or "").splitlines()[0][:300]
+            L.append(f"* {r['regime']} B={r['batch']} `{r['label']}`: {first}")
+        L.append("")
+
+    with open(md_path, "w") as f:
+        f.write("\n".join(L))
+    return md_path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.plot", description=__doc__)
+    ap.add_argument("inputs", nargs="*",
+                    default=[os.path.join(HERE, "results", "cpu.json")])
+    ap.add_argument("--img-dir", default=os.path.join(ROOT, "docs", "img"))
+    ap.add_argument("--md", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    ap.add_argument("--no-png", action="store_true")
+    args = ap.parse_args(argv)
+    doc = load(args.inputs)
+    paths = {} if args.no_png else plot_regimes(doc, args.img_dir)
+    md = render_md(doc, paths, args.md)
+    print(f"wrote {md}" + (f" and {len(paths)} PNG(s) in {args.img_dir}" if paths else ""),
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

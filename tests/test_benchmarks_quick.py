@@ -1,0 +1,156 @@
+"""The benchmark harness: ``python -m benchmarks.run --quick`` and ``python -m benchmarks.plot``.
+
+Runs the quick suite (tiny models, one batch size, 1-2 repeats) in a subprocess
+into a temporary directory and checks the JSON/CSV schema, then renders the
+markdown report from it. The quick suite is meant to take well under a minute
+on an idle 2-core machine; the subprocess timeout is generous because shared CI
+machines are noisy.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+RESULT_KEYS = {
+    "regime", "batch", "method", "statistic", "label", "ok", "error", "time_median_s",
+    "time_ratio", "n_reps", "flops", "flops_ratio", "temp_bytes", "temp_ratio",
+    "trace_lower_s", "compile_s", "has_loop", "microbatch_size",
+}
+MACHINE_KEYS = {"platform", "cpu_count", "jax", "jaxlib", "optax", "device_kind", "date"}
+
+
+def test_max_batch_search_affine():
+    from benchmarks.run import max_batch_search
+
+    for a, b in [(1000, 3), (0, 100), (5e5, 7.3)]:
+        f = lambda B, a=a, b=b: a + b * B  # noqa: E731
+        budget = 2**20
+        for granule in (1, 8):
+            for known in ({}, {8: f(8), 32: f(32)}):
+                best, capped, evals = max_batch_search(f, budget, known, granule, 1 << 20, 0.05)
+                true = int((budget - a) // b) // granule * granule
+                assert not capped
+                assert best % granule == 0
+                assert f(best) <= budget
+                assert best >= 0.95 * true - granule, (a, b, granule, best, true)
+                assert len(evals) <= 8
+    # nothing fits / everything fits up to the cap
+    assert max_batch_search(lambda B: 10**9 * B, 100, {}, 1, 1000, 0.05)[0] == 0
+    best, capped, _ = max_batch_search(lambda B: 10, 100, {}, 4, 1000, 0.05)
+    assert capped and best == 1000
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("bench")
+    out = str(out_dir / "quick.json")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", out],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out) as f:
+        doc = json.load(f)
+    return doc, out, wall, out_dir
+
+
+def test_quick_json_schema(quick_run):
+    doc, out, wall, _ = quick_run
+    print(f"quick benchmark suite wall time: {wall:.1f} s "
+          f"(inside the process: {doc['total_wall_s']:.1f} s)")
+    assert doc["schema_version"] == 1
+    assert doc["quick"] is True
+    assert MACHINE_KEYS <= set(doc["machine"])
+    assert doc["machine"]["cpu_count"] >= 1
+
+    rows = doc["results"]
+    assert rows
+    for r in rows:
+        assert RESULT_KEYS <= set(r), sorted(RESULT_KEYS - set(r))
+        assert r["ok"], (r["label"], r["error"])
+        assert isinstance(r["temp_bytes"], int) and r["temp_bytes"] >= 0
+        assert r["flops"] is None or r["flops"] >= 0
+        assert r["time_median_s"] > 0 and r["n_reps"] >= 1
+        assert r["compile_s"] >= 0 and r["trace_lower_s"] >= 0
+        assert math.isfinite(r["time_ratio"])
+
+    methods = {r["method"] for r in rows}
+    assert {"grad", "js", "vmap", "micro_grad", "micro_grad_mb"} <= methods
+    stats = {r["statistic"] for r in rows if r["method"] == "js"}
+    assert set(doc["statistics"]) <= stats  # every statistic ran at least once
+    regimes = {r["regime"] for r in rows}
+    assert {"mlp", "short", "scan_remat"} <= regimes
+    for reg in regimes:
+        assert reg in doc["regimes"] and doc["regimes"][reg]["info"]["n_params"] > 0
+        grads = [r for r in rows if r["regime"] == reg and r["method"] == "grad"]
+        assert grads
+        for g in grads:
+            assert g["time_ratio"] == pytest.approx(1.0)
+            assert g["temp_ratio"] in (None, pytest.approx(1.0))
+    mb = [r for r in rows if r["method"] == "micro_grad_mb"]
+    assert all(r["microbatch_size"] >= 1 for r in mb)
+    assert all(r["has_loop"] for r in mb)  # fori_loop over microbatches
+
+    # largest batch within the budget
+    assert doc["max_batch"]
+    for r in doc["max_batch"]:
+        assert r["error"] is None, r["error"]
+        assert r["max_batch"] >= 1
+        assert r["budget_bytes"] > 0
+        for b, t in r["evaluations"]:
+            assert t <= r["budget_bytes"] or b > r["max_batch"]
+
+    # chunk_size memory curve
+    cc = doc["chunk_curve"]
+    assert cc["statistic"] == "second_moment" and len(cc["points"]) >= 2
+    for p in cc["points"]:
+        assert p["error"] is None and p["temp_bytes"] >= 0
+
+    # targets
+    assert doc["targets"]
+    kinds = {t["target"] for t in doc["targets"]}
+    assert {"mlp_time", "mlp_mem", "transformer_time", "sm_vs_vmap", "fused_vs_single",
+            "remat_mem"} <= kinds
+    for t in doc["targets"]:
+        assert t["met"] in (True, False, None)
+        if t["met"] is not None:
+            assert t["met"] == (t["value"] <= t["threshold"])
+
+
+def test_quick_csv(quick_run):
+    doc, out, _, _ = quick_run
+    csv_path = os.path.splitext(out)[0] + ".csv"
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(doc["results"])
+    assert {"regime", "batch", "method", "statistic", "time_ratio", "temp_ratio",
+            "flops_ratio"} <= set(rows[0])
+
+
+def test_plot_markdown(quick_run):
+    doc, out, _, out_dir = quick_run
+    md = str(out_dir / "bench.md")
+    from benchmarks import plot
+
+    plot.main([out, "--md", md, "--img-dir", str(out_dir / "img")])
+    text = open(md).read()
+    assert "## Targets from the issue" in text
+    assert "| mlp |" in text
+    pngs = os.listdir(out_dir / "img")
+    assert any(p.startswith("bench_mlp") for p in pngs)
