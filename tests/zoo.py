@@ -68,9 +68,7 @@ def x64():
 
 
 def _is_f64(tree) -> bool:
-    return any(
-        getattr(x, "dtype", None) == np.float64 for x in jax.tree.leaves(tree)
-    )
+    return any(getattr(x, "dtype", None) == np.float64 for x in jax.tree.leaves(tree))
 
 
 def _maybe_x64(tree):
@@ -81,30 +79,30 @@ def _maybe_x64(tree):
 # Helpers
 # --------------------------------------------------------------------------- #
 class _Rand:
-    """Draws float32 normals / ints from a key, cast to ``dtype``."""
+    """Draws float32 normals / ints (numpy, so no compilation), cast to ``dtype``.
+
+    ``key`` is an int seed or a ``jax.random`` key (its data seeds numpy).
+    """
 
     def __init__(self, key, dtype):
-        if isinstance(key, int):
-            key = jax.random.PRNGKey(key)
-        self.key = key
+        if not isinstance(key, (int, np.integer)):
+            key = [int(k) for k in np.asarray(jax.random.key_data(key)).ravel()]
+        self.rng = np.random.default_rng(key)
         self.dtype = dtype
 
     def _next(self):
-        self.key, sub = jax.random.split(self.key)
-        return sub
+        """A fresh ``jax.random`` key (for framework initialisers)."""
+        return jax.random.PRNGKey(int(self.rng.integers(0, 2**31 - 1)))
 
     def normal(self, shape, scale=1.0, offset=0.0):
-        x = jax.random.normal(self._next(), shape, jnp.float32) * scale + offset
-        return x.astype(self.dtype)
+        x = (self.rng.standard_normal(shape) * scale + offset).astype(np.float32)
+        return jnp.asarray(x, dtype=self.dtype)
 
     def dense(self, fan_in, fan_out, scale=1.0):
         return self.normal((fan_in, fan_out), scale / math.sqrt(fan_in))
 
     def ints(self, shape, high):
-        return jax.random.randint(self._next(), shape, 0, high, dtype=jnp.int32)
-
-    def uniform(self, shape):
-        return jax.random.uniform(self._next(), shape, jnp.float32)
+        return jnp.asarray(self.rng.integers(0, high, size=shape), dtype=jnp.int32)
 
 
 def _xent(logits, labels):
@@ -166,23 +164,31 @@ def make_mlp(dtype=jnp.float32, key=0) -> ZooCase:
 
 
 def make_cnn(dtype=jnp.float32, key=1) -> ZooCase:
-    """2-D convs (NHWC, SAME then strided VALID) + dense head, cross-entropy."""
+    """2-D convs: NHWC/HWIO SAME, then NCHW/OIHW strided VALID; dense head, cross-entropy."""
     r = _Rand(key, dtype)
     B, S, Cin, C1, C2, K = 5, 6, 2, 4, 3, 3
     params = {
-        "conv1": {"w": r.normal((3, 3, Cin, C1), 1 / math.sqrt(9 * Cin)), "b": r.normal((C1,), 0.3)},
-        "conv2": {"w": r.normal((3, 3, C1, C2), 1 / math.sqrt(9 * C1)), "b": r.normal((C2,), 0.3)},
+        "conv1": {
+            "w": r.normal((3, 3, Cin, C1), 1 / math.sqrt(9 * Cin)),
+            "b": r.normal((C1,), 0.3),
+        },
+        # OIHW layout
+        "conv2": {"w": r.normal((C2, C1, 3, 3), 1 / math.sqrt(9 * C1)), "b": r.normal((C2,), 0.3)},
         "head": {"w": r.dense(2 * 2 * C2, K), "b": r.normal((K,), 0.3)},
     }
     batch = {"x": r.normal((B, S, S, Cin)), "y": r.ints((B,), K)}
-    dn = ("NHWC", "HWIO", "NHWC")
 
     def loss_fn(params, batch):
         x = batch["x"]
-        h = lax.conv_general_dilated(x, params["conv1"]["w"], (1, 1), "SAME", dimension_numbers=dn)
+        h = lax.conv_general_dilated(
+            x, params["conv1"]["w"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
         h = jnp.tanh(h + params["conv1"]["b"])
-        h = lax.conv_general_dilated(h, params["conv2"]["w"], (2, 2), "VALID", dimension_numbers=dn)
-        h = jnp.tanh(h + params["conv2"]["b"])  # [B, 2, 2, C2]
+        h = jnp.transpose(h, (0, 3, 1, 2))  # NCHW
+        h = lax.conv_general_dilated(
+            h, params["conv2"]["w"], (2, 2), "VALID", dimension_numbers=("NCHW", "OIHW", "NCHW")
+        )
+        h = jnp.tanh(h + params["conv2"]["b"][:, None, None])  # [B, C2, 2, 2]
         h = h.reshape(h.shape[0], -1)
         logits = h @ params["head"]["w"] + params["head"]["b"]
         return jnp.mean(_xent(logits, batch["y"]))
@@ -191,28 +197,41 @@ def make_cnn(dtype=jnp.float32, key=1) -> ZooCase:
 
 
 def make_cnn1d(dtype=jnp.float32, key=2) -> ZooCase:
-    """1-D convs (NWC; grouped + dilated, then SAME) + mean-pool + dense head."""
+    """1-D convs (NWC): grouped + dilated, transposed (lhs-dilated), SAME; params a list,
+    batch a tuple ``(x, y)``."""
     r = _Rand(key, dtype)
     B, W, Cin, C1, C2, K = 4, 10, 3, 6, 4, 3
-    params = {
+    params = [
         # feature_group_count=3: kernel in-features = Cin / 3 = 1
-        "conv1": {"w": r.normal((3, 1, C1), 0.6), "b": r.normal((C1,), 0.3)},
-        "conv2": {"w": r.normal((3, C1, C2), 1 / math.sqrt(3 * C1))},
-        "head": {"w": r.dense(C2, K), "b": r.normal((K,), 0.3)},
-    }
-    batch = {"x": r.normal((B, W, Cin)), "y": r.ints((B,), K)}
+        {"w": r.normal((3, 1, C1), 0.6), "b": r.normal((C1,), 0.3)},
+        {"w": r.normal((2, C1, C1), 1 / math.sqrt(2 * C1))},  # transposed conv
+        {"w": r.normal((3, C1, C2), 1 / math.sqrt(3 * C1))},
+        {"w": r.dense(C2, K), "b": r.normal((K,), 0.3)},
+    ]
+    batch = (r.normal((B, W, Cin)), r.ints((B,), K))
     dn = ("NWC", "WIO", "NWC")
 
     def loss_fn(params, batch):
+        x, y = batch
+        p1, p2, p3, head = params
         h = lax.conv_general_dilated(
-            batch["x"], params["conv1"]["w"], (1,), "VALID", rhs_dilation=(2,),
-            dimension_numbers=dn, feature_group_count=3,
+            x,
+            p1["w"],
+            (1,),
+            "VALID",
+            rhs_dilation=(2,),
+            dimension_numbers=dn,
+            feature_group_count=3,
         )
-        h = jax.nn.relu(h + params["conv1"]["b"])  # [B, 6, C1]
-        h = lax.conv_general_dilated(h, params["conv2"]["w"], (1,), "SAME", dimension_numbers=dn)
+        h = jax.nn.relu(h + p1["b"])  # [B, 6, C1]
+        h = lax.conv_general_dilated(
+            h, p2["w"], (1,), [(1, 1)], lhs_dilation=(2,), dimension_numbers=dn
+        )
+        h = jnp.tanh(h)  # [B, 12, C1]
+        h = lax.conv_general_dilated(h, p3["w"], (2,), "SAME", dimension_numbers=dn)
         h = jnp.mean(jnp.tanh(h), axis=1)
-        logits = h @ params["head"]["w"] + params["head"]["b"]
-        return jnp.mean(_xent(logits, batch["y"]))
+        logits = h @ head["w"] + head["b"]
+        return jnp.mean(_xent(logits, y))
 
     return ZooCase("cnn1d", loss_fn, params, batch)
 
@@ -233,16 +252,20 @@ def make_transformer(dtype=jnp.float32, key=3) -> ZooCase:
     B, T, V, D, H, K, F, L, MAXLEN = 6, 6, 11, 8, 2, 4, 16, 2, 8
     layers = []
     for _ in range(L):
-        layers.append({
-            "ln1": {"g": r.normal((D,), 0.1, 1.0), "b": r.normal((D,), 0.1)},
-            "wq": r.normal((D, H, K), 1 / math.sqrt(D)),
-            "wk": r.normal((D, H, K), 1 / math.sqrt(D)),
-            "wv": r.normal((D, H, K), 1 / math.sqrt(D)),
-            "wo": r.normal((H, K, D), 1 / math.sqrt(H * K)),
-            "ln2": {"g": r.normal((D,), 0.1, 1.0), "b": r.normal((D,), 0.1)},
-            "w1": r.dense(D, F), "b1": r.normal((F,), 0.1),
-            "w2": r.dense(F, D), "b2": r.normal((D,), 0.1),
-        })
+        layers.append(
+            {
+                "ln1": {"g": r.normal((D,), 0.1, 1.0), "b": r.normal((D,), 0.1)},
+                "wq": r.normal((D, H, K), 1 / math.sqrt(D)),
+                "wk": r.normal((D, H, K), 1 / math.sqrt(D)),
+                "wv": r.normal((D, H, K), 1 / math.sqrt(D)),
+                "wo": r.normal((H, K, D), 1 / math.sqrt(H * K)),
+                "ln2": {"g": r.normal((D,), 0.1, 1.0), "b": r.normal((D,), 0.1)},
+                "w1": r.dense(D, F),
+                "b1": r.normal((F,), 0.1),
+                "w2": r.dense(F, D),
+                "b2": r.normal((D,), 0.1),
+            }
+        )
     params = {
         "embed": r.normal((V, D), 0.5),
         "pos": r.normal((MAXLEN, D), 0.3),
@@ -272,7 +295,9 @@ def make_transformer(dtype=jnp.float32, key=3) -> ZooCase:
 
 
 def make_transformer_rms_swiglu(dtype=jnp.float32, key=4) -> ZooCase:
-    """RMSNorm (gain only) + SwiGLU, fused QKV einsum, jnp.take embedding, untied head."""
+    """RMSNorm (gain only) + SwiGLU, fused QKV einsum, per-head output projection with the
+    head as a dot batch dim, scalar gate ``alpha`` and scalar ``logit_scale`` (used through
+    exp), jnp.take embedding, untied head."""
     r = _Rand(key, dtype)
     B, T, V, D, H, K, F = 5, 5, 13, 8, 2, 4, 12
     params = {
@@ -285,9 +310,11 @@ def make_transformer_rms_swiglu(dtype=jnp.float32, key=4) -> ZooCase:
             "w_gate": r.dense(D, F),
             "w_up": r.dense(D, F),
             "w_down": r.dense(F, D),
+            "alpha": r.normal((), 0.1, 0.8),
         },
         "norm_f": r.normal((D,), 0.1, 1.0),
         "head": r.dense(D, V),
+        "logit_scale": r.normal((), 0.1),
     }
     batch = _token_batch(r, B, T, V, with_mask=False)
 
@@ -296,10 +323,17 @@ def make_transformer_rms_swiglu(dtype=jnp.float32, key=4) -> ZooCase:
         h = jnp.take(params["embed"], batch["ids"], axis=0)
         a = _rmsnorm(h, p["norm1"])
         qkv = jnp.einsum("btd,dchk->btchk", a, p["wqkv"])
-        h = h + _attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], p["wo"])
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        t = q.shape[1]
+        scores = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(K)
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+        w = jax.nn.softmax(jnp.where(causal, scores, jnp.asarray(-1e9, scores.dtype)), axis=-1)
+        out = jnp.einsum("bhts,bshk->bthk", w, v)
+        # per-head projection: h is a batch dimension of the dot_general, summed after
+        h = h + jnp.einsum("bthk,hkd->bthd", out, p["wo"]).sum(axis=2)
         m = _rmsnorm(h, p["norm2"])
-        h = h + (jax.nn.silu(m @ p["w_gate"]) * (m @ p["w_up"])) @ p["w_down"]
-        logits = _rmsnorm(h, params["norm_f"]) @ params["head"]
+        h = h + p["alpha"] * ((jax.nn.silu(m @ p["w_gate"]) * (m @ p["w_up"])) @ p["w_down"])
+        logits = (_rmsnorm(h, params["norm_f"]) @ params["head"]) * jnp.exp(params["logit_scale"])
         return jnp.mean(_xent(logits, batch["targets"]))
 
     return ZooCase("transformer_rms_swiglu", loss_fn, params, batch)
@@ -313,14 +347,18 @@ def make_transformer_scan_remat(dtype=jnp.float32, key=5) -> ZooCase:
         "embed": r.normal((V, D), 0.5),
         "pos": r.normal((T, D), 0.3),
         "layers": {
-            "ln1_g": r.normal((L, D), 0.1, 1.0), "ln1_b": r.normal((L, D), 0.1),
+            "ln1_g": r.normal((L, D), 0.1, 1.0),
+            "ln1_b": r.normal((L, D), 0.1),
             "wq": r.normal((L, D, H, K), 1 / math.sqrt(D)),
             "wk": r.normal((L, D, H, K), 1 / math.sqrt(D)),
             "wv": r.normal((L, D, H, K), 1 / math.sqrt(D)),
             "wo": r.normal((L, H, K, D), 1 / math.sqrt(H * K)),
-            "ln2_g": r.normal((L, D), 0.1, 1.0), "ln2_b": r.normal((L, D), 0.1),
-            "w1": r.normal((L, D, F), 1 / math.sqrt(D)), "b1": r.normal((L, F), 0.1),
-            "w2": r.normal((L, F, D), 1 / math.sqrt(F)), "b2": r.normal((L, D), 0.1),
+            "ln2_g": r.normal((L, D), 0.1, 1.0),
+            "ln2_b": r.normal((L, D), 0.1),
+            "w1": r.normal((L, D, F), 1 / math.sqrt(D)),
+            "b1": r.normal((L, F), 0.1),
+            "w2": r.normal((L, F, D), 1 / math.sqrt(F)),
+            "b2": r.normal((L, D), 0.1),
         },
         "lnf": {"g": r.normal((D,), 0.1, 1.0), "b": r.normal((D,), 0.1)},
         "head": {"w": r.dense(D, V), "b": r.normal((V,), 0.1)},
@@ -365,8 +403,8 @@ def make_rnn(dtype=jnp.float32, key=6) -> ZooCase:
             gx = xt @ W + b
             gh = h @ U
             z = jax.nn.sigmoid(gx[:, :Hd] + gh[:, :Hd])
-            rr = jax.nn.sigmoid(gx[:, Hd:2 * Hd] + gh[:, Hd:2 * Hd])
-            n = jnp.tanh(gx[:, 2 * Hd:] + rr * gh[:, 2 * Hd:])
+            rr = jax.nn.sigmoid(gx[:, Hd : 2 * Hd] + gh[:, Hd : 2 * Hd])
+            n = jnp.tanh(gx[:, 2 * Hd :] + rr * gh[:, 2 * Hd :])
             h = (1 - z) * n + z * h
             return h, h
 
@@ -399,27 +437,29 @@ def make_mlp_bf16(dtype=jnp.float32, key=7) -> ZooCase:
 
 
 def make_onehot_embedding(dtype=jnp.float32, key=8) -> ZooCase:
-    """Embedding as one_hot(ids) @ table, mean-pooled, dense head, cross-entropy."""
+    """Embedding as one_hot(ids) @ table, mean-pooled; head weight on the left of its
+    einsum; params a tuple ``(table, head)``."""
     r = _Rand(key, dtype)
     B, T, V, D, C = 6, 4, 10, 6, 3
-    params = {
-        "table": r.normal((V, D), 0.7),
-        "head": {"w": r.dense(D, C), "b": r.normal((C,), 0.3)},
-    }
+    params = (
+        r.normal((V, D), 0.7),
+        {"w": r.normal((C, D), 1 / math.sqrt(D)), "b": r.normal((C,), 0.3)},
+    )
     batch = {"ids": r.ints((B, T), V), "y": r.ints((B,), C)}
 
     def loss_fn(params, batch):
-        table = params["table"]
+        table, head = params
         e = jax.nn.one_hot(batch["ids"], table.shape[0], dtype=table.dtype) @ table
         h = jnp.tanh(jnp.mean(e, axis=1))
-        logits = h @ params["head"]["w"] + params["head"]["b"]
+        logits = jnp.einsum("cd,bd->bc", head["w"], h) + head["b"]
         return jnp.mean(_xent(logits, batch["y"]))
 
     return ZooCase("onehot_embedding", loss_fn, params, batch)
 
 
 def make_weight_decay_lora(dtype=jnp.float32, key=9) -> ZooCase:
-    """x @ (W + A @ B) + b with weight decay 1e-2 * sum(W**2) added to the loss."""
+    """x @ (W + A @ B) + b, weight decay 1e-2 * sum(W**2) in the loss, and a matrix ``S``
+    shared by two dense layers."""
     r = _Rand(key, dtype)
     Bn, D, H, R, C = 5, 6, 7, 2, 4
     params = {
@@ -427,6 +467,7 @@ def make_weight_decay_lora(dtype=jnp.float32, key=9) -> ZooCase:
         "A": r.normal((D, R), 0.3),
         "B": r.normal((R, H), 0.3),
         "b": r.normal((H,), 0.3),
+        "S": r.dense(H, H),
         "head": {"w": r.dense(H, C), "b": r.normal((C,), 0.3)},
     }
     batch = {"x": r.normal((Bn, D)), "y": r.ints((Bn,), C)}
@@ -434,10 +475,39 @@ def make_weight_decay_lora(dtype=jnp.float32, key=9) -> ZooCase:
     def loss_fn(params, batch):
         w = params["W"] + params["A"] @ params["B"]
         h = jnp.tanh(batch["x"] @ w + params["b"])
+        h = jnp.tanh(h @ params["S"])
+        h = jnp.tanh(h @ params["S"])  # the same weight at a second site
         logits = h @ params["head"]["w"] + params["head"]["b"]
         return jnp.mean(_xent(logits, batch["y"])) + 1e-2 * jnp.sum(jnp.square(params["W"]))
 
     return ZooCase("weight_decay_lora", loss_fn, params, batch)
+
+
+def make_embedding_modes(dtype=jnp.float32, key=16) -> ZooCase:
+    """Embedding lookups with out-of-range / negative ids: ``jnp.take(mode="clip")``,
+    ``.at[ids].get(mode="fill", fill_value=0)``, negative ids through ``table[ids]``."""
+    r = _Rand(key, dtype)
+    B, T, V, D, C = 6, 5, 7, 4, 3
+    params = {
+        "t_clip": r.normal((V, D), 0.7),
+        "t_fill": r.normal((V, D), 0.7),
+        "t_neg": r.normal((V, D), 0.7),
+        "head": {"w": r.dense(D, C), "b": r.normal((C,), 0.3)},
+    }
+    ids = np.asarray(r.ints((B, T), V + 3)) - 1  # in [-1, V + 1]: some out of range
+    ids[:, 0] = np.arange(B) % V  # every example has a valid id
+    batch = {"ids": jnp.asarray(ids, dtype=jnp.int32), "y": r.ints((B,), C)}
+
+    def loss_fn(params, batch):
+        ids = batch["ids"]
+        e = jnp.take(params["t_clip"], ids, axis=0, mode="clip")
+        e = e + params["t_fill"].at[ids].get(mode="fill", fill_value=0)
+        e = e + params["t_neg"][jnp.clip(ids, -V, V - 1)]  # -1 -> last row
+        h = jnp.tanh(jnp.mean(e, axis=1))
+        logits = h @ params["head"]["w"] + params["head"]["b"]
+        return jnp.mean(_xent(logits, batch["y"]))
+
+    return ZooCase("embedding_modes", loss_fn, params, batch)
 
 
 @jax.custom_vjp
@@ -490,7 +560,8 @@ def make_custom_vjp_and_cond(dtype=jnp.float32, key=10) -> ZooCase:
             jnp.sum(w_cond) > 0,
             lambda h, w: jnp.tanh(h @ w),
             lambda h, w: jnp.sin(h @ w),
-            h, w_cond,
+            h,
+            w_cond,
         )
         h = lax.fori_loop(0, 2, lambda i, h: jnp.tanh(h @ params["w_loop"] + 0.1 * h), h)
         logits = h @ params["head"]["w"] + params["head"]["b"]
@@ -504,12 +575,12 @@ def make_custom_vjp_and_cond(dtype=jnp.float32, key=10) -> ZooCase:
 # --------------------------------------------------------------------------- #
 def _perturb(tree, r: _Rand, scale=0.2):
     """Adds noise to every float leaf (bias inits are zero, LN scales one) and casts."""
-    return jax.tree.map(
-        lambda p: (p.astype(jnp.float32) + r.normal(p.shape, scale).astype(jnp.float32)).astype(
-            r.dtype
-        ),
-        tree,
-    )
+
+    def one(p):
+        noise = (r.rng.standard_normal(p.shape) * scale).astype(np.float32)
+        return jnp.asarray(np.asarray(p, dtype=np.float32) + noise, dtype=r.dtype)
+
+    return jax.tree.map(one, tree)
 
 
 def make_flax_linen_mlp(dtype=jnp.float32, key=11) -> ZooCase:
@@ -578,7 +649,7 @@ def make_flax_nnx_mlp(dtype=jnp.float32, key=13) -> ZooCase:
 
     r = _Rand(key, dtype)
     B, D, H, C = 5, 4, 8, 3
-    seed = int(jax.random.randint(r._next(), (), 0, 2**20))
+    seed = int(r.rng.integers(0, 2**20))
     rngs = nnx.Rngs(seed)
     # float32 init (same values for every dtype), dtype=None: computation
     # follows the (cast) params' dtype.
@@ -654,6 +725,7 @@ ZOO: dict[str, Callable[..., ZooCase]] = {
     "mlp_bf16": make_mlp_bf16,
     "onehot_embedding": make_onehot_embedding,
     "weight_decay_lora": make_weight_decay_lora,
+    "embedding_modes": make_embedding_modes,
     "custom_vjp_and_cond": make_custom_vjp_and_cond,
     "flax_linen_mlp": make_flax_linen_mlp,
     "flax_linen_transformer": make_flax_linen_transformer,
@@ -676,7 +748,7 @@ CORE_ZOO: list[str] = [n for n in ZOO if n not in FRAMEWORK_ZOO]
 LOW_PRECISION = frozenset({"mlp_bf16"})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _get_case(name: str, dtype_name: str) -> ZooCase:
     dtype = jnp.dtype(dtype_name)
     if dtype == jnp.float64:
@@ -696,13 +768,26 @@ def get_case(name: str, dtype=jnp.float32) -> ZooCase:
 def per_example_loss(case: ZooCase) -> Callable[[PyTree, PyTree], jax.Array]:
     """``l(params, example) = loss_fn(params, example[None])`` (batch axis kept, size 1)."""
 
-    def l(params, example):
+    def loss_one(params, example):
         return case.loss_fn(params, jax.tree.map(lambda x: x[None], example))
 
-    return l
+    return loss_one
 
 
-_GRADS_CACHE: dict[int, tuple[ZooCase, PyTree]] = {}
+_GRADS_CACHE: dict[int, tuple[ZooCase, np.ndarray, PyTree]] = {}
+
+
+def _per_example_value_and_grads(case: ZooCase):
+    hit = _GRADS_CACHE.get(id(case))
+    if hit is not None and hit[0] is case:
+        return hit[1], hit[2]
+    with _maybe_x64(case.params):
+        f = jax.jit(jax.vmap(jax.value_and_grad(per_example_loss(case)), in_axes=(None, 0)))
+        v, g = f(case.params, case.batch)
+        v = np.asarray(v)
+        g = jax.tree.map(lambda a: np.asarray(a), g)
+    _GRADS_CACHE[id(case)] = (case, v, g)
+    return v, g
 
 
 def per_example_grads(case: ZooCase) -> PyTree:
@@ -711,22 +796,12 @@ def per_example_grads(case: ZooCase) -> PyTree:
     Cached per case object; computed in the case's dtype (float64 cases inside
     ``x64()``), returned as numpy arrays of that dtype.
     """
-    hit = _GRADS_CACHE.get(id(case))
-    if hit is not None and hit[0] is case:
-        return hit[1]
-    with _maybe_x64(case.params):
-        g = jax.jit(jax.vmap(jax.grad(per_example_loss(case)), in_axes=(None, 0)))(
-            case.params, case.batch
-        )
-        g = jax.tree.map(lambda a: np.asarray(a), g)
-    _GRADS_CACHE[id(case)] = (case, g)
-    return g
+    return _per_example_value_and_grads(case)[1]
 
 
 def per_example_losses(case: ZooCase) -> np.ndarray:
-    with _maybe_x64(case.params):
-        v = jax.vmap(per_example_loss(case), in_axes=(None, 0))(case.params, case.batch)
-        return np.asarray(v)
+    """``vmap(per_example_loss)``: the ``[B]`` per-example losses (cached with the grads)."""
+    return _per_example_value_and_grads(case)[0]
 
 
 def _f64(tree):
@@ -739,13 +814,25 @@ def _global_sq_norms(g) -> np.ndarray:
 
 
 def _apply_phi(phi, x: np.ndarray) -> np.ndarray:
+    """``phi`` on a float64 numpy array (a jnp-only phi runs under ``x64()``)."""
     with x64():
-        return np.asarray(phi(x), dtype=np.float64)
+        return np.asarray(phi(np.asarray(x, dtype=np.float64)), dtype=np.float64)
 
 
 STAT_NAMES = (
-    "mean", "sum", "second_moment", "variance", "sign_mean", "abs_mean", "sq_norms",
-    "norms", "clipped_mean", "clipped_sum", "elementwise", "snr", "gradient_noise_scale",
+    "mean",
+    "sum",
+    "second_moment",
+    "variance",
+    "sign_mean",
+    "abs_mean",
+    "sq_norms",
+    "norms",
+    "clipped_mean",
+    "clipped_sum",
+    "elementwise",
+    "snr",
+    "gradient_noise_scale",
 )
 
 
@@ -796,8 +883,9 @@ def oracle_from_grads(g: PyTree, stat_name: str, **kw) -> PyTree:
             var = np.square(x - m).sum(0) / (B - ddof)
             sig = np.square(m)
             with np.errstate(divide="ignore", invalid="ignore"):
-                return np.where(var > 0, sig / np.where(var > 0, var, 1.0),
-                                np.where(sig > 0, np.inf, 0.0))
+                return np.where(
+                    var > 0, sig / np.where(var > 0, var, 1.0), np.where(sig > 0, np.inf, 0.0)
+                )
 
         return tm(one, g)
     if stat_name == "gradient_noise_scale":

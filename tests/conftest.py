@@ -1,0 +1,549 @@
+"""Shared test helpers: statistic specs, the float64 reference, and tolerances.
+
+Tolerances are derived from an *error model* of per-example gradients instead
+of one global rtol: a correct implementation in precision ``p`` may return
+per-example gradients ``g_b`` that differ from the float64 reference by at most
+
+    E[b, e] = rtol_g * |g_b[e]| + floor * max|g(leaf)| + gfloor * max|g(all leaves)|
+
+(the floors cover rounding errors that scale with the leaf's magnitude rather
+than with the element, and leaves whose true gradient is exactly zero such as an
+attention key bias, whose float values are pure rounding noise). Each
+statistic's allowed error is the first-order propagation of ``E`` through its
+reduction (times a safety factor), plus ``rtol`` of its own value. For
+``sign_mean`` an example/coordinate whose reference gradient is nonzero but
+within ``E`` of zero may flip sign; exact zeros must stay exact.
+
+A float32 result is compared with the float64 oracle of the same model (the
+float32 and float64 zoo cases hold identical values). ``test_tolerances_admit_
+naive_float32`` checks that float32 ``vmap(grad)`` itself passes these
+tolerances (it uses at most ~1/4 of each bound), so a failure means the
+implementation is clearly worse than the naive one. Profiles: float64 ~1e-11,
+float32 ~4e-6 (in units of the error model), bf16-internal models ~2e-2.
+
+Also here: XLA flags (4 fake CPU devices for the multi-device tests, faster CPU
+compiles), full-precision float32 matmuls, and an xdist scheduler that keeps
+all tests of one zoo case on one worker (see the end of the file).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before jax initialises its backends: 4 fake CPU devices for the pmap /
+# shard_map / sharded-jit tests, and a lower XLA CPU backend optimisation level
+# (compiles ~1.6x faster, and compiling dominates this suite). Float32 matmuls
+# run at full precision (no TF32 on GPUs) so the tolerances below hold there.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    _flags += " --xla_force_host_platform_device_count=4"
+if "xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags.strip()
+
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import zoo  # noqa: E402
+
+PyTree = Any
+
+
+def _js():
+    import jaxpr_surgery as js
+
+    return js
+
+
+# --------------------------------------------------------------------------- #
+# Statistic specs: how to build the statistic and the matching oracle call
+# --------------------------------------------------------------------------- #
+# The phis work on numpy arrays (oracle, no compilation) and on jax arrays/tracers.
+def _phi_pow4(g):
+    return g**4
+
+
+def _phi_cos(g):
+    return jnp.cos(g) if isinstance(g, jax.Array) else np.cos(g)
+
+
+def _phi_sabs(g):  # g * |g|: odd, multiplicative
+    return g * abs(g)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatSpec:
+    """``make(clip)`` builds the statistic; ``oracle_name``/``oracle_kw(clip)`` the oracle."""
+
+    make: Callable[[float], Any]
+    oracle_name: str
+    oracle_kw: Callable[[float], dict]
+
+
+def _spec(name, ctor_kw=None, oracle_name=None, oracle_kw=None, clip=None):
+    ctor_kw = dict(ctor_kw or {})
+    oracle_kw = dict(oracle_kw if oracle_kw is not None else ctor_kw)
+    ctor = name
+
+    def make(c):
+        kw = dict(ctor_kw)
+        if clip is not None:
+            kw["clip_norm"] = c
+        return getattr(_js().stats, ctor)(**kw)
+
+    def okw(c):
+        kw = dict(oracle_kw)
+        if clip is not None:
+            kw["clip_norm"] = c
+        return kw
+
+    return StatSpec(make, oracle_name or name, okw)
+
+
+def _elementwise_spec(phi, multiplicative, name):
+    def make(c):
+        return _js().stats.elementwise(phi, multiplicative=multiplicative, name=name)
+
+    return StatSpec(make, "elementwise", lambda c: {"phi": phi})
+
+
+#: stat id -> spec. ``clip`` specs use a per-case clip norm (see Reference.clip).
+STATS: dict[str, StatSpec] = {
+    "mean": _spec("mean"),
+    "sum": _spec("sum"),
+    "second_moment": _spec("second_moment"),
+    "variance": _spec("variance"),
+    "variance_ddof0": _spec("variance", {"ddof": 0}),
+    "sign_mean": _spec("sign_mean"),
+    "abs_mean": _spec("abs_mean"),
+    "sq_norms": _spec("sq_norms"),
+    "sq_norms_per_leaf": _spec("sq_norms", {"per_leaf": True}),
+    "norms": _spec("norms"),
+    "norms_per_leaf": _spec("norms", {"per_leaf": True}),
+    "clipped_mean": _spec("clipped_mean", clip="median"),
+    "clipped_sum": _spec("clipped_sum", clip="median"),
+    "clipped_mean_all": _spec("clipped_mean", clip="all"),  # C = half the min norm
+    "elementwise_pow4": _elementwise_spec(_phi_pow4, True, "test_pow4"),
+    "elementwise_sabs": _elementwise_spec(_phi_sabs, True, "test_sabs"),
+    "elementwise_cos": _elementwise_spec(_phi_cos, False, "test_cos"),
+    "snr": _spec("snr"),
+    "gradient_noise_scale": _spec("gradient_noise_scale"),
+}
+
+STAT_IDS = list(STATS)
+
+
+# --------------------------------------------------------------------------- #
+# Tolerance profiles
+# --------------------------------------------------------------------------- #
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    rtol_g: float  # per-example gradient error relative to the element
+    floor: float  # ... relative to the leaf's max |g|
+    gfloor: float  # ... relative to the max |g| over all leaves
+    rtol: float  # arithmetic error relative to the statistic's value
+    safety: float = 4.0
+
+
+PROFILES = {
+    # float64 engines agree with the oracle to ~1e-16 relative; 1e-11 leaves a wide margin
+    "float64": Profile(rtol_g=1e-11, floor=1e-11, gfloor=1e-13, rtol=1e-11, safety=2.0),
+    # float32 vmap(grad) deviates from the float64 oracle by <= ~0.8e-6 in these units
+    "float32": Profile(rtol_g=2e-6, floor=2e-6, gfloor=2e-8, rtol=2e-6, safety=2.0),
+    # bf16 internals: the engine may round differently from vmap(grad).
+    "low": Profile(rtol_g=1e-2, floor=1e-2, gfloor=1e-3, rtol=1e-2, safety=2.0),
+}
+
+
+def profile_for(case_name: str, dtype) -> Profile:
+    if case_name in zoo.LOW_PRECISION:
+        return PROFILES["low"]
+    return PROFILES[jnp.dtype(dtype).name]
+
+
+# --------------------------------------------------------------------------- #
+# The float64 reference of a zoo case
+# --------------------------------------------------------------------------- #
+def _tree_f64(tree):
+    return jax.tree.map(lambda a: np.asarray(a, dtype=np.float64), tree)
+
+
+class Reference:
+    """float64 per-example grads, oracles, clip norms and error bounds of one case."""
+
+    def __init__(self, case_name: str):
+        self.name = case_name
+        self.case = zoo.get_case(case_name, jnp.float64)
+        self.g = _tree_f64(zoo.per_example_grads(self.case))
+        self.leaves, self.treedef = jax.tree.flatten(self.g)
+        self.B = self.leaves[0].shape[0]
+        norms = np.sqrt(zoo.oracle_from_grads(self.g, "sq_norms"))
+        self.norms = norms
+        self._clip = {
+            "median": float(np.median(norms)),  # about half the examples clipped
+            "all": float(0.5 * np.min(norms)),  # every example clipped
+        }
+        self._cache: dict = {}
+
+    def clip(self, stat_id: str) -> float:
+        return self._clip["all"] if stat_id.endswith("_all") else self._clip["median"]
+
+    def stat(self, stat_id: str):
+        spec = STATS[stat_id]
+        return spec.make(self.clip(stat_id))
+
+    def oracle(self, stat_id: str):
+        if stat_id not in self._cache:
+            spec = STATS[stat_id]
+            self._cache[stat_id] = zoo.oracle_from_grads(
+                self.g, spec.oracle_name, **spec.oracle_kw(self.clip(stat_id))
+            )
+        return self._cache[stat_id]
+
+    # ---- error model -------------------------------------------------------
+    def grad_err(self, prof: Profile) -> list[np.ndarray]:
+        """E[b, e] for every leaf (list in leaf order)."""
+        gmax = max(float(np.max(np.abs(x))) for x in self.leaves)
+        out = []
+        for x in self.leaves:
+            lmax = float(np.max(np.abs(x)))
+            out.append(prof.rtol_g * np.abs(x) + prof.floor * lmax + prof.gfloor * gmax)
+        return out
+
+    def bound(self, stat_id: str, prof: Profile):
+        """Allowed |actual - oracle| (pytree like the oracle's value)."""
+        spec = STATS[stat_id]
+        name, kw = spec.oracle_name, spec.oracle_kw(self.clip(stat_id))
+        G, E, B = self.leaves, self.grad_err(prof), self.B
+        val = self.oracle(stat_id)
+        s = prof.safety
+
+        def per_leaf(fn):
+            return jax.tree.unflatten(self.treedef, [fn(g, e) for g, e in zip(G, E, strict=True)])
+
+        def flat_sq_err(g, e):  # error of ||g_b||^2 for one leaf, per example
+            return np.sum((2 * np.abs(g) * e + e * e).reshape(B, -1), axis=1)
+
+        if name == "mean":
+            b = per_leaf(lambda g, e: e.mean(0))
+        elif name == "sum":
+            b = per_leaf(lambda g, e: e.sum(0))
+        elif name in ("second_moment",):
+            b = per_leaf(lambda g, e: (2 * np.abs(g) * e + e * e).mean(0))
+        elif name == "abs_mean":
+            b = per_leaf(lambda g, e: e.mean(0))
+        elif name == "variance":
+            ddof = kw.get("ddof", 1)
+            b = per_leaf(lambda g, e: _var_err(g, e, ddof))
+        elif name == "sign_mean":
+            b = per_leaf(lambda g, e: 2.0 * ((np.abs(g) > 0) & (np.abs(g) <= s * e)).mean(0))
+            s = 1.0  # already applied to the ambiguity threshold
+        elif name in ("sq_norms", "norms"):
+            per = [flat_sq_err(g, e) for g, e in zip(G, E, strict=True)]
+            if kw.get("per_leaf", False):
+                b = jax.tree.unflatten(self.treedef, per)
+            else:
+                b = sum(per)
+            if name == "norms":
+                sq = zoo.oracle_from_grads(self.g, "sq_norms", **kw)
+                b = jax.tree.map(
+                    lambda d, q: np.where(
+                        q > 0, d / (2 * np.sqrt(np.maximum(q, 1e-300))), np.sqrt(d)
+                    ),
+                    b,
+                    sq,
+                )
+        elif name in ("clipped_mean", "clipped_sum"):
+            c = float(kw["clip_norm"])
+            n = self.norms
+            dn = sum(flat_sq_err(g, e) for g, e in zip(G, E, strict=True)) / (
+                2 * np.maximum(n, 1e-300)
+            )
+            fac = np.where(n > c, c / np.maximum(n, 1e-300), 1.0)
+            dfac = np.where(n > c, fac * dn / np.maximum(n, 1e-300), 0.0)
+
+            def one(g, e):
+                shape = (B,) + (1,) * (g.ndim - 1)
+                t = fac.reshape(shape) * e + np.abs(g) * dfac.reshape(shape)
+                return t.sum(0) / (B if name == "clipped_mean" else 1)
+
+            b = per_leaf(one)
+        elif name == "elementwise":
+            phi = kw["phi"]
+
+            def one(g, e):
+                f0 = zoo._apply_phi(phi, g)
+                d = np.maximum(
+                    np.abs(zoo._apply_phi(phi, g + e) - f0), np.abs(zoo._apply_phi(phi, g - e) - f0)
+                )
+                return d.mean(0)
+
+            b = per_leaf(one)
+        elif name == "snr":
+            ddof = kw.get("ddof", 1)
+
+            def one(g, e):
+                m = g.mean(0)
+                v = np.square(g - m).sum(0) / (B - ddof)
+                dm = e.mean(0)
+                dv = _var_err(g, e, ddof)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    r = 2 * np.abs(m) * dm / v + np.square(m) * dv / np.square(v)
+                # v == 0: exact (0 or inf) required; nan guard
+                return np.where(v > 0, r, 0.0)
+
+            b = per_leaf(one)
+        elif name == "gradient_noise_scale":
+            ddof = kw.get("ddof", 1)
+            tr = sum(np.square(g - g.mean(0)).sum() for g in G) / (B - ddof)
+            g2 = sum(np.square(g.mean(0)).sum() for g in G)
+            dtr = sum(_var_err(g, e, ddof).sum() for g, e in zip(G, E, strict=True))
+            dg2 = sum(
+                (2 * np.abs(g.mean(0)) * e.mean(0) + e.mean(0) ** 2).sum()
+                for g, e in zip(G, E, strict=True)
+            )
+            b = np.asarray(dtr / g2 + tr * dg2 / g2**2)
+        else:
+            raise ValueError(name)
+        return jax.tree.map(
+            lambda bb, v: s * bb + prof.rtol * np.abs(np.where(np.isfinite(v), v, 0)), b, val
+        )
+
+
+def _var_err(g, e, ddof):
+    B = g.shape[0]
+    dev = np.abs(g - g.mean(0))
+    # delta(g_b - m) <= 2 e_max; first and second order terms
+    emax = e.max(0)
+    return (2 * dev * 2 * emax + 4 * emax**2).sum(0) / (B - ddof)
+
+
+@functools.cache
+def reference(case_name: str) -> Reference:
+    return Reference(case_name)
+
+
+# --------------------------------------------------------------------------- #
+# Running the implementation and comparing
+# --------------------------------------------------------------------------- #
+def dtype_ctx(dtype):
+    return zoo.x64() if jnp.dtype(dtype) == jnp.float64 else contextlib.nullcontext()
+
+
+def run_stat(case, stat, *, jit=True, **options):
+    """``js.per_example_stat(case.loss_fn, stat)(params, batch)`` as numpy, in the right mode."""
+    js = _js()
+    with zoo._maybe_x64(case.params):
+        f = js.per_example_stat(case.loss_fn, stat, **options)
+        if jit:
+            f = jax.jit(f)
+        out = f(case.params, case.batch)
+        return jax.tree.map(np.asarray, out)
+
+
+def _keystr(path):
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def assert_tree_close_bound(actual, expected, bound, *, what=""):
+    """|actual - expected| <= bound elementwise; inf/0 must match exactly where bound says so."""
+    a_flat, a_def = jax.tree_util.tree_flatten_with_path(actual)
+    e_flat, e_def = jax.tree_util.tree_flatten_with_path(expected)
+    if a_def != e_def:
+        raise AssertionError(
+            f"{what}: structure mismatch\n  actual:   {a_def}\n  expected: {e_def}"
+        )
+    b_leaves = jax.tree.leaves(bound)
+    msgs = []
+    for (path, a), (_, e), b in zip(a_flat, e_flat, b_leaves, strict=True):
+        a = np.asarray(a)
+        e = np.asarray(e, dtype=np.float64)
+        if a.shape != e.shape:
+            msgs.append(f"{_keystr(path)}: shape {a.shape} != expected {e.shape}")
+            continue
+        a64 = a.astype(np.float64)
+        if np.any(np.isnan(a64)) and not np.any(np.isnan(e)):
+            msgs.append(f"{_keystr(path)}: NaN in result ({int(np.isnan(a64).sum())} of {a.size})")
+            continue
+        both_inf = np.isinf(a64) & np.isinf(e) & (np.sign(a64) == np.sign(e))
+        with np.errstate(invalid="ignore"):
+            err = np.where(both_inf, 0.0, np.abs(a64 - e))
+        bad = ~(err <= b)
+        if np.any(bad):
+            i = np.unravel_index(np.argmax(np.where(bad, err / np.maximum(b, 1e-300), -1)), a.shape)
+            emax = np.max(np.abs(np.where(np.isfinite(e), e, 0)))
+            msgs.append(
+                f"{_keystr(path)} {a.shape}: {int(bad.sum())}/{a.size} elements off; worst at "
+                f"{tuple(int(k) for k in i)}: got {a64[i]!r}, expected {e[i]!r}, "
+                f"|err|={err[i]:.3e} > bound {b[i]:.3e} (max|expected|={emax:.3e})"
+            )
+    if msgs:
+        raise AssertionError(f"{what}:\n  " + "\n  ".join(msgs))
+
+
+def check_against_reference(actual, case_name: str, stat_id: str, dtype, *, prof=None):
+    ref = reference(case_name)
+    prof = prof or profile_for(case_name, dtype)
+    expected = ref.oracle(stat_id)
+    bound = ref.bound(stat_id, prof)
+    assert_tree_close_bound(
+        actual, expected, bound, what=f"{case_name} / {stat_id} / {jnp.dtype(dtype).name}"
+    )
+
+
+def check_zoo_case_sane(case_name, dtype):
+    """Per-example convention holds, oracle finite and non-zero (no engine involved)."""
+    case = zoo.get_case(case_name, dtype)
+    B = jax.tree.leaves(case.batch)[0].shape[0]
+    assert 4 <= B <= 8
+    assert all(x.shape[0] == B for x in jax.tree.leaves(case.batch))
+    g = zoo.per_example_grads(case)
+    for x in jax.tree.leaves(g):
+        assert x.dtype == np.dtype(dtype), (x.dtype, dtype)
+    with zoo._maybe_x64(case.params):
+        loss, full = jax.jit(jax.value_and_grad(case.loss_fn))(case.params, case.batch)
+        loss = float(loss)
+        full = jax.tree.map(np.asarray, full)
+    losses = zoo.per_example_losses(case)
+    prof = PROFILES["low" if case_name in zoo.LOW_PRECISION else dtype]
+    assert np.isfinite(loss)
+    np.testing.assert_allclose(loss, losses.mean(), rtol=10 * prof.rtol)
+    # mean of per-example grads == grad of the batch-mean loss (no interaction)
+    assert_tree_close_bound(
+        full,
+        zoo.oracle(case, "mean"),
+        reference(case_name).bound("mean", prof),
+        what=f"{case_name}: grad(loss_fn) vs mean per-example grad",
+    )
+    for name, kw in [
+        ("mean", {}),
+        ("variance", {}),
+        ("sq_norms", {"per_leaf": True}),
+        ("clipped_mean", {"clip_norm": 1.0}),
+        ("gradient_noise_scale", {}),
+    ]:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(zoo.oracle(case, name, **kw))[0]:
+            assert np.all(np.isfinite(leaf)), (name, jax.tree_util.keystr(path))
+            assert np.any(leaf != 0), (name, jax.tree_util.keystr(path))
+
+
+_COMBINED: dict = {}
+
+
+def combined_result(case_name: str, dtype, stat_ids) -> tuple[str, Any]:
+    """One jitted call computing all ``stat_ids`` as a dict (cached).
+
+    Returns ("ok", value) or ("err", message).
+    """
+    key = (case_name, jnp.dtype(dtype).name, tuple(stat_ids))
+    if key not in _COMBINED:
+        ref = reference(case_name)
+        case = zoo.get_case(case_name, dtype)
+        stats = {sid: ref.stat(sid) for sid in stat_ids}
+        try:
+            _COMBINED[key] = ("ok", run_stat(case, stats))
+        except Exception as e:  # noqa: BLE001 - reported per statistic by the caller
+            _COMBINED[key] = ("err", f"{type(e).__name__}: {e}")
+    return _COMBINED[key]
+
+
+def single_result(case_name: str, stat_id: str, dtype):
+    ref = reference(case_name)
+    return run_stat(zoo.get_case(case_name, dtype), ref.stat(stat_id))
+
+
+def check_matches_oracle(case_name, stat_id, dtype, stat_ids, *, single=False):
+    """``stat_id`` of ``per_example_stat`` (jitted) matches the oracle.
+
+    Uses the cached all-``stat_ids`` call; if that call raised, calls this
+    statistic alone (so an exception is attributed to the statistic that
+    raises); if its entry is wrong, re-runs the statistic alone and reports
+    whether the lone call is right (a bug in combining statistics).
+    """
+    dname = jnp.dtype(dtype).name
+    if single:
+        check_against_reference(single_result(case_name, stat_id, dtype), case_name, stat_id, dtype)
+        return
+    status, value = combined_result(case_name, dtype, stat_ids)
+    if status == "err":
+        try:
+            actual = single_result(case_name, stat_id, dtype)
+        except Exception as e:
+            raise AssertionError(
+                f"{case_name} / {stat_id} / {dname}: per_example_stat raised "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        check_against_reference(actual, case_name, stat_id, dtype)
+        return
+    try:
+        check_against_reference(value[stat_id], case_name, stat_id, dtype)
+    except AssertionError as e:
+        try:
+            check_against_reference(
+                single_result(case_name, stat_id, dtype), case_name, stat_id, dtype
+            )
+            lone = "the same statistic computed ALONE is correct (bug when combining statistics)"
+        except Exception as e2:  # noqa: BLE001
+            lone = f"computed alone it is wrong too: {str(e2).splitlines()[0][:300]}"
+        raise AssertionError(f"{e}\n  [in the all-statistics call; {lone}]") from None
+
+
+def naive_stat(case, stat_id: str, ref: Reference):
+    """The statistic from ``vmap(grad)`` in the case's own precision (a correct baseline)."""
+    spec = STATS[stat_id]
+    g = zoo.per_example_grads(case)
+    return zoo.oracle_from_grads(g, spec.oracle_name, **spec.oracle_kw(ref.clip(stat_id)))
+
+
+@pytest.fixture(scope="session")
+def js():
+    return _js()
+
+
+# --------------------------------------------------------------------------- #
+# pytest-xdist: keep every test of one zoo case on one worker
+# --------------------------------------------------------------------------- #
+# The expensive part of a test is compiling; results are cached per process
+# and per zoo case. With plain ``-n N`` (``--dist load``) this scheduler sends
+# all tests whose parameters name the same zoo case to one worker, so a case is
+# compiled by one worker only; other tests are distributed one by one as with
+# ``load``. (``--dist loadgroup`` + ``xdist_group`` marks would do this, but
+# xdist 3.8 renames node ids through ``item._nodeid``, which pytest 9.2 no
+# longer reads.) Another ``--dist`` mode is left alone.
+_ZOO_NAMES = sorted(zoo.ZOO, key=len, reverse=True)
+
+
+def _zoo_scope(nodeid: str) -> str:
+    i = nodeid.find("[")
+    if i >= 0:
+        params = nodeid[i + 1 : nodeid.rfind("]")]
+        parts = params.split("-")
+        for name in _ZOO_NAMES:
+            if name in parts:
+                return f"zoo::{name}"
+    return nodeid
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ZooCaseScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return _zoo_scope(nodeid)
+
+    return ZooCaseScheduling(config, log)
