@@ -494,7 +494,7 @@ def make_embedding_modes(dtype=jnp.float32, key=16) -> ZooCase:
         "t_neg": r.normal((V, D), 0.7),
         "head": {"w": r.dense(D, C), "b": r.normal((C,), 0.3)},
     }
-    ids = np.asarray(r.ints((B, T), V + 3)) - 1  # in [-1, V + 1]: some out of range
+    ids = r.rng.integers(0, V + 3, size=(B, T)) - 1  # in [-1, V + 1]: some out of range
     ids[:, 0] = np.arange(B) % V  # every example has a valid id
     batch = {"ids": jnp.asarray(ids, dtype=jnp.int32), "y": r.ints((B,), C)}
 
