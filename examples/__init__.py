@@ -1,0 +1,1 @@
+"""Examples of jaxpr_surgery (importable so that ``python -m examples.reproduce`` works)."""
