@@ -39,7 +39,8 @@ def init_params(key, vocab=512, seq=32, d=64, heads=4, layers=2, mlp=256):
                 "wq": normal(d, heads, dh), "wk": normal(d, heads, dh), "wv": normal(d, heads, dh),
                 "wo": normal(heads, dh, d),
                 "ln2": {"g": jnp.ones(d), "b": jnp.zeros(d)},
-                "w1": normal(d, mlp), "b1": jnp.zeros(mlp), "w2": normal(mlp, d), "b2": jnp.zeros(d),
+                "w1": normal(d, mlp), "b1": jnp.zeros(mlp),
+                "w2": normal(mlp, d), "b2": jnp.zeros(d),
             }
             for _ in range(layers)
         ],
