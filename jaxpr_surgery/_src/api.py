@@ -64,6 +64,7 @@ class Options:
 
 
 def _flatten_stats(stat):
+    """(statistics, their treedef, each one's reductions, the unique reductions of all)."""
     leaves, treedef = jax.tree.flatten(
         stat,
         is_leaf=lambda x: (
@@ -73,7 +74,12 @@ def _flatten_stats(stat):
     if not leaves:
         raise TypeError("stat: expected a statistic or a pytree of statistics, got an empty tree.")
     reqs = [S.validate(s) for s in leaves]
-    return leaves, treedef, reqs
+    unique = []
+    for req in reqs:
+        for r in req.values():
+            if r not in unique:
+                unique.append(r)
+    return leaves, treedef, reqs, unique
 
 
 class _Prepared:
@@ -243,14 +249,8 @@ def _combine_axis(red, v, n_local, N, axis_name):
 # --------------------------------------------------------------------------- #
 # The computation
 # --------------------------------------------------------------------------- #
-def _compute(fn, stat, opts: Options, args, name):
-    prep = _Prepared(fn, args, opts, name)
-    stat_leaves, stat_tree, reqs = _flatten_stats(stat)
-    reductions = []
-    for req in reqs:
-        for r in req.values():
-            if r not in reductions:
-                reductions.append(r)
+def _compute(prep, stat, opts: Options, name):
+    stat_leaves, stat_tree, reqs, reductions = _flatten_stats(stat)
 
     cs = opts.chunk_size
     if cs is not None and (not isinstance(cs, (int, np.integer)) or cs <= 0):
@@ -421,12 +421,15 @@ def value_and_per_example_stat(
 
     @functools.wraps(fn)
     def wrapped(*args):
-        explicit = _Prepared(fn, args, opts, name).explicit
-        if explicit is None:
-            loss, aux, result = _compute(fn, stat, opts, args, name)
+        prep = _Prepared(fn, args, opts, name)
+        if prep.explicit is None:
+            loss, aux, result = _compute(prep, stat, opts, name)
         else:
+            # inside auto_axes the arguments are new values: prepare them there
             loss, aux, result = compat.in_auto_mode(
-                lambda *a: _compute(fn, stat, opts, a, name), args, *explicit
+                lambda *a: _compute(_Prepared(fn, a, opts, name), stat, opts, name),
+                args,
+                *prep.explicit,
             )
         return ((loss, aux) if opts.has_aux else loss), result
 

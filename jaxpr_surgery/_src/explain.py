@@ -131,12 +131,7 @@ def explain(
       [("['b']", ['scale-shift'], 'fast'), ("['w']", ['dense'], 'fast')]
     """
     stat = _default_stats() if stat is None else stat
-    stat_leaves, _, reqs = _flatten_stats(stat)
-    reductions = []
-    for req in reqs:
-        for r in req.values():
-            if r not in reductions:
-                reductions.append(r)
+    stat_leaves, _, _, reductions = _flatten_stats(stat)
 
     def run(*args):
         prep = _Prepared(
