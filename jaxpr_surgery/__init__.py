@@ -4,13 +4,19 @@ import jaxpr_surgery as js
 m, v = js.per_example_stat(loss, (js.stats.mean(), js.stats.variance()))(params, batch)
 """
 
-from jaxpr_surgery import optim as optim
-from jaxpr_surgery import stats as stats
-from jaxpr_surgery._src.api import check_per_example as check_per_example
-from jaxpr_surgery._src.api import per_example_stat as per_example_stat
-from jaxpr_surgery._src.api import value_and_per_example_stat as value_and_per_example_stat
-from jaxpr_surgery._src.explain import Report as Report
-from jaxpr_surgery._src.explain import explain as explain
+from jaxpr_surgery._src import compat as _compat
+
+_compat.warn_if_untested()
+
+from jaxpr_surgery import optim as optim  # noqa: E402
+from jaxpr_surgery import stats as stats  # noqa: E402
+from jaxpr_surgery._src.api import check_per_example as check_per_example  # noqa: E402
+from jaxpr_surgery._src.api import per_example_stat as per_example_stat  # noqa: E402
+from jaxpr_surgery._src.api import value_and_per_example_stat as value_and_per_example_stat  # noqa: E402
+from jaxpr_surgery._src.compat import TESTED_JAX as TESTED_JAX  # noqa: E402
+from jaxpr_surgery._src.compat import UntestedJaxWarning as UntestedJaxWarning  # noqa: E402
+from jaxpr_surgery._src.explain import Report as Report  # noqa: E402
+from jaxpr_surgery._src.explain import explain as explain  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -22,4 +28,6 @@ __all__ = [
     "explain",
     "Report",
     "check_per_example",
+    "TESTED_JAX",
+    "UntestedJaxWarning",
 ]

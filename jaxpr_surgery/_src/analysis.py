@@ -144,12 +144,6 @@ _IDENTITY_PRIMS = tuple(
 )
 
 
-def _call_jaxpr(eqn):
-    """(jaxpr, consts) of a call-like eqn."""
-    j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if isinstance(j, compat.ClosedJaxpr):
-        return j.jaxpr, j.consts
-    return j, ()
 
 
 def _layout_op(eqn):
@@ -237,7 +231,7 @@ class _Analyzer:
         has_data = any(t == DATA for t in tags)
 
         if prim in _CALL_PRIMS:
-            jaxpr, _ = _call_jaxpr(eqn)
+            jaxpr, _ = compat.call_parts(eqn)
             inner = [self.to_boundary(t, "jit") for t in tags]
             outs = self.run(jaxpr, inner, path, scan_lengths)
             # one-hot vectors built inside the call, from ids passed into it
@@ -250,7 +244,7 @@ class _Analyzer:
             return [self.to_boundary(t, "jit") for t in outs]
         if prim is compat.remat_p:
             inner = [self.to_boundary(t, "checkpoint") for t in tags]
-            outs = self.run(eqn.params["jaxpr"], inner, path, scan_lengths)
+            outs = self.run(compat.remat_params(eqn).jaxpr, inner, path, scan_lengths)
             return [self.to_boundary(t, "checkpoint") for t in outs]
         if prim is compat.scan_p:
             return self.scan(eqn, tags, path, scan_lengths)
@@ -393,9 +387,9 @@ class _Analyzer:
         return "generic"
 
     def scan(self, eqn, tags, path, scan_lengths):
-        prm = eqn.params
-        nc, ncar = prm["num_consts"], prm["num_carry"]
-        body = prm["jaxpr"].jaxpr
+        prm = compat.scan_params(eqn)
+        nc, ncar = prm.num_consts, prm.num_carry
+        body = prm.jaxpr
         consts, carry, xs = tags[:nc], tags[nc : nc + ncar], tags[nc + ncar :]
         consts = [self.to_boundary(t, "scan") for t in consts]
         for t in carry:
@@ -408,7 +402,7 @@ class _Analyzer:
                 op = LayoutOp("scan", _shape(v), _shape(v)[1:])
                 t = dataclasses.replace(t, chain=t.chain + (op,), depth=t.depth + 1, base=None)
             xs_in.append(t)
-        inner_lengths = tuple(scan_lengths) + (prm["length"],)
+        inner_lengths = tuple(scan_lengths) + (prm.length,)
         # Carries are evaluated batched (per example), so they are DATA: a site
         # fed by a carry computes exact per-example quantities either way.
         carry = [DATA] * ncar

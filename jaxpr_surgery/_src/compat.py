@@ -7,6 +7,9 @@ of the package compares primitives by object and never by name string.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.extend as jex
 from jax import lax
@@ -15,6 +18,56 @@ from jax._src.lax import control_flow as _cf
 from jax._src.lax import convolution as _conv
 from jax._src.lax import lax as _lax
 from jax._src.lax import slicing as _slicing
+
+# --------------------------------------------------------------------------- #
+# The tested range of jax (kept in sync with pyproject.toml and CI)
+# --------------------------------------------------------------------------- #
+TESTED_JAX = ("0.10.0", "0.12.0.1")  # oldest and newest jax the test suite runs on in CI
+
+
+def _version_tuple(v: str) -> tuple:
+    out = []
+    for part in v.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+        if digits != part:  # e.g. "0rc1", "dev2026": a pre-release of this number
+            break
+    return tuple(out)
+
+
+def jax_version_status(version: str | None = None) -> str | None:
+    """None if ``version`` (default: the installed jax) is in the tested range, else a message.
+
+    A newer release of a tested minor series (0.12.x) counts as tested: jax keeps
+    primitive params stable within a minor series.
+    """
+    v = _version_tuple(version or jax.__version__)
+    lo, hi = (_version_tuple(t) for t in TESTED_JAX)
+    if v[:2] > hi[:2] or v < lo:
+        return (
+            f"jaxpr_surgery was tested with jax {TESTED_JAX[0]} to {TESTED_JAX[1]} (any "
+            f"{hi[0]}.{hi[1]}.x), but jax {version or jax.__version__} is installed. The "
+            "transformation reads JAX-internal primitive params; on an untested jax it raises "
+            "an error where it finds a layout it does not know, but run "
+            "js.check_per_example and compare a statistic with jax.vmap(jax.grad(...)) once "
+            "before relying on it, or install a tested jax (pip install 'jax<0.13')."
+        )
+    return None
+
+
+def warn_if_untested():
+    import warnings
+
+    msg = jax_version_status()
+    if msg is not None:
+        warnings.warn(msg, UntestedJaxWarning, stacklevel=3)
+
+
+class UntestedJaxWarning(UserWarning):
+    """The installed jax is outside the range jaxpr_surgery is tested with."""
+
 
 ClosedJaxpr = jex.core.ClosedJaxpr
 Jaxpr = jex.core.Jaxpr
@@ -137,6 +190,102 @@ def eval_jaxpr(jaxpr, consts, *args):
 
 def subjaxprs(eqn):
     return list(jex.core.jaxprs_in_params(eqn.params))
+
+
+# --------------------------------------------------------------------------- #
+# Normalised views of the params of the primitives the package recurses into.
+#
+# jax <= 0.11 stores sub-jaxprs as ``ClosedJaxpr`` and scan's operand split as
+# ``num_consts``/``num_carry``; jax 0.12 stores open ``Jaxpr`` (constants are
+# hoisted into operands) and the split as flat trees ``ft_in``/``ft_out``
+# (consts, carry, xs). Every reader of these params goes through the functions
+# below, which detect the layout by feature, never by version number, and raise
+# `UnsupportedJaxError` naming the primitive when neither layout is found.
+# --------------------------------------------------------------------------- #
+class UnsupportedJaxError(RuntimeError):
+    """A primitive's params have a layout this version of the package does not know."""
+
+
+def _unsupported(eqn, what):
+    return UnsupportedJaxError(
+        f"jaxpr_surgery does not understand the params of the {eqn.primitive} primitive in "
+        f"jax {jax.__version__} ({what}; params: {sorted(eqn.params)}). This jax is outside "
+        "the tested range (see jaxpr_surgery.TESTED_JAX); please report it."
+    )
+
+
+def closed_parts(j):
+    """``(Jaxpr, consts)`` of a ``ClosedJaxpr`` or an open ``Jaxpr``."""
+    if isinstance(j, ClosedJaxpr):
+        return j.jaxpr, tuple(j.consts)
+    if isinstance(j, Jaxpr):
+        if j.constvars:  # pragma: no cover - not produced by any tested jax
+            raise UnsupportedJaxError(
+                "an open sub-jaxpr with unbound constvars; this jax is outside the tested range."
+            )
+        return j, ()
+    raise UnsupportedJaxError(f"expected a jaxpr, got {type(j).__name__}")
+
+
+def call_parts(eqn):
+    """``(Jaxpr, consts)`` of a call-like eqn (jit, closed_call, call)."""
+    j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if j is None:
+        raise _unsupported(eqn, "no 'jaxpr' or 'call_jaxpr'")
+    return closed_parts(j)
+
+
+@dataclasses.dataclass(frozen=True)
+class RematParams:
+    jaxpr: Any
+    prevent_cse: bool
+    policy: Any
+
+
+def remat_params(eqn) -> RematParams:
+    if "jaxpr" not in eqn.params:
+        raise _unsupported(eqn, "no 'jaxpr'")
+    jaxpr, consts = closed_parts(eqn.params["jaxpr"])
+    if consts:  # pragma: no cover - remat jaxprs are open in every tested jax
+        raise _unsupported(eqn, "a closed remat jaxpr")
+    return RematParams(jaxpr, eqn.params.get("prevent_cse", True), eqn.params.get("policy"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanParams:
+    """One view of a ``scan`` eqn: operands are ``consts + carry + xs``,
+    outputs ``carry + ys``; ``jaxpr`` is the open body, ``consts`` its bound constants."""
+
+    jaxpr: Any
+    consts: tuple
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+
+
+def scan_params(eqn) -> ScanParams:
+    prm = eqn.params
+    if "num_consts" in prm and "num_carry" in prm:  # jax <= 0.11
+        nc, ncar = int(prm["num_consts"]), int(prm["num_carry"])
+    elif "ft_in" in prm:  # jax 0.12: flat trees (consts, carry, xs)
+        try:
+            parts = prm["ft_in"].unpack()
+            c, k, x = parts
+            nc, ncar = len(c), len(k)
+        except Exception as e:  # noqa: BLE001
+            raise _unsupported(eqn, f"ft_in does not unpack to (consts, carry, xs): {e}") from e
+        if nc + ncar + len(x) != len(eqn.invars):
+            raise _unsupported(eqn, "ft_in does not cover the operands")
+    else:
+        raise _unsupported(eqn, "neither num_consts/num_carry nor ft_in")
+    jaxpr, consts = closed_parts(prm["jaxpr"])
+    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
+        raise _unsupported(eqn, "the body's arity differs from the eqn's")
+    return ScanParams(
+        jaxpr, consts, nc, ncar, int(prm["length"]), bool(prm["reverse"]), prm.get("unroll", 1)
+    )
 
 
 # --------------------------------------------------------------------------- #

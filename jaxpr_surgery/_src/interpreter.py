@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat
-from jaxpr_surgery._src.analysis import _CALL_PRIMS, _call_jaxpr
+from jaxpr_surgery._src.analysis import _CALL_PRIMS
 
 
 def _bcast(val, B):
@@ -57,7 +57,7 @@ class Evaluator:
             if p in self.an.sites:
                 outs, ofl = self.site(p, env, read, sinks)
             elif p in self.an.scopes and eqn.primitive in _CALL_PRIMS:
-                sub, sub_consts = _call_jaxpr(eqn)
+                sub, sub_consts = compat.call_parts(eqn)
                 outs, ofl = self.run(sub, sub_consts, iv, fl, sinks, p)
             elif p in self.an.scopes and eqn.primitive is compat.remat_p:
                 outs, ofl = self.remat(eqn, iv, fl, sinks, p)
@@ -90,22 +90,20 @@ class Evaluator:
     def remat(self, eqn, vals, flags, sinks, p):
         sub_sinks = self._sub_sinks(sinks, p)
         out_flags = []
+        prm = compat.remat_params(eqn)
 
         def f(vals, sub_sinks):
-            outs, ofl = self.run(eqn.params["jaxpr"], (), vals, flags, sub_sinks, p)
+            outs, ofl = self.run(prm.jaxpr, (), vals, flags, sub_sinks, p)
             out_flags[:] = ofl
             return outs
 
-        ck = jax.checkpoint(
-            f, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
-        )
+        ck = jax.checkpoint(f, prevent_cse=prm.prevent_cse, policy=prm.policy)
         outs = ck(list(vals), sub_sinks)
         return outs, list(out_flags)
 
     def scan(self, eqn, vals, flags, sinks, p):
-        prm = eqn.params
-        nc, ncar, L = prm["num_consts"], prm["num_carry"], prm["length"]
-        body = prm["jaxpr"]
+        prm = compat.scan_params(eqn)
+        nc, ncar, L = prm.num_consts, prm.num_carry, prm.length
         consts, cf = vals[:nc], flags[:nc]
         init = [
             x if f else _bcast(x, self.B)
@@ -121,8 +119,8 @@ class Evaluator:
         def step(carry, x):
             x_vals, s = x
             outs, ofl = self.run(
-                body.jaxpr,
-                body.consts,
+                prm.jaxpr,
+                prm.consts,
                 list(consts) + list(carry) + list(x_vals),
                 list(cf) + [True] * ncar + list(xf),
                 s,
@@ -134,7 +132,7 @@ class Evaluator:
             return new_carry, outs[ncar:]
 
         carry, ys = jax.lax.scan(
-            step, init, (xs, sub_sinks), length=L, reverse=prm["reverse"], unroll=prm["unroll"]
+            step, init, (xs, sub_sinks), length=L, reverse=prm.reverse, unroll=prm.unroll
         )
         ys = [jnp.moveaxis(y, 0, 1) if f else y for y, f in zip(ys, ys_flags)]
         return list(carry) + list(ys), [True] * ncar + list(ys_flags)

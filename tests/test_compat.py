@@ -1,0 +1,180 @@
+"""The JAX-internal surface the package reads, on the installed jax.
+
+Every primitive param the analysis and the interpreter rely on is read here
+through `compat`'s normalised views; a jax that renames or restructures one
+fails these tests by name instead of giving a wrong statistic.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxpr_surgery as js
+from jaxpr_surgery._src import compat
+
+
+def _eqn(fn, *args, prim):
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    found = [e for e in jaxpr.eqns if e.primitive is prim]
+    assert found, f"{prim} not found in {jaxpr}"
+    return found[-1]
+
+
+# --------------------------------------------------------------------------- #
+# Normalised views
+# --------------------------------------------------------------------------- #
+def test_scan_params_split_operands():
+    w = jnp.arange(4.0)
+
+    def f(x, xs):
+        def body(c, y):
+            h, k = c
+            return (jnp.tanh(h * y["a"] + w.sum()), k + 1.0), h + y["b"]
+
+        return lax.scan(body, (x, x), xs)
+
+    xs = {"a": jnp.ones(3), "b": jnp.arange(3.0)}
+    eqn = _eqn(f, 1.0, xs, prim=compat.scan_p)
+    sp = compat.scan_params(eqn)
+    assert sp.length == 3 and sp.reverse is False
+    # two scanned inputs; both carries change in the body (none forwarded)
+    assert len(eqn.invars) == sp.num_consts + sp.num_carry + 2
+    assert sp.num_carry == 2
+    assert len(eqn.outvars) == sp.num_carry + 1
+    assert len(sp.jaxpr.invars) == len(eqn.invars)
+    # the view evaluates to the eqn's own result
+    ins = [np.ones(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    out = compat.eval_jaxpr(sp.jaxpr, sp.consts, *ins)
+    assert len(out) == len(eqn.outvars)
+
+
+def test_scan_params_reverse_and_unroll():
+    eqn = _eqn(
+        lambda x: lax.scan(lambda c, y: (c * y, c), x, jnp.ones(5), reverse=True, unroll=2),
+        1.0,
+        prim=compat.scan_p,
+    )
+    sp = compat.scan_params(eqn)
+    assert sp.reverse is True and sp.length == 5 and sp.unroll == 2
+
+
+def test_remat_and_call_params():
+    pol = jax.checkpoint_policies.nothing_saveable
+    eqn = _eqn(lambda x: jax.checkpoint(jnp.sin, policy=pol)(x), 1.0, prim=compat.remat_p)
+    rp = compat.remat_params(eqn)
+    assert rp.policy is pol and isinstance(rp.prevent_cse, bool)
+    assert isinstance(rp.jaxpr, compat.Jaxpr)
+    eqn = _eqn(lambda x: jax.jit(lambda y: jnp.sin(y) * 2)(x), 1.0, prim=compat.jit_p)
+    jaxpr, consts = compat.call_parts(eqn)
+    assert isinstance(jaxpr, compat.Jaxpr) and len(jaxpr.invars) == 1
+
+
+def test_unknown_layout_raises_by_name():
+    eqn = _eqn(lambda x: lax.scan(lambda c, y: (c * y, c), x, jnp.ones(2)), 1.0,
+               prim=compat.scan_p)
+    fake = types.SimpleNamespace(primitive=eqn.primitive, invars=eqn.invars,
+                                 outvars=eqn.outvars, params={"jaxpr": None, "length": 2})
+    with pytest.raises(compat.UnsupportedJaxError, match="scan"):
+        compat.scan_params(fake)
+    with pytest.raises(compat.UnsupportedJaxError, match="jit"):
+        compat.call_parts(types.SimpleNamespace(primitive=compat.jit_p, params={}))
+
+
+def test_site_params_present():
+    """Params of site primitives read by the analysis and the kernels."""
+    d = _eqn(lambda x, w: jnp.einsum("bd,de->be", x, w), jnp.ones((2, 3)), jnp.ones((3, 4)),
+             prim=compat.dot_general_p)
+    (lc, rc), (lb, rb) = d.params["dimension_numbers"]
+    assert tuple(lc) == (1,) and tuple(rc) == (0,)
+    g = _eqn(lambda t, i: t[i], jnp.ones((5, 3)), jnp.array([1, 2]), prim=compat.gather_p)
+    dn = g.params["dimension_numbers"]
+    for attr in ("offset_dims", "collapsed_slice_dims", "start_index_map"):
+        assert hasattr(dn, attr), attr
+    assert "mode" in g.params and tuple(g.params["slice_sizes"]) == (1, 3)
+    b = _eqn(lambda x: jnp.broadcast_to(x, (2, 3)), jnp.ones(3), prim=compat.broadcast_p)
+    assert tuple(b.params["broadcast_dimensions"]) == (1,)
+    t = _eqn(lambda x: x.T, jnp.ones((2, 3)), prim=compat.transpose_p)
+    assert tuple(t.params["permutation"]) == (1, 0)
+
+
+# --------------------------------------------------------------------------- #
+# End to end on this jax: scan, remat, cond and custom_vjp models
+# --------------------------------------------------------------------------- #
+def test_scan_cond_custom_vjp_end_to_end():
+    @jax.custom_vjp
+    def soft(x):
+        return jnp.tanh(x)
+
+    soft.defvjp(lambda x: (jnp.tanh(x), x), lambda x, g: (g * (1 - jnp.tanh(x) ** 2),))
+
+    def loss(p, b):
+        def body(h, xt):
+            h = jax.checkpoint(lambda h: jnp.tanh(h @ p["u"] + xt @ p["w"]))(h)
+            return h, h
+
+        h0 = jnp.zeros((b["x"].shape[0], 4))
+        h, _ = lax.scan(body, h0, jnp.swapaxes(b["x"], 0, 1))
+        h = lax.cond(jnp.sum(h) > 0, lambda: soft(h), lambda: h)
+        return jnp.mean((h @ p["v"] - b["y"]) ** 2)
+
+    r = np.random.default_rng(0)
+    p = {k: jnp.asarray(r.standard_normal(s), jnp.float32) * 0.5
+         for k, s in (("u", (4, 4)), ("w", (3, 4)), ("v", (4,)))}
+    b = {"x": jnp.asarray(r.standard_normal((6, 5, 3)), jnp.float32),
+         "y": jnp.asarray(r.standard_normal(6), jnp.float32)}
+    m, m2 = js.per_example_stat(loss, (js.stats.mean(), js.stats.second_moment()))(p, b)
+    g = jax.vmap(jax.grad(lambda p, x, y: loss(p, {"x": x[None], "y": y[None]})),
+                 in_axes=(None, 0, 0))(p, b["x"], b["y"])
+    for k in p:
+        np.testing.assert_allclose(m[k], g[k].mean(0), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(m2[k], (g[k] ** 2).mean(0), rtol=1e-4, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- #
+# The declared range
+# --------------------------------------------------------------------------- #
+def test_installed_jax_is_tested():
+    assert compat.jax_version_status() is None, compat.jax_version_status()
+
+
+@pytest.mark.parametrize(
+    "version,ok",
+    [("0.10.0", True), ("0.10.2", True), ("0.11.1", True), ("0.12.0.1", True),
+     ("0.12.7", True), ("0.13.0", False), ("0.13.0rc1", False), ("1.0.0", False),
+     ("0.9.2", False)],
+)
+def test_version_policy(version, ok):
+    msg = compat.jax_version_status(version)
+    assert (msg is None) == ok
+    if not ok:
+        assert compat.TESTED_JAX[0] in msg and compat.TESTED_JAX[1] in msg and version in msg
+
+
+def test_warning_on_untested(monkeypatch):
+    monkeypatch.setattr(jax, "__version__", "0.99.0")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        compat.warn_if_untested()
+    assert len(w) == 1 and issubclass(w[0].category, js.UntestedJaxWarning)
+    assert "0.99.0" in str(w[0].message)
+
+
+def test_pyproject_declares_tested_range():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    m = re.search(r'"jax>=([0-9.]+),<([0-9.]+)"', text)
+    assert m, "pyproject.toml must bound jax on both sides"
+    lo, hi = m.groups()
+    assert lo == compat.TESTED_JAX[0]
+    hi_t = compat._version_tuple(hi)
+    top = compat._version_tuple(compat.TESTED_JAX[1])
+    assert hi_t == (top[0], top[1] + 1), (hi, compat.TESTED_JAX)
