@@ -3,6 +3,7 @@
 from jaxpr_surgery._src.stats import Centered as Centered
 from jaxpr_surgery._src.stats import ClippedSum as ClippedSum
 from jaxpr_surgery._src.stats import Moments as Moments
+from jaxpr_surgery._src.stats import NoiseScaleComponents as NoiseScaleComponents
 from jaxpr_surgery._src.stats import PhiSum as PhiSum
 from jaxpr_surgery._src.stats import Reduction as Reduction
 from jaxpr_surgery._src.stats import SqNorms as SqNorms
@@ -13,6 +14,7 @@ from jaxpr_surgery._src.stats import clipped_sum as clipped_sum
 from jaxpr_surgery._src.stats import elementwise as elementwise
 from jaxpr_surgery._src.stats import gradient_noise_scale as gradient_noise_scale
 from jaxpr_surgery._src.stats import mean as mean
+from jaxpr_surgery._src.stats import noise_scale_components as noise_scale_components
 from jaxpr_surgery._src.stats import norms as norms
 from jaxpr_surgery._src.stats import second_moment as second_moment
 from jaxpr_surgery._src.stats import sign_mean as sign_mean

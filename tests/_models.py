@@ -212,7 +212,8 @@ def stats_from_grads(g, clip_norm=CLIP, xp=np):
 
     def snr(m, v):
         sig = xp.square(m)
-        return xp.where(v > 0, sig / xp.where(v > 0, v, 1.0), xp.where(sig > 0, xp.inf, 0.0))
+        out = xp.where(v > 0, sig / xp.where(v > 0, v, 1.0), xp.where(sig > 0, xp.inf, 0.0))
+        return xp.where(xp.isnan(sig) | xp.isnan(v), xp.nan, out)  # NaN in, NaN out
 
     clipped_sum = tm(lambda x: xp.tensordot(factor, x, axes=(0, 0)), g)
     return {
@@ -227,9 +228,15 @@ def stats_from_grads(g, clip_norm=CLIP, xp=np):
         "clipped_mean": tm(lambda x: x / n, clipped_sum),
         "clipped_sum": clipped_sum,
         "snr": tm(snr, mean, var),
-        "gradient_noise_scale": sum(xp.sum(v) for v in jax.tree.leaves(var))
-        / sum(xp.sum(xp.square(m)) for m in jax.tree.leaves(mean)),
+        "gradient_noise_scale": _gns(mean, var, n, xp),
     }
+
+
+def _gns(mean, var, B, xp):
+    """Unbiased simple noise scale: tr / (|mean|^2 - tr / B), inf where that is <= 0."""
+    tr = sum(xp.sum(v) for v in jax.tree.leaves(var))
+    g2 = sum(xp.sum(xp.square(m)) for m in jax.tree.leaves(mean)) - tr / B
+    return xp.where(g2 > 0, tr / xp.where(g2 > 0, g2, 1), xp.inf) + 0 * (tr + g2)
 
 
 def oracle(loss, params, batch, clip_norm=CLIP):

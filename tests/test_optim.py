@@ -356,9 +356,10 @@ def test_track_gradient_statistics():
     update = jax.jit(tx.update)
     for g in (g1, g2):
         mean = jnp.asarray(g.mean(0))
-        u, state = update(mean, state, variance=jnp.asarray(g.var(0, ddof=1)))
+        u, state = update(mean, state, variance=jnp.asarray(g.var(0, ddof=1)), batch_size=2)
         np.testing.assert_array_equal(np.asarray(u), np.asarray(mean))  # identity
-    msq = decay * g1.mean(0) ** 2 + (1 - decay) * g2.mean(0) ** 2
+    unb = lambda g: g.mean(0) ** 2 - g.var(0, ddof=1) / 2  # noqa: E731 - unbiased mu^2
+    msq = decay * unb(g1) + (1 - decay) * unb(g2)
     var = decay * g1.var(0, ddof=1) + (1 - decay) * g2.var(0, ddof=1)
     with np.errstate(divide="ignore"):
         want_snr = np.where(var > 0, msq / np.where(var > 0, var, 1), np.inf)
@@ -370,7 +371,9 @@ def test_track_gradient_statistics():
     scalar_only = jso.track_gradient_statistics(decay, per_coordinate=False)
     s = scalar_only.init(params)
     for g in (g1, g2):
-        _, s = scalar_only.update(jnp.asarray(g.mean(0)), s, variance=jnp.asarray(g.var(0, ddof=1)))
+        _, s = scalar_only.update(
+            jnp.asarray(g.mean(0)), s, variance=jnp.asarray(g.var(0, ddof=1)), batch_size=2
+        )
     assert s.snr is None and s.mean_sq is None
     np.testing.assert_allclose(float(s.noise_scale), float(state.noise_scale), rtol=1e-6)
 
@@ -383,9 +386,9 @@ def test_track_first_step_matches_js_stats_definitions():
         lambda g: _stats.Moments(g.mean(0), jnp.sum((g - g.mean(0)) ** 2, 0)), per_ex
     )
     values = {"c": moments}
-    want_snr = _stats.snr().finalize(values, B)
+    want_snr = _stats.snr(bias_corrected=True).finalize(values, B)
     want_gns = _stats.gradient_noise_scale().finalize(values, B)
-    stats = _oracle_stats(per_ex, ["mean", "variance"])
+    stats = _oracle_stats(per_ex, ["mean", "variance", "batch_size"])
     tx = jso.track_gradient_statistics(0.9)
     _, state = tx.update(stats["mean"], tx.init(params), **jso.update_kwargs(stats))
     for a, b in zip(jax.tree.leaves(state.snr), jax.tree.leaves(want_snr), strict=True):

@@ -891,8 +891,8 @@ def oracle_from_grads(g: PyTree, stat_name: str, **kw) -> PyTree:
     if stat_name == "gradient_noise_scale":
         ddof = kw.get("ddof", 1)
         tr = sum(np.square(x - x.mean(0)).sum() for x in leaves) / (B - ddof)
-        g2 = sum(np.square(x.mean(0)).sum() for x in leaves)
-        return np.asarray(tr / g2)
+        g2 = sum(np.square(x.mean(0)).sum() for x in leaves) - tr / B  # unbiased |G|^2
+        return np.asarray(tr / g2 if g2 > 0 else (np.inf if tr > 0 else 0.0))
     raise ValueError(f"unknown statistic {stat_name!r}; known: {STAT_NAMES}")
 
 

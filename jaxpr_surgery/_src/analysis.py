@@ -350,7 +350,13 @@ class _Analyzer:
             shape = _shape(out)
             ids_shape = _shape(ids)
             rest = tuple(i for i in range(len(shape)) if i != axis)
-            if bdims == rest and tuple(shape[i] for i in rest) == ids_shape:
+            # an iota in a dtype too narrow for the axis wraps (uint8 ids, 300 classes):
+            # several rows then match one id, which is no embedding
+            iota_dtype = eqn.invars[0].aval.dtype
+            fits = jnp.issubdtype(iota_dtype, jnp.integer) and (
+                shape[axis] - 1 <= np.iinfo(iota_dtype).max
+            )
+            if fits and bdims == rest and tuple(shape[i] for i in rest) == ids_shape:
                 pat[out] = ("eq", (ids, axis, shape[axis]))
         elif prim is compat.convert_p and jnp.issubdtype(out.aval.dtype, jnp.floating):
             src = pat.get(eqn.invars[0])

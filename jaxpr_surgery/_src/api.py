@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import compat, engine
+from jaxpr_surgery._src import compat, engine, tiling
 from jaxpr_surgery._src import stats as S
 
 PyTree = Any
@@ -61,6 +61,7 @@ class Options:
     chunk_size: int | None
     strict: bool
     axis_name: Any
+    memory_budget_bytes: int | None = None
 
 
 def _flatten_stats(stat):
@@ -253,8 +254,19 @@ def _compute(prep, stat, opts: Options, name):
     stat_leaves, stat_tree, reqs, reductions = _flatten_stats(stat)
 
     cs = opts.chunk_size
-    if cs is not None and (not isinstance(cs, (int, np.integer)) or cs <= 0):
+    if cs is not None and (
+        isinstance(cs, bool) or not isinstance(cs, (int, np.integer)) or cs <= 0
+    ):
         raise ValueError(f"{name}: chunk_size must be a positive int or None, got {cs!r}.")
+    mb = opts.memory_budget_bytes
+    if mb is not None and (
+        isinstance(mb, bool) or not isinstance(mb, (int, np.integer)) or mb <= 0
+    ):
+        raise ValueError(
+            f"{name}: memory_budget_bytes must be a positive int (bytes per tile of per-example "
+            f"gradients) or None for the default ({tiling.DEFAULT_MEMORY_BUDGET_BYTES}), got "
+            f"{mb!r}."
+        )
 
     closed, out_tree = prep.trace()
     n = len(prep.diff_leaves)
@@ -275,7 +287,14 @@ def _compute(prep, stat, opts: Options, name):
             )
     leaf_avals = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in prep.diff_leaves]
     plan = engine.make_plan(
-        closed, an, leaf_avals, reductions, len(prep.ex_leaves), len(prep.other_leaves), out_tree
+        closed,
+        an,
+        leaf_avals,
+        reductions,
+        len(prep.ex_leaves),
+        len(prep.other_leaves),
+        out_tree,
+        budget=opts.memory_budget_bytes,
     )
     data_axes = frozenset().union(*[compat.vma_of(x) for x in prep.ex_leaves])
 
@@ -305,14 +324,16 @@ def _compute(prep, stat, opts: Options, name):
             k: jax.tree.unflatten(prep.diff_tree, values[reductions.index(r)])
             for k, r in req.items()
         }
-        results.append(_cast_like(s.finalize(vals, N), prep))
+        out = s.finalize(vals, N)
+        results.append(_cast_like(out, prep) if getattr(s, "gradient_like", False) else out)
     result = jax.tree.unflatten(stat_tree, results)
     aux_out = jax.tree.unflatten(out_tree, [loss_b] + list(aux))[1]
     return loss, aux_out, result
 
 
 def _cast_like(result, prep):
-    """Statistics shaped like the parameters come back in the parameters' dtypes."""
+    """Gradient-like statistics (mean, sum, clipped sums) come back in the parameters'
+    dtypes, like ``jax.grad``; the others stay in their (at least float32) dtype."""
     try:
         params = jax.tree.unflatten(prep.diff_tree, prep.diff_leaves)
         if jax.tree.structure(result) != jax.tree.structure(params):
@@ -385,6 +406,7 @@ def value_and_per_example_stat(
     chunk_size: int | None = None,
     strict: bool = False,
     axis_name: Any = None,
+    memory_budget_bytes: int | None = None,
 ) -> Callable[..., tuple[Any, PyTree]]:
     r"""Like `per_example_stat`, also returning the loss (and aux).
 
@@ -413,6 +435,7 @@ def value_and_per_example_stat(
         chunk_size,
         bool(strict),
         axis_name,
+        memory_budget_bytes,
     )
     name = "value_and_per_example_stat"
     _flatten_stats(stat)  # validate early
@@ -420,14 +443,16 @@ def value_and_per_example_stat(
         raise TypeError(f"{name}: fn must be callable, got {fn!r}.")
 
     @functools.wraps(fn)
-    def wrapped(*args):
-        prep = _Prepared(fn, args, opts, name)
+    def wrapped(*args, **kwargs):
+        # keyword arguments pass through like jax.grad's: neither differentiated nor batched
+        f = functools.partial(fn, **kwargs) if kwargs else fn
+        prep = _Prepared(f, args, opts, name)
         if prep.explicit is None:
             loss, aux, result = _compute(prep, stat, opts, name)
         else:
             # inside auto_axes the arguments are new values: prepare them there
             loss, aux, result = compat.in_auto_mode(
-                lambda *a: _compute(_Prepared(fn, a, opts, name), stat, opts, name),
+                lambda *a: _compute(_Prepared(f, a, opts, name), stat, opts, name),
                 args,
                 *prep.explicit,
             )
@@ -447,6 +472,7 @@ def per_example_stat(
     chunk_size: int | None = None,
     strict: bool = False,
     axis_name: Any = None,
+    memory_budget_bytes: int | None = None,
 ) -> Callable[..., PyTree]:
     r"""Transforms a batch loss into a function computing statistics of per-example gradients.
 
@@ -468,8 +494,12 @@ def per_example_stat(
       keep_batch_dim: ``fn`` is written for a batch; each example is passed with
         a leading axis of size 1. False: ``fn`` is written for one example.
       has_aux: ``fn`` returns ``(loss, aux)``.
-      chunk_size: process examples in chunks of this size (bounds memory of
-        materialised per-example gradients); statistics are merged exactly.
+      chunk_size: process examples in chunks of this size (bounds the memory of the
+        whole forward and backward pass); statistics are merged exactly.
+      memory_budget_bytes: bytes per tile where a statistic needs per-example
+        gradients of a layer (E[g²], signs, variance at token-axis sites): they are
+        produced and reduced a tile of examples at a time, never for the whole batch.
+        ``None``: 64 MiB. On CPU token-axis tiles hold one example.
       strict: raise ``NotImplementedError`` instead of falling back to exact
         per-example gradients for a leaf without a fast rule.
       axis_name: inside ``pmap``/``shard_map`` with the batch split over this
@@ -497,11 +527,12 @@ def per_example_stat(
         chunk_size=chunk_size,
         strict=strict,
         axis_name=axis_name,
+        memory_budget_bytes=memory_budget_bytes,
     )
 
     @functools.wraps(fn)
-    def wrapped(*args):
-        return vfn(*args)[1]
+    def wrapped(*args, **kwargs):
+        return vfn(*args, **kwargs)[1]
 
     return wrapped
 

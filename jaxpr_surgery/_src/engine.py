@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.interpreter import Evaluator, make_site_fn
 from jaxpr_surgery._src.sites import kernel_for
@@ -39,6 +39,7 @@ class Plan:
     out_tree: Any  # treedef of (loss, aux)
     kernels: dict = dataclasses.field(default_factory=dict)  # path -> Kernel
     modes: list = dataclasses.field(default_factory=list)  # per leaf
+    budget: int | None = None  # memory_budget_bytes: bytes per tile of per-example gradients
 
     @property
     def needs_norms(self):
@@ -53,8 +54,8 @@ def rkey(j):
     return f"r{j}"
 
 
-def make_plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree):
-    plan = Plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree)
+def make_plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree, budget=None):
+    plan = Plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree, budget=budget)
     for i in range(len(leaf_avals)):
         rule = analysis.rule(i)
         if rule == "single" and not plan.has_clip:
@@ -65,7 +66,7 @@ def make_plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree)
             plan.modes.append(rule)  # residual | unused
     for p, site in analysis.sites.items():
         dts = [site.base.aval.dtype] + [v.aval.dtype for v in site.eqn.outvars]
-        plan.kernels[p] = kernel_for(site, acc_dtype_for(*dts))
+        plan.kernels[p] = kernel_for(site, acc_dtype_for(*dts), budget)
     return plan
 
 
@@ -198,8 +199,10 @@ def _clip_factor(C, norm):
         return C / jnp.maximum(norm, C)
     C = jnp.asarray(C, norm.dtype)
     finite = jnp.isfinite(C)
-    Cs = jnp.where(finite, C, 1.0)
-    return jnp.where(finite, Cs / jnp.maximum(norm, Cs), 1.0)
+    Cs = jnp.where(finite & (C > 0), C, 1.0)
+    c = jnp.where(finite, Cs / jnp.maximum(norm, Cs), 1.0)
+    # a traced bound that is NaN, zero or negative poisons the result: never unclipped
+    return jnp.where(C > 0, c, jnp.nan)
 
 
 def _zeros_value(r, aval, acc, B):
@@ -211,9 +214,6 @@ def _zeros_value(r, aval, acc, B):
     if isinstance(r, S.SqNorms):
         return jnp.zeros((B,), acc)
     return z
-
-
-MATERIALISE_BUDGET_BYTES = 1 << 27  # per chunk of materialised per-example gradients
 
 
 def merge(red, a, na, b, nb):
@@ -242,32 +242,19 @@ def _slice_b(ing, depth, b0, size):
     return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, b0, size, axis=depth), ing)
 
 
-def _chunked_materialised(mat, B, nbytes, reductions):
-    """Reductions of G [B, *leaf] = mat(b0, size), materialised ``chunk`` examples at a time."""
-    chunk = int(max(1, min(B, MATERIALISE_BUDGET_BYTES // max(nbytes, 1))))
-    nfull, rem = divmod(B, chunk)
-
-    def red_of(G):
-        return [reduce_materialised(G, r) for r in reductions]
-
-    acc = red_of(mat(0, chunk))
-    if nfull > 1:
-        keep = [not isinstance(r, S.SqNorms) for r in reductions]
-
-        def step(carry, k):
-            vals = red_of(mat(k * chunk, chunk))
-            new = [
-                merge(r, a, k * chunk, v, chunk) if kp else a
-                for r, a, v, kp in zip(reductions, carry, vals, keep)
-            ]
-            return new, [v if not kp else jnp.zeros(()) for v, kp in zip(vals, keep)]
-
-        acc, ys = jax.lax.scan(step, acc, jnp.arange(1, nfull))
-        acc = [a if kp else jnp.concatenate([a, y.reshape(-1)]) for a, y, kp in zip(acc, ys, keep)]
-    if rem:
-        vals = red_of(mat(nfull * chunk, rem))
-        acc = [merge(r, a, nfull * chunk, v, rem) for r, a, v in zip(reductions, acc, vals)]
-    return acc
+def _tiled_materialised(plan, ings, mat, B, reductions, means):
+    """Reductions of a leaf's ``G [B, *leaf] = mat(b0, size)``, tile by tile (tiling.py)."""
+    aval = plan.leaf_avals[ings[0][0].leaf]
+    acc = acc_dtype_for(aval.dtype)
+    per_ex = tiling.prefer_per_example() and any(
+        k.kind == "dense" and k.c["N"] > 1 for _, k, _ in ings
+    )
+    tile = tiling.tile_size(
+        B, tiling.bytes_of(aval.shape, acc), plan.budget, batched_ok=not per_ex
+    )
+    return tiling.reduce_tiles(
+        mat, B, reductions, tile, means=means, shape=tuple(aval.shape), dtype=acc
+    )
 
 
 def cross_layout(sa, ka, sb, kb):
@@ -317,7 +304,6 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
     """Reductions of a leaf from its sites' ingredients (after the backward pass)."""
     aval = plan.leaf_avals[i]
     acc = acc_dtype_for(aval.dtype)
-    nbytes = int(np.prod(aval.shape)) * jnp.dtype(acc).itemsize
 
     def weighted(c):
         total = None
@@ -382,7 +368,11 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
             norms_leaf[i] = sq
     if todo:
         reds = [S.SqNorms() if j is None else plan.reductions[j] for j in todo]
-        outs = _chunked_materialised(mat, B, nbytes, reds)
+        means = [
+            weighted(jnp.ones((B,), acc)) / B if isinstance(r, S.Centered) else None
+            for r in reds
+        ]
+        outs = _tiled_materialised(plan, ings, mat, B, reds, means)
         for j, v in zip(todo, outs):
             if j is None:
                 norms_leaf[i] = v

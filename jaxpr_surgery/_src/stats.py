@@ -52,6 +52,8 @@ __all__ = [
     "elementwise",
     "snr",
     "gradient_noise_scale",
+    "noise_scale_components",
+    "NoiseScaleComponents",
     "is_statistic",
 ]
 
@@ -80,9 +82,12 @@ class PhiSum(Reduction):
     phi: Callable[[jax.Array], jax.Array] | None = None
     multiplicative: bool = False
     name: str | None = None
+    _builtin: bool = dataclasses.field(default=False, repr=False)
 
     def _key(self):
-        return ("phisum", self.name if self.name is not None else self.phi, self.multiplicative)
+        # A user's name never aliases a built-in reduction of the same name.
+        ident = (self._builtin, self.name) if self.name is not None else self.phi
+        return ("phisum", ident, self.multiplicative)
 
     def __eq__(self, other):
         return isinstance(other, PhiSum) and self._key() == other._key()
@@ -118,10 +123,10 @@ class Moments(NamedTuple):
     m2: jax.Array
 
 
-SQUARE = PhiSum(jnp.square, multiplicative=True, name="square")
-SIGN = PhiSum(jnp.sign, multiplicative=True, name="sign")
-ABS = PhiSum(jnp.abs, multiplicative=True, name="abs")
-SUM = PhiSum(None, multiplicative=True, name="identity")
+SQUARE = PhiSum(jnp.square, multiplicative=True, name="square", _builtin=True)
+SIGN = PhiSum(jnp.sign, multiplicative=True, name="sign", _builtin=True)
+ABS = PhiSum(jnp.abs, multiplicative=True, name="abs", _builtin=True)
+SUM = PhiSum(None, multiplicative=True, name="identity", _builtin=True)
 
 
 # --------------------------------------------------------------------------- #
@@ -149,6 +154,10 @@ class Statistic(abc.ABC):
                 return jax.tree.map(lambda s: s / count, values["p4"])
     """
 
+    #: Results shaped like the parameters come back in the parameters' dtype
+    #: (like ``jax.grad``) when True; otherwise in at least float32.
+    gradient_like: bool = False
+
     @abc.abstractmethod
     def reductions(self) -> Mapping[str, Reduction]:
         """The named reductions this statistic needs."""
@@ -171,12 +180,27 @@ def is_statistic(x) -> bool:
     return isinstance(x, Statistic)
 
 
+def check_count(count, ddof, name):
+    """Raises at trace time when ``count`` examples cannot give a ``ddof`` estimate."""
+    try:
+        n = int(count)
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return  # a traced count (psum over devices): checked per device by the caller
+    if n <= ddof:
+        raise ValueError(
+            f"{name}(ddof={ddof}) needs more than {ddof} example(s), but the batch has B={n}: "
+            f"the estimate divides by B - ddof = {n - ddof}. Use a larger batch"
+            + (" or ddof=0." if ddof > 0 else ".")
+        )
+
+
 def _tree_div(tree, count):
     return jax.tree.map(lambda s: s / count, tree)
 
 
 class _Mean(Statistic):
     _name = "mean"
+    gradient_like = True
 
     def reductions(self):
         return {"s": SUM}
@@ -187,6 +211,7 @@ class _Mean(Statistic):
 
 class _Sum(Statistic):
     _name = "sum"
+    gradient_like = True
 
     def reductions(self):
         return {"s": SUM}
@@ -217,6 +242,7 @@ class _Variance(Statistic):
         return {"c": Centered()}
 
     def finalize(self, values, count):
+        check_count(count, self.ddof, "variance")
         return jax.tree.map(
             lambda m: m.m2 / (count - self.ddof),
             values["c"],
@@ -244,6 +270,8 @@ class _SqNorms(Statistic):
 
 
 class _Clipped(Statistic):
+    gradient_like = True
+
     def __init__(self, clip_norm, average: bool):
         self.clip_norm = clip_norm
         self._average = average
@@ -256,25 +284,66 @@ class _Clipped(Statistic):
         return _tree_div(values["c"], count) if self._average else values["c"]
 
 
+def _safe_ratio(num, den):
+    """``num / den`` with ``x/0 = inf`` for ``x > 0`` and ``0/0 = 0``; a non-positive
+    denominator (an unbiased estimate of a positive quantity below zero) gives ``inf``."""
+    pos = den > 0
+    safe = jnp.where(pos, den, 1)
+    out = jnp.where(pos, num / safe, jnp.where(num > 0, jnp.inf, 0.0))
+    return jnp.where(jnp.isnan(num) | jnp.isnan(den), jnp.nan, out)  # NaN in, NaN out
+
+
 class _Snr(Statistic):
     _name = "snr"
 
-    def __init__(self, ddof: int):
+    def __init__(self, ddof: int, bias_corrected: bool = False):
         self.ddof = ddof
+        self.bias_corrected = bias_corrected
 
     def reductions(self):
         return {"c": Centered()}
 
     def finalize(self, values, count):
+        check_count(count, self.ddof, "snr")
+
         def one(m):
             var = m.m2 / (count - self.ddof)
             sig = jnp.square(m.mean)
-            safe = jnp.where(var > 0, var, 1)
-            return jnp.where(var > 0, sig / safe, jnp.where(sig > 0, jnp.inf, 0.0)).astype(
-                m.mean.dtype
-            )
+            if self.bias_corrected:  # E[mean^2] = mu^2 + sigma^2 / B
+                sig = sig - var / count
+            return _safe_ratio(sig, var).astype(m.mean.dtype)
 
         return jax.tree.map(one, values["c"], is_leaf=lambda x: isinstance(x, Moments))
+
+
+class NoiseScaleComponents(NamedTuple):
+    r"""Unbiased pieces of the gradient noise scale (McCandlish et al., App. A).
+
+    Attributes:
+      grad_sq_norm: \(|G|^2\) estimated as \(\|\bar g\|^2 - \mathrm{tr}\hat\Sigma/B\)
+        (may be negative on a small batch: average it over steps before dividing).
+      trace_cov: \(\mathrm{tr}\,\Sigma\) estimated as \(\mathrm{tr}\hat\Sigma\), the
+        summed per-coordinate variance (``ddof=1``: unbiased).
+      batch_size: \(B\).
+    """
+
+    grad_sq_norm: jax.Array
+    trace_cov: jax.Array
+    batch_size: jax.Array
+
+    @property
+    def noise_scale(self):
+        r"""\(B_\mathrm{simple} = \mathrm{tr}\Sigma/|G|^2\) (``inf`` when the estimate of
+        \(|G|^2\) is not positive)."""
+        return _safe_ratio(self.trace_cov, self.grad_sq_norm)
+
+
+def _noise_pieces(values, count, ddof):
+    moments = jax.tree.leaves(values["c"], is_leaf=lambda x: isinstance(x, Moments))
+    dtype = jnp.result_type(jnp.float32, *[m.mean.dtype for m in moments])
+    tr = _builtin_sum(jnp.sum(m.m2.astype(dtype)) for m in moments) / (count - ddof)
+    g2 = _builtin_sum(jnp.sum(jnp.square(m.mean.astype(dtype))) for m in moments)
+    return NoiseScaleComponents(g2 - tr / count, tr, jnp.asarray(count, dtype))
 
 
 class _NoiseScale(Statistic):
@@ -287,11 +356,19 @@ class _NoiseScale(Statistic):
         return {"c": Centered()}
 
     def finalize(self, values, count):
-        moments = jax.tree.leaves(values["c"], is_leaf=lambda x: isinstance(x, Moments))
-        dtype = jnp.result_type(jnp.float32, *[m.mean.dtype for m in moments])
-        tr = _builtin_sum(jnp.sum(m.m2.astype(dtype)) for m in moments) / (count - self.ddof)
-        g2 = _builtin_sum(jnp.sum(jnp.square(m.mean.astype(dtype))) for m in moments)
-        return tr / g2
+        check_count(count, self.ddof, "gradient_noise_scale")
+        return _noise_pieces(values, count, self.ddof).noise_scale
+
+
+class _NoiseComponents(Statistic):
+    _name = "noise_scale_components"
+
+    def reductions(self):
+        return {"c": Centered()}
+
+    def finalize(self, values, count):
+        check_count(count, 1, "noise_scale_components")
+        return _noise_pieces(values, count, 1)
 
 
 # --------------------------------------------------------------------------- #
@@ -434,14 +511,33 @@ def norms(per_leaf: bool = False) -> Statistic:
 
 
 def _check_clip(clip_norm, name):
-    if isinstance(clip_norm, (int, float)):
-        if not clip_norm > 0:  # also rejects NaN
+    """A concrete bound (Python, NumPy or JAX scalar) is validated and becomes a float;
+    a traced one is checked where it is used: NaN, zero or negative poisons the result."""
+    if isinstance(clip_norm, bool):
+        raise TypeError(f"{name}(clip_norm=...): expected a number, got {clip_norm!r}.")
+    if isinstance(clip_norm, jax.core.Tracer):
+        if jnp.ndim(clip_norm) != 0:
             raise ValueError(
-                f"{name}(clip_norm=...): clip_norm must be a positive number (or inf), "
-                f"got {clip_norm!r}."
+                f"{name}(clip_norm=...): clip_norm must be a scalar, got shape "
+                f"{jnp.shape(clip_norm)}."
             )
-        return float(clip_norm)
-    return clip_norm
+        return clip_norm
+    try:
+        arr = jnp.asarray(clip_norm) if not isinstance(clip_norm, (int, float)) else None
+    except TypeError as e:
+        raise TypeError(f"{name}(clip_norm=...): expected a number, got {clip_norm!r}.") from e
+    if arr is not None:
+        if arr.ndim != 0 or not jnp.issubdtype(arr.dtype, jnp.number):
+            raise ValueError(
+                f"{name}(clip_norm=...): clip_norm must be a real scalar, got {clip_norm!r}."
+            )
+        clip_norm = float(arr)
+    if not clip_norm > 0:  # also rejects NaN
+        raise ValueError(
+            f"{name}(clip_norm=...): clip_norm must be a positive number (or inf), "
+            f"got {clip_norm!r}."
+        )
+    return float(clip_norm)
 
 
 def clipped_mean(clip_norm) -> Statistic:
@@ -504,10 +600,18 @@ def elementwise(
     return _PhiMean(PhiSum(phi, bool(multiplicative), name))
 
 
-def snr(ddof: int = 1) -> Statistic:
-    r"""Per-coordinate signal-to-noise ratio \(\bar g^2/\mathrm{Var}_b(g_b)\).
+def snr(ddof: int = 1, bias_corrected: bool = False) -> Statistic:
+    r"""Per-coordinate signal-to-noise ratio \(\bar g^2/\hat\sigma^2\).
 
-    Where the variance is 0, the result is ``inf`` (or 0 where the mean is 0 too).
+    \(\hat\sigma^2\) is the per-example variance (``ddof=1``: unbiased). Since
+    \(E[\bar g^2] = \mu^2 + \sigma^2/B\), the plain ratio is biased up by about
+    \(1/B\); ``bias_corrected=True`` returns \((\bar g^2 - \hat\sigma^2/B)/\hat\sigma^2\),
+    which is unbiased in its numerator and can be negative where the signal is
+    below the noise of the batch mean. Where the variance is 0 the result is ``inf``
+    (or 0 where the numerator is 0 too).
+
+    The optimizers of `jaxpr_surgery.optim` use no SNR; the monitor
+    `jaxpr_surgery.optim.track_gradient_statistics` reports the bias-corrected form.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
@@ -518,15 +622,26 @@ def snr(ddof: int = 1) -> Statistic:
       >>> out = js.per_example_stat(loss, js.stats.snr())(jnp.zeros(2), batch)
       >>> print(np.asarray(out, float).round(4))
       [0.7619 1.1905]
+      >>> out = js.per_example_stat(loss, js.stats.snr(bias_corrected=True))(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [0.4286 0.8571]
     """
-    return _Snr(ddof)
+    if not isinstance(ddof, int) or ddof < 0:
+        raise ValueError(f"snr(ddof=...): ddof must be a non-negative int, got {ddof!r}.")
+    return _Snr(ddof, bool(bias_corrected))
 
 
 def gradient_noise_scale(ddof: int = 1) -> Statistic:
-    r"""Simple gradient noise scale \(\mathrm{tr}(\Sigma)/\|\bar g\|^2\) (McCandlish et al.).
+    r"""Simple gradient noise scale \(B_\mathrm{simple} = \mathrm{tr}(\Sigma)/|G|^2\)
+    (McCandlish et al., 2018), from unbiased pieces.
 
-    \(\mathrm{tr}(\Sigma)\) is the summed per-coordinate variance of the
-    per-example gradients over all parameters; a scalar.
+    \(\mathrm{tr}(\Sigma)\) is estimated by \(\mathrm{tr}\hat\Sigma\), the summed
+    per-coordinate variance of the per-example gradients, and \(|G|^2\) by
+    \(\|\bar g\|^2 - \mathrm{tr}\hat\Sigma/B\): the plain \(\|\bar g\|^2\) includes
+    the noise of the batch mean, which caps the plain ratio near \(B\). The result
+    is ``inf`` where the estimate of \(|G|^2\) is not positive. One batch's ratio
+    is noisy: to track it, average the pieces of `noise_scale_components` over
+    steps before dividing (`jaxpr_surgery.optim.track_gradient_statistics`).
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
@@ -536,9 +651,33 @@ def gradient_noise_scale(ddof: int = 1) -> Statistic:
       >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
       >>> out = js.per_example_stat(loss, js.stats.gradient_noise_scale())(jnp.zeros(2), batch)
       >>> print(np.asarray(out, float).round(4))
-      1.0244
+      1.5556
     """
+    if not isinstance(ddof, int) or ddof < 0:
+        raise ValueError(
+            f"gradient_noise_scale(ddof=...): ddof must be a non-negative int, got {ddof!r}."
+        )
     return _NoiseScale(ddof)
+
+
+def noise_scale_components() -> Statistic:
+    r"""The unbiased pieces of the gradient noise scale, a `NoiseScaleComponents`.
+
+    ``grad_sq_norm`` \(=\|\bar g\|^2 - \mathrm{tr}\hat\Sigma/B\) estimates \(|G|^2\),
+    ``trace_cov`` \(=\mathrm{tr}\hat\Sigma\) estimates \(\mathrm{tr}\,\Sigma\)
+    (``ddof=1``), and ``batch_size`` is \(B\); ``.noise_scale`` divides them.
+    Average the pieces over steps (or batches) before dividing.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> c = js.per_example_stat(loss, js.stats.noise_scale_components())(jnp.zeros(2), batch)
+      >>> print(round(float(c.grad_sq_norm), 4), round(float(c.trace_cov), 4))
+      12.0 18.6667
+    """
+    return _NoiseComponents()
 
 
 def validate(stat) -> dict:

@@ -8,7 +8,10 @@ per coordinate and summed over all parameters. Put it first in a chain and read
 
 The ratios are formed from averaged numerators and denominators (McCandlish et
 al., 2018, App. A), not averaged per step: one step's ratio is noisy, and
-infinite wherever a coordinate's variance vanishes.
+infinite wherever a coordinate's variance vanishes. The numerators are the
+unbiased \(\bar g^2 - \hat\sigma^2/B\) (per coordinate) and
+\(\|\bar g\|^2 - \mathrm{tr}\hat\Sigma/B\) (in total): the plain squared mean
+includes the noise of the batch mean, which would cap the noise scale near \(B\).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def _total(tree):
 
 
 def _ratio(num, den):
-    """``num / den`` with ``x/0 = inf`` for ``x > 0`` and ``0/0 = 0`` (as js.stats.snr)."""
+    """``num / den``; a non-positive denominator gives ``inf`` (0 where ``num`` is 0)."""
     safe = jnp.where(den > 0, den, 1)
     return jnp.where(den > 0, num / safe, jnp.where(num > 0, jnp.inf, 0.0)).astype(num.dtype)
 
@@ -49,10 +52,11 @@ class TrackGradientStatisticsState(NamedTuple):
 
     Attributes:
       count: number of updates so far (int32 scalar).
-      mean_sq: per-coordinate EMA of \(\bar g^2\), a pytree like params
-        (``None`` with ``per_coordinate=False``).
+      mean_sq: per-coordinate EMA of \(\bar g^2 - \hat\sigma^2/B\) (unbiased for
+        \(\mu^2\)), a pytree like params (``None`` with ``per_coordinate=False``).
       variance: per-coordinate EMA of \(\hat\sigma^2\), like ``mean_sq``.
-      sq_norm: EMA of \(\|\bar g\|^2\) over all parameters (float32 scalar).
+      sq_norm: EMA of \(\|\bar g\|^2 - \mathrm{tr}\hat\Sigma/B\) (unbiased for
+        \(|G|^2\)) over all parameters (float32 scalar).
       trace_variance: EMA of \(\mathrm{tr}\,\hat\Sigma = \sum \hat\sigma^2\)
         over all parameters (float32 scalar).
     """
@@ -72,8 +76,16 @@ class TrackGradientStatisticsState(NamedTuple):
 
     @property
     def noise_scale(self) -> jax.Array:
-        r"""Noise scale \(\mathrm{EMA}[\mathrm{tr}\,\hat\Sigma]/\mathrm{EMA}[\|\bar g\|^2]\)."""
+        r"""Noise scale \(\mathrm{EMA}[\mathrm{tr}\,\hat\Sigma]/\mathrm{EMA}[|G|^2]\)
+        (``inf`` while the averaged \(|G|^2\) estimate is not positive)."""
         return _ratio(self.trace_variance, self.sq_norm)
+
+    @property
+    def critical_batch_size(self) -> jax.Array:
+        r"""The critical batch size estimate \(B_\mathrm{crit}\approx B_\mathrm{simple}\)
+        of McCandlish et al. (the batch size beyond which larger batches stop paying
+        off in steps): the same value as `noise_scale`."""
+        return self.noise_scale
 
 
 def track_gradient_statistics(
@@ -82,22 +94,24 @@ def track_gradient_statistics(
     r"""Passes updates through unchanged; tracks the gradient SNR and noise scale.
 
     \[
-      \mathrm{SNR}_i = \frac{\mathrm{EMA}_t[\bar g_{t,i}^2]}{\mathrm{EMA}_t[\hat\sigma_{t,i}^2]},
+      \mathrm{SNR}_i = \frac{\mathrm{EMA}_t[\bar g_{t,i}^2 - \hat\sigma_{t,i}^2/B_t]}
+      {\mathrm{EMA}_t[\hat\sigma_{t,i}^2]},
       \qquad
       B_{\mathrm{noise}} = \frac{\mathrm{EMA}_t[\sum_i \hat\sigma_{t,i}^2]}
-      {\mathrm{EMA}_t[\|\bar g_t\|^2]}
+      {\mathrm{EMA}_t[\|\bar g_t\|^2 - \sum_i \hat\sigma_{t,i}^2/B_t]}
     \]
 
     with \(\hat\sigma^2\) the per-example variance (``ddof=1``) and
     \(\mathrm{EMA}_t[x] = \beta\,\mathrm{EMA}_{t-1}[x] + (1-\beta)x_t\)
     started at \(x_1\). These are the EMA'd forms of
-    `jaxpr_surgery.stats.snr` and
-    `jaxpr_surgery.stats.gradient_noise_scale`; note \(\bar g^2\)
-    includes the noise \(\sigma^2/B\) of the batch mean. ``update`` takes
-    the keyword-only extra arg ``variance`` (statistic
-    `jaxpr_surgery.stats.variance`) and optionally ``mean`` (the raw
-    batch mean; defaults to ``updates``). Read ``state.snr`` (a pytree like
-    params) and ``state.noise_scale`` (a scalar).
+    ``jaxpr_surgery.stats.snr(bias_corrected=True)`` and
+    `jaxpr_surgery.stats.gradient_noise_scale`: the squared mean is
+    corrected for the noise \(\sigma^2/B\) of the batch mean, so the noise
+    scale is not capped near \(B\). ``update`` takes the keyword-only extra
+    args ``variance`` (statistic `jaxpr_surgery.stats.variance`) and
+    ``batch_size`` (`example_count`), and optionally ``mean`` (the raw batch
+    mean; defaults to ``updates``). Read ``state.snr`` (a pytree like params),
+    ``state.noise_scale`` and ``state.critical_batch_size`` (scalars).
 
     Args:
       decay: \(\beta\), the EMA decay over steps, in ``[0, 1)``.
@@ -105,8 +119,8 @@ def track_gradient_statistics(
         ``False`` keeps only the scalar totals (``state.snr`` is ``None``).
 
     Returns:
-      A `PerExampleTransformation` requesting ``mean, variance``, with
-      state `TrackGradientStatisticsState`.
+      A `PerExampleTransformation` requesting ``mean, variance, batch_size``,
+      with state `TrackGradientStatisticsState`.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -115,11 +129,11 @@ def track_gradient_statistics(
       >>> params = jnp.array([1.0, -2.0])
       >>> state = opt.init(params)
       >>> g = jnp.array([[1.0, 0.0], [3.0, -4.0]])  # per-example gradients [B=2, 2]
-      >>> stats = {"mean": g.mean(0), "variance": g.var(0, ddof=1)}
+      >>> stats = {"mean": g.mean(0), "variance": g.var(0, ddof=1), "batch_size": 2}
       >>> updates, state = opt.update(stats["mean"], state, params,
       ...                             **jso.update_kwargs(stats))
       >>> print(state[0].snr, state[0].noise_scale)
-      [2.  0.5] 1.25
+      [1.5 0. ] 3.3333333
 
     References:
       McCandlish et al., An Empirical Model of Large-Batch Training
@@ -147,9 +161,12 @@ def track_gradient_statistics(
             trace_variance=zero,
         )
 
-    def update_fn(updates, state, params=None, *, variance=None, mean=None, **extra_args):
+    def update_fn(
+        updates, state, params=None, *, variance=None, batch_size=None, mean=None, **extra_args
+    ):
         del params, extra_args
         variance = require(variance, "variance", owner)
+        B = jnp.asarray(require(batch_size, "batch_size", owner), jnp.float32)
         mean = updates if mean is None else mean
         first = state.count == 0
 
@@ -157,7 +174,12 @@ def track_gradient_statistics(
             new = jnp.asarray(new).astype(old.dtype)
             return jnp.where(first, new, decay * old + (1 - decay) * new)
 
-        mean_sq = jax.tree.map(jnp.square, mean)
+        # unbiased: E[mean^2] = mu^2 + sigma^2 / B
+        mean_sq = jax.tree.map(
+            lambda m, v: jnp.square(m.astype(jnp.float32)) - v.astype(jnp.float32) / B,
+            mean,
+            variance,
+        )
         per_coord = state.mean_sq is not None
         new_state = TrackGradientStatisticsState(
             count=optax.safe_increment(state.count),
@@ -168,7 +190,7 @@ def track_gradient_statistics(
         )
         return updates, new_state
 
-    return PerExampleTransformation(init_fn, update_fn, build_request("variance"))
+    return PerExampleTransformation(init_fn, update_fn, build_request("variance", "batch_size"))
 
 
-register_request("track_gradient_statistics", ("variance",))
+register_request("track_gradient_statistics", ("variance", "batch_size"))

@@ -210,7 +210,7 @@ def chain(*transforms: optax.GradientTransformation) -> PerExampleTransformation
       >>> opt = jso.chain(jso.track_gradient_statistics(0.99),
       ...                 optax.clip_by_global_norm(1.0), jso.micro_adam(1e-3))
       >>> sorted(jso.stat_request(opt))
-      ['mean', 'second_moment', 'variance']
+      ['batch_size', 'mean', 'second_moment', 'variance']
     """
     tx = optax.chain(*transforms)
     request = _merge(getattr(t, "stat_request", {}) for t in transforms)

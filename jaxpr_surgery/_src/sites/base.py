@@ -29,8 +29,10 @@ def register(kind):
     return deco
 
 
-def kernel_for(site, acc_dtype):
-    return KERNELS[site.kind](site, acc_dtype)
+def kernel_for(site, acc_dtype, budget=None):
+    k = KERNELS[site.kind](site, acc_dtype)
+    k.budget = budget
+    return k
 
 
 def acc_dtype_for(*dtypes):
@@ -61,9 +63,10 @@ class Kernel:
 
     kind = "?"
 
-    def __init__(self, site, acc_dtype):
+    def __init__(self, site, acc_dtype, budget=None):
         self.site = site
         self.acc = acc_dtype
+        self.budget = budget  # bytes per tile of per-example gradients (None: default)
 
     # inside the backward pass ------------------------------------------- #
     def prepare(self, w, ext, ext_batched, dy):  # pragma: no cover - abstract

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.sites.base import Kernel, reduce_materialised, register
+from jaxpr_surgery._src import tiling
+from jaxpr_surgery._src.sites.base import Kernel, register
 
 
 def _canon(site):
@@ -67,6 +69,22 @@ def _canon(site):
         inv_w=tuple(int(i) for i in np.argsort(canon_w)),
         x_pos=1 - p,
     )
+
+
+def _products(x, dy):
+    """``G [b, K, C, F]`` from canonical ``x [b, K, N, C]`` and ``dy [b, K, N, F]``.
+
+    One example with one weight block is a plain 2-D matmul, and a token-free
+    site (``N == 1``) an outer product: no batched ``dot_general`` for either.
+    """
+    b, K, N = x.shape[:3]
+    if N == 1:
+        return x[:, :, 0, :, None] * dy[:, :, 0, None, :]
+    if b == 1 and K == 1:
+        return jnp.einsum("nc,nf->cf", x[0, 0], dy[0, 0])[None, None]
+    if b == 1:
+        return jnp.einsum("knc,knf->kcf", x[0], dy[0])[None]
+    return jnp.einsum("bknc,bknf->bkcf", x, dy)
 
 
 @register("dense")
@@ -115,7 +133,7 @@ class DenseKernel(Kernel):
             return self.sq_norms(ctx)
         if isinstance(reduction, S.Centered) and N == 1:
             return self._centered_rank_one(x[:, :, 0], dy[:, :, 0])
-        return super().direct(ctx, reduction)
+        return self.direct_all(ctx, {"r": reduction})["r"]
 
     def needs_materialise(self, r):
         N = self.c["N"]
@@ -130,33 +148,65 @@ class DenseKernel(Kernel):
     def direct_all(self, ctx, reductions):
         if not any(self.needs_materialise(r) for r in reductions.values()):
             return super().direct_all(ctx, reductions)
-        # G_b is formed once and every nonlinear reduction reads it. Measured on
-        # XLA:CPU: each extra consumer of G costs about a pass over it, so the
-        # sum and mean come from a contraction and sum g^2 = M2 + B mean^2 when
-        # the centered moments are requested too.
+        # Reductions that need G_b read it tile by tile (tiling.py): one loop
+        # over examples serves all of them; G is never formed for the batch.
         x, dy = ctx
-        B = x.shape[0]
-        G = jnp.einsum("bknc,bknf->bkcf", x, dy)
-        out = {}
-        centered = [k for k, r in reductions.items() if isinstance(r, S.Centered)]
+        out, keys, reds, means = {}, [], [], []
         for k, r in reductions.items():
-            if isinstance(r, S.PhiSum) and r.phi is None:
+            # the plain sum rides along in the tile loop (a hot add) rather than
+            # costing a second contraction over the batch
+            if not self.needs_materialise(r) and not (
+                isinstance(r, S.PhiSum) and r.phi is None and self.c["N"] > 1
+            ):
                 out[k] = self.direct(ctx, r)
-            elif isinstance(r, S.SqNorms):
-                out[k] = jnp.sum(jnp.square(G), axis=(1, 2, 3))
+                continue
+            keys.append(k)
+            reds.append(r)
+            means.append(self._mean(x, dy) if isinstance(r, S.Centered) else None)
+        vals = self.tiled(x, dy, reds, means)
+        for k, r, v in zip(keys, reds, vals):
+            if isinstance(r, S.SqNorms):
+                out[k] = v
             elif isinstance(r, S.Centered):
-                mean = jnp.einsum("bknc,bknf->kcf", x, dy) / B
-                m2 = jnp.sum(jnp.square(G - mean), axis=0)
-                out[k] = S.Moments(self.to_view(mean), self.to_view(m2))
-            elif not (r == S.SQUARE and centered):
-                out[k] = self.to_view(reduce_materialised(G, r))
-        for k, r in reductions.items():
-            if r == S.SQUARE and centered:
-                m = out[centered[0]]
-                out[k] = m.m2 + B * jnp.square(m.mean)
+                out[k] = S.Moments(self.to_view(v.mean), self.to_view(v.m2))
+            else:
+                out[k] = self.to_view(v)
         return out
 
+    def _mean(self, x, dy):
+        return jnp.einsum("bknc,bknf->kcf", x, dy) / x.shape[0]
+
+    # tiles ------------------------------------------------------------------ #
+    def _tile_G(self, x, dy, b0, size):
+        """Canonical ``G [size, K, C, F]`` of examples ``b0 .. b0+size``."""
+        xs = jax.lax.dynamic_slice_in_dim(x, b0, size, 0)
+        ds = jax.lax.dynamic_slice_in_dim(dy, b0, size, 0)
+        return _products(xs, ds)
+
+    def tile(self, B):
+        """Examples per tile for a batch of ``B``."""
+        c = self.c
+        per_ex = c["N"] > 1 and tiling.prefer_per_example()
+        nbytes = tiling.bytes_of((c["K"], c["C"], c["F"]), self.acc)
+        return tiling.tile_size(B, nbytes, self.budget, batched_ok=not per_ex)
+
+    def tiled(self, x, dy, reds, means):
+        c = self.c
+        B = x.shape[0]
+        return tiling.reduce_tiles(
+            lambda b0, size: self._tile_G(x, dy, b0, size),
+            B,
+            reds,
+            self.tile(B),
+            means=means,
+            shape=(c["K"], c["C"], c["F"]),
+            dtype=self.acc,
+        )
+
     def _centered_rank_one(self, x, d):
+        """Centred moments of ``G_b = x_b d_b^T`` (N == 1) by rank-one expansions in
+        centred ``x`` and ``d``; where the expansion's terms cancel (the variance is tiny
+        against them), the exact two-pass sum over tiles of ``G`` instead."""
         B = x.shape[0]
         xm, dm = jnp.mean(x, 0), jnp.mean(d, 0)
         u, v = x - xm, d - dm
@@ -164,19 +214,33 @@ class DenseKernel(Kernel):
         M = jnp.einsum("bkc,bkf->kcf", u, v) / B
         xo = xm[:, :, None]
         do = dm[:, None, :]
-        m2 = (
-            jnp.square(xo) * jnp.sum(v2, 0)[:, None, :]
-            + jnp.sum(u2, 0)[:, :, None] * jnp.square(do)
-            + (jnp.einsum("bkc,bkf->kcf", u2, v2) - B * jnp.square(M))
-            + 2 * B * xo * do * M
-            + 2 * xo * jnp.einsum("bkc,bkf->kcf", u, v2)
-            + 2 * do * jnp.einsum("bkc,bkf->kcf", u2, v)
+        uv2 = jnp.einsum("bkc,bkf->kcf", u, v2)
+        u2v = jnp.einsum("bkc,bkf->kcf", u2, v)
+        u2v2 = jnp.einsum("bkc,bkf->kcf", u2, v2)
+        terms = (
+            jnp.square(xo) * jnp.sum(v2, 0)[:, None, :],
+            jnp.sum(u2, 0)[:, :, None] * jnp.square(do),
+            u2v2,
+            -B * jnp.square(M),
+            2 * B * xo * do * M,
+            2 * xo * uv2,
+            2 * do * u2v,
         )
-        return S.Moments(self.to_view(xo * do + M), self.to_view(jnp.maximum(m2, 0)))
+        m2 = sum(terms)
+        mean = xo * do + M
+        scale = sum(jnp.abs(t) for t in terms)
+        eps = jnp.finfo(m2.dtype).eps
+        ill = jnp.any(m2 <= 256 * eps * scale)
+
+        def exact():
+            return self.tiled(x[:, :, None], d[:, :, None], [S.Centered()], [mean])[0].m2
+
+        m2 = jax.lax.cond(ill, exact, lambda: jnp.maximum(m2, 0))
+        return S.Moments(self.to_view(mean), self.to_view(m2))
 
     def materialise(self, ing):
         x, dy = ing
-        return self.to_view(jnp.einsum("bknc,bknf->bkcf", x, dy))
+        return self.to_view(_products(x, dy))
 
     def sq_norms(self, ing):
         x, dy = ing
@@ -184,12 +248,27 @@ class DenseKernel(Kernel):
             return jnp.einsum(
                 "bkc,bkc,bkf,bkf->b", x[:, :, 0], x[:, :, 0], dy[:, :, 0], dy[:, :, 0]
             )
-        if self.use_ghost():
-            gx = jnp.einsum("bknc,bkmc->bknm", x, x)
-            gd = jnp.einsum("bknf,bkmf->bknm", dy, dy)
-            return jnp.einsum("bknm,bknm->b", gx, gd)
-        g = jnp.einsum("bknc,bknf->bkcf", x, dy)
-        return jnp.sum(jnp.square(g), axis=(1, 2, 3))
+        if not self.use_ghost():
+            return self.tiled(x, dy, [S.SqNorms()], [None])[0]
+        gx = jnp.einsum("bknc,bkmc->bknm", x, x)
+        gd = jnp.einsum("bknf,bkmf->bknm", dy, dy)
+        ghost = jnp.einsum("bknm,bknm->b", gx, gd)
+        # The ghost sum cancels when token contributions do; against the scale
+        # (sum_n |x_n| |dy_n|)^2 of its terms, recompute those examples exactly.
+        nx = jnp.sqrt(jnp.sum(jnp.square(x), -1))
+        nd = jnp.sqrt(jnp.sum(jnp.square(dy), -1))
+        scale = jnp.sum(jnp.square(jnp.sum(nx * nd, -1)), -1)
+        eps = jnp.finfo(ghost.dtype).eps
+        bad = ghost <= 1024 * eps * scale
+
+        def fix(ghost):
+            def one(b, g):
+                exact = lambda: jnp.sum(jnp.square(self._tile_G(x, dy, b, 1)))  # noqa: E731
+                return g.at[b].set(jax.lax.cond(bad[b], exact, lambda: g[b]))
+
+            return jax.lax.fori_loop(0, x.shape[0], one, ghost)
+
+        return jax.lax.cond(jnp.any(bad), fix, lambda g: g, ghost)
 
     def weighted_sum(self, ing, c):
         x, dy = ing
@@ -199,21 +278,21 @@ class DenseKernel(Kernel):
     def rule(self, reduction, B):
         c = self.c
         K, N, C, F = c["K"], c["N"], c["C"], c["F"]
-        mat = 2 * B * K * N * C * F
+        tiled = 2 * B * K * N * C * F + 2 * B * K * C * F
         if isinstance(reduction, S.PhiSum):
             if reduction.phi is None:
                 return "contraction", 2 * B * K * N * C * F
             if reduction.multiplicative and N == 1:
                 return "rank-one phi(x)^T phi(dy)", 2 * B * K * C * F
-            return "materialise per-example", mat
+            return "tiled per-example products", tiled
         if isinstance(reduction, (S.SqNorms, S.ClippedSum)):
             if N == 1:
                 return "rank-one norms", 2 * B * K * (C + F)
             if self.use_ghost():
                 return "ghost norm", 2 * B * K * N * N * (C + F)
-            return "materialise per-example", mat
+            return "tiled per-example products", tiled
         if isinstance(reduction, S.Centered):
             if N == 1:
                 return "rank-one centered", 12 * B * K * C * F
-            return "materialise per-example", mat
-        return "materialise per-example", mat
+            return "tiled per-example products", tiled
+        return "tiled per-example products", tiled

@@ -21,6 +21,37 @@ from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.sites.base import Kernel, register
 
 
+def canonical_ids(ids, V):
+    """Integer ids of any dtype as int32 with their meaning against a table of ``V`` rows
+    kept: values below 0 become -1 and values at or above ``V`` become ``V``. The
+    comparison happens in the ids' own dtype only where ``V`` is representable in it, so
+    narrow ids (uint8 into a table of 300 rows) never see a wrapped ``V``."""
+    dt = ids.dtype
+    if not jnp.issubdtype(dt, jnp.integer):
+        raise TypeError(f"embedding ids must be integers, got {dt}")
+    info = np.iinfo(dt)
+    lo = max(int(info.min), -1)
+    hi = min(int(info.max), int(V))
+    ids = jax.lax.clamp(jnp.asarray(lo, dt), ids, jnp.asarray(hi, dt))
+    return ids.astype(jnp.int32)
+
+
+_ID_SPLIT = 1 << 12  # ids travel as two floats, each exact: id // 4096 and id % 4096
+
+
+def pack_ids(ids, dtype):
+    """int32 ids (-1: invalid) as a float pair ``[..., 2]`` that is exact in ``dtype``
+    (ids up to 2**31; float16/bfloat16 have 11/8 significant bits: use float32)."""
+    hi = jnp.floor_divide(ids, _ID_SPLIT)
+    lo = ids - hi * _ID_SPLIT
+    return jnp.stack([hi, lo], -1).astype(dtype)
+
+
+def unpack_ids(packed):
+    both = jnp.round(packed).astype(jnp.int32)
+    return both[..., 0] * _ID_SPLIT + both[..., 1]
+
+
 def _phi_zero_is_zero(reduction):
     if reduction.phi is None:
         return True
@@ -45,7 +76,7 @@ class EmbeddingKernel(Kernel):
         idx = ext[self.site.ext_vars.index(self.site.eqn.invars[1])]
         (dy,) = dy
         B = dy.shape[0]
-        ids = idx.reshape(B, -1)
+        ids = canonical_ids(idx.reshape(B, -1), self.V)
         dy = dy.reshape(B, -1, self.d).astype(self.acc)
         if self.mode == GatherScatterMode.CLIP:
             valid = jnp.ones(ids.shape, bool)
@@ -99,17 +130,18 @@ class EmbeddingKernel(Kernel):
 
     def ingredients(self, ctx):
         ids, valid, dy = ctx
-        # ids travel as floats (exact below 2**24 in float32; checked at planning)
-        return jnp.where(valid, ids, -1).astype(dy.dtype), dy
+        # ingredients travel as cotangents (floats): ids as an exact float pair
+        return pack_ids(jnp.where(valid, ids, -1), dy.dtype), dy
 
     def ctx(self, ing):
         return self._unpack(ing)
 
     @staticmethod
     def _unpack(ing):
-        fids, dy = ing
-        valid = fids >= 0
-        return jnp.where(valid, fids, 0).astype(jnp.int32), valid, dy
+        packed, dy = ing
+        ids = unpack_ids(packed)
+        valid = ids >= 0
+        return jnp.where(valid, ids, 0), valid, dy
 
     def materialise(self, ing):
         ids, valid, dy = self._unpack(ing) if len(ing) == 2 else ing
@@ -156,7 +188,7 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
         B = dy.shape[0]
         dy = jnp.transpose(dy, (0,) + tuple(1 + i for i in c["dy_perm"]))
         dy = dy.reshape(B, c["N"], c["F"]).astype(self.acc)
-        ids = ids.reshape(B, c["N"])
+        ids = canonical_ids(ids.reshape(B, c["N"]), self.V)
         valid = (ids >= 0) & (ids < self.V)
         dy = jnp.where(valid[..., None], dy, 0)
         return jnp.clip(ids, 0, self.V - 1), valid, dy

@@ -1,0 +1,249 @@
+"""Regression tests of the adversarial audit: inputs that once gave silently wrong
+numbers, each checked against the vmap(grad) oracle (float64 where it matters)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpr_surgery as js
+from jaxpr_surgery._src.sites.embedding import canonical_ids, pack_ids, unpack_ids
+
+
+def _per_example_grads(loss, params, batch):
+    one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
+    return jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch)
+
+
+def _x64(fn):
+    with jax.enable_x64(True):
+        return fn()
+
+
+# --------------------------------------------------------------------------- #
+# 1. narrow integer ids into a table with more rows than the dtype's range
+# --------------------------------------------------------------------------- #
+V_NARROW = 300
+
+
+def _lookup(kind):
+    def loss(table, b):
+        ids = b["ids"]
+        if kind == "index":
+            e = table[ids]
+        elif kind == "onehot":
+            e = jax.nn.one_hot(ids, V_NARROW, dtype=table.dtype) @ table
+        else:
+            e = jnp.take(table, ids, axis=0, mode=kind)
+        return jnp.mean(jnp.sum(jnp.tanh(e) * b["y"], axis=(-1, -2)))
+
+    return loss
+
+
+@pytest.mark.parametrize("kind", ["index", "fill", "clip", "onehot"])
+@pytest.mark.parametrize("id_dtype", [jnp.uint8, jnp.int8, jnp.int16])
+def test_narrow_ids(kind, id_dtype):
+    r = np.random.default_rng(0)
+    info = np.iinfo(id_dtype)
+    B, T, d = 6, 7, 3
+    ids = r.integers(max(info.min, -3), info.max + 1, (B, T))
+    ids[0, :3] = [info.max, 0, 1]
+    table = jnp.asarray(r.standard_normal((V_NARROW, d)), jnp.float32)
+    b = {"ids": jnp.asarray(ids, id_dtype), "y": jnp.asarray(r.standard_normal((B, T, d)),
+                                                           jnp.float32)}
+    loss = _lookup(kind)
+    if kind == "index" and info.min < 0:
+        pytest.skip("negative ids wrap around in table[ids]; covered by take(mode=...)")
+    m, m2, sq = js.per_example_stat(
+        loss, (js.stats.mean(), js.stats.second_moment(), js.stats.sq_norms()))(table, b)
+    g = _per_example_grads(loss, table, b)
+    np.testing.assert_allclose(m, jax.grad(loss)(table, b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m, g.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m2, (g**2).mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sq, (g**2).sum((1, 2)), rtol=1e-5, atol=1e-6)
+
+
+def test_canonical_ids_keep_meaning():
+    ids = jnp.asarray([0, 5, 255, 200], jnp.uint8)
+    np.testing.assert_array_equal(canonical_ids(ids, 300), [0, 5, 255, 200])
+    np.testing.assert_array_equal(canonical_ids(ids, 100), [0, 5, 100, 100])
+    ids = jnp.asarray([-128, -1, 0, 127], jnp.int8)
+    np.testing.assert_array_equal(canonical_ids(ids, 300), [-1, -1, 0, 127])
+
+
+# --------------------------------------------------------------------------- #
+# 2. large vocabularies: ids stay integral end to end
+# --------------------------------------------------------------------------- #
+def test_ids_pack_exactly():
+    ids = jnp.asarray([-1, 0, 1, 4095, 4096, 2**24 + 1, 2**24 + 3, 2**31 - 1], jnp.int32)
+    for dt in (jnp.float32, jnp.float64) if jax.config.jax_enable_x64 else (jnp.float32,):
+        np.testing.assert_array_equal(unpack_ids(pack_ids(ids, dt)), ids)
+
+
+def test_tied_leaf_large_ids_exact():
+    """Ids above 2**24 into a tied (embedding x unembedding) leaf whose statistics go
+    through ingredients, on a narrow table seen through a huge-id offset."""
+    r = np.random.default_rng(1)
+    V, d, B, T = 2**24 + 6, 1, 3, 4
+    table = jnp.asarray(r.standard_normal((V, d)) * 0.1, jnp.float32)
+    ids = jnp.asarray(r.integers(2**24 - 2, V, (B, T)), jnp.int32)
+
+    def loss(t, b):
+        h = t[b["ids"]]  # [B, T, 1]
+        z = h[:, :, :, None] * t[2**24 - 2:, 0]  # tied use: last rows as a dense weight
+        return jnp.mean(jnp.sum(jnp.tanh(z), axis=(-1, -2, -3)))
+
+    rep = js.explain(loss)(table, {"ids": ids})
+    assert not rep.fallback_leaves, str(rep)
+    m, sq = js.per_example_stat(loss, (js.stats.mean(), js.stats.sq_norms()))(
+        table, {"ids": ids})
+    g = _per_example_grads(loss, table, {"ids": ids})
+    rows = np.arange(2**24 - 2, V)
+    np.testing.assert_allclose(np.asarray(m)[rows], np.asarray(g.mean(0))[rows],
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(sq, (g**2).sum((1, 2)), rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- #
+# 3. variance cancellation on a token-free dense layer
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_variance_when_products_agree(dtype):
+    def run():
+        r = np.random.default_rng(2)
+        x = jnp.asarray(r.uniform(1, 3, (16, 1)), dtype)
+        W = jnp.asarray(r.uniform(0.5, 2, (1, 8)), dtype)
+        loss = lambda W, b: jnp.mean(jnp.sum(jnp.log(b["x"] @ W), -1))  # noqa: E731
+        var = js.per_example_stat(loss, js.stats.variance())(W, {"x": x})
+        # every per-example gradient is 1/W exactly: the variance is 0
+        scale = float(jnp.max(1 / W) ** 2)
+        eps = float(jnp.finfo(dtype).eps)
+        assert float(jnp.max(jnp.abs(var))) <= 64 * eps * scale, var
+        return var
+
+    (_x64 if dtype == jnp.float64 else lambda f: f())(run)
+
+
+# --------------------------------------------------------------------------- #
+# 4. a user's statistic never aliases a built-in of the same name
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("name", ["square", "sign", "abs", "identity"])
+def test_user_names_do_not_alias_builtins(name):
+    loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)  # noqa: E731
+    r = np.random.default_rng(3)
+    w = jnp.asarray(r.standard_normal(3), jnp.float32)
+    b = {"x": jnp.asarray(r.standard_normal((5, 3)), jnp.float32),
+         "y": jnp.asarray(r.standard_normal(5), jnp.float32)}
+    cube = js.stats.elementwise(lambda g: g**3, multiplicative=True, name=name)
+    builtin = {"square": js.stats.second_moment(), "sign": js.stats.sign_mean(),
+               "abs": js.stats.abs_mean(), "identity": js.stats.mean()}[name]
+    got_cube, got_b = js.per_example_stat(loss, (cube, builtin))(w, b)
+    g = _per_example_grads(loss, w, b)
+    np.testing.assert_allclose(got_cube, (g**3).mean(0), rtol=1e-5)
+    ref = {"square": (g**2).mean(0), "sign": jnp.sign(g).mean(0), "abs": jnp.abs(g).mean(0),
+           "identity": g.mean(0)}[name]
+    np.testing.assert_allclose(got_b, ref, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- #
+# 5. ghost norms when token contributions cancel
+# --------------------------------------------------------------------------- #
+def _cancel_case(dtype):
+    r = np.random.default_rng(4)
+    B, T, d, F = 8, 32, 64, 64
+    x = r.standard_normal((B, T // 2, d))
+    c = r.standard_normal((B, T // 2, F))
+    x = np.concatenate([x, x + 1e-4 * r.standard_normal(x.shape)], 1)
+    c = np.concatenate([c, -c], 1)
+    W = jnp.asarray(r.standard_normal((d, F)) / 8, dtype)
+
+    def loss(W, b):
+        return jnp.mean(jnp.sum((b["x"] @ W) * b["c"], axis=(-1, -2)))
+
+    return loss, W, {"x": jnp.asarray(x, dtype), "c": jnp.asarray(c, dtype)}
+
+
+def test_ghost_norms_cancellation_float32_vs_float64():
+    loss, W, b = _cancel_case(jnp.float32)
+    sq, cm = js.per_example_stat(loss, (js.stats.sq_norms(), js.stats.clipped_mean(1e-2)))(W, b)
+
+    def ref():
+        l64, W64, b64 = _cancel_case(jnp.float64)
+        g = _per_example_grads(l64, W64, b64)
+        n2 = (g**2).sum((1, 2))
+        cf = jnp.minimum(1.0, 1e-2 / jnp.sqrt(n2))
+        return np.asarray(n2), np.asarray((g * cf[:, None, None]).mean(0))
+
+    n2, cm_ref = _x64(ref)
+    assert np.all(np.asarray(sq) >= 0)
+    np.testing.assert_allclose(sq, n2, rtol=2e-2)
+    # G_b itself cancels in float32 (as it does for vmap(grad)): compare at its scale
+    np.testing.assert_allclose(cm, cm_ref, rtol=2e-2, atol=1e-2 * np.abs(cm_ref).max())
+
+
+# --------------------------------------------------------------------------- #
+# 6. clipping bounds
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), np.float32(0), np.float64("nan"),
+                                 np.float32(-2), jnp.asarray(-1.0), jnp.asarray(0.0)])
+def test_bad_concrete_clip_bounds_raise(bad):
+    with pytest.raises(ValueError, match="clip_norm"):
+        js.stats.clipped_mean(bad)
+    with pytest.raises(ValueError, match="clip_norm"):
+        js.stats.clipped_sum(bad)
+
+
+def test_concrete_numpy_bound_works():
+    loss = lambda w, b: jnp.mean((b["x"] @ w) ** 2)  # noqa: E731
+    w, b = jnp.ones(3), {"x": jnp.arange(12.0).reshape(4, 3)}
+    a = js.per_example_stat(loss, js.stats.clipped_mean(np.float32(2.0)))(w, b)
+    c = js.per_example_stat(loss, js.stats.clipped_mean(2.0))(w, b)
+    np.testing.assert_allclose(a, c)
+
+
+@pytest.mark.parametrize("bound", [float("nan"), 0.0, -1.0])
+def test_traced_bad_bound_poisons(bound):
+    loss = lambda w, b: jnp.mean((b["x"] @ w) ** 2)  # noqa: E731
+    w, b = jnp.ones(3), {"x": jnp.arange(12.0).reshape(4, 3)}
+    f = jax.jit(lambda w, b, C: js.per_example_stat(loss, js.stats.clipped_mean(C))(w, b))
+    out = f(w, b, jnp.float32(bound))
+    assert np.all(np.isnan(out)), out
+    ok = f(w, b, jnp.float32(np.inf))
+    np.testing.assert_allclose(ok, jax.grad(loss)(w, b), rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- #
+# Precision, keywords, undefined estimates
+# --------------------------------------------------------------------------- #
+def test_low_precision_result_dtypes():
+    loss = lambda w, b: jnp.mean((b["x"] @ w) ** 2)  # noqa: E731
+    w = jnp.ones(3, jnp.bfloat16)
+    b = {"x": jnp.arange(12.0).reshape(4, 3).astype(jnp.bfloat16)}
+    m, m2, n, s = js.per_example_stat(loss, (js.stats.mean(), js.stats.second_moment(),
+                                             js.stats.norms(), js.stats.sign_mean()))(w, b)
+    assert m.dtype == jnp.bfloat16  # gradient-like: the parameters' dtype, like jax.grad
+    assert m2.dtype == jnp.float32 and n.dtype == jnp.float32 and s.dtype == jnp.float32
+
+
+def test_keyword_arguments_pass_through():
+    def loss(w, b, scale=1.0):
+        return scale * jnp.mean((b["x"] @ w) ** 2)
+
+    w, b = jnp.ones(3), {"x": jnp.arange(12.0).reshape(4, 3)}
+    m = js.per_example_stat(loss, js.stats.mean())(w, b, scale=2.0)
+    np.testing.assert_allclose(m, jax.grad(loss)(w, b, scale=2.0), rtol=1e-6)
+    (l, ), _ = (js.value_and_per_example_stat(loss, js.stats.mean())(w, b, scale=3.0)[0],), None
+    np.testing.assert_allclose(l, loss(w, b, scale=3.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("stat,B", [(lambda: js.stats.variance(), 1),
+                                    (lambda: js.stats.variance(ddof=3), 3),
+                                    (lambda: js.stats.snr(), 1),
+                                    (lambda: js.stats.gradient_noise_scale(), 1)])
+def test_undefined_estimates_raise(stat, B):
+    loss = lambda w, b: jnp.mean((b["x"] @ w) ** 2)  # noqa: E731
+    w, b = jnp.ones(3), {"x": jnp.arange(3.0 * B).reshape(B, 3)}
+    with pytest.raises(ValueError, match=f"B={B}"):
+        js.per_example_stat(loss, stat())(w, b)
