@@ -8,7 +8,7 @@ Usage::
     python -m benchmarks.run --regimes mlp short  # a subset of regimes
     python -m benchmarks.plot                     # PNGs in docs/img/, table in docs/benchmarks.md
 
-Protocol (``/work/shared/design/anchors.md``): every method is compiled with
+Protocol (the project's benchmarking protocol, docs/benchmarks.md): every method is compiled with
 ``jax.jit(...).lower(...).compile()`` in this one process and the compiled
 executable is what is timed; methods of one (regime, batch size) are run
 *interleaved* (A B C A B C ...) and we report medians and ratios to plain

@@ -118,11 +118,17 @@ def test_integer_parameter_leaf(mlp):
         _mean_fn()(bad, batch)
 
 
-def test_non_array_parameter_leaf(mlp):
-    _, params, batch = mlp
-    bad = {**params, "act": "tanh"}
-    with pytest.raises(TypeError, match=r"\['act'\] is a str, not an array"):
-        _mean_fn()(bad, batch)
+def test_non_array_parameter_leaf_is_static(mlp):
+    """Non-array leaves are static (the eqx.filter_grad convention): passed through,
+    None in every statistic."""
+    loss, params, batch = mlp
+    odd = {**params, "act": "tanh", "flag": True, "fn": jnp.tanh}
+    out = _mean_fn()(odd, batch)
+    assert out["act"] is None and out["flag"] is None and out["fn"] is None
+    ref = _mean_fn()(params, batch)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves({k: out[k] for k in params}),
+                    strict=True):
+        np.testing.assert_allclose(a, b)
 
 
 # --------------------------------------------------------------------------- #

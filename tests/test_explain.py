@@ -34,8 +34,9 @@ def test_mlp_dense_and_scale_shift_fast(reports):
     assert sorted(leaves) == sorted(_paths(params))
     for layer in ("l1", "l2"):
         w, b = leaves[f"['{layer}']['w']"], leaves[f"['{layer}']['b']"]
-        assert w.kinds == ["dense"] and w.rule == "fast", str(rep)
-        assert b.kinds == ["scale-shift"] and b.rule == "fast", str(rep)
+        assert w.kinds == ["dense"] and w.rule == "streamed", str(rep)
+        # a bias's per-example gradient is [B, *bias]: materialised, and said so
+        assert b.kinds == ["scale-shift"] and b.rule == "materialised", str(rep)
         assert w.shape == tuple(params[layer]["w"].shape)
         assert w.reasons == [] and not w.fallback
     assert rep.fallback_leaves == []
@@ -47,14 +48,15 @@ def test_transformer_tied_embedding_multi_site(reports):
     leaves = _by_path(rep)
     assert sorted(leaves) == sorted(_paths(params))
     embed = leaves["['embed']"]
-    assert embed.rule == "multi-site", str(rep)
+    assert embed.rule == "streamed", str(rep)
     assert sorted(embed.kinds) == ["dense", "embedding"], str(rep)
+    assert "tiled products of the shared leaf" in embed.detail, str(rep)
     for k in ("wq", "wk", "wv", "wo"):
-        assert leaves[f"['{k}']"].kinds == ["dense"] and leaves[f"['{k}']"].rule == "fast"
+        assert leaves[f"['{k}']"].kinds == ["dense"] and leaves[f"['{k}']"].rule == "streamed"
     for ln in ("ln1", "lnf"):
         for k in ("g", "b"):
             leaf = leaves[f"['{ln}']['{k}']"]
-            assert leaf.kinds == ["scale-shift"] and leaf.rule == "fast", str(rep)
+            assert leaf.kinds == ["scale-shift"] and leaf.rule == "materialised", str(rep)
     assert rep.fallback_leaves == [], str(rep)
     assert all(leaf.rule != "fallback" for leaf in rep.leaves)
 
@@ -72,7 +74,7 @@ def test_lora_and_weight_decay_fall_back_with_reason(reports):
     assert "combined with another parameter" in " ".join(leaves["['A']"].reasons)
     assert sorted(rep.fallback_leaves) == ["['A']", "['B']", "['W']"]
     # the rest still gets fast rules
-    assert leaves["['b']"].rule == "fast" and leaves["['head']"].rule == "fast", str(rep)
+    assert leaves["['b']"].rule != "fallback" and leaves["['head']"].rule == "streamed", str(rep)
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer", "lora"])
@@ -96,7 +98,9 @@ def test_as_dict_is_json_serialisable(reports, name):
     assert [leaf["path"] for leaf in back["leaves"]] == [leaf.path for leaf in rep.leaves]
     assert back["batch_size"] == M.B
     for leaf in back["leaves"]:
-        assert {"path", "shape", "kinds", "rule", "detail", "reasons"} <= set(leaf)
+        assert {"path", "shape", "kinds", "rule", "rules", "detail", "reasons"} <= set(leaf)
+        assert leaf["rule"] in ("streamed", "materialised", "fallback", "unused")
+    assert back["total_extra_bytes"] >= 0 and back["total_extra_flops"] >= 0
 
 
 def test_explain_with_custom_statistics_and_estimates():
@@ -111,7 +115,9 @@ def test_explain_with_custom_statistics_and_estimates():
     for leaf in rep.leaves:
         if "dense" in leaf.kinds or "embedding" in leaf.kinds:
             assert leaf.extra_flops is not None and leaf.extra_flops > 0, str(rep)
-        assert "clipped" in leaf.detail and "sq_norms" in leaf.detail, str(rep)
+        # the detail speaks of the statistics by their public names
+        assert "clipped_mean:" in leaf.detail and "norms:" in leaf.detail, str(rep)
+        assert set(leaf.rules) == {"clipped_mean", "norms"}
 
 
 def test_explain_unused_leaf():
@@ -132,3 +138,60 @@ def test_explain_matches_per_example_stat_fallback_behaviour():
     for leaf in rep.leaves:
         if not leaf.fallback:
             assert f"{leaf.path}:" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- #
+# The rule vocabulary, statistic names, tiles, the annotated jaxpr
+# --------------------------------------------------------------------------- #
+def test_rule_vocabulary_per_statistic():
+    loss, params, batch = M.get("transformer")
+    stats = {"m": js.stats.mean(), "m2": js.stats.second_moment(),
+             "cos": js.stats.elementwise(jax.numpy.cos, name="cos")}
+    rep = js.explain(loss, stats)(params, batch)
+    assert sorted(rep.statistics) == ["elementwise(cos)", "mean", "second_moment"]
+    leaves = _by_path(rep)
+    wq = leaves["['wq']"]
+    assert wq.rules == {"mean": "streamed", "second_moment": "streamed",
+                        "elementwise(cos)": "streamed"}, wq.detail
+    assert "example" in wq.detail and "/tile" in wq.detail
+    # the rule of a leaf is the dearest of its statistics
+    g = leaves["['ln1']['g']"]
+    assert g.rule == "materialised" and set(g.rules.values()) == {"materialised"}
+
+
+def test_embedding_with_nonzero_phi_is_materialised():
+    import jax.numpy as jnp
+
+    def loss(t, b):
+        return jnp.mean(jnp.sum(jnp.tanh(t[b["ids"]]), axis=(1, 2)))
+
+    t = jnp.ones((20, 3))
+    b = {"ids": jnp.zeros((4, 5), jnp.int32)}
+    rep = js.explain(loss, (js.stats.second_moment(), js.stats.elementwise(jnp.cos)))(t, b)
+    (leaf,) = rep.leaves
+    assert leaf.rules == {"second_moment": "streamed", "elementwise": "materialised"}
+    assert leaf.extra_bytes >= 4 * 20 * 3 * 4
+
+
+def test_memory_budget_sizes_tiles_in_report():
+    loss, params, batch = M.get("transformer")
+    small = js.explain(loss, js.stats.second_moment(), memory_budget_bytes=1)(params, batch)
+    assert "memory_budget_bytes" in str(small)
+    assert small.memory_budget_bytes == 1
+
+
+def test_annotated_jaxpr_names_sites_and_source_lines():
+    loss, params, batch = M.get("lora")
+    rep = js.explain(loss)(params, batch)
+    text = rep.jaxpr()
+    assert "# site: ['head'] dense" in text, text
+    # fallback reasons name the user's source line
+    reasons = " ".join(r for leaf in rep.leaves for r in leaf.reasons)
+    assert "_models.py:" in reasons, reasons
+
+
+def test_compare_grad_ratios():
+    loss, params, batch = M.get("mlp")
+    rep = js.explain(loss, js.stats.second_moment(), compare_grad=True)(params, batch)
+    assert rep.grad_flops and rep.grad_flops > 0
+    assert "x grad's FLOPs" in str(rep)

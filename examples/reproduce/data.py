@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import sysconfig
 import zlib
 from pathlib import Path
@@ -101,7 +102,8 @@ def load_corpus(files=None, max_bytes: int = 2_000_000, heldout_every: int = 10)
         source = f"{len(paths)} file(s) from the command line"
     else:
         root, paths = default_files()
-        source = f"Python standard library at {root} (*.py)"
+        major, minor = sys.version_info[:2]
+        source = f"the Python standard library, version {major}.{minor} (*.py)"
     if not paths:
         raise ValueError("load_corpus: no input files.")
     heldout_idx = set(range(heldout_every - 1, len(paths), heldout_every))

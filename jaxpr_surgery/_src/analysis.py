@@ -253,13 +253,15 @@ class _Analyzer:
             return [DATA if has_data else None] * n_out
 
         if compat.subjaxprs(eqn) or prim in compat.custom_prims:
-            self.residual_all(params_tags, f"used inside {prim}")
+            self.residual_all(params_tags, f"used inside {prim}" + _at(eqn))
             return [DATA] * n_out if has_data else [Mixed(self.union(params_tags))] * n_out
 
         pvars = {v for v, t in zip(eqn.invars, tags) if isinstance(t, (PView, Mixed))}
         if len(pvars) > 1 or any(isinstance(t, Mixed) for t in params_tags):
             if len(pvars) > 1:
-                self.residual_all(params_tags, f"combined with another parameter in {prim}")
+                self.residual_all(
+                    params_tags, f"combined with another parameter in {prim}" + _at(eqn)
+                )
             return [DATA] * n_out if has_data else [Mixed(self.union(params_tags))] * n_out
 
         (pv,) = pvars
@@ -280,7 +282,7 @@ class _Analyzer:
 
         # a site: the view meets the data
         if tag.depth < len(scan_lengths):
-            self.residual(tag, "closed over by lax.scan (used in every iteration)")
+            self.residual(tag, "closed over by lax.scan (used in every iteration)" + _at(eqn))
             return [DATA] * n_out
         kind = self.kind(eqn, tag, pos)
         extra = []
@@ -420,6 +422,11 @@ class _Analyzer:
         return outs
 
 
+def _at(eqn):
+    src = compat.source_line(eqn)
+    return f" at {src}" if src else ""
+
+
 def _onehot_dense_ok(eqn, p, axis):
     """The one-hot axis is the only contracted dim, against a 2-D [V, d] weight (no dot batch)."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -428,20 +435,50 @@ def _onehot_dense_ok(eqn, p, axis):
     return not lb and tuple(xc) == (axis,) and len(w_shape) == 2 and len(wc) == 1
 
 
-def _is_row_gather(eqn):
-    """``table[ids]``: rows of a 2-D table gathered by integer ids."""
+def row_gather_layout(eqn):
+    """``(n_index_components, row_component)`` if ``eqn`` gathers whole rows of a 2-D
+    table by integer ids, else None.
+
+    Two forms are recognised: ``table[ids]`` / ``jnp.take`` (the row dim collapsed,
+    one index component) and a batched ``dynamic_slice`` of a row, which is what
+    ``jax.vmap`` makes of ``table[i]`` with a scalar ``i`` (``eqx.nn.Embedding``):
+    no collapsed dim, an index pair (row, column) in clip mode, where the column
+    start of a full-width slice is always clamped to 0.
+    """
+    from jax.lax import GatherScatterMode
+
     dn = eqn.params["dimension_numbers"]
     operand, idx = eqn.invars
-    if len(_shape(operand)) != 2 or _shape(idx)[-1:] != (1,):
-        return False
-    if tuple(dn.collapsed_slice_dims) != (0,) or tuple(dn.start_index_map) != (0,):
-        return False
+    if len(_shape(operand)) != 2 or not jnp_issubdtype_int(idx.aval.dtype):
+        return None
     if getattr(dn, "operand_batching_dims", ()) or getattr(dn, "start_indices_batching_dims", ()):
-        return False
+        return None
+    if tuple(eqn.params["slice_sizes"]) != (1, _shape(operand)[1]):
+        return None
     out_rank = len(_shape(eqn.outvars[0]))
-    if tuple(dn.offset_dims) != (out_rank - 1,):
-        return False
-    return tuple(eqn.params["slice_sizes"]) == (1, _shape(operand)[1])
+    smap, collapsed, offs = (tuple(dn.start_index_map), tuple(dn.collapsed_slice_dims),
+                             tuple(dn.offset_dims))
+    ncomp = _shape(idx)[-1] if _shape(idx) else 0
+    if collapsed == (0,) and smap == (0,) and ncomp == 1 and offs == (out_rank - 1,):
+        return 1, 0
+    if collapsed == () and offs == (out_rank - 2, out_rank - 1) and 0 in smap:
+        mode = eqn.params.get("mode")
+        if smap == (0,) and ncomp == 1:
+            return 1, 0
+        if sorted(smap) == [0, 1] and ncomp == 2 and mode == GatherScatterMode.CLIP:
+            return 2, smap.index(0)
+    return None
+
+
+def jnp_issubdtype_int(dtype):
+    import jax.numpy as jnp
+
+    return jnp.issubdtype(dtype, jnp.integer)
+
+
+def _is_row_gather(eqn):
+    """``table[ids]``: rows of a 2-D table gathered by integer ids."""
+    return row_gather_layout(eqn) is not None
 
 
 def analyse_jaxpr(jaxpr, in_tags, n_leaves):

@@ -100,15 +100,14 @@ class _Prepared:
         self.single = isinstance(opts.argnums, (int, np.integer))
         diff = args[self.argnums[0]] if self.single else tuple(args[i] for i in self.argnums)
         flat, self.diff_tree = jax.tree_util.tree_flatten_with_path(diff)
-        self.diff_paths = [_path_str(p) for p, _ in flat]
-        self.diff_leaves = [x for _, x in flat]
+        # Non-array leaves (Python numbers, Equinox modules' flags and dropout rates,
+        # activation functions, strings, ...) are static, as under eqx.filter_grad:
+        # passed through unchanged, statistics None for them.
+        self.diff_is_arr = [_is_array(x) for _, x in flat]
+        self.diff_static = [None if a else x for a, (_, x) in zip(self.diff_is_arr, flat)]
+        self.diff_paths = [_path_str(p) for (p, _), a in zip(flat, self.diff_is_arr) if a]
+        self.diff_leaves = [x for (_, x), a in zip(flat, self.diff_is_arr) if a]
         for path, x in zip(self.diff_paths, self.diff_leaves):
-            if not (_is_array(x) or isinstance(x, (float, complex))):
-                raise TypeError(
-                    f"{name}: parameter leaf {path} is a {type(x).__name__}, not an array. "
-                    "Differentiated arguments (argnums) must be pytrees of floating-point arrays; "
-                    "pass static values through other arguments or close over them."
-                )
             if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
                 raise TypeError(
                     f"{name}: parameter leaf {path} has dtype {jnp.result_type(x)}; only "
@@ -161,8 +160,18 @@ class _Prepared:
         self.other_leaves = [x for a, x in zip(self.other_is_arr, oleaves) if a]
         self.fn, self.args_n, self.opts, self.name = fn, nargs, opts, name
 
+    def unflatten_diff(self, leaves, static=None, *, keep_static=False):
+        """A tree like the differentiated argument(s) from one value per array leaf;
+        static (non-array) leaves get ``static``, or keep their value with ``keep_static``."""
+        it = iter(leaves)
+        full = [
+            next(it) if a else (s if keep_static else static)
+            for a, s in zip(self.diff_is_arr, self.diff_static)
+        ]
+        return jax.tree.unflatten(self.diff_tree, full)
+
     def rebuild(self, diff_leaves, batch_leaves, other_leaves, *, one_example):
-        diff = jax.tree.unflatten(self.diff_tree, diff_leaves)
+        diff = self.unflatten_diff(diff_leaves, keep_static=True)
         diff = (diff,) if self.single else diff
         if one_example and self.opts.keep_batch_dim:
             batch_leaves = [x[None] for x in batch_leaves]
@@ -321,7 +330,7 @@ def _compute(prep, stat, opts: Options, name):
     results = []
     for s, req in zip(stat_leaves, reqs):
         vals = {
-            k: jax.tree.unflatten(prep.diff_tree, values[reductions.index(r)])
+            k: prep.unflatten_diff(values[reductions.index(r)], _STATIC)
             for k, r in req.items()
         }
         out = s.finalize(vals, N)
@@ -331,11 +340,14 @@ def _compute(prep, stat, opts: Options, name):
     return loss, aux_out, result
 
 
+_STATIC = None  # the value of every statistic at a static (non-array) parameter leaf
+
+
 def _cast_like(result, prep):
     """Gradient-like statistics (mean, sum, clipped sums) come back in the parameters'
     dtypes, like ``jax.grad``; the others stay in their (at least float32) dtype."""
     try:
-        params = jax.tree.unflatten(prep.diff_tree, prep.diff_leaves)
+        params = prep.unflatten_diff(prep.diff_leaves, _STATIC)
         if jax.tree.structure(result) != jax.tree.structure(params):
             return result
         return jax.tree.map(

@@ -188,6 +188,42 @@ def eval_jaxpr(jaxpr, consts, *args):
     return jex.core.jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)
 
 
+def source_line(eqn) -> str:
+    """``file:line (function)`` of the user's code that emitted ``eqn`` (file name
+    without its directory), or '' where jax records none."""
+    try:
+        import os
+
+        from jax._src import source_info_util
+
+        frame = source_info_util.user_frame(eqn.source_info.traceback)
+        if frame is None:
+            return ""
+        return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"
+    except Exception:  # noqa: BLE001 - no source info in this jax
+        return ""
+
+
+class EqnPrinter:
+    """Prints equations of one jaxpr (and its sub-jaxprs) with consistent variable names;
+    falls back to ``str(eqn)`` where jax's printer is unavailable."""
+
+    def __init__(self):
+        try:
+            self._ctx = _core.JaxprPpContext()
+            self._settings = _core.JaxprPpSettings()
+        except Exception:  # noqa: BLE001
+            self._ctx = None
+
+    def __call__(self, eqn) -> str:
+        if self._ctx is not None:
+            try:
+                return _core.pp_eqn(eqn, self._ctx, self._settings).format()
+            except Exception:  # noqa: BLE001
+                pass
+        return str(eqn)
+
+
 def subjaxprs(eqn):
     return list(jex.core.jaxprs_in_params(eqn.params))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -11,30 +12,47 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import analysis as A
+from jaxpr_surgery._src import compat, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared
 from jaxpr_surgery._src.engine import cross_layout
 from jaxpr_surgery._src.sites import kernel_for
-from jaxpr_surgery._src.sites.base import acc_dtype_for
+from jaxpr_surgery._src.sites.base import (
+    FALLBACK,
+    RULE_ORDER,
+    STREAMED,
+    UNUSED,
+    Rule,
+    acc_dtype_for,
+)
 
 
 @dataclasses.dataclass
 class LeafReport:
-    """What ``explain`` found for one parameter leaf."""
+    """What ``explain`` found for one parameter leaf.
+
+    ``rule`` and the values of ``rules`` are words of a small vocabulary that says
+    what a leaf costs (docs/explain.md): ``"streamed"`` (no per-example tensor of
+    the leaf: contraction, rank-one, ghost norms, segment sums, tiled products),
+    ``"materialised"`` (a ``[B, *leaf]`` per-example tensor of the leaf),
+    ``"fallback"`` (exact per-example gradients of the leaf through the whole
+    model) or ``"unused"``. ``rule`` is the dearest over the requested statistics.
+    """
 
     path: str
     shape: tuple
     dtype: str
     kinds: list  # layer kind of every site, e.g. ["dense"] or ["embedding", "dense"]
-    rule: str  # fast | multi-site | fallback | unused
-    detail: str  # rule per reduction, or why it falls back
+    rule: str  # streamed | materialised | fallback | unused (dearest over the statistics)
+    rules: dict  # statistic's public name -> its rule word
+    detail: str  # per statistic: rule word and how, or why the leaf falls back
     reasons: list  # why a leaf falls back (empty otherwise)
     extra_flops: float | None  # estimated FLOPs of its statistics, beyond the plain gradient
-    extra_bytes: float | None  # estimated extra temporary memory (materialised tensors)
+    extra_bytes: float | None  # estimated extra temporary memory (per-example tensors, tiles)
 
     @property
     def fallback(self):
-        return self.rule == "fallback"
+        return self.rule == FALLBACK
 
 
 @dataclasses.dataclass
@@ -42,7 +60,8 @@ class Report:
     """Result of `explain`: one `LeafReport` per parameter leaf.
 
     ``str(report)`` is a table; ``report.leaves`` and ``report.as_dict()`` are
-    machine-readable.
+    machine-readable; ``report.jaxpr()`` prints the per-example jaxpr with every
+    site annotated.
     """
 
     leaves: list
@@ -50,13 +69,37 @@ class Report:
     statistics: list
     primitives: list
     notes: list
+    memory_budget_bytes: int
+    grad_flops: float | None = None  # XLA's estimate for jax.grad (explain(compare_grad=True))
+    grad_temp_bytes: float | None = None
+    _annotated: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def as_dict(self):
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d.pop("_annotated", None)
+        d["total_extra_flops"] = self.total_extra_flops
+        d["total_extra_bytes"] = self.total_extra_bytes
+        return d
 
     @property
     def fallback_leaves(self):
         return [leaf.path for leaf in self.leaves if leaf.fallback]
+
+    @property
+    def total_extra_flops(self) -> float:
+        return float(sum(leaf.extra_flops or 0 for leaf in self.leaves))
+
+    @property
+    def total_extra_bytes(self) -> float:
+        """Leaves' statistics run one after another: the largest leaf's extra bytes,
+        plus every fallback leaf's per-example gradient (alive together)."""
+        fb = sum(leaf.extra_bytes or 0 for leaf in self.leaves if leaf.fallback)
+        other = max([leaf.extra_bytes or 0 for leaf in self.leaves if not leaf.fallback] + [0])
+        return float(fb + other)
+
+    def jaxpr(self) -> str:
+        """The per-example jaxpr, each site annotated with its leaf, kind and rules."""
+        return self._annotated() if self._annotated is not None else ""
 
     def __str__(self):
         head = ("leaf", "shape", "kind", "rule", "detail")
@@ -77,19 +120,46 @@ class Report:
         ]
         for r in rows:
             lines.append("  ".join(str(c).ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
-        total = sum(leaf.extra_flops or 0 for leaf in self.leaves)
         fb = self.fallback_leaves
         lines.append("")
         lines.append(
             f"B={self.batch_size}; statistics: {', '.join(self.statistics)}; "
-            f"estimated statistic FLOPs: {total:.3g}; fallback leaves: {len(fb)}"
+            f"fallback leaves: {len(fb)}"
         )
+        flops, mem = self.total_extra_flops, self.total_extra_bytes
+        line = f"predicted extra: {flops:.3g} FLOPs, {_mib(mem)} temporary memory"
+        if self.grad_flops:
+            line += f" ({flops / self.grad_flops:.2f}x grad's FLOPs"
+            if self.grad_temp_bytes:
+                line += f", {mem / self.grad_temp_bytes:.2f}x its temporary memory"
+            line += ")"
+        line += f"; tiles sized by memory_budget_bytes={_mib(self.memory_budget_bytes)}"
+        lines.append(line)
         lines.extend(self.notes)
         return "\n".join(lines)
 
 
+def _mib(b):
+    return f"{b / 2**20:.3g} MiB"
+
+
 def _default_stats():
     return (S.mean(), S.second_moment(), S.variance(), S.sq_norms())
+
+
+def stat_name(s) -> str:
+    """A statistic's public name (``second_moment``, ``sq_norms``, ...)."""
+    name = getattr(s, "_name", None)
+    if name == "elementwise":
+        red = getattr(s, "reduction", None)
+        if red is not None and red.name:
+            return f"elementwise({red.name})"
+    return name or type(s).__name__
+
+
+def _dearest(words):
+    words = list(words)
+    return max(words, key=RULE_ORDER.index) if words else UNUSED
 
 
 def explain(
@@ -100,17 +170,22 @@ def explain(
     batch_argnums: int | Sequence[int] = 1,
     keep_batch_dim: bool = True,
     has_aux: bool = False,
+    memory_budget_bytes: int | None = None,
+    compare_grad: bool = False,
 ):
-    r"""Reports, for every parameter leaf, the layer kind detected and the rule used.
+    r"""Reports, for every parameter leaf, the layer kind detected and the rule that runs.
 
     Args:
       fn: the loss, as for `per_example_stat`.
-      stat: the statistics whose cost to estimate (default: mean, second
+      stat: the statistics whose cost to report (default: mean, second
         moment, variance and squared norms).
       argnums: as for `per_example_stat`.
       batch_argnums: as for `per_example_stat`.
       keep_batch_dim: as for `per_example_stat`.
       has_aux: as for `per_example_stat`.
+      memory_budget_bytes: as for `per_example_stat` (sizes the tiles reported).
+      compare_grad: also compile ``jax.grad(fn)`` once and report the predicted
+        extra FLOPs and memory as ratios to XLA's estimates for it.
 
     Returns:
       A function of ``fn``'s arguments returning a `Report`.
@@ -128,14 +203,21 @@ def explain(
       >>> b = {"x": jnp.ones((4, 3)), "y": jnp.ones((4, 2))}
       >>> rep = js.explain(loss)(p, b)
       >>> [(leaf.path, leaf.kinds, leaf.rule) for leaf in rep.leaves]
-      [("['b']", ['scale-shift'], 'fast'), ("['w']", ['dense'], 'fast')]
+      [("['b']", ['scale-shift'], 'materialised'), ("['w']", ['dense'], 'streamed')]
+      >>> sorted(set(rep.leaves[1].rules.values()))
+      ['streamed']
     """
     stat = _default_stats() if stat is None else stat
-    stat_leaves, _, _, reductions = _flatten_stats(stat)
+    stat_leaves, _, reqs, reductions = _flatten_stats(stat)
+    names = [stat_name(s) for s in stat_leaves]
+    budget = tiling.DEFAULT_MEMORY_BUDGET_BYTES if memory_budget_bytes is None else int(
+        memory_budget_bytes
+    )
 
-    def run(*args):
+    def run(*args, **kwargs):
+        f = functools.partial(fn, **kwargs) if kwargs else fn
         prep = _Prepared(
-            fn,
+            f,
             args,
             Options(argnums, batch_argnums, keep_batch_dim, has_aux, None, False, None),
             "explain",
@@ -150,104 +232,159 @@ def explain(
         an = A.analyse_jaxpr(closed.jaxpr, tags, n)
         B = prep.B
         leaves = []
+        site_notes = {}
         for i, x in enumerate(prep.diff_leaves):
-            info = an.leaves[i]
-            size = math.prod(jnp.shape(x))
-            itemsize = jnp.dtype(acc_dtype_for(x.dtype)).itemsize
-            if info.residual:
-                leaves.append(
-                    LeafReport(
-                        prep.diff_paths[i],
-                        tuple(jnp.shape(x)),
-                        str(x.dtype),
-                        [s.kind for s in info.sites],
-                        "fallback",
-                        "exact per-example gradients: " + "; ".join(info.reasons),
-                        list(info.reasons),
-                        float(2 * B * size),
-                        float(B * size * itemsize),
-                    )
-                )
-                continue
-            if not info.sites:
-                leaves.append(
-                    LeafReport(
-                        prep.diff_paths[i],
-                        tuple(jnp.shape(x)),
-                        str(x.dtype),
-                        [],
-                        "unused",
-                        "does not affect the loss: zeros",
-                        [],
-                        0.0,
-                        0.0,
-                    )
-                )
-                continue
-            kinds = [s.kind for s in info.sites]
-            flops, mem, parts = 0.0, 0.0, []
-            multi = len(info.sites) > 1
-            ks = [kernel_for(s, acc_dtype_for(x.dtype)) for s in info.sites]
-            ghost_cross = multi and all(
-                cross_layout(info.sites[a], ks[a], info.sites[b], ks[b]) is not None
-                for a in range(len(ks))
-                for b in range(a + 1, len(ks))
-            )
-            for s, k in zip(info.sites, ks):
-                reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
-                for r in reductions:
-                    name, f = k.rule(r, B)
-                    linear = isinstance(r, S.PhiSum) and r.phi is None
-                    if multi and not linear:
-                        if isinstance(r, (S.SqNorms, S.ClippedSum)) and ghost_cross:
-                            name = f"{name} + ghost cross terms (shared leaf)"
-                        else:
-                            name, f = "materialise per-example (shared leaf)", 2.0 * B * size
-                    parts.append(
-                        f"{_rname(r)}[{s.kind}]: {name}" if multi else f"{_rname(r)}: {name}"
-                    )
-                    flops += (f or 0) * reps
-                    if "materialise" in name:
-                        mem = max(mem, B * size * itemsize)
-            detail = "; ".join(dict.fromkeys(parts))
             leaves.append(
-                LeafReport(
-                    prep.diff_paths[i],
-                    tuple(jnp.shape(x)),
-                    str(x.dtype),
-                    kinds,
-                    "multi-site" if multi else "fast",
-                    detail,
-                    [],
-                    flops,
-                    mem,
-                )
+                _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes)
             )
         notes = [
             "Per-example gradients assume independent examples: run js.check_per_example(fn) "
             "to detect batch norm / in-batch negatives."
         ]
+        gflops = gmem = None
+        if compare_grad:
+            gflops, gmem = _grad_cost(f, args, prep)
+
+        def annotated():
+            return _annotate(closed.jaxpr, site_notes)
+
         return Report(
             leaves,
             B,
-            [repr(s) for s in stat_leaves],
+            names,
             sorted({str(p) for p in an.primitives}),
             notes,
+            budget,
+            gflops,
+            gmem,
+            annotated,
         )
 
     return run
 
 
-def _rname(r):
-    if isinstance(r, S.PhiSum):
-        return "sum" if r.phi is None else f"sum {r.name or getattr(r.phi, '__name__', 'phi')}"
-    if isinstance(r, S.Centered):
-        return "variance"
-    if isinstance(r, S.SqNorms):
-        return "sq_norms"
-    if isinstance(r, S.ClippedSum):
-        return "clipped"
-    return type(r).__name__
+def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes):
+    info = an.leaves[i]
+    path, shape, dtype = prep.diff_paths[i], tuple(jnp.shape(x)), str(x.dtype)
+    size = math.prod(shape)
+    acc = acc_dtype_for(x.dtype)
+    itemsize = jnp.dtype(acc).itemsize
+    kinds = [s.kind for s in info.sites]
+    if info.residual:
+        why = "; ".join(info.reasons)
+        return LeafReport(
+            path, shape, dtype, kinds, FALLBACK, {n: FALLBACK for n in names},
+            "exact per-example gradients: " + why, list(info.reasons),
+            float(2 * B * size), float(B * size * itemsize),
+        )
+    if not info.sites:
+        return LeafReport(
+            path, shape, dtype, [], UNUSED, {n: UNUSED for n in names},
+            "does not affect the loss: zeros", [], 0.0, 0.0,
+        )
+    ks = [kernel_for(s, acc, budget) for s in info.sites]
+    multi = len(info.sites) > 1
+    ghost_cross = multi and all(
+        cross_layout(info.sites[a], ks[a], info.sites[b], ks[b]) is not None
+        for a in range(len(ks))
+        for b in range(a + 1, len(ks))
+    )
+    # the tile of a multi-site leaf, as the engine sizes it
+    per_ex = tiling.prefer_per_example() and any(
+        k.kind == "dense" and k.c["N"] > 1 for k in ks
+    )
+    leaf_tile = tiling.tile_size(B, size * itemsize, budget, batched_ok=not per_ex)
+
+    def rule_of(r):
+        """(word, how, flops, bytes) of one reduction over the leaf's sites."""
+        out = []
+        for s, k in zip(info.sites, ks):
+            reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
+            rl = k.rule(r, B)
+            linear = isinstance(r, S.PhiSum) and r.phi is None
+            if multi and not linear and not isinstance(r, S.ClippedSum):
+                if isinstance(r, S.SqNorms) and ghost_cross:
+                    rl = dataclasses.replace(rl, how=rl.how + " + ghost cross terms")
+                else:
+                    t = leaf_tile
+                    rl = Rule(
+                        STREAMED,
+                        f"tiled products of the shared leaf ({t} example{'s' if t > 1 else ''}"
+                        "/tile)",
+                        2.0 * B * size,
+                        float(t * size * itemsize),
+                    )
+            if isinstance(r, S.ClippedSum):  # ingredients x and dy are kept until the norms
+                ing = sum(math.prod(v.aval.shape) for v in s.eqn.outvars) + math.prod(
+                    s.view_shape
+                )
+                rl = dataclasses.replace(
+                    rl, how=rl.how + " then weighted sum", bytes=rl.bytes + B * ing * itemsize
+                )
+            shared = rl.how.startswith("tiled products of the shared leaf")
+            label = f" [{s.kind}]" if multi and not shared else ""
+            out.append((rl.word, rl.how + label, rl.flops * reps, rl.bytes))
+        return out
+
+    rules, parts, flops, mem = {}, [], 0.0, 0.0
+    per_red = {r: rule_of(r) for r in reductions}
+    for name, req in zip(names, reqs):
+        entries = [e for r in req.values() for e in per_red[r]]
+        word = _dearest(e[0] for e in entries)
+        rules[name] = word
+        hows = ", ".join(dict.fromkeys(e[1] for e in entries))
+        parts.append(f"{name}: {word} ({hows})")
+    for entries in per_red.values():
+        flops += sum(e[2] for e in entries)
+        mem = max([mem] + [e[3] for e in entries])
+    for s in info.sites:
+        site_notes[s.path] = {"leaf": path, "kind": s.kind, "rules": rules}
+    return LeafReport(
+        path, shape, dtype, kinds, _dearest(rules.values()), rules, "; ".join(parts), [],
+        float(flops), float(mem),
+    )
 
 
-jax  # noqa: B018 - keep import for doctest namespace
+def _annotate(jaxpr, site_notes):
+    """The per-example jaxpr as text, each site line followed by its annotation."""
+    lines = []
+    pp = compat.EqnPrinter()
+
+    def walk(j, path, indent):
+        for k, eqn in enumerate(j.eqns):
+            p = path + (k,)
+            text = pp(eqn).replace("\n", "\n" + " " * indent)
+            note = site_notes.get(p)
+            src = compat.source_line(eqn)
+            if note:
+                rules = ", ".join(f"{n}={w}" for n, w in note["rules"].items())
+                text += f"    # site: {note['leaf']} {note['kind']}: {rules}"
+                if src:
+                    text += f" [{src}]"
+            lines.append(" " * indent + text)
+            for sub in compat.subjaxprs(eqn):
+                if any(q[: len(p)] == p and len(q) > len(p) for q in site_notes):
+                    lines.append(" " * (indent + 2) + f"-- inside {eqn.primitive}:")
+                    walk(sub, p, indent + 4)
+
+    walk(jaxpr, (), 0)
+    return "\n".join(lines)
+
+
+def _grad_cost(f, args, prep):
+    """XLA's FLOPs and temporary bytes of ``jax.grad`` of the loss (one compile)."""
+    nums = prep.argnums[0] if prep.single else prep.argnums
+
+    def loss_only(*a):
+        out = f(*a)
+        return out[0] if prep.opts.has_aux else out
+
+    try:
+        compiled = jax.jit(jax.grad(loss_only, argnums=nums)).lower(*args).compile()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        flops = float(cost.get("flops", 0.0)) or None
+        mem = float(compiled.memory_analysis().temp_size_in_bytes) or None
+        return flops, mem
+    except Exception:  # noqa: BLE001 - no estimate on this backend
+        return None, None

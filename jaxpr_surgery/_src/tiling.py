@@ -20,6 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxpr_surgery._src import compat
 from jaxpr_surgery._src import stats as S
 
 DEFAULT_MEMORY_BUDGET_BYTES = 64 << 20  # per tile of materialised per-example gradients
@@ -77,9 +78,6 @@ def reduce_tiles(make, B: int, reductions, tile: int, *, means=None, shape, dtyp
     tile = int(max(1, min(tile, B)))
     nfull, rem = divmod(B, tile)
     sq = [isinstance(r, S.SqNorms) for r in reductions]
-    acc0 = [
-        jnp.zeros((B,), dtype) if s else jnp.zeros(shape, dtype) for s in sq
-    ]
 
     def add(acc, b0, size):
         vals = _tile_values(make(b0, size).astype(dtype), reductions, means)
@@ -88,12 +86,21 @@ def reduce_tiles(make, B: int, reductions, tile: int, *, means=None, shape, dtyp
             for a, v, s in zip(acc, vals, sq)
         ]
 
-    if nfull == 1 and not rem:
-        acc = add(acc0, 0, tile)
-    else:
-        acc = jax.lax.fori_loop(0, nfull, lambda k, acc: add(acc, k * tile, tile), acc0)
-        if rem:
-            acc = add(acc, nfull * tile, rem)
+    # The first tile is peeled: the accumulators take its type (inside shard_map,
+    # the manual axes the values vary over), which the loop carry must keep.
+    first = _tile_values(make(0, tile).astype(dtype), reductions, means)
+    acc = [
+        jax.lax.dynamic_update_slice_in_dim(
+            compat.make_varying(jnp.zeros((B,), dtype), compat.vma_of(v)), v, 0, 0
+        )
+        if s
+        else v
+        for v, s in zip(first, sq)
+    ]
+    if nfull > 1:
+        acc = jax.lax.fori_loop(1, nfull, lambda k, acc: add(acc, k * tile, tile), acc)
+    if rem:
+        acc = add(acc, nfull * tile, rem)
     out = []
     for r, a, m in zip(reductions, acc, means):
         out.append(S.Moments(m, a) if isinstance(r, S.Centered) else a)

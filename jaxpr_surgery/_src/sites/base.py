@@ -10,12 +10,32 @@ materialised per-example gradients are computed after the backward pass.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import stats as S
 
 KERNELS: dict = {}
+
+# The rule vocabulary of ``explain`` (docs/explain.md): what a user pays.
+STREAMED = "streamed"  # no per-example tensor of the leaf (contraction, rank-one, ghost, tiled)
+MATERIALISED = "materialised"  # a [B, *leaf] per-example tensor of the leaf
+FALLBACK = "fallback"  # exact per-example gradient of the leaf (residual)
+UNUSED = "unused"  # the loss does not depend on the leaf
+RULE_ORDER = (UNUSED, STREAMED, MATERIALISED, FALLBACK)  # cheapest to dearest
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How one site computes one reduction (for explain)."""
+
+    word: str  # one of STREAMED, MATERIALISED, FALLBACK
+    how: str  # e.g. "ghost norm", "tiled per-example products (1 example/tile)"
+    flops: float  # estimated extra FLOPs
+    bytes: float  # estimated extra temporary memory
 
 
 def register(kind):
@@ -97,13 +117,14 @@ class Kernel:
         return weighted_sum_materialised(self.materialise(ing), c)
 
     # reporting ----------------------------------------------------------- #
-    def rule(self, reduction, B):
-        """(rule name, estimated extra FLOPs) for one reduction; for explain."""
-        import math
-
+    def rule(self, reduction, B) -> Rule:
+        """How this site computes ``reduction`` for a batch of ``B``; for explain."""
         out = sum(math.prod(v.aval.shape) for v in self.site.eqn.outvars)
         view = math.prod(self.site.view_shape)
-        return "per-example VJP (materialised)", float(2 * B * (out + view))
+        itemsize = jnp.dtype(self.acc).itemsize
+        return Rule(
+            MATERIALISED, "per-example VJP", float(2 * B * (out + view)), float(B * view * itemsize)
+        )
 
 
 def dn_batch(x):

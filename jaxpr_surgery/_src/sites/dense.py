@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src import tiling
-from jaxpr_surgery._src.sites.base import Kernel, register
+from jaxpr_surgery._src.sites.base import STREAMED, Kernel, Rule, register
 
 
 def _canon(site):
@@ -278,21 +278,34 @@ class DenseKernel(Kernel):
     def rule(self, reduction, B):
         c = self.c
         K, N, C, F = c["K"], c["N"], c["C"], c["F"]
-        tiled = 2 * B * K * N * C * F + 2 * B * K * C * F
+        it = jnp.dtype(self.acc).itemsize
+
+        def tiled():
+            t = self.tile(B)
+            return Rule(
+                STREAMED,
+                f"tiled per-example products ({t} example{'s' if t > 1 else ''}/tile)",
+                float(2 * B * K * N * C * F + 2 * B * K * C * F),
+                float(t * K * C * F * it),
+            )
+
         if isinstance(reduction, S.PhiSum):
             if reduction.phi is None:
-                return "contraction", 2 * B * K * N * C * F
+                return Rule(STREAMED, "contraction", float(2 * B * K * N * C * F), 0.0)
             if reduction.multiplicative and N == 1:
-                return "rank-one phi(x)^T phi(dy)", 2 * B * K * C * F
-            return "tiled per-example products", tiled
+                return Rule(STREAMED, "rank-one phi(x)^T phi(dy)", float(2 * B * K * C * F), 0.0)
+            return tiled()
         if isinstance(reduction, (S.SqNorms, S.ClippedSum)):
             if N == 1:
-                return "rank-one norms", 2 * B * K * (C + F)
+                return Rule(STREAMED, "rank-one norms", float(2 * B * K * (C + F)), 0.0)
             if self.use_ghost():
-                return "ghost norm", 2 * B * K * N * N * (C + F)
-            return "tiled per-example products", tiled
+                return Rule(
+                    STREAMED, "ghost norm", float(2 * B * K * N * N * (C + F)),
+                    float(2 * B * K * N * N * it),
+                )
+            return tiled()
         if isinstance(reduction, S.Centered):
             if N == 1:
-                return "rank-one centered", 12 * B * K * C * F
-            return "tiled per-example products", tiled
-        return "tiled per-example products", tiled
+                return Rule(STREAMED, "rank-one centered", float(12 * B * K * C * F), 0.0)
+            return tiled()
+        return tiled()

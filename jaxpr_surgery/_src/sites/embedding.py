@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.sites.base import Kernel, register
+from jaxpr_surgery._src.sites.base import MATERIALISED, STREAMED, Kernel, Rule, register
 
 
 def canonical_ids(ids, V):
@@ -69,6 +69,9 @@ class EmbeddingKernel(Kernel):
         eqn = site.eqn
         self.V, self.d = (int(s) for s in eqn.invars[0].aval.shape)
         self.mode = eqn.params["mode"]
+        from jaxpr_surgery._src.analysis import row_gather_layout
+
+        self.ncomp, self.row_comp = row_gather_layout(eqn)
 
     def prepare(self, w, ext, ext_batched, dy):
         from jax.lax import GatherScatterMode
@@ -76,7 +79,7 @@ class EmbeddingKernel(Kernel):
         idx = ext[self.site.ext_vars.index(self.site.eqn.invars[1])]
         (dy,) = dy
         B = dy.shape[0]
-        ids = canonical_ids(idx.reshape(B, -1), self.V)
+        ids = canonical_ids(idx.reshape(B, -1, self.ncomp)[..., self.row_comp], self.V)
         dy = dy.reshape(B, -1, self.d).astype(self.acc)
         if self.mode == GatherScatterMode.CLIP:
             valid = jnp.ones(ids.shape, bool)
@@ -157,13 +160,19 @@ class EmbeddingKernel(Kernel):
         return self._scatter(ids, dy * c.astype(dy.dtype)[:, None, None])
 
     def rule(self, reduction, B):
-        T = int(np.prod(self.site.eqn.invars[1].aval.shape[:-1]))
-        seg = 2 * B * T * T * self.d
+        T = int(np.prod(self.site.eqn.outvars[0].aval.shape)) // self.d
+        it = jnp.dtype(self.acc).itemsize
         if isinstance(reduction, S.PhiSum) and reduction.phi is None:
-            return "scatter-add", B * T * self.d
+            return Rule(STREAMED, "scatter-add", float(B * T * self.d), 0.0)
         if isinstance(reduction, S.PhiSum) and not _phi_zero_is_zero(reduction):
-            return "materialise per-example", B * self.V * self.d
-        return "segment-sum (T x T ids mask)", seg
+            return Rule(
+                MATERIALISED, "per-example table (phi(0) != 0)", float(B * self.V * self.d),
+                float(B * self.V * self.d * it),
+            )
+        return Rule(
+            STREAMED, "segment sums (T x T ids mask)", float(2 * B * T * T * self.d),
+            float(B * T * (T + self.d) * it),
+        )
 
 
 @register("onehot-embedding")
