@@ -238,7 +238,7 @@ def test_layer_kinds_rules_and_oracle(key):
         params, batch)
     arr = lambda t: [x for x in jax.tree.leaves(t) if hasattr(x, "shape")]  # noqa: E731
     one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
-    if isinstance(params, dict) or not hasattr(params, "__call__"):
+    if isinstance(params, dict) or not callable(params):
         g = jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch)
     else:  # an Equinox model: differentiate its inexact arrays
         import equinox as eqx
