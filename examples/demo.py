@@ -126,22 +126,35 @@ def main(argv=None):
     loss, out = stat_fn(params, batch)
     print(f"\nloss = {float(loss):.4f}")
     print("per-example gradient norms:", np.array2string(np.asarray(out["norms"]), precision=3))
-    print(f"gradient noise scale tr(Sigma)/|g|^2 = {float(out['noise_scale']):.2f}")
+    print(
+        "gradient noise scale tr(Sigma)/|G|^2 (unbiased pieces) = "
+        f"{float(out['noise_scale']):.2f}"
+    )
 
     # the oracle: materialise every per-example gradient
     per_example = lambda p, ex: loss_fn(p, jax.tree.map(lambda x: x[None], ex))  # noqa: E731
     vmap_grad = jax.jit(jax.vmap(jax.grad(per_example), in_axes=(None, 0)))
     G = vmap_grad(params, batch)
     B = args.batch_size
-    sq = sum(jnp.sum(g.reshape(B, -1) ** 2, 1) for g in jax.tree.leaves(G))
-    clip = jnp.minimum(1.0, 1.0 / jnp.sqrt(sq))
-    ref = {
-        "mean": jax.tree.map(lambda g: g.mean(0), G),
-        "second_moment": jax.tree.map(lambda g: (g**2).mean(0), G),
-        "variance": jax.tree.map(lambda g: g.var(0, ddof=1), G),
-        "norms": jnp.sqrt(sq),
-        "clipped_mean": jax.tree.map(lambda g: jnp.tensordot(clip, g, (0, 0)) / B, G),
-    }
+
+    def reference(G):
+        """The same six statistics from materialised per-example gradients."""
+        sq = sum(jnp.sum(g.reshape(B, -1) ** 2, 1) for g in jax.tree.leaves(G))
+        clip = jnp.minimum(1.0, 1.0 / jnp.sqrt(sq))
+        var = jax.tree.map(lambda g: g.var(0, ddof=1), G)
+        tr = sum(jnp.sum(v) for v in jax.tree.leaves(var))
+        g2 = sum(jnp.sum(g.mean(0) ** 2) for g in jax.tree.leaves(G)) - tr / B
+        return {
+            "mean": jax.tree.map(lambda g: g.mean(0), G),
+            "second_moment": jax.tree.map(lambda g: (g**2).mean(0), G),
+            "variance": var,
+            "norms": jnp.sqrt(sq),
+            "clipped_mean": jax.tree.map(lambda g: jnp.tensordot(clip, g, (0, 0)) / B, G),
+            "noise_scale": jnp.where(g2 > 0, tr / g2, jnp.inf),
+        }
+
+    ref = reference(G)
+    vmap_stats = jax.jit(lambda p, b: reference(vmap_grad(p, b)))
     print("\n== check against jax.vmap(jax.grad(per_example_loss)) ==")
     for name, r in ref.items():
         err = max(
@@ -149,16 +162,16 @@ def main(argv=None):
             for a, b in zip(jax.tree.leaves(out[name]), jax.tree.leaves(r))
         )
         print(f"{name:14s} max relative error {err:.1e}")
-        assert err < 1e-4, name
+        assert err < 1e-4 or (name == "noise_scale" and not np.isfinite(float(r))), name
 
     if not args.quick:
         print("\n== time (median of 5, this machine) ==")
         t_grad = _time(jax.jit(jax.grad(loss_fn)), params, batch)
         t_ours = _time(stat_fn, params, batch)
-        t_vmap = _time(vmap_grad, params, batch)
-        print(f"jax.grad                      {t_grad * 1e3:8.2f} ms  1.00x")
-        print(f"all 6 statistics, one pass    {t_ours * 1e3:8.2f} ms  {t_ours / t_grad:.2f}x")
-        print(f"vmap(grad) (gradients only)   {t_vmap * 1e3:8.2f} ms  {t_vmap / t_grad:.2f}x")
+        t_vmap = _time(vmap_stats, params, batch)
+        print(f"jax.grad (the mean only)            {t_grad * 1e3:8.2f} ms  1.00x")
+        print(f"jaxpr_surgery, 6 statistics         {t_ours * 1e3:8.2f} ms  {t_ours / t_grad:.2f}x")
+        print(f"vmap(grad) + reductions, same 6     {t_vmap * 1e3:8.2f} ms  {t_vmap / t_grad:.2f}x")
 
 
 if __name__ == "__main__":

@@ -343,6 +343,25 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
         ]
         return sum(own) + 2 * sum(crosses)
 
+    deferred[i] = weighted
+    if len(ings) == 1:
+        # one site: all reductions in one call, so they share its tile loop
+        s, k, ing = ings[0]
+        req = {
+            rkey(j): r for j, r in enumerate(plan.reductions) if not isinstance(r, S.ClippedSum)
+        }
+        sq_key = next((key for key, r in req.items() if isinstance(r, S.SqNorms)), None)
+        if plan.needs_norms and sq_key is None:
+            sq_key = "norms"
+            req[sq_key] = S.SqNorms()
+        out = _stacked(lambda ing: k.direct_all(k.ctx(ing), req), s.depth)(ing)
+        for j, r in enumerate(plan.reductions):
+            if rkey(j) in out:
+                values[j][i] = _direct_to_leaf(s, r, out[rkey(j)], B)
+        if plan.needs_norms:
+            norms_leaf[i] = _direct_to_leaf(s, S.SqNorms(), out[sq_key], B)
+        return
+
     # the plain sum is a contraction per site even when G_b is materialised for
     # other reductions: measured faster on XLA:CPU than a second consumer of G_b
     materialising = False
@@ -354,10 +373,6 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
             values[j][i] = weighted(jnp.ones((B,), acc))
         elif isinstance(r, S.SqNorms) and (v := sq_norms()) is not None:
             values[j][i] = v
-        elif len(ings) == 1:
-            s, k, ing = ings[0]
-            fn = lambda ing, k=k, r=r: k.direct(k.ctx(ing), r)  # noqa: E731
-            values[j][i] = _direct_to_leaf(s, r, _stacked(fn, s.depth)(ing), B)
         else:
             todo.append(j)
     if plan.needs_norms:
@@ -378,4 +393,3 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
                 norms_leaf[i] = v
             else:
                 values[j][i] = v
-    deferred[i] = weighted
