@@ -21,8 +21,9 @@ from benchmarks.run import ALL_STATS, evaluate_targets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-METHOD_STYLE = {"js": "-", "vmap": "--", "micro_grad": ":", "micro_grad_mb": "-."}
-METHOD_MARK = {"js": "o", "vmap": "s", "micro_grad": "^", "micro_grad_mb": "v"}
+METHOD_STYLE = {"js": "-", "js_chunk": "-", "vmap": "--", "micro_grad": ":",
+                "micro_grad_mb": "-."}
+METHOD_MARK = {"js": "o", "js_chunk": "D", "vmap": "s", "micro_grad": "^", "micro_grad_mb": "v"}
 STAT_COLOR = {s: f"C{i}" for i, s in enumerate(ALL_STATS)}
 REGIME_ORDER = ["mlp", "cnn", "short", "long", "vocab", "scan_remat"]
 
@@ -177,7 +178,8 @@ def render_md(doc, img_paths, md_path):
              "`jax.vmap(jax.grad(per_example_loss))` + the same reduction (`vmap`), and "
              "`optax.microbatching.micro_grad` with `transform_fn`/`metrics_fn` computing the "
              "same statistic, without microbatching (`micro_grad`) and with 4 microbatches "
-             "(`micro_grad_mb`, a `fori_loop`).")
+             "(`micro_grad_mb`, a `fori_loop`); `js_chunk` is `js` with `chunk_size=B/4`, the "
+             "same memory trade as `micro_grad_mb`.")
     L.append("")
     L.append("Reproduce: `python -m benchmarks.run [--quick] [--regimes ...] "
              "[--out benchmarks/results/NAME.json]`, then `python -m benchmarks.plot "
@@ -224,7 +226,8 @@ def render_md(doc, img_paths, md_path):
     L.append("")
     cols = [("js", "second_moment"), ("vmap", "second_moment"), ("js", "sign_mean"),
             ("js", "variance"), ("js", "sq_norms"), ("js", "clipped_mean"),
-            ("js", "mean+second_moment"), ("micro_grad_mb", "second_moment")]
+            ("js", "mean+second_moment"), ("js_chunk", "second_moment"),
+            ("micro_grad_mb", "second_moment")]
     L.append("| regime | B | grad ms | " + " | ".join(f"{m}:{s}" for m, s in cols) + " |")
     L.append("|---|---|---|" + "---|" * len(cols))
     for reg in _regimes(doc):

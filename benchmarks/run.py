@@ -70,7 +70,8 @@ SCHEMA_VERSION = 1
 CLIP_NORM = 1.0
 ALL_STATS = ["mean", "second_moment", "variance", "sign_mean", "sq_norms", "clipped_mean",
              "mean+second_moment"]
-BASELINES = ["vmap", "micro_grad", "micro_grad_mb"]
+# js_chunk: per_example_stat with chunk_size = B // 4, the memory of micro_grad_mb
+BASELINES = ["js_chunk", "vmap", "micro_grad", "micro_grad_mb"]
 N_MICROBATCHES = 4
 
 RESULT_FIELDS = [
@@ -107,15 +108,18 @@ class Regime:
 CORE4 = ["second_moment", "sq_norms", "clipped_mean", "mean+second_moment"]
 FULL_PLAN = {
     "js": (ALL_STATS, ALL_STATS),
+    "js_chunk": (["second_moment", "sign_mean"], ["second_moment", "sign_mean"]),
     "vmap": (ALL_STATS, ["second_moment", "sq_norms"]),
     "micro_grad": (["second_moment", "sq_norms"], ["second_moment"]),
-    "micro_grad_mb": (["second_moment", "sq_norms"], ["second_moment"]),
+    "micro_grad_mb": (["second_moment", "sq_norms", "sign_mean"], ["second_moment", "sign_mean"]),
 }
 EVERYTHING_PLAN = {m: (ALL_STATS, ALL_STATS) for m in ["js"] + BASELINES}
 QUICK_PLAN_FULL = {"js": (ALL_STATS, ALL_STATS),
                    **{m: (["second_moment"], ["second_moment"]) for m in BASELINES}}
 QUICK_PLAN = {"js": (["second_moment", "sq_norms", "mean+second_moment"],) * 2,
-              "vmap": (["second_moment"], ["second_moment"])}
+              "js_chunk": (["second_moment"], ["second_moment"]),
+              "vmap": (["second_moment"], ["second_moment"]),
+              "micro_grad_mb": (["second_moment"], ["second_moment"])}
 QUICK_PLAN_SCAN = {"js": (["second_moment"], ["second_moment"]),
                    "vmap": (["second_moment"], ["second_moment"])}
 # quick mode checks the harness, not the numbers: compile without LLVM optimisation
@@ -288,6 +292,9 @@ def make_method(model: models.Model, method: str, stat: str, B: int,
         return jax.grad(loss)
     if method == "js":
         return js.per_example_stat(loss, js_stat(stat), chunk_size=chunk_size)
+    if method == "js_chunk":  # equal memory to micro_grad_mb: the same chunk
+        mb = microbatch_size if microbatch_size is not None else microbatch_size_for(B)
+        return js.per_example_stat(loss, js_stat(stat), chunk_size=mb)
     if method == "vmap":
         def per_example_loss(p, ex):
             return loss(p, jax.tree.map(lambda x: x[None], ex))
@@ -410,7 +417,7 @@ def run_config(model, regime, B, entries, st):
         row = {k: None for k in RESULT_FIELDS}
         row.update(regime=regime.name, batch=B, method=method, statistic=stat,
                    label=method if method == "grad" else f"{method}:{stat}", ok=False)
-        if method == "micro_grad_mb":
+        if method in ("micro_grad_mb", "js_chunk"):
             row["microbatch_size"] = microbatch_size_for(B)
         samples: list[float] = []
         try:
@@ -663,6 +670,38 @@ def evaluate_targets(rows):
                 val = both["time_median_s"] / a["time_median_s"]
             add("fused_vs_single", "js mean+second_moment time <= 1.1x second_moment alone",
                 reg, B, "mean+second_moment / second_moment", val, 1.1)
+    # token-axis statistics on transformers (the tokens issue)
+    for reg, tmax in (("short", 1.6), ("long", 1.1)):
+        for B in batches(reg):
+            for s in ["second_moment", "sign_mean"]:
+                r = _row(rows, reg, B, "js", s)
+                ok = r is not None and r["ok"]
+                add("tokens_time", "tokens: js E[g^2]/E[sign] default time <= 1.6x grad (short), "
+                    "1.1x (long)", reg, B, s, r["time_ratio"] if ok else None, tmax)
+                add("tokens_mem", "tokens: js E[g^2]/E[sign] default temp memory <= 1.3x grad",
+                    reg, B, s, r["temp_ratio"] if ok else None, 1.3)
+    for reg in regimes:
+        for B in batches(reg):
+            for s in ["second_moment", "sign_mean"]:
+                c = _row(rows, reg, B, "js_chunk", s)
+                m = _row(rows, reg, B, "micro_grad_mb", s)
+                tv = mv = None
+                if c and m and c["ok"] and m["ok"] and m["time_median_s"]:
+                    tv = c["time_median_s"] / m["time_median_s"]
+                    mv = c["temp_bytes"] / max(m["temp_bytes"], 1)
+                if c is None and m is None:
+                    continue
+                add("equal_mem_time", "equal memory (chunk B/4): js time <= 0.8x micro_grad "
+                    "(microbatch B/4)", reg, B, s, tv, 0.8)
+                add("equal_mem_mem", "equal memory (chunk B/4): js temp memory <= micro_grad's",
+                    reg, B, s, mv, 1.0)
+            a = _row(rows, reg, B, "js", "second_moment")
+            v = _row(rows, reg, B, "js", "variance")
+            val = None
+            if a and v and a["ok"] and v["ok"] and a["time_median_s"]:
+                val = v["time_median_s"] / a["time_median_s"]
+                add("var_vs_sm", "js variance time <= 1.2x second_moment alone", reg, B,
+                    "variance / second_moment", val, 1.2)
     for B in batches("scan_remat"):
         for s in ALL_STATS:
             r = _row(rows, "scan_remat", B, "js", s)

@@ -22,3 +22,7 @@ from jaxpr_surgery._src.stats import snr as snr
 from jaxpr_surgery._src.stats import sq_norms as sq_norms
 from jaxpr_surgery._src.stats import sum as sum  # noqa: A004
 from jaxpr_surgery._src.stats import variance as variance
+from jaxpr_surgery._src.stats_research import fourth_moment as fourth_moment
+from jaxpr_surgery._src.stats_research import gradient_diversity as gradient_diversity
+from jaxpr_surgery._src.stats_research import kurtosis as kurtosis
+from jaxpr_surgery._src.stats_research import norm_quantiles as norm_quantiles

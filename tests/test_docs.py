@@ -222,6 +222,7 @@ DOCTEST_MODULES = [
     "jaxpr_surgery._src.api",
     "jaxpr_surgery._src.explain",
     "jaxpr_surgery._src.stats",
+    "jaxpr_surgery._src.stats_research",
     "jaxpr_surgery._src.optim.adam",
     "jaxpr_surgery._src.optim.dp",
     "jaxpr_surgery._src.optim.monitor",

@@ -247,3 +247,81 @@ def test_undefined_estimates_raise(stat, B):
     w, b = jnp.ones(3), {"x": jnp.arange(3.0 * B).reshape(B, 3)}
     with pytest.raises(ValueError, match=f"B={B}"):
         js.per_example_stat(loss, stat())(w, b)
+
+
+# --------------------------------------------------------------------------- #
+# 7. check_per_example compares gradients, accepts sum losses, says what is wrong
+# --------------------------------------------------------------------------- #
+def _lin_case():
+    r = np.random.default_rng(5)
+    w = jnp.asarray(r.standard_normal(3), jnp.float32)
+    b = {"x": jnp.asarray(r.standard_normal((6, 3)), jnp.float32),
+         "y": jnp.asarray(r.standard_normal(6), jnp.float32)}
+    return w, b
+
+
+def test_check_per_example_catches_gradient_only_interaction():
+    w, b = _lin_case()
+
+    def loss(w, b):  # value: the mean loss; gradient scaled by a batch statistic
+        per = (b["x"] @ w - b["y"]) ** 2
+        s = jnp.std(b["x"] @ w)
+        return jnp.mean(per) + jnp.mean(per) * (s - jax.lax.stop_gradient(s))
+
+    # the loss value equals the mean of per-example losses ...
+    np.testing.assert_allclose(loss(w, b), jnp.mean((b["x"] @ w - b["y"]) ** 2), rtol=1e-6)
+    with pytest.raises(ValueError, match="gradients do not"):
+        js.check_per_example(loss)(w, b)
+
+
+def test_check_per_example_accepts_sum_losses_and_rejects_jit():
+    w, b = _lin_case()
+    sum_loss = lambda w, b: jnp.sum((b["x"] @ w - b["y"]) ** 2)  # noqa: E731
+    assert js.check_per_example(sum_loss)(w, b) is None
+    with pytest.raises(TypeError, match="outside jit"):
+        jax.jit(lambda w, b: js.check_per_example(sum_loss)(w, b))(w, b)
+    with pytest.raises(ValueError, match="empty"):
+        js.check_per_example(sum_loss)(w, {"x": b["x"][:0], "y": b["y"][:0]})
+
+
+def test_string_in_aux_is_a_clear_error():
+    w, b = _lin_case()
+
+    def loss(w, b):
+        return jnp.mean((b["x"] @ w - b["y"]) ** 2), {"note": "hello"}
+
+    with pytest.raises(TypeError, match="not an array in its aux output"):
+        js.per_example_stat(loss, js.stats.mean(), has_aux=True)(w, b)
+
+
+def test_eager_calls_trace_once_per_signature():
+    w, b = _lin_case()
+    count = {"n": 0}
+
+    def loss(w, b):
+        count["n"] += 1
+        return jnp.mean((b["x"] @ w - b["y"]) ** 2)
+
+    f = js.per_example_stat(loss, js.stats.second_moment())
+    first = f(w, b)
+    n = count["n"]
+    second = f(w + 1.0, b)  # same signature: no new trace
+    assert count["n"] == n
+    assert not np.allclose(first, second)
+    f(w, {"x": b["x"][:4], "y": b["y"][:4]})  # new shape: traced again
+    assert count["n"] > n
+
+
+def test_debug_print_of_parameters_is_no_fallback(capsys):
+    w, b = _lin_case()
+
+    def loss(w, b):
+        jax.debug.print("w[0]={x}", x=w[0])
+        jax.debug.print("w={w}", w=w)
+        return jnp.mean((b["x"] @ w - b["y"]) ** 2)
+
+    rep = js.explain(loss)(w, b)
+    assert rep.fallback_leaves == [], str(rep)
+    m2 = js.per_example_stat(loss, js.stats.second_moment())(w, b)
+    g = _per_example_grads(loss, w, b)
+    np.testing.assert_allclose(m2, (g**2).mean(0), rtol=1e-5)

@@ -251,6 +251,8 @@ class _Analyzer:
 
         if not params_tags:
             return [DATA if has_data else None] * n_out
+        if n_out == 0:  # effects only (jax.debug.print, callbacks): no gradient flows
+            return []
 
         if compat.subjaxprs(eqn) or prim in compat.custom_prims:
             self.residual_all(params_tags, f"used inside {prim}" + _at(eqn))

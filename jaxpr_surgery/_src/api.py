@@ -218,9 +218,20 @@ class _Prepared:
             return flat
 
         def trace_one(ex_leaves):
-            closed, shapes = jax.make_jaxpr(flat_pe, return_shape=True)(
-                self.diff_leaves, ex_leaves, self.other_leaves
-            )
+            try:
+                closed, shapes = jax.make_jaxpr(flat_pe, return_shape=True)(
+                    self.diff_leaves, ex_leaves, self.other_leaves
+                )
+            except TypeError as e:
+                if "not a valid JAX type" not in str(e):
+                    raise
+                raise TypeError(
+                    f"{self.name}: fn returned a value that is not an array"
+                    + (" in its aux output" if self.opts.has_aux else "")
+                    + ": the loss (and aux, with has_aux=True) must be pytrees of arrays; "
+                    "return strings and other Python objects outside the function. "
+                    f"({e})"
+                ) from None
             holder["closed"], holder["shapes"] = closed, shapes
             return jnp.zeros(())
 
@@ -454,8 +465,7 @@ def value_and_per_example_stat(
     if not callable(fn):
         raise TypeError(f"{name}: fn must be callable, got {fn!r}.")
 
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
+    def direct(args, kwargs):
         # keyword arguments pass through like jax.grad's: neither differentiated nor batched
         f = functools.partial(fn, **kwargs) if kwargs else fn
         prep = _Prepared(f, args, opts, name)
@@ -469,6 +479,34 @@ def value_and_per_example_stat(
                 *prep.explicit,
             )
         return ((loss, aux) if opts.has_aux else loss), result
+
+    # Eager calls are compiled once per argument structure (jax.jit then caches per
+    # shape and dtype), so they neither re-trace nor re-analyse; under a transformation
+    # (jit, grad, vmap, pmap, shard_map) the computation is traced into the caller's.
+    compiled = {}
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return direct(args, kwargs)
+        is_arr = tuple(_is_array(x) for x in leaves)
+        static = tuple(None if a else x for a, x in zip(is_arr, leaves))
+        try:
+            key = (tree, is_arr, static)
+            hash(key)
+        except TypeError:  # an unhashable static leaf: no cache
+            return direct(args, kwargs)
+        if key not in compiled:
+
+            def run(arrays, key=key):
+                it = iter(arrays)
+                full = [next(it) if a else s for a, s in zip(key[1], key[2])]
+                a, k = jax.tree.unflatten(key[0], full)
+                return direct(a, k)
+
+            compiled[key] = jax.jit(run)
+        return compiled[key]([x for x, a in zip(leaves, is_arr) if a])
 
     return wrapped
 
@@ -552,58 +590,131 @@ def per_example_stat(
 def check_per_example(
     fn: Callable[..., Any],
     *,
+    argnums: int | Sequence[int] = 0,
     batch_argnums: int | Sequence[int] = 1,
     has_aux: bool = False,
     rtol: float | None = None,
     atol: float | None = None,
+    seed: int = 0,
 ) -> Callable[..., None]:
-    r"""Checks that ``fn`` is a mean of independent per-example losses; raises if not.
+    r"""Checks that ``fn`` is a mean (or sum) of independent per-example losses; raises if not.
 
-    Compares ``fn(*args)`` with \(\frac1B\sum_b \mathrm{fn}(\ldots, \mathrm{batch}[b{:}b{+}1])\).
+    Two comparisons, both against the per-example losses
+    \(l_b = \mathrm{fn}(\ldots, \mathrm{batch}[b{:}b{+}1])\):
+
+    * the value: ``fn(*args)`` must equal \(\frac1B\sum_b l_b\) (a mean loss) or
+      \(\sum_b l_b\) (a sum loss);
+    * the gradient, cheaply: the derivative of ``fn`` along a random direction of the
+      differentiated arguments (``argnums``) must equal the mean (or sum) of the
+      per-example derivatives. This catches examples that interact only through
+      the gradient, such as a ``stop_gradient``-ed batch statistic.
+
     Models whose examples interact (batch norm in training mode, in-batch
     negatives, normalising by the whole batch's token count) fail: their
     per-example gradients are not defined, and every statistic computed with
     the batch-of-one convention would silently describe a different model.
+    It is a one-off check on concrete values: call it outside ``jit``.
 
     Returns:
       A function of ``fn``'s arguments that returns ``None`` or raises ``ValueError``.
     """
 
     def check(*args):
-        nums = _norm_nums(batch_argnums, "batch_argnums", len(args))
+        name = "check_per_example"
+        nargs = len(args)
+        nums = _norm_nums(batch_argnums, "batch_argnums", nargs)
+        dnums = _norm_nums(argnums, "argnums", nargs)
+        leaves_all = jax.tree.leaves(args)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves_all):
+            raise TypeError(
+                f"{name}: called on traced values (inside jit, vmap or grad). It is a one-off "
+                "check on concrete values: call it once outside jit, e.g. on the first batch."
+            )
         batch = tuple(args[i] for i in nums)
         leaves, tree = jax.tree.flatten(batch)
         sizes = {int(np.shape(x)[0]) for x in leaves if np.ndim(x) > 0}
-        if len(sizes) != 1 or any(np.ndim(x) == 0 for x in leaves):
+        if not leaves or len(sizes) != 1 or any(np.ndim(x) == 0 for x in leaves):
             raise ValueError(
-                "check_per_example: every batch leaf needs the same leading example axis; got "
+                f"{name}: every batch leaf needs the same leading example axis; got "
                 f"shapes {[np.shape(x) for x in leaves]}."
             )
-        full = fn(*args)
-        full = full[0] if has_aux else full
+        (B,) = sizes
+        if B == 0:
+            raise ValueError(f"{name}: the batch is empty (0 examples); nothing to check.")
 
-        def one(ex):
-            a = list(args)
-            for k, i in enumerate(nums):
-                a[i] = jax.tree.unflatten(tree, [x[None] for x in ex])[k]
+        def value(a):
             out = fn(*a)
             return out[0] if has_aux else out
 
-        per = jax.vmap(one)(leaves)
-        mean = jnp.mean(per)
+        def with_batch(a, ex_leaves):
+            a = list(a)
+            for k, i in enumerate(nums):
+                a[i] = jax.tree.unflatten(tree, ex_leaves)[k]
+            return a
+
+        # a random direction in the float leaves of the differentiated arguments
+        diff = tuple(args[i] for i in dnums)
+        dflat, dtree = jax.tree.flatten(diff)
+        fl = [_is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in dflat]
+        rng = np.random.default_rng(seed)
+        tang = [
+            jnp.asarray(rng.standard_normal(np.shape(x)), jnp.result_type(x))
+            for x, f in zip(dflat, fl)
+            if f
+        ]
+
+        def along(a):
+            """(value, derivative along the random direction) of fn at ``a``."""
+            base = [x for x, f in zip(dflat, fl) if f]
+
+            def g(floats):
+                it = iter(floats)
+                d = jax.tree.unflatten(dtree, [next(it) if f else x for x, f in zip(dflat, fl)])
+                a2 = list(a)
+                for k, i in enumerate(dnums):
+                    a2[i] = d[k]
+                return value(a2)
+
+            if not base:
+                return g([]), jnp.zeros(())
+            return jax.jvp(g, (base,), (tang,))
+
+        full, dfull = along(args)
+        per, dper = jax.vmap(lambda ex: along(with_batch(args, [x[None] for x in ex])))(leaves)
         dt = jnp.result_type(full)
         r = rtol if rtol is not None else (1e-9 if dt == jnp.float64 else 1e-4)
         a_ = atol if atol is not None else (1e-12 if dt == jnp.float64 else 1e-6)
-        full_v, mean_v = float(full), float(mean)
-        if not abs(full_v - mean_v) <= a_ + r * abs(mean_v):
+        full_v, dfull_v = float(full), float(dfull)
+        per, dper = np.asarray(per, np.float64), np.asarray(dper, np.float64)
+
+        def close(x, y, scale):
+            return abs(x - y) <= a_ + r * scale
+
+        mean_v, sum_v = per.mean(), per.sum()
+        if close(full_v, mean_v, abs(mean_v) + np.abs(per).mean()):
+            kind, dref = "mean", dper.mean()
+            dscale = np.abs(dper).mean()
+        elif B > 1 and close(full_v, sum_v, abs(sum_v) + np.abs(per).sum()):
+            kind, dref = "sum", dper.sum()
+            dscale = np.abs(dper).sum()
+        else:
             raise ValueError(
-                f"check_per_example: fn(batch) = {full_v:.8g} but the mean of the per-example "
-                f"losses fn(batch[b:b+1]) is {mean_v:.8g}: the examples of this model interact "
-                "(batch norm, in-batch negatives, normalising by the batch's token count, ...). "
-                "Per-example gradients of such a model are not defined; statistics computed by "
-                "jaxpr_surgery would describe each example alone in a batch of one. Make the loss "
-                "a mean of independent per-example terms (e.g. batch norm in inference mode, "
-                "per-example normalisation)."
+                f"{name}: fn(batch) = {full_v:.8g} but the mean of the per-example losses "
+                f"fn(batch[b:b+1]) is {mean_v:.8g} (their sum {sum_v:.8g}): the examples of "
+                "this model interact (batch norm, in-batch negatives, normalising by the batch's "
+                "token count, ...). Per-example gradients of such a model are not defined; "
+                "statistics computed by jaxpr_surgery would describe each example alone in a "
+                "batch of one. Make the loss a mean of independent per-example terms (e.g. batch "
+                "norm in inference mode, per-example normalisation)."
+            )
+        if not close(dfull_v, dref, abs(dref) + dscale):
+            raise ValueError(
+                f"{name}: the loss values agree ({kind} of per-example losses), but the "
+                f"gradients do not: along a random direction of argnums={argnums}, fn's "
+                f"derivative is {dfull_v:.8g} and the {kind} of the per-example derivatives is "
+                f"{dref:.8g}. The examples interact through the gradient only (e.g. a "
+                "stop_gradient-ed batch statistic, or a batch-dependent weight); per-example "
+                "gradients of such a model describe a different function."
             )
 
     return check

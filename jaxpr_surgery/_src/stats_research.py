@@ -1,0 +1,170 @@
+"""Statistics researchers ask for: higher moments, gradient diversity, norm quantiles.
+
+Each is a `Statistic` over the same reductions as the built-ins (so it costs what
+they cost and composes with every option); exported from `jaxpr_surgery.stats`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxpr_surgery._src import stats as S
+
+CUBE = S.PhiSum(lambda g: g * g * g, multiplicative=True, name="cube", _builtin=True)
+ABS_CUBE = S.PhiSum(lambda g: jnp.abs(g) ** 3, multiplicative=True, name="abs cube",
+                    _builtin=True)
+FOURTH = S.PhiSum(lambda g: jnp.square(jnp.square(g)), multiplicative=True, name="fourth",
+                  _builtin=True)
+
+_is_moments = lambda x: isinstance(x, S.Moments)  # noqa: E731
+
+
+class _Fourth(S.Statistic):
+    _name = "fourth_moment"
+
+    def reductions(self):
+        return {"p4": FOURTH}
+
+    def finalize(self, values, count):
+        return jax.tree.map(lambda s: s / count, values["p4"])
+
+
+class _Kurtosis(S.Statistic):
+    _name = "kurtosis"
+
+    def reductions(self):
+        return {"s": S.SUM, "c": S.Centered(), "p3": CUBE, "a3": ABS_CUBE, "p4": FOURTH}
+
+    def finalize(self, values, count):
+        S.check_count(count, 1, "kurtosis")
+
+        def one(s, c, p3, a3, p4):
+            mu = c.mean
+            e3, ea3, e4 = p3 / count, a3 / count, p4 / count
+            var = c.m2 / count  # population variance (exact, centred)
+            mu2, mu4 = jnp.square(mu), jnp.square(jnp.square(mu))
+            e2 = var + mu2
+            m4 = e4 - 4 * mu * e3 + 6 * mu2 * e2 - 3 * mu4
+            # the raw-moment expansion cancels where |mean| >> spread: NaN there,
+            # never a silently wrong number
+            scale = e4 + 4 * jnp.abs(mu) * ea3 + 6 * mu2 * e2 + 3 * mu4
+            eps = jnp.finfo(m4.dtype).eps
+            ok = m4 > 1e3 * eps * scale
+            kurt = m4 / jnp.where(var > 0, jnp.square(var), 1)
+            return jnp.where(var > 0, jnp.where(ok, kurt, jnp.nan), jnp.nan)
+
+        return jax.tree.map(one, values["s"], values["c"], values["p3"], values["a3"],
+                            values["p4"], is_leaf=_is_moments)
+
+
+class _Diversity(S.Statistic):
+    _name = "gradient_diversity"
+
+    def reductions(self):
+        return {"n": S.SqNorms(), "s": S.SUM}
+
+    def finalize(self, values, count):
+        leaves = jax.tree.leaves(values["n"])
+        dt = jnp.result_type(jnp.float32, *[x.dtype for x in leaves])
+        num = sum(jnp.sum(x.astype(dt)) for x in leaves)
+        den = sum(jnp.sum(jnp.square(x.astype(dt))) for x in jax.tree.leaves(values["s"]))
+        return S._safe_ratio(num, den)
+
+
+class _NormQuantiles(S.Statistic):
+    _name = "norm_quantiles"
+
+    def __init__(self, q, per_leaf):
+        self.q = tuple(float(x) for x in q)
+        self.per_leaf = per_leaf
+
+    def reductions(self):
+        return {"n": S.SqNorms()}
+
+    def finalize(self, values, count):
+        q = jnp.asarray(self.q)
+        if self.per_leaf:
+            return jax.tree.map(lambda n: jnp.quantile(jnp.sqrt(n), q), values["n"])
+        leaves = jax.tree.leaves(values["n"])
+        return jnp.quantile(jnp.sqrt(sum(leaves[1:], leaves[0])), q)
+
+
+def fourth_moment() -> S.Statistic:
+    r"""Elementwise fourth moment \(\frac1B\sum_b g_b^4\).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> # per-example gradients at w = 0: [-2, 0], [0, -4], [-6, -6]
+      >>> out = js.per_example_stat(loss, js.stats.fourth_moment())(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(2))
+      [437.33 517.33]
+    """
+    return _Fourth()
+
+
+def kurtosis() -> S.Statistic:
+    r"""Per-coordinate kurtosis \(E[(g-\mu)^4]/\sigma^4\) of the per-example gradients
+    (population moments, not excess: 3 for a Gaussian).
+
+    The central fourth moment comes from raw moments (one pass, no per-example
+    gradients); where those cancel, because the mean dominates the spread, the
+    result is NaN rather than a wrong number, and so is it where the variance is 0.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> out = js.per_example_stat(loss, js.stats.kurtosis())(jnp.zeros(2), batch)
+      >>> print(np.asarray(out, float).round(4))
+      [1.5 1.5]
+    """
+    return _Kurtosis()
+
+
+def gradient_diversity() -> S.Statistic:
+    r"""Gradient diversity \(\sum_b\|g_b\|^2 / \|\sum_b g_b\|^2\) (Yin et al., 2018), a scalar.
+
+    It is \(1/B\) when all per-example gradients agree and grows as they
+    disagree; the speed-up of a larger batch saturates once \(B\) exceeds
+    about \(B\times\) the diversity.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> out = js.per_example_stat(loss, js.stats.gradient_diversity())(jnp.zeros(2), batch)
+      >>> print(round(float(out), 4))
+      0.561
+    """
+    return _Diversity()
+
+
+def norm_quantiles(q: Sequence[float] = (0.1, 0.5, 0.9), per_leaf: bool = True) -> S.Statistic:
+    r"""Quantiles of the per-example gradient norms \(\|g_b\|\) over the batch.
+
+    Args:
+      q: quantile levels in ``[0, 1]``.
+      per_leaf: a pytree like params of ``[len(q)]`` arrays (per-layer norms), or
+        one ``[len(q)]`` array of the global norms.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0])}
+      >>> st = js.stats.norm_quantiles((0.0, 0.5, 1.0), per_leaf=False)
+      >>> print(np.asarray(js.per_example_stat(loss, st)(jnp.zeros(2), batch)).round(4))
+      [2.     4.     8.4853]
+    """
+    q = tuple(q)
+    if not q or any(not (0.0 <= float(x) <= 1.0) for x in q):
+        raise ValueError(f"norm_quantiles(q=...): levels must lie in [0, 1], got {q!r}.")
+    return _NormQuantiles(q, bool(per_leaf))
