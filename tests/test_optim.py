@@ -226,7 +226,8 @@ def test_micro_adam_variants_second_moment_inputs():
         jso.scale_by_micro_adam: stats["second_moment"],
         jso.scale_by_micro_adam_var: var,
         jso.scale_by_micro_adam_msq: jax.tree.map(
-            lambda m, v: np.maximum(np.asarray(m) ** 2 - np.asarray(v) / B, 0), mean, var
+            lambda m, v: np.maximum(np.asarray(m) ** 2 - np.asarray(v) / B, np.asarray(v) / B),
+            mean, var
         ),
     }
     for scale_by, want in expected.items():
@@ -237,20 +238,28 @@ def test_micro_adam_variants_second_moment_inputs():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)
 
 
-def test_micro_adam_msq_floors_at_zero():
+def test_micro_adam_msq_floor():
     mean = jnp.array([0.0, 0.1, 3.0])
-    variance = jnp.array([1.0, 4.0, 1.0])  # mean^2 - var/2 = [-0.5, -1.99, 8.5]
-    tx = jso.scale_by_micro_adam_msq(b2=0.5)
-    state = tx.init(mean)
-    for _ in range(3):
-        updates, state = tx.update(mean, state, variance=variance, batch_size=2)
-    nu = np.asarray(state.nu)
-    assert nu[0] == 0 and nu[1] == 0 and nu[2] > 0
-    np.testing.assert_allclose(nu[2], 8.5 * (1 - 0.5**3), rtol=1e-6)
-    assert bool(jnp.all(jnp.isfinite(updates)))
+    variance = jnp.array([1.0, 4.0, 1.0])  # mean^2 - var/2 = [-0.5, -1.99, 8.5]; var/2 = [.5, 2, .5]
+    for kappa, floor in ((1.0, [0.5, 2.0]), (0.25, [0.125, 0.5]), (0.0, [0.0, 0.0])):
+        tx = jso.scale_by_micro_adam_msq(b2=0.5, kappa=kappa)
+        state = tx.init(mean)
+        for _ in range(3):
+            updates, state = tx.update(mean, state, variance=variance, batch_size=2)
+        nu = np.asarray(state.nu)
+        np.testing.assert_allclose(nu[:2], np.asarray(floor) * (1 - 0.5**3), rtol=1e-6)
+        np.testing.assert_allclose(nu[2], 8.5 * (1 - 0.5**3), rtol=1e-6)
+        assert bool(jnp.all(jnp.isfinite(updates)))
+        if kappa > 0:  # bounded step at a coordinate whose mean is within noise of 0
+            assert float(jnp.max(jnp.abs(updates))) < 10
     # The raw batch mean may come separately from (e.g. clipped) updates.
+    tx = jso.scale_by_micro_adam_msq(b2=0.5, kappa=0.0)
     _, s2 = tx.update(0.5 * mean, tx.init(mean), variance=variance, batch_size=2, mean=mean)
     np.testing.assert_allclose(np.asarray(s2.nu), [0, 0, 0.5 * 8.5], rtol=1e-6)
+    with pytest.raises(ValueError, match="B >= 2"):
+        tx.update(mean, tx.init(mean), variance=variance, batch_size=1)
+    with pytest.raises(ValueError, match="kappa"):
+        jso.scale_by_micro_adam_msq(kappa=-1.0)
 
 
 def test_dp_without_noise_or_clipping_is_sgd():

@@ -11,7 +11,7 @@ optimizer          EMA input of \(v\)                      expectation
 ``adam``           \(\bar g^2\)                            \(\mu^2+\sigma^2/B\)
 ``micro_adam``     \(\frac1B\sum_b g_b^2\)                 \(\mu^2+\sigma^2\)
 ``micro_adam_var`` \(\hat\sigma^2\) (per-example variance)  \(\sigma^2\)
-``micro_adam_msq`` \(\max(\bar g^2-\hat\sigma^2/B,\ 0)\)   \(\mu^2\) (before floor)
+``micro_adam_msq`` \(\max(\bar g^2-\hat\sigma^2/B,\ \kappa\hat\sigma^2/B)\)  \(\mu^2\) (above floor)
 =================  ==========================================  ==========================
 
 Roulet & Agarwala (2025) find training best when the preconditioner is
@@ -275,28 +275,29 @@ def scale_by_micro_adam_msq(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     mu_dtype: Any | None = None,
+    kappa: float = 1.0,
 ) -> PerExampleTransformation:
     r"""Rescales updates by MicroAdamMSQ: \(v\) averages the unbiased squared mean.
 
     \[
-      v_t = \beta_2 v_{t-1} + (1-\beta_2)\,\max\!\Big(\bar g_t^2 - \frac{\hat\sigma_t^2}{B},\ 0\Big)
+      v_t = \beta_2 v_{t-1} + (1-\beta_2)\,\max\!\Big(\bar g_t^2 - \frac{\hat\sigma_t^2}{B},\
+      \kappa\frac{\hat\sigma_t^2}{B}\Big)
     \]
 
     with \(m_t\), bias corrections and \(u_t\) as in Adam. Since
     \(E[\bar g^2] = \mu^2 + \sigma^2/B\) and \(\hat\sigma^2\)
-    (``ddof=1``) is unbiased, the input estimates \(\mu^2\) before the floor
-    at 0. ``update`` takes the keyword-only extra args ``variance`` (statistic
-    `jaxpr_surgery.stats.variance`) and ``batch_size`` (\(B\);
+    (``ddof=1``) is unbiased, the first term estimates \(\mu^2\). Where the
+    batch mean is within noise of 0 that estimate is negative or tiny; the
+    floor \(\kappa\hat\sigma^2/B\) (the noise of the batch mean, scaled by
+    ``kappa``) keeps \(\hat m/\sqrt{\hat v}\) bounded there, so the step never
+    becomes \(\hat m/\varepsilon\). With ``kappa=1`` the input lies between
+    half of Adam's \(\bar g^2\) and Adam's: the paper predicts it then trains
+    like Adam. ``kappa=0`` is the unfloored estimator (unbounded steps where it
+    floors at 0). ``update`` takes the keyword-only extra args ``variance``
+    (statistic `jaxpr_surgery.stats.variance`) and ``batch_size`` (\(B\);
     statistic `example_count`), and optionally ``mean`` (the raw batch
-    mean \(\bar g\); defaults to ``updates``).
-
-    !!! warning
-        Where the estimate floors at 0 (the batch mean is within noise of 0),
-        \(\hat v\) is 0 until later steps raise it, and the step is
-        \(\hat m/\varepsilon\): unbounded for the default ``eps``. Raise
-        ``eps``/``eps_root`` to the gradient scale, or clip the update afterwards
-        (``js.optim.chain(scale_by_micro_adam_msq(), optax.clip_by_global_norm(c),
-        optax.scale_by_learning_rate(lr))``).
+    mean \(\bar g\); defaults to ``updates``). A batch of one has no variance:
+    a concrete ``batch_size < 2`` raises ``ValueError``.
 
     Args:
       b1: decay of the EMA of the batch-mean gradient (first moment).
@@ -304,6 +305,8 @@ def scale_by_micro_adam_msq(
       eps: added to the denominator outside the square root.
       eps_root: added to the denominator inside the square root.
       mu_dtype: optional dtype of the first-moment accumulator.
+      kappa: the floor \(\kappa\hat\sigma^2/B\), in units of the noise of the
+        batch mean (``>= 0``).
 
     Returns:
       A `PerExampleTransformation` requesting ``mean, variance, batch_size``.
@@ -315,8 +318,8 @@ def scale_by_micro_adam_msq(
       >>> tx = jso.scale_by_micro_adam_msq()
       >>> state = tx.init(jnp.zeros(2))
       >>> u, state = tx.update(g.mean(0), state, variance=g.var(0, ddof=1), batch_size=2)
-      >>> print(state.nu)  # coordinate 0 floors at 0: 0**2 - 2/2 < 0
-      [0.    0.004]
+      >>> print(state.nu)  # coordinate 0 at the floor: max(0**2 - 2/2, 1 * 2/2) = 1
+      [0.001 0.004]
 
     References:
       Roulet & Agarwala, Per-example gradients: a new frontier for understanding
@@ -324,6 +327,8 @@ def scale_by_micro_adam_msq(
     """
     owner = "scale_by_micro_adam_msq"
     _check(b1, b2, eps, eps_root, owner)
+    if isinstance(kappa, (int, float)) and not kappa >= 0:  # also rejects NaN
+        raise ValueError(f"{owner}(kappa=...): must be >= 0, got {kappa!r}.")
     init_fn, step = _adam_core(b1, b2, eps, eps_root, mu_dtype, ScaleByMicroAdamState)
 
     def update_fn(
@@ -332,11 +337,16 @@ def scale_by_micro_adam_msq(
         del params, extra_args
         variance = require(variance, "variance", owner)
         batch_size = require(batch_size, "batch_size", owner)
+        if not isinstance(batch_size, jax.core.Tracer) and int(batch_size) < 2:
+            raise ValueError(
+                f"{owner}: batch_size={int(batch_size)}; the per-example variance needs B >= 2."
+            )
         mean = updates if mean is None else mean
 
         def msq(m, var):
             b = jnp.asarray(batch_size).astype(var.dtype)
-            return jnp.maximum(jnp.square(m) - var / b, 0).astype(var.dtype)
+            noise = var / b
+            return jnp.maximum(jnp.square(m) - noise, kappa * noise).astype(var.dtype)
 
         return step(updates, state, jax.tree.map(msq, mean, variance))
 
@@ -509,17 +519,18 @@ def micro_adam_msq(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     mu_dtype: Any | None = None,
+    kappa: float = 1.0,
 ) -> PerExampleTransformation:
     r"""MicroAdamMSQ: Adam whose second moment averages the unbiased squared mean.
 
     \[
       \theta_{t+1} = \theta_t - \alpha_t \frac{\hat m_t}{\sqrt{\hat v_t + \bar\varepsilon}
-      + \varepsilon},\qquad v_t \text{ an EMA of } \max(\bar g_t^2 - \hat\sigma_t^2/B,\ 0)
+      + \varepsilon},\qquad v_t \text{ an EMA of }
+      \max(\bar g_t^2 - \hat\sigma_t^2/B,\ \kappa\hat\sigma_t^2/B)
     \]
 
     ``update`` takes the extra args ``variance`` and ``batch_size`` (see
-    `scale_by_micro_adam_msq`, and its warning: where the estimate floors
-    at 0 the step is \(\hat m/\varepsilon\)).
+    `scale_by_micro_adam_msq` for the floor ``kappa``).
 
     Args:
       learning_rate: a float or an optax schedule.
@@ -528,6 +539,7 @@ def micro_adam_msq(
       eps: added to the denominator outside the square root.
       eps_root: added to the denominator inside the square root.
       mu_dtype: optional dtype of the first-moment accumulator.
+      kappa: the floor \(\kappa\hat\sigma^2/B\) (see `scale_by_micro_adam_msq`).
 
     Returns:
       A `PerExampleTransformation` requesting ``mean, variance, batch_size``.
@@ -551,7 +563,9 @@ def micro_adam_msq(
       and improving optimizers <https://arxiv.org/abs/2510.00236>, 2025
     """
     return chain(
-        scale_by_micro_adam_msq(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype),
+        scale_by_micro_adam_msq(
+            b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, kappa=kappa
+        ),
         optax.scale_by_learning_rate(learning_rate),
     )
 
