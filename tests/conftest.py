@@ -551,3 +551,20 @@ def pytest_xdist_make_scheduler(config, log):
             return _zoo_scope(nodeid)
 
     return ZooCaseScheduling(config, log)
+
+
+# --------------------------------------------------------------------------- #
+# The quick subset for contributors: pytest -m "not slow" (under a minute on 2 cores)
+# --------------------------------------------------------------------------- #
+SLOW_MODULES = frozenset({
+    "test_oracle.py", "test_properties.py", "test_library_layers.py", "test_docs.py",
+    "test_benchmarks_quick.py", "test_reproduce_quick.py", "test_research_stats.py",
+    "test_grad.py", "test_tripwire.py", "test_frameworks.py", "test_sharded_jit.py",
+    "test_shard_map.py", "test_pmap.py", "test_vmap.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
