@@ -36,7 +36,8 @@ Families (Roulet & Agarwala, arXiv 2510.00236):
   `micro_adam_var`, `micro_adam_msq` and their ``scale_by_*``;
 * differential privacy: `dp_sgd`, `dp_adam`, `dp_aggregate`;
 * monitoring: `track_gradient_statistics`;
-* schedules: `sqrt_batch_size_scaling`.
+* schedules: `sqrt_batch_size_scaling`, `adam_sqrt_scaling` (Malladi et al.'s
+  full rule); `inject_hyperparams` keeps a request through optax's.
 """
 
 from jaxpr_surgery._src.optim.adam import ScaleByMicroAdamState as ScaleByMicroAdamState
@@ -58,8 +59,10 @@ from jaxpr_surgery._src.optim.monitor import track_gradient_statistics as track_
 from jaxpr_surgery._src.optim.requests import PerExampleTransformation as PerExampleTransformation
 from jaxpr_surgery._src.optim.requests import chain as chain
 from jaxpr_surgery._src.optim.requests import example_count as example_count
+from jaxpr_surgery._src.optim.requests import inject_hyperparams as inject_hyperparams
 from jaxpr_surgery._src.optim.requests import stat_request as stat_request
 from jaxpr_surgery._src.optim.requests import update_kwargs as update_kwargs
+from jaxpr_surgery._src.optim.schedules import adam_sqrt_scaling as adam_sqrt_scaling
 from jaxpr_surgery._src.optim.schedules import sqrt_batch_size_scaling as sqrt_batch_size_scaling
 from jaxpr_surgery._src.optim.sign import ema_of_sign as ema_of_sign
 from jaxpr_surgery._src.optim.sign import per_example_sign_sgd as per_example_sign_sgd
@@ -70,6 +73,7 @@ from jaxpr_surgery._src.optim.sign import sign_sgd as sign_sgd
 __all__ = [
     "PerExampleTransformation",
     "chain",
+    "inject_hyperparams",
     "example_count",
     "stat_request",
     "update_kwargs",
@@ -93,4 +97,5 @@ __all__ = [
     "TrackGradientStatisticsState",
     "track_gradient_statistics",
     "sqrt_batch_size_scaling",
+    "adam_sqrt_scaling",
 ]

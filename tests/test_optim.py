@@ -659,3 +659,34 @@ def test_end_to_end_mlp():
             p, state, loss = step(p, state, jax.random.key(i))
             losses.append(float(loss))
         assert np.isfinite(losses).all() and losses[-1] < losses[0], (name, losses)
+
+
+def test_inject_hyperparams_keeps_request_and_matches_schedule():
+    params, seq = _stats_seq(5, B, ["mean", "second_moment"])
+    sched = optax.linear_schedule(0.1, 0.01, 4)
+    inj = jso.inject_hyperparams(jso.micro_adam)(learning_rate=sched)
+    assert set(jso.stat_request(inj)) == {"mean", "second_moment"}
+    ours, state, _ = _run(inj, seq, params)
+    ref, _, _ = _run(jso.micro_adam(sched), seq, params)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    # hyperparameters are in the state and can be changed there
+    assert "learning_rate" in state.hyperparams
+    chained = jso.chain(jso.track_gradient_statistics(), inj)
+    assert {"variance", "second_moment"} <= set(jso.stat_request(chained))
+
+
+def test_adam_sqrt_scaling_full_rule():
+    hp = jso.adam_sqrt_scaling(32, 128, 1e-3, b1=0.9, b2=0.99, eps=1e-8)
+    np.testing.assert_allclose(hp["learning_rate"], 2e-3)
+    np.testing.assert_allclose([hp["b1"], hp["b2"], hp["eps"]], [0.6, 0.96, 5e-9])
+    # kappa = 1 is the identity; halving the batch halves 1 - beta
+    same = jso.adam_sqrt_scaling(16, 16, 1e-3, 0.9, 0.999, 1e-8)
+    np.testing.assert_allclose(list(same.values()), [1e-3, 0.9, 0.999, 1e-8])
+    half = jso.adam_sqrt_scaling(32, 16, 1e-3, 0.9, 0.999)
+    np.testing.assert_allclose([half["b1"], half["b2"]], [0.95, 0.9995])
+    sched = jso.adam_sqrt_scaling(4, 16, optax.constant_schedule(1.0))["learning_rate"]
+    assert float(sched(0)) == 2.0
+    with pytest.raises(ValueError, match="outside"):
+        jso.adam_sqrt_scaling(1, 100, 1e-3, b1=0.9)
+    jso.adam(**jso.adam_sqrt_scaling(32, 64, 1e-3))  # the dict feeds the optimizers

@@ -27,6 +27,7 @@ __all__ = [
     "PerExampleTransformation",
     "example_count",
     "chain",
+    "inject_hyperparams",
     "stat_request",
     "update_kwargs",
     "register_request",
@@ -332,3 +333,37 @@ def require(value, name: str, owner: str):
             "js.optim.chain, or js.optim.stat_request('<optimizer name>')."
         )
     return value
+
+
+def inject_hyperparams(inner_factory, static_args=(), hyperparam_dtype=None):
+    """`optax.inject_hyperparams` that keeps the optimizer's statistic request.
+
+    `optax.inject_hyperparams(js.optim.micro_adam)(...)` returns a plain optax
+    transformation and forgets ``stat_request``; this wrapper returns a
+    `PerExampleTransformation` whose request is that of ``inner_factory`` built
+    with the same arguments (a schedule evaluated at step 0 for the purpose).
+    Hyperparameters then live in ``state.hyperparams`` and can be changed or
+    scheduled as with optax.
+
+    Examples:
+      >>> import optax
+      >>> import jaxpr_surgery.optim as jso
+      >>> opt = jso.inject_hyperparams(jso.micro_adam)(
+      ...     learning_rate=optax.linear_schedule(1e-3, 0.0, 100))
+      >>> sorted(jso.stat_request(opt))
+      ['mean', 'second_moment']
+    """
+    import functools
+
+    injected = optax.inject_hyperparams(inner_factory, static_args, hyperparam_dtype)
+
+    @functools.wraps(inner_factory)
+    def factory(*args, **kwargs):
+        tx = injected(*args, **kwargs)
+        probe_args = [a(0) if callable(a) else a for a in args]
+        probe_kwargs = {k: (v(0) if callable(v) else v) for k, v in kwargs.items()}
+        inner = inner_factory(*probe_args, **probe_kwargs)
+        request = getattr(inner, "stat_request", None)
+        return PerExampleTransformation(tx.init, tx.update, request)
+
+    return factory

@@ -6,7 +6,7 @@ import math
 
 import optax
 
-__all__ = ["sqrt_batch_size_scaling"]
+__all__ = ["sqrt_batch_size_scaling", "adam_sqrt_scaling"]
 
 
 def sqrt_batch_size_scaling(
@@ -59,3 +59,59 @@ def sqrt_batch_size_scaling(
     if callable(base_lr):
         return lambda count: base_lr(count) * factor
     return base_lr * factor
+
+
+def adam_sqrt_scaling(
+    base_batch_size: int,
+    batch_size: int,
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+) -> dict:
+    r"""Malladi et al.'s square-root scaling rule for Adam-type optimizers, in full.
+
+    With \(\kappa = B/B_0\), tuned hyperparameters at \(B_0\) map to
+
+    \[
+      \alpha \to \sqrt\kappa\,\alpha,\quad
+      1-\beta_1 \to \kappa(1-\beta_1),\quad
+      1-\beta_2 \to \kappa(1-\beta_2),\quad
+      \varepsilon \to \varepsilon/\sqrt\kappa,
+    \]
+
+    so the SDE the optimizer approximates is unchanged: the EMAs cover the same
+    number of *examples*, and the update noise keeps its scale. Compare runs
+    against examples seen, not steps.
+
+    Returns:
+      ``dict(learning_rate=..., b1=..., b2=..., eps=...)`` to pass to `adam`,
+      `micro_adam`, ... (a schedule stays a schedule).
+
+    Raises:
+      ValueError: a batch size that is not positive, or a \(\kappa\) so large that
+        a decay would leave \([0, 1)\).
+
+    Examples:
+      >>> import jaxpr_surgery.optim as jso
+      >>> hp = jso.adam_sqrt_scaling(64, 256, 1e-3, b1=0.9, b2=0.99, eps=1e-8)
+      >>> {k: round(v, 10) for k, v in hp.items()}
+      {'learning_rate': 0.002, 'b1': 0.6, 'b2': 0.96, 'eps': 5e-09}
+    """
+    for name, value in (("base_batch_size", base_batch_size), ("batch_size", batch_size)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(
+                f"adam_sqrt_scaling({name}=...): must be a positive number, got {value!r}."
+            )
+    kappa = batch_size / base_batch_size
+    out = {"learning_rate": sqrt_batch_size_scaling(learning_rate, base_batch_size, batch_size)}
+    for name, beta in (("b1", b1), ("b2", b2)):
+        new = 1 - kappa * (1 - beta)
+        if not 0 <= new < 1:
+            raise ValueError(
+                f"adam_sqrt_scaling: {name}={beta} at batch size {batch_size} (kappa={kappa:g}) "
+                f"maps to {new:g}, outside [0, 1): the batch grew beyond what the rule covers."
+            )
+        out[name] = new
+    out["eps"] = eps / math.sqrt(kappa)
+    return out
