@@ -240,7 +240,7 @@ def test_micro_adam_variants_second_moment_inputs():
 
 def test_micro_adam_msq_floor():
     mean = jnp.array([0.0, 0.1, 3.0])
-    variance = jnp.array([1.0, 4.0, 1.0])  # mean^2 - var/2 = [-0.5, -1.99, 8.5]; var/2 = [.5, 2, .5]
+    variance = jnp.array([1.0, 4.0, 1.0])  # mean^2 - var/2 = [-0.5, -1.99, 8.5]
     for kappa, floor in ((1.0, [0.5, 2.0]), (0.25, [0.125, 0.5]), (0.0, [0.0, 0.0])):
         tx = jso.scale_by_micro_adam_msq(b2=0.5, kappa=kappa)
         state = tx.init(mean)
