@@ -71,6 +71,9 @@ def _canon(site):
     )
 
 
+FALLBACK_TILE_BYTES = 4 << 20  # tiles of the exact variance where the rank-one form cancels
+
+
 def _products(x, dy):
     """``G [b, K, C, F]`` from canonical ``x [b, K, N, C]`` and ``dy [b, K, N, F]``.
 
@@ -183,21 +186,22 @@ class DenseKernel(Kernel):
         ds = jax.lax.dynamic_slice_in_dim(dy, b0, size, 0)
         return _products(xs, ds)
 
-    def tile(self, B):
+    def tile(self, B, budget=None):
         """Examples per tile for a batch of ``B``."""
         c = self.c
         per_ex = c["N"] > 1 and tiling.prefer_per_example()
         nbytes = tiling.bytes_of((c["K"], c["C"], c["F"]), self.acc)
-        return tiling.tile_size(B, nbytes, self.budget, batched_ok=not per_ex)
+        budget = self.budget if budget is None else budget
+        return tiling.tile_size(B, nbytes, budget, batched_ok=not per_ex)
 
-    def tiled(self, x, dy, reds, means):
+    def tiled(self, x, dy, reds, means, budget=None):
         c = self.c
         B = x.shape[0]
         return tiling.reduce_tiles(
             lambda b0, size: self._tile_G(x, dy, b0, size),
             B,
             reds,
-            self.tile(B),
+            self.tile(B, budget),
             means=means,
             shape=(c["K"], c["C"], c["F"]),
             dtype=self.acc,
@@ -217,23 +221,28 @@ class DenseKernel(Kernel):
         uv2 = jnp.einsum("bkc,bkf->kcf", u, v2)
         u2v = jnp.einsum("bkc,bkf->kcf", u2, v)
         u2v2 = jnp.einsum("bkc,bkf->kcf", u2, v2)
-        terms = (
-            jnp.square(xo) * jnp.sum(v2, 0)[:, None, :],
-            jnp.sum(u2, 0)[:, :, None] * jnp.square(do),
-            u2v2,
-            -B * jnp.square(M),
-            2 * B * xo * do * M,
-            2 * xo * uv2,
-            2 * do * u2v,
+        m2 = (
+            jnp.square(xo) * jnp.sum(v2, 0)[:, None, :]
+            + jnp.sum(u2, 0)[:, :, None] * jnp.square(do)
+            + (u2v2 - B * jnp.square(M))
+            + 2 * B * xo * do * M
+            + 2 * xo * uv2
+            + 2 * do * u2v
         )
-        m2 = sum(terms)
         mean = xo * do + M
-        scale = sum(jnp.abs(t) for t in terms)
+        # Every term above is at most (sum_b x_b^2)(sum_b d_b^2) in size (an outer
+        # product: fused into the test, never stored); where the result is within
+        # rounding of that, the terms may have cancelled: take the exact path.
+        sx = jnp.sum(jnp.square(x), 0)[:, :, None]
+        sd = jnp.sum(jnp.square(d), 0)[:, None, :]
         eps = jnp.finfo(m2.dtype).eps
-        ill = jnp.any(m2 <= 256 * eps * scale)
+        ill = jnp.any(m2 < 64 * eps * sx * sd)
 
-        def exact():
-            return self.tiled(x[:, :, None], d[:, :, None], [S.Centered()], [mean])[0].m2
+        def exact():  # rare: small tiles, so the branch costs little memory
+            small = min(self.budget or tiling.DEFAULT_MEMORY_BUDGET_BYTES, FALLBACK_TILE_BYTES)
+            return self.tiled(
+                x[:, :, None], d[:, :, None], [S.Centered()], [mean], budget=small
+            )[0].m2
 
         m2 = jax.lax.cond(ill, exact, lambda: jnp.maximum(m2, 0))
         return S.Moments(self.to_view(mean), self.to_view(m2))
