@@ -80,6 +80,17 @@ def _site_request(plan, site):
 def _sink_avals(plan, site, B):
     kernel = plan.kernels[site.path]
     direct, want_ing = _site_request(plan, site)
+    lead = tuple(site.scan_lengths)
+    if not want_ing:
+        # known without tracing the kernel: a value in the view's shape, or [B]
+        view = SDS(lead + tuple(site.view_shape), kernel.acc)
+        per_ex = SDS(lead + (B,), kernel.acc)
+        return {
+            k: per_ex
+            if isinstance(r, S.SqNorms)
+            else (S.Moments(view, view) if isinstance(r, S.Centered) else view)
+            for k, r in direct.items()
+        }
     w = SDS(site.view_shape, site.base.aval.dtype)
     ext = tuple(
         SDS(((B,) if b else ()) + tuple(v.aval.shape), v.aval.dtype)
@@ -95,7 +106,6 @@ def _sink_avals(plan, site, B):
         return out
 
     out = jax.eval_shape(f, w, ext, dy)
-    lead = tuple(site.scan_lengths)
     return jax.tree.map(lambda a: SDS(lead + tuple(a.shape), a.dtype), out)
 
 
