@@ -315,6 +315,10 @@ class DenseKernel(Kernel):
             return tiled()
         if isinstance(reduction, S.Centered):
             if N == 1:
-                return Rule(STREAMED, "rank-one centered", float(12 * B * K * C * F), 0.0)
+                # the expansion's [K, C, F] terms (M, three cross sums, the result) are stored
+                return Rule(
+                    STREAMED, "rank-one centered", float(12 * B * K * C * F),
+                    float(5 * K * C * F * it),
+                )
             return tiled()
         return tiled()
