@@ -195,3 +195,36 @@ def test_compare_grad_ratios():
     rep = js.explain(loss, js.stats.second_moment(), compare_grad=True)(params, batch)
     assert rep.grad_flops and rep.grad_flops > 0
     assert "x grad's FLOPs" in str(rep)
+
+
+def _temp(f, p, b):
+    return jax.jit(f).lower(p, b).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer", "tied", "lora"])
+def test_predicted_memory_within_1_5x_of_xla(name):
+    """grad's temporary memory plus explain's predicted extra is within 1.5x of XLA's
+    memory_analysis() of the statistic (benchmark-like models, several statistics)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks import models as BM
+
+    if name == "mlp":
+        m = BM.mlp(din=64, hidden=256, nclass=10)
+        loss, params, batch = m.loss, m.params, m.make_batch(32)
+    elif name == "transformer":
+        m = BM.transformer(T=16, d=64, V=256, layers=1, heads=2, name="t")
+        loss, params, batch = m.loss, m.params, m.make_batch(8)
+    else:
+        loss, params, batch = M.get({"tied": "transformer", "lora": "lora"}[name])
+    for stat in (js.stats.second_moment(), js.stats.variance(), js.stats.sq_norms(),
+                 js.stats.clipped_mean(1.0)):
+        rep = js.explain(loss, stat, compare_grad=True)(params, batch)
+        measured = _temp(js.per_example_stat(loss, stat), params, batch)
+        pred = rep.predicted_temp_bytes
+        slack = 64 << 10  # XLA's small scratch buffers
+        assert pred is not None
+        assert measured <= 1.5 * pred + slack and pred <= 1.5 * measured + slack, (
+            name, rep.statistics, measured, pred, rep.grad_temp_bytes)

@@ -97,6 +97,14 @@ class Report:
         other = max([leaf.extra_bytes or 0 for leaf in self.leaves if not leaf.fallback] + [0])
         return float(fb + other)
 
+    @property
+    def predicted_temp_bytes(self) -> float | None:
+        """With ``compare_grad=True``: XLA's temporary memory of ``jax.grad`` plus the
+        predicted extra, i.e. the predicted temporary memory of `per_example_stat`."""
+        if self.grad_temp_bytes is None:
+            return None
+        return float(self.grad_temp_bytes + self.total_extra_bytes)
+
     def jaxpr(self) -> str:
         """The per-example jaxpr, each site annotated with its leaf, kind and rules."""
         return self._annotated() if self._annotated is not None else ""
@@ -315,8 +323,10 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes)
                         float(t * size * itemsize),
                     )
             if isinstance(r, S.ClippedSum):  # ingredients x and dy are kept until the norms
-                ing = sum(math.prod(v.aval.shape) for v in s.eqn.outvars) + math.prod(
-                    s.view_shape
+                ing = sum(math.prod(v.aval.shape) for v in s.eqn.outvars) + sum(
+                    math.prod(v.aval.shape)
+                    for v, batched in zip(s.ext_vars, s.ext_batched)
+                    if batched
                 )
                 rl = dataclasses.replace(
                     rl, how=rl.how + " then weighted sum", bytes=rl.bytes + B * ing * itemsize
