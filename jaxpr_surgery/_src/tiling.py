@@ -44,19 +44,16 @@ def prefer_per_example() -> bool:
 
 
 def _tile_values(G, reductions, means):
-    """Per-tile contributions: ``G`` is ``[size, *shape]``."""
-    out = []
-    axes = tuple(range(1, G.ndim))
-    for r, m in zip(reductions, means):
-        if isinstance(r, S.PhiSum):
-            out.append(jnp.sum(r.apply(G), axis=0))
-        elif isinstance(r, S.Centered):
-            out.append(jnp.sum(jnp.square(G - m), axis=0))
-        elif isinstance(r, S.SqNorms):
-            out.append(jnp.sum(jnp.square(G), axis=axes))
-        else:  # pragma: no cover - callers pass only these
-            raise TypeError(f"reduction {r!r} cannot be tiled")
-    return out
+    """Per-tile contributions: ``G`` is ``[size, *shape]``. Centred sums are taken
+    against the exact mean of the whole batch (two-pass); the rest as for any
+    materialised ``G``."""
+    from jaxpr_surgery._src.sites.base import reduce_materialised
+
+    return [
+        jnp.sum(jnp.square(G - m), axis=0) if isinstance(r, S.Centered)
+        else reduce_materialised(G, r)
+        for r, m in zip(reductions, means)
+    ]
 
 
 def reduce_tiles(make, B: int, reductions, tile: int, *, means=None, shape, dtype):
