@@ -178,7 +178,7 @@ EXPECTED = {
     "embedding": ("embedding", "streamed"),
     "bias": ("scale-shift", "materialised"),
     "scale": ("scale-shift", "materialised"),
-    "conv": ("conv", "materialised"),
+    "conv": ("conv", "streamed"),
 }
 
 

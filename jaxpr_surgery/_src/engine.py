@@ -257,7 +257,7 @@ def _tiled_materialised(plan, ings, mat, B, reductions, means):
     aval = plan.leaf_avals[ings[0][0].leaf]
     acc = acc_dtype_for(aval.dtype)
     per_ex = tiling.prefer_per_example() and any(
-        k.kind == "dense" and k.c["N"] > 1 for _, k, _ in ings
+        k.kind in ("dense", "conv") and getattr(k, "c", None) and k.c["N"] > 1 for _, k, _ in ings
     )
     tile = tiling.tile_size(
         B, tiling.bytes_of(aval.shape, acc), plan.budget, batched_ok=not per_ex

@@ -299,7 +299,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes)
     )
     # the tile of a multi-site leaf, as the engine sizes it
     per_ex = tiling.prefer_per_example() and any(
-        k.kind == "dense" and k.c["N"] > 1 for k in ks
+        k.kind in ("dense", "conv") and getattr(k, "c", None) and k.c["N"] > 1 for k in ks
     )
     leaf_tile = tiling.tile_size(B, size * itemsize, budget, batched_ok=not per_ex)
 

@@ -58,8 +58,3 @@ class GenericKernel(Kernel):
 @register("scale-shift")
 class ScaleShiftKernel(GenericKernel):
     pass
-
-
-@register("conv")
-class ConvKernel(GenericKernel):
-    pass
