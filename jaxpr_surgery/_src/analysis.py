@@ -451,7 +451,7 @@ def row_gather_layout(eqn):
 
     dn = eqn.params["dimension_numbers"]
     operand, idx = eqn.invars
-    if len(_shape(operand)) != 2 or not jnp_issubdtype_int(idx.aval.dtype):
+    if len(_shape(operand)) != 2 or not np.issubdtype(idx.aval.dtype, np.integer):
         return None
     if getattr(dn, "operand_batching_dims", ()) or getattr(dn, "start_indices_batching_dims", ()):
         return None
@@ -470,12 +470,6 @@ def row_gather_layout(eqn):
         if sorted(smap) == [0, 1] and ncomp == 2 and mode == GatherScatterMode.CLIP:
             return 2, smap.index(0)
     return None
-
-
-def jnp_issubdtype_int(dtype):
-    import jax.numpy as jnp
-
-    return jnp.issubdtype(dtype, jnp.integer)
 
 
 def _is_row_gather(eqn):

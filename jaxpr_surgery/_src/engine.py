@@ -256,12 +256,7 @@ def _tiled_materialised(plan, ings, mat, B, reductions, means):
     """Reductions of a leaf's ``G [B, *leaf] = mat(b0, size)``, tile by tile (tiling.py)."""
     aval = plan.leaf_avals[ings[0][0].leaf]
     acc = acc_dtype_for(aval.dtype)
-    per_ex = tiling.prefer_per_example() and any(
-        k.kind in ("dense", "conv") and getattr(k, "c", None) and k.c["N"] > 1 for _, k, _ in ings
-    )
-    tile = tiling.tile_size(
-        B, tiling.bytes_of(aval.shape, acc), plan.budget, batched_ok=not per_ex
-    )
+    tile = tiling.leaf_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings])
     return tiling.reduce_tiles(
         mat, B, reductions, tile, means=means, shape=tuple(aval.shape), dtype=acc
     )
@@ -372,14 +367,13 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
             norms_leaf[i] = _direct_to_leaf(s, S.SqNorms(), out[sq_key], B)
         return
 
-    # the plain sum is a contraction per site even when G_b is materialised for
+    # the plain sum is a contraction per site even when the summed G_b is tiled for
     # other reductions: measured faster on XLA:CPU than a second consumer of G_b
-    materialising = False
     todo = []
     for j, r in enumerate(plan.reductions):
         if isinstance(r, S.ClippedSum):
             continue
-        if isinstance(r, S.PhiSum) and r.phi is None and not materialising:
+        if isinstance(r, S.PhiSum) and r.phi is None:
             values[j][i] = weighted(jnp.ones((B,), acc))
         elif isinstance(r, S.SqNorms) and (v := sq_norms()) is not None:
             values[j][i] = v

@@ -297,11 +297,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes)
         for a in range(len(ks))
         for b in range(a + 1, len(ks))
     )
-    # the tile of a multi-site leaf, as the engine sizes it
-    per_ex = tiling.prefer_per_example() and any(
-        k.kind in ("dense", "conv") and getattr(k, "c", None) and k.c["N"] > 1 for k in ks
-    )
-    leaf_tile = tiling.tile_size(B, size * itemsize, budget, batched_ok=not per_ex)
+    leaf_tile = tiling.leaf_tile(B, shape, acc, budget, ks)  # as the engine sizes it
 
     def rule_of(r):
         """(word, how, flops, bytes) of one reduction over the leaf's sites."""

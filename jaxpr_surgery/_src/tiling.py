@@ -38,6 +38,15 @@ def tile_size(B: int, bytes_per_example: int, budget: int | None, *, batched_ok=
     return int(max(1, min(B, budget // max(int(bytes_per_example), 1))))
 
 
+def leaf_tile(B: int, shape, dtype, budget, kernels) -> int:
+    """Examples per tile of a multi-site leaf's summed ``G [B, *shape]``: one per tile
+    on CPU when a site has a token axis (its products are 2-D matmuls), else by budget."""
+    per_ex = prefer_per_example() and any(
+        k.kind in ("dense", "conv") and getattr(k, "c", None) and k.c["N"] > 1 for k in kernels
+    )
+    return tile_size(B, bytes_of(shape, dtype), budget, batched_ok=not per_ex)
+
+
 def prefer_per_example() -> bool:
     """True where a batched ``dot_general`` is slow (XLA:CPU): tile one example at a time."""
     return jax.default_backend() == "cpu"
