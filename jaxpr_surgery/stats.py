@@ -13,6 +13,8 @@ from jaxpr_surgery._src.stats import clipped_mean as clipped_mean
 from jaxpr_surgery._src.stats import clipped_sum as clipped_sum
 from jaxpr_surgery._src.stats import elementwise as elementwise
 from jaxpr_surgery._src.stats import gradient_noise_scale as gradient_noise_scale
+from jaxpr_surgery._src.stats import KronSum as KronSum
+from jaxpr_surgery._src.stats import kron_moments as kron_moments
 from jaxpr_surgery._src.stats import mean as mean
 from jaxpr_surgery._src.stats import noise_scale_components as noise_scale_components
 from jaxpr_surgery._src.stats import norms as norms

@@ -258,6 +258,9 @@ _merge = engine.merge
 
 
 def _combine_axis(red, v, n_local, N, axis_name):
+    ext = S.extension(red)
+    if ext is not None:
+        return ext.combine_axis(red, v, n_local, N, axis_name)
     if isinstance(red, S.SqNorms):
         return v
     if isinstance(red, S.Centered):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, tiling
+from jaxpr_surgery._src import compat, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.interpreter import Evaluator, make_site_fn
 from jaxpr_surgery._src.sites import kernel_for
@@ -49,6 +49,10 @@ class Plan:
     def has_clip(self):
         return any(isinstance(r, S.ClippedSum) for r in self.reductions)
 
+    @property
+    def has_kron(self):
+        return any(isinstance(r, S.KronSum) for r in self.reductions)
+
 
 def rkey(j):
     return f"r{j}"
@@ -58,7 +62,12 @@ def make_plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree,
     plan = Plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree, budget=budget)
     for i in range(len(leaf_avals)):
         rule = analysis.rule(i)
-        if rule == "single" and not plan.has_clip:
+        # Kronecker moments of a layer inside lax.scan, or of a view that reshapes
+        # its leaf, need the leaf's per-example gradient: ingredients, then tiles
+        kron_ok = not plan.has_kron or (
+            rule == "single" and kron.leaf_axes(analysis.leaves[i].sites[0]) is not None
+        )
+        if rule == "single" and not plan.has_clip and kron_ok:
             plan.modes.append("direct")
         elif rule in ("single", "multi"):
             plan.modes.append("ingredients")
@@ -85,12 +94,16 @@ def _sink_avals(plan, site, B):
         # known without tracing the kernel: a value in the view's shape, or [B]
         view = SDS(lead + tuple(site.view_shape), kernel.acc)
         per_ex = SDS(lead + (B,), kernel.acc)
-        return {
-            k: per_ex
-            if isinstance(r, S.SqNorms)
-            else (S.Moments(view, view) if isinstance(r, S.Centered) else view)
-            for k, r in direct.items()
-        }
+
+        def aval(r):
+            ext = S.extension(r)
+            if ext is not None:
+                return ext.aval(r, site.view_shape, kernel.acc, lead)
+            if isinstance(r, S.SqNorms):
+                return per_ex
+            return S.Moments(view, view) if isinstance(r, S.Centered) else view
+
+        return {k: aval(r) for k, r in direct.items()}
     w = SDS(site.view_shape, site.base.aval.dtype)
     ext = tuple(
         SDS(((B,) if b else ()) + tuple(v.aval.shape), v.aval.dtype)
@@ -216,6 +229,9 @@ def _clip_factor(C, norm):
 
 
 def _zeros_value(r, aval, acc, B):
+    ext = S.extension(r)
+    if ext is not None:
+        return ext.zeros(r, aval.shape, acc, B)
     z = jnp.zeros(aval.shape, acc)
     if isinstance(r, S.PhiSum):
         return B * r.apply(z)
@@ -228,6 +244,9 @@ def _zeros_value(r, aval, acc, B):
 
 def merge(red, a, na, b, nb):
     """Merges the values of one reduction over two disjoint sets of examples."""
+    ext = S.extension(red)
+    if ext is not None:
+        return ext.merge(red, a, na, b, nb)
     if isinstance(red, S.Centered):
         n = na + nb
         delta = b.mean - a.mean
@@ -241,6 +260,9 @@ def merge(red, a, na, b, nb):
 
 def _direct_to_leaf(site, r, v, B):
     """A site's direct value (stacked over enclosing scans) in leaf space."""
+    ext = S.extension(r)
+    if ext is not None:
+        return ext.to_leaf(r, v, site)
     if isinstance(r, S.SqNorms):
         return v.reshape((-1, B)).sum(0) if site.depth else v
     if isinstance(r, S.Centered):
@@ -352,8 +374,11 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
     if len(ings) == 1:
         # one site: all reductions in one call, so they share its tile loop
         s, k, ing = ings[0]
+        kron_ok = kron.leaf_axes(s) is not None
         req = {
-            rkey(j): r for j, r in enumerate(plan.reductions) if not isinstance(r, S.ClippedSum)
+            rkey(j): r
+            for j, r in enumerate(plan.reductions)
+            if not isinstance(r, S.ClippedSum) and (kron_ok or not isinstance(r, S.KronSum))
         }
         sq_key = next((key for key, r in req.items() if isinstance(r, S.SqNorms)), None)
         if plan.needs_norms and sq_key is None:
@@ -365,6 +390,13 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
                 values[j][i] = _direct_to_leaf(s, r, out[rkey(j)], B)
         if plan.needs_norms:
             norms_leaf[i] = _direct_to_leaf(s, S.SqNorms(), out[sq_key], B)
+        if not kron_ok:  # the leaf's per-example gradient, tile by tile
+            js_ = [j for j, r in enumerate(plan.reductions) if isinstance(r, S.KronSum)]
+            outs = _tiled_materialised(
+                plan, ings, mat, B, [plan.reductions[j] for j in js_], [None] * len(js_)
+            )
+            for j, v in zip(js_, outs):
+                values[j][i] = v
         return
 
     # the plain sum is a contraction per site even when the summed G_b is tiled for
@@ -376,6 +408,8 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
         if isinstance(r, S.PhiSum) and r.phi is None:
             values[j][i] = weighted(jnp.ones((B,), acc))
         elif isinstance(r, S.SqNorms) and (v := sq_norms()) is not None:
+            values[j][i] = v
+        elif isinstance(r, S.KronSum) and (v := kron_streamed(plan, ings, r, B)) is not None:
             values[j][i] = v
         else:
             todo.append(j)
@@ -397,3 +431,27 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
                 norms_leaf[i] = v
             else:
                 values[j][i] = v
+
+
+def leaf_factors(ings):
+    """The token factors of a multi-site leaf's sites in leaf axes, or None where some
+    site has none (generic sites, views that reshape the leaf, layers inside scans) or
+    they do not line up (tokens can be concatenated only with one structure)."""
+    out = []
+    for s, k, ing in ings:
+        axes = kron.leaf_axes(s)
+        if axes is None or not hasattr(k, "kron_factors"):
+            return None
+        out.append(k.kron_factors(k.ctx(ing)).to_leaf_axes(axes))
+    if len({f.structure for f in out}) != 1 or (len(out) > 1 and out[0].kaxes):
+        return None
+    return out
+
+
+def kron_streamed(plan, ings, r, B):
+    """`KronSum` of a multi-site leaf (a tied embedding) from its sites' tokens."""
+    facs = leaf_factors(ings)
+    if facs is None:
+        return None
+    aval = plan.leaf_avals[ings[0][0].leaf]
+    return kron.moments(facs, tuple(aval.shape), r, acc_dtype_for(aval.dtype), plan.budget)

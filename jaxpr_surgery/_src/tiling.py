@@ -88,7 +88,7 @@ def reduce_tiles(make, B: int, reductions, tile: int, *, means=None, shape, dtyp
     def add(acc, b0, size):
         vals = _tile_values(make(b0, size).astype(dtype), reductions, means)
         return [
-            jax.lax.dynamic_update_slice_in_dim(a, v, b0, 0) if s else a + v
+            jax.lax.dynamic_update_slice_in_dim(a, v, b0, 0) if s else jax.tree.map(jnp.add, a, v)
             for a, v, s in zip(acc, vals, sq)
         ]
 
@@ -111,6 +111,20 @@ def reduce_tiles(make, B: int, reductions, tile: int, *, means=None, shape, dtyp
     for r, a, m in zip(reductions, acc, means):
         out.append(S.Moments(m, a) if isinstance(r, S.Centered) else a)
     return out
+
+
+def sum_tiles(f, B: int, tile: int):
+    """``sum`` over tiles of examples of ``f(b0, size)`` (a pytree; ``size`` static)."""
+    tile = int(max(1, min(tile, B)))
+    nfull, rem = divmod(B, tile)
+    acc = f(0, tile)  # peeled: the accumulator takes its type (see reduce_tiles)
+    if nfull > 1:
+        acc = jax.lax.fori_loop(
+            1, nfull, lambda k, acc: jax.tree.map(jnp.add, acc, f(k * tile, tile)), acc
+        )
+    if rem:
+        acc = jax.tree.map(jnp.add, acc, f(nfull * tile, rem))
+    return acc
 
 
 def bytes_of(shape, dtype) -> int:

@@ -63,6 +63,9 @@ def acc_dtype_for(*dtypes):
 # Reductions of materialised per-example gradients G [B, *shape]
 # --------------------------------------------------------------------------- #
 def reduce_materialised(G, reduction):
+    ext = S.extension(reduction)
+    if ext is not None:
+        return ext.materialised(G, reduction)
     axes = tuple(range(1, G.ndim))
     if isinstance(reduction, S.PhiSum):
         return jnp.sum(reduction.apply(G), axis=0)

@@ -39,6 +39,10 @@ def conv_canon(site):
     n_out = out_shape[out_spec[0]] * math.prod(out_shape[i] for i in out_spec[2:])
     canon_w = (rhs_spec[1],) + rhs_spec[2:] + (rhs_spec[0],)
     return dict(
+        kdims=(),
+        cdims=tuple(w_shape[i] for i in canon_w[:-1]),
+        fdims=(cout,),
+        canon_w=canon_w,
         K=1,
         C=cin * math.prod(ks),
         F=cout,

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpr_surgery._src import kron, tiling
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src import tiling
 from jaxpr_surgery._src.sites.base import STREAMED, Kernel, Rule, register
 
 
@@ -59,6 +59,10 @@ def _canon(site):
     canon_w = wb + wc + wf
     canon_shape = tuple(w_shape[i] for i in canon_w)
     return dict(
+        kdims=tuple(w_shape[i] for i in wb),
+        cdims=tuple(w_shape[i] for i in wc),
+        fdims=tuple(w_shape[i] for i in wf),
+        canon_w=canon_w,
         K=K,
         C=C,
         F=F,
@@ -134,11 +138,28 @@ class DenseKernel(Kernel):
                 )
         if isinstance(reduction, S.SqNorms):
             return self.sq_norms(ctx)
+        if isinstance(reduction, S.KronSum):
+            return kron.moments(
+                [self.kron_factors(ctx)], self.site.view_shape, reduction, self.acc, self.budget
+            )
         if isinstance(reduction, S.Centered) and N == 1:
             return self._centered_rank_one(x[:, :, 0], dy[:, :, 0])
         return self.direct_all(ctx, {"r": reduction})["r"]
 
+    def kron_factors(self, ctx):
+        """Token factors (kron.py): ``G_b[k, c, f] = sum_n X[b, k, n, c] DY[b, k, n, f]``."""
+        x, dy = ctx
+        c = self.c
+        B, N = x.shape[0], c["N"]
+        kd, cd, fd, cw = c["kdims"], c["cdims"], c["fdims"], c["canon_w"]
+        nk, nc = len(kd), len(cd)
+        X = x.reshape((B,) + kd + (N,) + cd)
+        D = dy.reshape((B,) + kd + (N,) + fd)
+        return kron.Factors(cw[:nk], ((cw[nk : nk + nc], X), (cw[nk + nc :], D)))
+
     def needs_materialise(self, r):
+        if isinstance(r, S.KronSum):
+            return False
         N = self.c["N"]
         if isinstance(r, S.PhiSum):
             return not (r.phi is None or (r.multiplicative and N == 1))

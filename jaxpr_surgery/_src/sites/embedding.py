@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpr_surgery._src import kron
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.sites.base import MATERIALISED, STREAMED, Kernel, Rule, register
 
@@ -122,6 +123,10 @@ class EmbeddingKernel(Kernel):
             return super().direct(ctx, reduction)
         if isinstance(reduction, S.SqNorms):
             return self.sq_norms(ctx)
+        if isinstance(reduction, S.KronSum):
+            return kron.moments(
+                [self.kron_factors(ctx)], (self.V, self.d), reduction, self.acc, self.budget
+            )
         if isinstance(reduction, S.Centered):
             s, first = self._segments(ids, valid, dy)
             mean = self._scatter(ids, dy) / B
@@ -130,6 +135,12 @@ class EmbeddingKernel(Kernel):
             m2 = self._scatter(ids, dev) + (B - n_row)[:, None] * jnp.square(mean)
             return S.Moments(mean, m2)
         return super().direct(ctx, reduction)
+
+    def kron_factors(self, ctx):
+        """Token factors (kron.py): the one-hot rows of the ids and the rows of ``dy``
+        (out-of-range tokens carry a zero ``dy``, so they add nothing)."""
+        ids, valid, dy = ctx
+        return kron.Factors((), (((0,), kron.OneHot(ids, self.V)), ((1,), dy)))
 
     def ingredients(self, ctx):
         ids, valid, dy = ctx
@@ -207,7 +218,19 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
 
         return DenseKernel.to_view(self, v[..., None, :, :])
 
+    def kron_factors(self, ctx):
+        ids, valid, dy = ctx
+        c = self.c
+        cw, fd = c["canon_w"], c["fdims"]
+        return kron.Factors(
+            (), ((cw[:1], kron.OneHot(ids, self.V)), (cw[1:], dy.reshape(dy.shape[:2] + fd)))
+        )
+
     def direct(self, ctx, reduction):
+        if isinstance(reduction, S.KronSum):  # one contracted axis, no dot batch (analysis)
+            return kron.moments(
+                [self.kron_factors(ctx)], self.site.view_shape, reduction, self.acc, self.budget
+            )
         out = super().direct(ctx, reduction)
         if isinstance(reduction, S.SqNorms):
             return out
