@@ -34,6 +34,8 @@ Families (Roulet & Agarwala, arXiv 2510.00236):
   `ema_of_sign`, `sign_ema` (Signum);
 * Adam's preconditioner: `adam`, `micro_adam`,
   `micro_adam_var`, `micro_adam_msq` and their ``scale_by_*``;
+* matrix preconditioners: `shampoo` / `scale_by_shampoo` (per-example Kronecker
+  moments, or classic Shampoo with ``per_example=False``);
 * differential privacy: `dp_sgd`, `dp_adam`, `dp_aggregate`;
 * monitoring: `track_gradient_statistics`;
 * schedules: `sqrt_batch_size_scaling`, `adam_sqrt_scaling` (Malladi et al.'s
@@ -64,6 +66,9 @@ from jaxpr_surgery._src.optim.requests import stat_request as stat_request
 from jaxpr_surgery._src.optim.requests import update_kwargs as update_kwargs
 from jaxpr_surgery._src.optim.schedules import adam_sqrt_scaling as adam_sqrt_scaling
 from jaxpr_surgery._src.optim.schedules import sqrt_batch_size_scaling as sqrt_batch_size_scaling
+from jaxpr_surgery._src.optim.shampoo import ScaleByShampooState as ScaleByShampooState
+from jaxpr_surgery._src.optim.shampoo import scale_by_shampoo as scale_by_shampoo
+from jaxpr_surgery._src.optim.shampoo import shampoo as shampoo
 from jaxpr_surgery._src.optim.sign import ema_of_sign as ema_of_sign
 from jaxpr_surgery._src.optim.sign import per_example_sign_sgd as per_example_sign_sgd
 from jaxpr_surgery._src.optim.sign import scale_by_per_example_sign as scale_by_per_example_sign
@@ -86,6 +91,9 @@ __all__ = [
     "micro_adam",
     "micro_adam_var",
     "micro_adam_msq",
+    "ScaleByShampooState",
+    "scale_by_shampoo",
+    "shampoo",
     "scale_by_per_example_sign",
     "per_example_sign_sgd",
     "sign_sgd",

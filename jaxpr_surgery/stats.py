@@ -2,6 +2,7 @@
 
 from jaxpr_surgery._src.stats import Centered as Centered
 from jaxpr_surgery._src.stats import ClippedSum as ClippedSum
+from jaxpr_surgery._src.stats import KronSum as KronSum
 from jaxpr_surgery._src.stats import Moments as Moments
 from jaxpr_surgery._src.stats import NoiseScaleComponents as NoiseScaleComponents
 from jaxpr_surgery._src.stats import PhiSum as PhiSum
@@ -13,7 +14,6 @@ from jaxpr_surgery._src.stats import clipped_mean as clipped_mean
 from jaxpr_surgery._src.stats import clipped_sum as clipped_sum
 from jaxpr_surgery._src.stats import elementwise as elementwise
 from jaxpr_surgery._src.stats import gradient_noise_scale as gradient_noise_scale
-from jaxpr_surgery._src.stats import KronSum as KronSum
 from jaxpr_surgery._src.stats import kron_moments as kron_moments
 from jaxpr_surgery._src.stats import mean as mean
 from jaxpr_surgery._src.stats import noise_scale_components as noise_scale_components

@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import compat, tiling
+from jaxpr_surgery._src import compat, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared
 from jaxpr_surgery._src.engine import cross_layout
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
     FALLBACK,
+    MATERIALISED,
     RULE_ORDER,
     STREAMED,
     UNUSED,
@@ -218,8 +219,10 @@ def explain(
     stat = _default_stats() if stat is None else stat
     stat_leaves, _, reqs, reductions = _flatten_stats(stat)
     names = [stat_name(s) for s in stat_leaves]
-    budget = tiling.DEFAULT_MEMORY_BUDGET_BYTES if memory_budget_bytes is None else int(
-        memory_budget_bytes
+    budget = (
+        tiling.DEFAULT_MEMORY_BUDGET_BYTES
+        if memory_budget_bytes is None
+        else int(memory_budget_bytes)
     )
 
     def run(*args, **kwargs):
@@ -281,14 +284,29 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes)
     if info.residual:
         why = "; ".join(info.reasons)
         return LeafReport(
-            path, shape, dtype, kinds, FALLBACK, {n: FALLBACK for n in names},
-            "exact per-example gradients: " + why, list(info.reasons),
-            float(2 * B * size), float(B * size * itemsize),
+            path,
+            shape,
+            dtype,
+            kinds,
+            FALLBACK,
+            {n: FALLBACK for n in names},
+            "exact per-example gradients: " + why,
+            list(info.reasons),
+            float(2 * B * size),
+            float(B * size * itemsize),
         )
     if not info.sites:
         return LeafReport(
-            path, shape, dtype, [], UNUSED, {n: UNUSED for n in names},
-            "does not affect the loss: zeros", [], 0.0, 0.0,
+            path,
+            shape,
+            dtype,
+            [],
+            UNUSED,
+            {n: UNUSED for n in names},
+            "does not affect the loss: zeros",
+            [],
+            0.0,
+            0.0,
         )
     ks = [kernel_for(s, acc, budget) for s in info.sites]
     multi = len(info.sites) > 1
@@ -301,6 +319,8 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes)
 
     def rule_of(r):
         """(word, how, flops, bytes) of one reduction over the leaf's sites."""
+        if isinstance(r, S.KronSum):
+            return [kron_rule(r)]
         out = []
         for s, k in zip(info.sites, ks):
             reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
@@ -332,6 +352,45 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes)
             out.append((rl.word, rl.how + label, rl.flops * reps, rl.bytes))
         return out
 
+    def kron_rule(r):
+        """Token grams where every site has token factors lining up in leaf axes (one
+        site, or a tied embedding); else tiles of the leaf's exact per-example gradients."""
+        streamed = all(
+            kron.leaf_axes(s) is not None and hasattr(k, "kron_meta")
+            for s, k in zip(info.sites, ks)
+        ) and (not multi or len({k.kron_meta()[1] for k in ks}) == 1)
+        if streamed and multi:
+            streamed = all(not k.kron_meta()[0][1] for k in ks)  # no block dims
+        if streamed:
+            metas = [k.kron_meta()[0] for k in ks]
+            tok = sum(m[0] for m in metas)
+            it_bytes = itemsize * (
+                2
+                * sum(
+                    m[0] * math.prod(m[2]) * math.prod(m[1])
+                    + m[0] * math.prod(m[3]) * math.prod(m[1])
+                    for m in metas
+                )
+                + 4 * tok * tok
+            )
+            per_ex = tiling.prefer_per_example() and tok > 1
+            t = tiling.tile_size(B, it_bytes, budget, batched_ok=not per_ex)
+            how = "token grams" + (" of the tied sites" if multi else "")
+            how += f" ({t} example{'s' if t > 1 else ''}/tile)"
+            return (STREAMED, how, kron.flops(metas, r, B), float(t * it_bytes))
+        if not multi and kron.leaf_axes(info.sites[0]) is not None:
+            rl = ks[0].rule(r, B)  # a generic site: its own per-example VJP
+            return (rl.word, rl.how, rl.flops, rl.bytes)
+        t = leaf_tile
+        why = "a layer inside lax.scan or a reshaped view" if not multi else "sites do not line up"
+        return (
+            MATERIALISED,
+            f"exact per-example gradients of the leaf ({t} example{'s' if t > 1 else ''}/tile; "
+            f"{why})",
+            2.0 * B * size * (1 + sum(min(n, r.max_dim) for n in shape)),
+            float(t * size * itemsize),
+        )
+
     rules, parts, flops, mem = {}, [], 0.0, 0.0
     per_red = {r: rule_of(r) for r in reductions}
     for name, req in zip(names, reqs):
@@ -346,8 +405,16 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes)
     for s in info.sites:
         site_notes[s.path] = {"leaf": path, "kind": s.kind, "rules": rules}
     return LeafReport(
-        path, shape, dtype, kinds, _dearest(rules.values()), rules, "; ".join(parts), [],
-        float(flops), float(mem),
+        path,
+        shape,
+        dtype,
+        kinds,
+        _dearest(rules.values()),
+        rules,
+        "; ".join(parts),
+        [],
+        float(flops),
+        float(mem),
     )
 
 

@@ -157,9 +157,14 @@ class Factors:
         korder = sorted(range(nk), key=lambda i: kaxes[i])
         if korder != list(range(nk)):
             groups = [
-                (ax, F if isinstance(F, OneHot) else jnp.transpose(
-                    F, (0,) + tuple(1 + i for i in korder) + tuple(range(1 + nk, F.ndim))
-                ))
+                (
+                    ax,
+                    F
+                    if isinstance(F, OneHot)
+                    else jnp.transpose(
+                        F, (0,) + tuple(1 + i for i in korder) + tuple(range(1 + nk, F.ndim))
+                    ),
+                )
                 for ax, F in groups
             ]
             kaxes = tuple(kaxes[i] for i in korder)
@@ -168,6 +173,14 @@ class Factors:
     @property
     def structure(self):
         return (self.kaxes, tuple(ax for ax, _ in self.groups))
+
+
+def leaf_structure(kaxes, gaxes, m):
+    """`Factors.structure` after `Factors.to_leaf_axes` (static: for explain)."""
+    groups = sorted(
+        (tuple(sorted(m[a] for a in ax)) for ax in gaxes), key=lambda ax: min(ax) if ax else -1
+    )
+    return (tuple(sorted(m[a] for a in kaxes)), tuple(groups))
 
 
 def _slice(F, b0, size):
@@ -309,6 +322,7 @@ def _tile_value(sites, axes_wanted, max_dim, sizes, dtype, size):
             lambda x: x[None], _example_terms(one, axes_wanted, max_dim, sizes, dtype)
         )
     else:
+
         def ex(arrays):
             one = [
                 Factors(f.kaxes, tuple((a, F) for (a, _), F in zip(f.groups, fs)))
@@ -350,17 +364,24 @@ def moments(sites, shape, r, dtype, budget=None):
         return ()
     B = _batch(sites[0])
     sizes = tuple(int(n) for n in shape)
-    per_ex = any(
-        not isinstance(F, OneHot) and F.shape[1 + len(f.kaxes)] > 1
-        for f in sites for _, F in f.groups
-    ) and tiling.prefer_per_example()
+    per_ex = (
+        any(
+            not isinstance(F, OneHot) and F.shape[1 + len(f.kaxes)] > 1
+            for f in sites
+            for _, F in f.groups
+        )
+        and tiling.prefer_per_example()
+    )
     tile = tiling.tile_size(B, bytes_per_example(sites, dtype), budget, batched_ok=not per_ex)
     axes = tuple(range(len(shape)))
     vals = tiling.sum_tiles(
         lambda b0, size: _tile_value(
-            [Factors(f.kaxes, tuple((a, _slice(F, b0, size)) for a, F in f.groups))
-             for f in sites],
-            axes, r.max_dim, sizes, dtype, size,
+            [Factors(f.kaxes, tuple((a, _slice(F, b0, size)) for a, F in f.groups)) for f in sites],
+            axes,
+            r.max_dim,
+            sizes,
+            dtype,
+            size,
         ),
         B,
         tile,

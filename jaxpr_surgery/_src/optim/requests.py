@@ -84,6 +84,7 @@ _FACTORIES: dict[str, Callable[..., _stats.Statistic]] = {
     "sign_mean": lambda **kw: _stats.sign_mean(),
     "clipped_sum": lambda clip_norm=None, **kw: _clipped_sum(clip_norm),
     "batch_size": lambda **kw: example_count(),
+    "kron_moments": lambda **kw: _stats.kron_moments(),
 }
 
 # Statistic to suggest in error messages, by extra-arg name.
@@ -94,6 +95,7 @@ _HINTS = {
     "sign_mean": "js.stats.sign_mean()",
     "clipped_sum": "js.stats.clipped_sum(clip_norm)",
     "batch_size": "js.optim.example_count(), or pass the batch size B",
+    "kron_moments": "js.stats.kron_moments(max_dim)",
 }
 
 # Optimizer / transform name -> the extra-arg names it consumes.

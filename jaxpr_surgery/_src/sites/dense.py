@@ -157,6 +157,15 @@ class DenseKernel(Kernel):
         D = dy.reshape((B,) + kd + (N,) + fd)
         return kron.Factors(cw[:nk], ((cw[nk : nk + nc], X), (cw[nk + nc :], D)))
 
+    def kron_meta(self):
+        """``((n_tokens, kdims, pdims, qdims), structure in leaf axes)`` for explain."""
+        c = self.c
+        nk, nc = len(c["kdims"]), len(c["cdims"])
+        cw = c["canon_w"]
+        m = kron.leaf_axes(self.site)
+        struct = kron.leaf_structure(cw[:nk], (cw[nk : nk + nc], cw[nk + nc :]), m)
+        return (c["N"], c["kdims"], c["cdims"], c["fdims"]), struct
+
     def needs_materialise(self, r):
         if isinstance(r, S.KronSum):
             return False

@@ -142,6 +142,12 @@ class EmbeddingKernel(Kernel):
         ids, valid, dy = ctx
         return kron.Factors((), (((0,), kron.OneHot(ids, self.V)), ((1,), dy)))
 
+    def kron_meta(self):
+        """``((n_tokens, kdims, pdims, qdims), structure in leaf axes)`` for explain."""
+        T = int(np.prod(self.site.eqn.outvars[0].aval.shape)) // self.d
+        m = kron.leaf_axes(self.site)
+        return (T, (), (self.V,), (self.d,)), kron.leaf_structure((), ((0,), (1,)), m)
+
     def ingredients(self, ctx):
         ids, valid, dy = ctx
         # ingredients travel as cotangents (floats): ids as an exact float pair
@@ -225,6 +231,13 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
         return kron.Factors(
             (), ((cw[:1], kron.OneHot(ids, self.V)), (cw[1:], dy.reshape(dy.shape[:2] + fd)))
         )
+
+    def kron_meta(self):
+        c = self.c
+        cw = c["canon_w"]
+        m = kron.leaf_axes(self.site)
+        meta = (c["N"], (), (self.V,), c["fdims"])
+        return meta, kron.leaf_structure((), (cw[:1], cw[1:]), m)
 
     def direct(self, ctx, reduction):
         if isinstance(reduction, S.KronSum):  # one contracted axis, no dot batch (analysis)
