@@ -125,7 +125,12 @@ QUICK_PLAN_SCAN = {"js": (["second_moment"], ["second_moment"]),
 # quick mode checks the harness, not the numbers: compile without LLVM optimisation
 QUICK_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
                           "xla_llvm_disable_expensive_passes": True}
-QUICK_DEFAULT_REGIMES = ["mlp", "short", "scan_remat"]
+QUICK_DEFAULT_REGIMES = ["mlp", "short", "scan_remat", "matrix"]
+# per-example Kronecker moments (matrix_check.py): js against micro_grad forming each
+# example's moments from its materialised gradient
+MATRIX_PLAN = {"js": (["kron_moments"], ["kron_moments"]),
+               "micro_grad_mb": (["kron_moments"], ["kron_moments"])}
+KRON_MAX_DIM = 1024
 
 
 def _regimes(quick: bool) -> dict[str, Regime]:
@@ -148,6 +153,10 @@ def _regimes(quick: bool) -> dict[str, Regime]:
                                                                          heads=2), [8],
                                  "scan over 2 remat layers T=8 d=16 (quick)", QUICK_PLAN_SCAN,
                                  maxbatch=False),
+            "matrix": Regime("matrix", lambda: models.transformer(T=8, d=32, V=64, layers=1,
+                                                                  heads=2, name="matrix"), [8],
+                             "kron_moments, transformer T=8 d=32 V=64 (quick)", MATRIX_PLAN,
+                             maxbatch=False),
         }
     return {
         "mlp": Regime("mlp", lambda: models.mlp(), [32, 256],
@@ -170,6 +179,10 @@ def _regimes(quick: bool) -> dict[str, Regime]:
                                                                      layers=4, heads=4), [8, 32],
                              "transformer T=32 d=128 V=2048, lax.scan over 4 "
                              "jax.checkpoint layers, stacked params", FULL_PLAN),
+        "matrix": Regime("matrix", lambda: models.transformer(T=32, d=256, V=8192, layers=2,
+                                                              heads=4, name="matrix"), [32],
+                         "kron_moments (max_dim 1024) on the short transformer: per-example "
+                         "Kronecker moments", MATRIX_PLAN, maxbatch=False),
     }
 
 
@@ -224,7 +237,19 @@ def js_stat(name):
         "sq_norms": js.stats.sq_norms,
         "clipped_mean": lambda: js.stats.clipped_mean(CLIP_NORM),
         "mean+second_moment": lambda: (js.stats.mean(), js.stats.second_moment()),
+        "kron_moments": lambda: js.stats.kron_moments(KRON_MAX_DIM),
     }[name]()
+
+
+def kron_of(g):
+    """One example's Kronecker moments from its materialised gradient (the contract)."""
+    def leaf(x):
+        out = []
+        for j, n in enumerate(x.shape):
+            u = jnp.moveaxis(x, j, 0).reshape(n, -1)
+            out.append(u @ u.T if n <= KRON_MAX_DIM else jnp.sum(u * u, axis=1))
+        return tuple(out)
+    return jax.tree.map(leaf, g)
 
 
 def _global_sq_norm(tree):
@@ -250,6 +275,8 @@ def reduce_stacked(name, G, B):
         return tm(lambda g: jnp.mean(g * f.reshape((-1,) + (1,) * (g.ndim - 1)), 0), G)
     if name == "mean+second_moment":
         return (tm(lambda g: jnp.mean(g, 0), G), tm(lambda g: jnp.mean(jnp.square(g), 0), G))
+    if name == "kron_moments":
+        return tm(lambda x: jnp.mean(x, 0), jax.vmap(kron_of)(G))
     raise ValueError(name)
 
 
@@ -278,6 +305,8 @@ def _micro_transform(name):
         return clip, (lambda g: None), ident
     if name == "mean+second_moment":
         return (lambda g: (g, tm(jnp.square, g))), (lambda g: None), ident
+    if name == "kron_moments":
+        return kron_of, (lambda g: None), ident
     raise ValueError(name)
 
 
@@ -659,6 +688,8 @@ def evaluate_targets(rows):
         for B in batches(reg):
             a = _row(rows, reg, B, "js", "second_moment")
             v = _row(rows, reg, B, "vmap", "second_moment")
+            if a is None:  # a regime of other statistics (matrix)
+                continue
             val = None
             if a and v and a["ok"] and v["ok"] and a["time_median_s"] and v["time_median_s"]:
                 val = a["time_median_s"] / v["time_median_s"]
@@ -702,6 +733,24 @@ def evaluate_targets(rows):
                 val = v["time_median_s"] / a["time_median_s"]
                 add("var_vs_sm", "js variance time <= 1.2x second_moment alone", reg, B,
                     "variance / second_moment", val, 1.2)
+    for B in batches("matrix"):
+        r = _row(rows, "matrix", B, "js", "kron_moments")
+        m = _row(rows, "matrix", B, "micro_grad_mb", "kron_moments")
+        ok = r is not None and r["ok"]
+        add("matrix_time", "matrix: js kron_moments time <= 2.0x grad", "matrix", B,
+            "kron_moments", r["time_ratio"] if ok else None, 2.0)
+        mem = None
+        if ok and r.get("temp_ratio") is not None and r.get("output_bytes"):
+            grad_temp = r["temp_bytes"] / max(r["temp_ratio"], 1e-30)
+            mem = r["temp_bytes"] / (1.5 * grad_temp + r["output_bytes"])
+        add("matrix_mem", "matrix: js temp memory <= 1.5x grad's + the result's size (value: "
+            "the ratio to that bound)", "matrix", B, "kron_moments", mem, 1.0)
+        val = None
+        if ok and m is not None and m["ok"] and m["time_median_s"]:
+            val = r["time_median_s"] / m["time_median_s"]
+        add("matrix_vs_micro_grad", "matrix: js kron_moments time <= 0.5x micro_grad "
+            "(microbatch B/4) forming the same moments", "matrix", B, "kron_moments / micro_grad",
+            val, 0.5)
     for B in batches("scan_remat"):
         for s in ALL_STATS:
             r = _row(rows, "scan_remat", B, "js", s)
@@ -795,7 +844,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny models, one batch size, 1-2 repeats")
     ap.add_argument("--out", default=None, help="JSON path (CSV written next to it)")
     ap.add_argument("--regimes", nargs="+", default=None,
-                    help="subset of: mlp cnn short long vocab scan_remat")
+                    help="subset of: mlp cnn short long vocab scan_remat matrix")
     ap.add_argument("--reps", type=int, default=None, help="max repeats per method")
     ap.add_argument("--budget-mib", type=float, default=None, help="memory budget, MiB")
     ap.add_argument("--compiler-options", default=None,

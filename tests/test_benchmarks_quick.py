@@ -95,7 +95,7 @@ def test_quick_json_schema(quick_run):
     stats = {r["statistic"] for r in rows if r["method"] == "js"}
     assert set(doc["statistics"]) <= stats  # every statistic ran at least once
     regimes = {r["regime"] for r in rows}
-    assert {"mlp", "short", "scan_remat"} <= regimes
+    assert {"mlp", "short", "scan_remat", "matrix"} <= regimes
     for reg in regimes:
         assert reg in doc["regimes"] and doc["regimes"][reg]["info"]["n_params"] > 0
         grads = [r for r in rows if r["regime"] == reg and r["method"] == "grad"]
