@@ -151,3 +151,30 @@ def test_files_on_command_line(tmp_path):
     assert set(corpus.heldout.tolist()) == {65 + 9}  # the 10th file, by file
     ids = corpus.heldout_windows(4, 16)["ids"]
     assert ids.shape == (4, 17)
+
+
+def test_shampoo_study_quick(tmp_path):
+    """``python -m examples.reproduce.shampoo --quick``: paired runs, best rates, intervals."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.reproduce.shampoo", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "shampoo.json").read_text())
+    cfg = doc["config"]
+    names = {"shampoo_per_example", "shampoo_classic", "adam", "micro_adam"}
+    assert {r["optimizer"] for r in doc["runs"]} == names
+    n_lrs = len(cfg["shampoo_lrs"])
+    assert len(doc["runs"]) == len(cfg["seeds"]) * 4 * n_lrs
+    best = doc["summary"]["best"]
+    assert set(best) == names
+    for name, b in best.items():
+        assert b["lr"] in (cfg["shampoo_lrs"] if name.startswith("shampoo") else cfg["adam_lrs"])
+        assert isinstance(b["interior"], bool)
+    pairs = doc["summary"]["paired_differences"]
+    assert set(pairs) == {"shampoo_per_example - shampoo_classic", "micro_adam - adam"}
+    for p in pairs.values():
+        lo, hi = p["ci95"]
+        assert lo <= p["mean"] <= hi and len(p["per_seed"]) == len(cfg["seeds"])

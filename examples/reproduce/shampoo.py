@@ -169,7 +169,7 @@ def summarize(runs, cfg: Config) -> dict:
         lr = min(means, key=means.get)
         best[name] = {"lr": lr, "loss": means[lr], "interior": grid[0] < lr < grid[-1],
                       "by_lr": {repr(k): means[k] for k in grid}}
-    pairs = {}
+    diffs = {}
     for a, b in pairs(cfg):
         if a not in best or b not in best:
             continue
@@ -178,10 +178,10 @@ def summarize(runs, cfg: Config) -> dict:
         d = np.array([la[s] - lb[s] for s in seeds])
         boot = d[rng.integers(0, len(d), (cfg.bootstrap, len(d)))].mean(1)
         lo, hi = np.percentile(boot, [2.5, 97.5])
-        pairs[f"{a} - {b}"] = {"mean": float(d.mean()), "per_seed": d.tolist(),
+        diffs[f"{a} - {b}"] = {"mean": float(d.mean()), "per_seed": d.tolist(),
                                "ci95": [float(lo), float(hi)],
                                "decided": bool(hi < 0 or lo > 0)}
-    return {"best": best, "paired_differences": pairs}
+    return {"best": best, "paired_differences": diffs}
 
 
 def main(argv=None) -> dict:
@@ -190,6 +190,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny everything: a smoke test")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs of --out/shampoo.json made with this configuration")
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else Config()
     if args.steps:
@@ -200,17 +202,27 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(None, cfg.max_bytes)
     eval_batch = corpus.heldout_windows(cfg.eval_windows, cfg.seq_len)
+    path = out / "shampoo.json"
+    config = dataclasses.asdict(cfg)
     runs = []
+    if args.resume and path.exists():
+        old = json.loads(path.read_text())
+        if old["config"] == json.loads(json.dumps(config)):
+            runs = old["runs"]
+    done = {(r["optimizer"], r["lr"], r["seed"]) for r in runs}
     for seed in cfg.seeds:
         for name in labels(cfg):
             for lr in cfg.lrs(name):
+                if (name, lr, seed) in done:
+                    continue
                 r = train(name, lr, seed, cfg, corpus, eval_batch)
                 runs.append(r)
+                path.write_text(json.dumps({"config": config, "runs": runs}, indent=1))
                 print(f"{name:30s} lr={lr:<7g} seed={seed} eval={r['final_eval_loss']} "
                       f"({r['seconds']} s)", flush=True)
-    result = {"config": dataclasses.asdict(cfg), "data": corpus.info(), "runs": runs,
+    result = {"config": config, "data": corpus.info(), "runs": runs,
               "summary": summarize(runs, cfg)}
-    (out / "shampoo.json").write_text(json.dumps(result, indent=1))
+    path.write_text(json.dumps(result, indent=1))
     for k, v in result["summary"]["paired_differences"].items():
         print(f"{k}: {v['mean']:+.4f} nats, 95% CI [{v['ci95'][0]:+.4f}, {v['ci95'][1]:+.4f}]")
     for k, v in result["summary"]["best"].items():
