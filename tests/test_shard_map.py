@@ -97,3 +97,65 @@ def test_shard_map_check_vma_false():
                        check_vma=False)
     out = jax.jit(sm)(*_place(mesh, params, batch))
     _check("mlp", out, names)
+
+
+# --------------------------------------------------------------------------- #
+# Tensor parallelism: a Megatron MLP on a (data, model) mesh
+# --------------------------------------------------------------------------- #
+def _megatron():
+    r = np.random.default_rng(0)
+    D, H, B = 6, 8, 8
+    f = lambda *s: jax.numpy.asarray(r.normal(size=s), jax.numpy.float32)  # noqa: E731
+    params = {"w1": f(D, H) / 2, "b1": f(H) / 4, "w2": f(H, D) / 2, "g": 1 + f(D) / 4}
+    batch = {"x": f(B, D), "y": f(B, D)}
+    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "g": P()}
+
+    def body(p, b, psum):
+        h = jax.numpy.tanh((b["x"] * p["g"]) @ p["w1"] + p["b1"])  # column-parallel
+        return jax.numpy.mean((psum(h @ p["w2"]) - b["y"]) ** 2)  # row-parallel
+
+    local = lambda p, b: body(p, b, lambda y: jax.lax.psum(y, "model"))  # noqa: E731
+    full = lambda p, b: body(p, b, lambda y: y)  # noqa: E731
+    return local, full, params, batch, specs
+
+
+TP_STATS = {
+    "mean": lambda: js.stats.mean(),
+    "second_moment": lambda: js.stats.second_moment(),
+    "variance": lambda: js.stats.variance(),
+    "sign_mean": lambda: js.stats.sign_mean(),
+    "sq_norms": lambda: js.stats.sq_norms(),
+    "sq_norms_per_leaf": lambda: js.stats.sq_norms(per_leaf=True),
+    "clipped_mean": lambda: js.stats.clipped_mean(0.5),
+}
+
+
+@pytest.mark.parametrize("stat", sorted(TP_STATS))
+def test_tensor_parallel_megatron_mlp(stat):
+    """Column-sharded w1/b1, row-sharded w2, replicated gain, psum over 'model': elementwise
+    statistics are exact per shard; norms and clipping sum the shards' parts."""
+    local, full, params, batch, specs = _megatron()
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    per_ex = stat.startswith("sq_norms")
+    out_specs = P("data") if stat == "sq_norms" else (
+        {k: P("data") for k in specs} if per_ex else specs)
+    fn = js.per_example_stat(local, TP_STATS[stat](), axis_name="data")
+    sm = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P("data")), out_specs=out_specs))
+    ns = lambda s: jax.sharding.NamedSharding(mesh, s)  # noqa: E731
+    got = sm({k: jax.device_put(v, ns(specs[k])) for k, v in params.items()},
+             jax.device_put(batch, ns(P("data"))))
+    want = js.per_example_stat(full, TP_STATS[stat]())(params, batch)
+    for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.any(np.asarray(w) != 0)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=2e-5, atol=1e-6)
+
+
+def test_tensor_parallel_kron_moments_raise_clearly():
+    local, _, params, batch, specs = _megatron()
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    fn = js.per_example_stat(local, js.stats.kron_moments(), axis_name="data")
+    sm = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P("data")), out_specs=P()))
+    ns = lambda s: jax.sharding.NamedSharding(mesh, s)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+        sm({k: jax.device_put(v, ns(specs[k])) for k, v in params.items()},
+           jax.device_put(batch, ns(P("data"))))

@@ -143,8 +143,16 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
     an = plan.analysis
     vary = lambda x: compat.make_varying(x, data_axes)  # noqa: E731
 
+    # A site's statistics vary over the data axes and over the axes its parameter
+    # is sharded on (tensor parallelism inside shard_map: each shard's part)
+    leaf_axes = [compat.vma_of(x) for x in diff_leaves]
     sinks = {
-        p: jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), _sink_avals(plan, s, B))
+        p: jax.tree.map(
+            lambda a, s=s: compat.make_varying(
+                jnp.zeros(a.shape, a.dtype), data_axes | leaf_axes[s.leaf]
+            ),
+            _sink_avals(plan, s, B),
+        )
         for p, s in an.sites.items()
     }
     residual = [i for i, m in enumerate(plan.modes) if m == "residual"]
@@ -200,6 +208,26 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
         # ingredients mode
         ings = [(s, plan.kernels[s.path], sink_cts[s.path]["ing"]) for s in sites]
         _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred)
+
+    # Tensor parallelism: a leaf sharded over mesh axes beyond the data axes holds a
+    # part of each example's gradient on every shard; its squared norms are the sum
+    # over those axes (replicated leaves count once).
+    for i in range(n):
+        model_axes = tuple(sorted(leaf_axes[i] - data_axes))
+        if not model_axes:
+            continue
+        for j, r in enumerate(plan.reductions):
+            if isinstance(r, S.SqNorms):
+                values[j][i] = jax.lax.psum(values[j][i], model_axes)
+            elif isinstance(r, S.KronSum):
+                raise NotImplementedError(
+                    f"kron_moments: parameter leaf {i} is sharded over mesh axes {model_axes} "
+                    "inside shard_map (tensor parallelism); its Kronecker moments would need "
+                    "cross-shard products. Compute them on replicated parameters, or request "
+                    "elementwise statistics (exact per shard) for sharded ones."
+                )
+        if norms_leaf[i] is not None:
+            norms_leaf[i] = jax.lax.psum(norms_leaf[i], model_axes)
 
     if plan.has_clip:
         total = sum(norms_leaf)
