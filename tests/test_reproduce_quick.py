@@ -1,9 +1,10 @@
 """Smoke test of the reproduction script: ``python -m examples.reproduce --quick``.
 
-Runs the quick mode (tiny model, one seed, two learning rates, a few steps;
-well under a minute on an idle 2-core machine, most of it XLA compilation) in a
-subprocess writing into ``tmp_path``, then checks the JSON structure and that
-every figure exists.
+Runs the quick mode (tiny model, two seeds, two learning rates, a few steps;
+about half a minute on an idle 2-core machine, most of it XLA compilation) in a
+subprocess writing into ``tmp_path``, then checks the JSON structure, the
+design (paired seeds, rate grids, the sqrt rule's hyperparameters, equal
+examples seen), the intervals and that every figure exists.
 """
 
 from __future__ import annotations
@@ -24,17 +25,10 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
 SIGN = {"per_example_sign_sgd", "sign_sgd", "ema_of_sign", "sign_ema"}
-ADAM = {"adam", "micro_adam", "micro_adam_var", "micro_adam_msq"}
-FIGURES = {
-    "sign": {"sign_loss_curves.png", "sign_lr_sensitivity.png", "sign_snr.png"},
-    "adam": {"adam_loss_curves.png", "adam_lr_sensitivity.png", "adam_snr.png"},
-    "batch": {"batch_size.png"},
-}
-RUN_KEYS = {"optimizer", "clip", "label", "lr", "seed", "batch_size", "steps", "diverged", "spikes",
-            "final_eval_loss", "train_loss", "eval", "snr", "seconds"}
-SNR_KEYS = {"step", "noise_scale", "snr_aggregate_per_example",
-            "snr_median_per_example", "snr_median_batch_mean", "snr_median_ema",
-            "sign_fidelity_per_example", "sign_fidelity_batch_mean", "sign_fidelity_ema"}
+ADAM = ["micro_adam_msq", "adam", "micro_adam", "micro_adam_var"]
+FIGURES = {"study_sign.png", "study_adam.png", "study_sign_fidelity.png", "study_sqrt_b.png"}
+RUN_KEYS = {"label", "lr", "seed", "batch_size", "steps", "diverged", "final_eval_loss", "eval",
+            "fidelity", "hp", "seconds"}
 
 
 @pytest.fixture(scope="module")
@@ -44,94 +38,87 @@ def quick_run(tmp_path_factory):
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "examples.reproduce", "--quick", "--no-progress", "--out", str(out)],
+        [sys.executable, "-m", "examples.reproduce", "--quick", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     seconds = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(f"quick mode took {seconds:.1f} s")
-    return out
+    return out, json.loads((out / "study.json").read_text())
 
 
-def _check_runs(runs, optimizers, n_lrs):
-    assert runs
-    assert {r["optimizer"] for r in runs} == optimizers
+def _check_runs(runs, labels, cfg, lrs):
+    assert {r["label"] for r in runs} == set(labels)
+    assert len(runs) == len(labels) * len(lrs) * len(cfg["seeds"])
     for r in runs:
-        assert RUN_KEYS <= set(r), set(r) ^ RUN_KEYS
-        assert r["steps"] >= 1 and r["batch_size"] >= 2
+        assert RUN_KEYS <= set(r), RUN_KEYS - set(r)
+        assert r["lr"] in lrs
         if not r["diverged"]:
-            assert len(r["train_loss"]) == r["steps"]
-            assert r["eval"] and r["eval"][-1]["step"] == r["steps"]
+            assert r["eval"][-1]["step"] == r["steps"]
             assert math.isfinite(r["final_eval_loss"])
-            assert math.isclose(r["final_eval_loss"], r["eval"][-1]["loss"], abs_tol=1e-4)
-            assert r["snr"] and SNR_KEYS <= set(r["snr"][-1])
-        else:
-            assert r["final_eval_loss"] is None  # NaN is written as null
-    lrs_per_label = {}
-    for r in runs:
-        lrs_per_label.setdefault(r["label"], set()).add(r["lr"])
-    assert all(len(v) == n_lrs for v in lrs_per_label.values())
+            assert r["final_eval_loss"] == r["eval"][-1]["loss"]
+            assert all(e["examples"] == e["step"] * r["batch_size"] for e in r["eval"])
 
 
-def _check_summary(summary, labels):
-    assert set(summary["best"]) == labels
-    assert set(summary["by_lr"]) == labels
-    assert sorted(summary["ranking"]) == sorted(labels)
-    for label, best in summary["best"].items():
-        assert best["loss"] <= math.log(256) + 1e-6
-        assert min(row["mean"] for row in summary["by_lr"][label].values()) == best["loss"]
+def _check_best(best, labels, lrs):
+    assert set(best) == set(labels)
+    for b in best.values():
+        assert b["lr"] in lrs and isinstance(b["interior"], bool)
+        assert math.isclose(b["loss"], min(b["by_lr"].values()))
 
 
-def test_quick_outputs(quick_run):
-    out = quick_run
-    meta = json.loads((out / "results.json").read_text())
-    assert meta["quick"] is True
-    assert set(meta["experiments"]) == {"sign", "adam", "batch"}
-    assert meta["model"]["n_params"] > 0
-    assert meta["data"]["train_bytes"] > 0 and meta["data"]["heldout_bytes"] > 0
-    assert meta["data"]["heldout_files"] >= 1
-    cfg = meta["config"]
-    for name, figs in FIGURES.items():
-        entry = meta["experiments"][name]
-        assert set(entry["figures"]) == figs
-        for fig in figs:
-            path = out / fig
-            assert path.exists() and path.stat().st_size > 1000, fig
-            assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert (out / entry["json"]).exists()
+def _check_diff(d, n_seeds):
+    lo, hi = d["ci95"]
+    assert lo <= d["mean"] <= hi and len(d["per_seed"]) == n_seeds
+    assert d["decided"] == (hi < 0 or lo > 0)
 
-    sign = json.loads((out / "sign.json").read_text())
-    _check_runs(sign["runs"], SIGN, len(cfg["sign_lrs"]))
-    _check_summary(sign["summary"], SIGN)
-    assert set(sign["snr_vs_outcome"]) == SIGN
-    for label, d in sign["snr_vs_outcome"].items():
-        assert d["placement"] == sign["placement"][label]
-    assert isinstance(sign["latest_placement_wins"], bool)
 
-    adam = json.loads((out / "adam.json").read_text())
-    _check_runs(adam["runs"], ADAM, len(cfg["adam_lrs"]))
-    labels = ADAM | {a + " +clip" for a in ADAM}
-    _check_summary(adam["summary"], labels)
-    assert adam["clip"]["where"].startswith("update")
+def test_quick_study(quick_run):
+    out, doc = quick_run
+    cfg = doc["config"]
+    assert set(doc["experiments"]) == {"sign", "adam", "sqrt_b"}
+    assert {p.name for p in out.glob("*.png")} >= FIGURES
+    sign = doc["experiments"]["sign"]
+    labels = sorted(SIGN) + [f"sign_ema b1={b:g}" for b in cfg["sign_ema_betas"]]
+    _check_runs(sign["runs"], labels, cfg, cfg["sign_lrs"])
+    _check_best(sign["best"], labels, cfg["sign_lrs"])
+    for d in sign["differences"].values():
+        _check_diff(d, len(cfg["seeds"]))
+    for f in sign["fidelity"].values():  # agreements are fractions
+        assert all(0 <= v <= 1 for v in f.values())
+    assert sign["verdict"].split(":")[0] in ("reproduced", "contradicted", "undecided")
+    adam = doc["experiments"]["adam"]
+    _check_runs(adam["runs"], ADAM, cfg, cfg["adam_lrs"])
+    _check_best(adam["best"], ADAM, cfg["adam_lrs"])
+    assert set(adam["dose_response"]) == {f"{b} - {a}" for a, b in zip(ADAM, ADAM[1:])}
+    sq = doc["experiments"]["sqrt_b"]
+    B0, lr0 = sq["base_batch_size"], sq["base_lr"]
+    assert lr0 == adam["best"]["adam"]["lr"]
+    examples = {r["steps"] * r["batch_size"] for r in sq["runs"]}
+    assert len(examples) == 1  # every batch size sees the same number of examples
+    for r in sq["runs"]:
+        kappa = r["batch_size"] / B0
+        want = lr0 * math.sqrt(kappa) if r["rule"] == "sqrt" else lr0
+        assert math.isclose(r["lr"], want, rel_tol=1e-9)
+        if r["rule"] == "sqrt":  # the full rule: EMA horizons and eps too
+            assert math.isclose(1 - r["hp"]["b2"], kappa * (1 - cfg["b2"]), rel_tol=1e-9)
+            assert math.isclose(r["hp"]["eps"], 1e-8 / math.sqrt(kappa), rel_tol=1e-9)
+    _check_diff(sq["sqrt_minus_constant_spread"], len(cfg["seeds"]))
 
-    batch = json.loads((out / "batch.json").read_text())
-    assert batch["batch_sizes"] == cfg["batch_sizes"]
-    assert batch["lr_rules"] == cfg["batch_lr_rules"] == ["sqrt", "constant"]
-    assert set(batch["settings"]) == set(cfg["batch_optimizers"])
-    assert set(batch["summary"]) == set(batch["lr_rules"])
-    for by_name in batch["summary"].values():
-        assert set(by_name) == set(cfg["batch_optimizers"])
-        for by_b in by_name.values():
-            assert set(by_b) == {str(b) for b in cfg["batch_sizes"]}
-    # sqrt rule: lr(B) = base_lr * sqrt(B / B0); control: lr(B) = base_lr; steps * B constant
-    B0 = batch["base_batch_size"]
-    for r in batch["runs"]:
-        base = batch["settings"][r["optimizer"]]["base_lr"]
-        factor = math.sqrt(r["batch_size"] / B0) if r["lr_rule"] == "sqrt" else 1.0
-        assert math.isclose(r["lr"], base * factor, rel_tol=1e-6)
-        assert r["steps"] * r["batch_size"] == batch["examples_budget"]
-    n = len(cfg["batch_optimizers"]) * len(cfg["batch_sizes"]) * len(batch["lr_rules"])
-    assert len(batch["runs"]) == n * len(cfg["seeds"])
+
+def test_resume_keeps_finished_experiments(quick_run, tmp_path):
+    out, doc = quick_run
+    (tmp_path / "study.json").write_text(json.dumps(doc))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.reproduce", "--quick", "--resume", "--experiments",
+         "sign", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads((tmp_path / "study.json").read_text())
+    assert again["experiments"]["sign"]["runs"] == doc["experiments"]["sign"]["runs"]
 
 
 def test_files_on_command_line(tmp_path):
