@@ -71,7 +71,7 @@ class Config:
     kappa: float = 1.0  # micro_adam_msq's floor
     sign_lrs: tuple = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
     adam_lrs: tuple = (1e-3, 3e-3, 1e-2, 3e-2)
-    sign_ema_betas: tuple = (0.5, 0.99)  # ablation beside b1
+    sign_ema_betas: tuple = (0.5,)  # ablation beside b1
     probe_examples: int = 512
     batch_sizes: tuple = (8, 16, 32)
     max_bytes: int = 2_000_000
