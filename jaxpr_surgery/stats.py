@@ -1,5 +1,7 @@
 """Statistics of per-example gradients (see ``docs/`` and ``api.md``)."""
 
+from jaxpr_surgery._src.dots import per_example_cosines as per_example_cosines
+from jaxpr_surgery._src.dots import per_example_dots as per_example_dots
 from jaxpr_surgery._src.stats import Centered as Centered
 from jaxpr_surgery._src.stats import ClippedSum as ClippedSum
 from jaxpr_surgery._src.stats import KronSum as KronSum

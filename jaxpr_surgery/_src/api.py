@@ -160,6 +160,14 @@ class _Prepared:
         self.other_leaves = [x for a, x in zip(self.other_is_arr, oleaves) if a]
         self.fn, self.args_n, self.opts, self.name = fn, nargs, opts, name
 
+    def flatten_like_diff(self, tree):
+        """A pytree with the structure of the differentiated arguments as a list over their
+        array leaves (None where ``tree`` has None)."""
+        if not self.single and isinstance(tree, list):
+            tree = tuple(tree)  # several argnums: a tuple of their trees
+        full = self.diff_tree.flatten_up_to(tree)
+        return [x for x, a in zip(full, self.diff_is_arr) if a]
+
     def unflatten_diff(self, leaves, static=None, *, keep_static=False):
         """A tree like the differentiated argument(s) from one value per array leaf;
         static (non-array) leaves get ``static``, or keep their value with ``keep_static``."""
@@ -318,6 +326,7 @@ def _compute(prep, stat, opts: Options, name):
         len(prep.other_leaves),
         out_tree,
         budget=opts.memory_budget_bytes,
+        flatten=prep.flatten_like_diff,
     )
     data_axes = frozenset().union(*[compat.vma_of(x) for x in prep.ex_leaves])
 
@@ -374,7 +383,11 @@ def _cast_like(result, prep):
 def _chunked(run_chunk, ex_leaves, B, cs, reductions):
     nfull, rem = divmod(B, cs)
     head = [x[: nfull * cs].reshape((nfull, cs) + x.shape[1:]) for x in ex_leaves]
-    sq = [j for j, r in enumerate(reductions) if isinstance(r, S.SqNorms)]
+    sq = [  # per-example values: concatenated over chunks
+        j
+        for j, r in enumerate(reductions)
+        if isinstance(r, S.SqNorms) or getattr(S.extension(r), "per_example", False)
+    ]
 
     first_vals, first_loss, first_aux = run_chunk([h[0] for h in head], cs)
     carry0 = {j: v for j, v in first_vals.items() if j not in sq}

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, kron, tiling
+from jaxpr_surgery._src import compat, dots, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.interpreter import Evaluator, make_site_fn
 from jaxpr_surgery._src.sites import kernel_for
@@ -40,6 +40,7 @@ class Plan:
     kernels: dict = dataclasses.field(default_factory=dict)  # path -> Kernel
     modes: list = dataclasses.field(default_factory=list)  # per leaf
     budget: int | None = None  # memory_budget_bytes: bytes per tile of per-example gradients
+    refs: dict = dataclasses.field(default_factory=dict)  # DotWith -> reference array per leaf
 
     @property
     def needs_norms(self):
@@ -50,6 +51,14 @@ class Plan:
         return any(isinstance(r, S.ClippedSum) for r in self.reductions)
 
     @property
+    def has_dot(self):
+        return any(isinstance(r, dots.DotWith) for r in self.reductions)
+
+    def bound(self, r, i):
+        """``r`` for leaf ``i``: a `DotWith` bound to the leaf's reference array."""
+        return dots.BoundDot(self.refs[r][i]) if isinstance(r, dots.DotWith) else r
+
+    @property
     def has_kron(self):
         return any(isinstance(r, S.KronSum) for r in self.reductions)
 
@@ -58,8 +67,15 @@ def rkey(j):
     return f"r{j}"
 
 
-def make_plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree, budget=None):
+def make_plan(
+    closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree, budget=None, flatten=None
+):
+    """``flatten(tree)``: a pytree shaped like the differentiated arguments as a list per
+    leaf (references of `DotWith`)."""
     plan = Plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree, budget=budget)
+    for r in reductions:
+        if isinstance(r, dots.DotWith):
+            plan.refs[r] = _reference_leaves(flatten, r.reference, leaf_avals)
     for i in range(len(leaf_avals)):
         rule = analysis.rule(i)
         # Kronecker moments of a layer inside lax.scan, or of a view that reshapes
@@ -67,7 +83,7 @@ def make_plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree,
         kron_ok = not plan.has_kron or (
             rule == "single" and kron.leaf_axes(analysis.leaves[i].sites[0]) is not None
         )
-        if rule == "single" and not plan.has_clip and kron_ok:
+        if rule == "single" and not plan.has_clip and not plan.has_dot and kron_ok:
             plan.modes.append("direct")
         elif rule in ("single", "multi"):
             plan.modes.append("ingredients")
@@ -195,7 +211,7 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
             G = copy_cts[i].astype(acc)
             for j, r in enumerate(plan.reductions):
                 if not isinstance(r, S.ClippedSum):
-                    values[j][i] = reduce_materialised(G, r)
+                    values[j][i] = reduce_materialised(G, plan.bound(r, i))
             norms_leaf[i] = reduce_materialised(G, S.SqNorms())
             deferred[i] = lambda c, G=G: weighted_sum_materialised(G, c)
             continue
@@ -406,7 +422,8 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
         req = {
             rkey(j): r
             for j, r in enumerate(plan.reductions)
-            if not isinstance(r, S.ClippedSum) and (kron_ok or not isinstance(r, S.KronSum))
+            if not isinstance(r, (S.ClippedSum, dots.DotWith))
+            and (kron_ok or not isinstance(r, S.KronSum))
         }
         sq_key = next((key for key, r in req.items() if isinstance(r, S.SqNorms)), None)
         if plan.needs_norms and sq_key is None:
@@ -418,6 +435,9 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
                 values[j][i] = _direct_to_leaf(s, r, out[rkey(j)], B)
         if plan.needs_norms:
             norms_leaf[i] = _direct_to_leaf(s, S.SqNorms(), out[sq_key], B)
+        for j, r in enumerate(plan.reductions):
+            if isinstance(r, dots.DotWith):
+                values[j][i] = _leaf_dots(plan, i, ings, r, B, mat)
         if not kron_ok:  # the leaf's per-example gradient, tile by tile
             js_ = [j for j, r in enumerate(plan.reductions) if isinstance(r, S.KronSum)]
             outs = _tiled_materialised(
@@ -439,6 +459,8 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
             values[j][i] = v
         elif isinstance(r, S.KronSum) and (v := kron_streamed(plan, ings, r, B)) is not None:
             values[j][i] = v
+        elif isinstance(r, dots.DotWith):
+            values[j][i] = _leaf_dots(plan, i, ings, r, B, mat)
         else:
             todo.append(j)
     if plan.needs_norms:
@@ -448,7 +470,7 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
         else:
             norms_leaf[i] = sq
     if todo:
-        reds = [S.SqNorms() if j is None else plan.reductions[j] for j in todo]
+        reds = [S.SqNorms() if j is None else plan.bound(plan.reductions[j], i) for j in todo]
         means = [
             weighted(jnp.ones((B,), acc)) / B if isinstance(r, S.Centered) else None
             for r in reds
@@ -483,3 +505,40 @@ def kron_streamed(plan, ings, r, B):
         return None
     aval = plan.leaf_avals[ings[0][0].leaf]
     return kron.moments(facs, tuple(aval.shape), r, acc_dtype_for(aval.dtype), plan.budget)
+
+
+def _reference_leaves(flatten, reference, leaf_avals):
+    """A `DotWith` reference as one array per differentiated leaf, shapes checked."""
+    try:
+        leaves = flatten(reference)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "per_example_dots/cosines(reference=...): the reference must have the structure of "
+            f"the differentiated arguments (e.g. their jax.grad): {e}"
+        ) from e
+    out = []
+    for k, (x, aval) in enumerate(zip(leaves, leaf_avals)):
+        if x is None:
+            x = jnp.zeros(aval.shape, acc_dtype_for(aval.dtype))
+        if jnp.shape(x) != tuple(aval.shape):
+            raise ValueError(
+                f"per_example_dots/cosines(reference=...): leaf {k} of the reference has shape "
+                f"{jnp.shape(x)}, the parameter has {tuple(aval.shape)}."
+            )
+        out.append(jnp.asarray(x))
+    return out
+
+
+def _leaf_dots(plan, i, ings, r, B, mat):
+    """``<g_b, ref>`` of a leaf, ``[B]``: each site's contraction of the reference with its
+    inputs where its view permutes the leaf; else tiles of the leaf's per-example gradients."""
+    ref = plan.refs[r][i]
+    acc = acc_dtype_for(plan.leaf_avals[i].dtype)
+    axes = [kron.leaf_axes(s) for s, _, _ in ings]
+    if all(a is not None for a in axes):
+        total = None
+        for (_, k, ing), m in zip(ings, axes):
+            v = k.dots(k.ctx(ing), jnp.transpose(ref, m).astype(acc))
+            total = v if total is None else total + v
+        return total
+    return _tiled_materialised(plan, ings, mat, B, [dots.BoundDot(ref)], [None])[0]

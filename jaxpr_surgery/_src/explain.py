@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import compat, kron, tiling
+from jaxpr_surgery._src import compat, dots, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared
 from jaxpr_surgery._src.engine import cross_layout
@@ -321,6 +321,14 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes)
         """(word, how, flops, bytes) of one reduction over the leaf's sites."""
         if isinstance(r, S.KronSum):
             return [kron_rule(r)]
+        if isinstance(r, dots.DotWith):
+            if all(kron.leaf_axes(s) is not None for s in info.sites):
+                fl = sum(k.rule(S.SUM, B).flops for k in ks)  # one more contraction per site
+                return [(STREAMED, "contraction with the reference", fl, 0.0)]
+            t = leaf_tile
+            return [(MATERIALISED, f"exact per-example gradients of the leaf ({t} "
+                     f"example{'s' if t > 1 else ''}/tile)", 2.0 * B * size,
+                     float(t * size * itemsize))]
         out = []
         for s, k in zip(info.sites, ks):
             reps = math.prod(s.scan_lengths) if s.scan_lengths else 1

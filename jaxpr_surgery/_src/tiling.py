@@ -83,7 +83,10 @@ def reduce_tiles(make, B: int, reductions, tile: int, *, means=None, shape, dtyp
     means = list(means) if means is not None else [None] * len(reductions)
     tile = int(max(1, min(tile, B)))
     nfull, rem = divmod(B, tile)
-    sq = [isinstance(r, S.SqNorms) for r in reductions]
+    sq = [  # per-example values ([B]): written in place, not summed
+        isinstance(r, S.SqNorms) or getattr(S.extension(r), "per_example", False)
+        for r in reductions
+    ]
 
     def add(acc, b0, size):
         vals = _tile_values(make(b0, size).astype(dtype), reductions, means)

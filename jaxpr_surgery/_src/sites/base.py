@@ -119,6 +119,11 @@ class Kernel:
     def weighted_sum(self, ing, c):
         return weighted_sum_materialised(self.materialise(ing), c)
 
+    def dots(self, ctx, ref):
+        """``[B]``: ``<G_b, ref>`` with ``ref`` in the view's layout."""
+        G = self.materialise(ctx)
+        return jnp.einsum("b...,...->b", G, ref.astype(G.dtype), precision="highest")
+
     # reporting ----------------------------------------------------------- #
     def rule(self, reduction, B) -> Rule:
         """How this site computes ``reduction`` for a batch of ``B``; for explain."""

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import kron, tiling
+from jaxpr_surgery._src import dots, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.sites.base import STREAMED, Kernel, Rule, register
 
@@ -165,6 +165,13 @@ class DenseKernel(Kernel):
         m = kron.leaf_axes(self.site)
         struct = kron.leaf_structure(cw[:nk], (cw[nk : nk + nc], cw[nk + nc :]), m)
         return (c["N"], c["kdims"], c["cdims"], c["fdims"]), struct
+
+    def dots(self, ctx, ref):
+        """``[B]``: ``<X_b^T DY_b, ref>``, the reference contracted with the tokens."""
+        x, dy = ctx
+        c = self.c
+        R = jnp.transpose(ref, c["canon_w"]).reshape(c["K"], c["C"], c["F"])
+        return dots.dense_dots(x, dy, R.astype(x.dtype))
 
     def needs_materialise(self, r):
         if isinstance(r, S.KronSum):

@@ -142,6 +142,11 @@ class EmbeddingKernel(Kernel):
         ids, valid, dy = ctx
         return kron.Factors((), (((0,), kron.OneHot(ids, self.V)), ((1,), dy)))
 
+    def dots(self, ctx, ref):
+        """``[B]``: ``sum_t ref[id_t] . dy_t`` (out-of-range tokens carry a zero ``dy``)."""
+        ids, valid, dy = ctx
+        return jnp.einsum("btd,btd->b", jnp.take(ref, ids, axis=0).astype(dy.dtype), dy)
+
     def kron_meta(self):
         """``((n_tokens, kdims, pdims, qdims), structure in leaf axes)`` for explain."""
         T = int(np.prod(self.site.eqn.outvars[0].aval.shape)) // self.d
@@ -238,6 +243,11 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
         m = kron.leaf_axes(self.site)
         meta = (c["N"], (), (self.V,), c["fdims"])
         return meta, kron.leaf_structure((), (cw[:1], cw[1:]), m)
+
+    def dots(self, ctx, ref):
+        c = self.c
+        table = jnp.transpose(ref, c["canon_w"]).reshape(c["C"], c["F"])
+        return super().dots(ctx, table)
 
     def direct(self, ctx, reduction):
         if isinstance(reduction, S.KronSum):  # one contracted axis, no dot batch (analysis)
