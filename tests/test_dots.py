@@ -74,7 +74,8 @@ def _tied_case(B=7):
     r = np.random.default_rng(1)
     p = {"emb": jnp.asarray(r.normal(size=(13, 8))), "wq": jnp.asarray(r.normal(size=(8, 2, 3))),
          "wo": jnp.asarray(r.normal(size=(2, 3, 8)))}
-    b = {"tok": jnp.asarray(r.integers(0, 13, (B, 6))), "tgt": jnp.asarray(r.integers(0, 13, (B, 6)))}
+    b = {"tok": jnp.asarray(r.integers(0, 13, (B, 6))),
+         "tgt": jnp.asarray(r.integers(0, 13, (B, 6)))}
     return p, b
 
 
