@@ -560,7 +560,8 @@ SLOW_MODULES = frozenset({
     "test_oracle.py", "test_properties.py", "test_library_layers.py", "test_docs.py",
     "test_benchmarks_quick.py", "test_reproduce_quick.py", "test_research_stats.py",
     "test_grad.py", "test_tripwire.py", "test_frameworks.py", "test_sharded_jit.py",
-    "test_shard_map.py", "test_pmap.py", "test_vmap.py",
+    "test_shard_map.py", "test_pmap.py", "test_vmap.py", "test_third_party.py",
+    "test_kron.py", "test_dots.py",
 })
 
 
