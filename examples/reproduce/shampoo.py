@@ -41,6 +41,7 @@ import jaxpr_surgery as js
 
 from . import model
 from .data import load_corpus
+from .study import best_rates, paired
 
 OPTIMIZERS = ("shampoo_per_example", "shampoo_classic", "adam", "micro_adam")
 PAIRS = (("shampoo_per_example", "shampoo_classic"), ("micro_adam", "adam"))
@@ -151,36 +152,11 @@ def train(name, lr, seed, cfg: Config, corpus, eval_batch) -> dict:
 _eval = jax.jit(model.loss_fn)
 
 
-def _capped(x):
-    return math.log(256) if x is None else min(x, math.log(256))
-
-
 def summarize(runs, cfg: Config) -> dict:
-    rng = np.random.default_rng(0)
-    table = {}
-    for r in runs:
-        table.setdefault(r["optimizer"], {}).setdefault(r["lr"], {})[r["seed"]] = _capped(
-            r["final_eval_loss"]
-        )
-    best = {}
-    for name, by_lr in table.items():
-        grid = sorted(by_lr)
-        means = {lr: float(np.mean(list(v.values()))) for lr, v in by_lr.items()}
-        lr = min(means, key=means.get)
-        best[name] = {"lr": lr, "loss": means[lr], "interior": grid[0] < lr < grid[-1],
-                      "by_lr": {repr(k): means[k] for k in grid}}
-    diffs = {}
-    for a, b in pairs(cfg):
-        if a not in best or b not in best:
-            continue
-        la, lb = table[a][best[a]["lr"]], table[b][best[b]["lr"]]
-        seeds = sorted(set(la) & set(lb))
-        d = np.array([la[s] - lb[s] for s in seeds])
-        boot = d[rng.integers(0, len(d), (cfg.bootstrap, len(d)))].mean(1)
-        lo, hi = np.percentile(boot, [2.5, 97.5])
-        diffs[f"{a} - {b}"] = {"mean": float(d.mean()), "per_seed": d.tolist(),
-                               "ci95": [float(lo), float(hi)],
-                               "decided": bool(hi < 0 or lo > 0)}
+    """Best rate per optimizer and the paired differences (study.py's statistics)."""
+    best = best_rates(runs, key="optimizer")
+    diffs = {f"{a} - {b}": paired(best[a]["per_seed"], best[b]["per_seed"], cfg.bootstrap)
+             for a, b in pairs(cfg) if a in best and b in best}
     return {"best": best, "paired_differences": diffs}
 
 

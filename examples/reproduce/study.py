@@ -203,11 +203,12 @@ def capped(x):
     return UNIFORM_LOSS if x is None or not math.isfinite(x) else min(x, UNIFORM_LOSS)
 
 
-def best_rates(runs):
-    """Per label: mean final loss over seeds per rate, the best rate, whether it is interior."""
+def best_rates(runs, key="label"):
+    """Per ``r[key]``: mean final loss over seeds per rate, the best rate, whether it is
+    interior."""
     table = {}
     for r in runs:
-        table.setdefault(r["label"], {}).setdefault(r["lr"], {})[r["seed"]] = capped(
+        table.setdefault(r[key], {}).setdefault(r["lr"], {})[r["seed"]] = capped(
             r["final_eval_loss"])
     out = {}
     for label, by_lr in table.items():
