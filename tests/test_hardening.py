@@ -370,3 +370,55 @@ def test_conv_statistics_match_oracle(cfg):
         assert rep.leaves[0].rule == ("streamed" if patches else "materialised"), str(rep)
 
     _x64(run)
+
+
+# --------------------------------------------------------------------------- #
+# Parameter-only calls: position tables looked up by constant positions inside a jit
+# (``jnp.take``, Flax ``nn.Embed`` on ``arange`` as in Hugging Face GPT-2 and BERT)
+# --------------------------------------------------------------------------- #
+def _positions_model(kind):
+    @jax.jit
+    def scaled(t):  # a parameter-only jit whose input is already transformed
+        return 2.0 * t
+
+    def loss(p, b):
+        T = b["x"].shape[1]
+        if kind == "take":
+            pos = jnp.take(p["pos"], jnp.arange(T), axis=0)
+        elif kind == "nested":
+            pos = jax.jit(lambda t: jnp.take(t, jnp.arange(T) % 3, axis=0) * 0.5)(p["pos"])
+        else:  # "pre": sliced outside, then through a jit
+            pos = scaled(p["pos"][:T] + 1.0)
+        h = jnp.tanh(b["x"] @ p["w"] + pos)
+        return jnp.mean(jnp.sum(h * b["y"], axis=(-1, -2)))
+
+    return loss
+
+
+@pytest.mark.parametrize("kind", ["take", "nested", "pre"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_parameter_only_calls_are_sites_not_fallbacks(kind, dtype):
+    def run():
+        r = np.random.default_rng(5)
+        B, T, d = 5, 4, 3
+        p = {"pos": jnp.asarray(r.standard_normal((6, d)), dtype),
+             "w": jnp.asarray(r.standard_normal((d, d)), dtype)}
+        b = {"x": jnp.asarray(r.standard_normal((B, T, d)), dtype),
+             "y": jnp.asarray(r.standard_normal((B, T, d)), dtype)}
+        loss = _positions_model(kind)
+        rep = js.explain(loss, js.stats.second_moment())(p, b)
+        assert not rep.fallback_leaves, str(rep)
+        got = js.per_example_stat(
+            loss, (js.stats.mean(), js.stats.variance(), js.stats.sq_norms()))(p, b)
+        g = _per_example_grads(loss, p, b)
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-11)
+        for k in p:
+            np.testing.assert_allclose(got[0][k], g[k].mean(0), **tol)
+            np.testing.assert_allclose(got[1][k], jnp.var(g[k], 0, ddof=1), **tol)
+        sq = sum((x.reshape(B, -1) ** 2).sum(1) for x in jax.tree.leaves(g))
+        np.testing.assert_allclose(got[2], sq, **tol)
+
+    if dtype == jnp.float64:
+        _x64(run)
+    else:
+        run()

@@ -121,6 +121,50 @@ def test_resume_keeps_finished_experiments(quick_run, tmp_path):
     assert again["experiments"]["sign"]["runs"] == doc["experiments"]["sign"]["runs"]
 
 
+def test_resume_after_widening_a_grid_reuses_runs(quick_run, tmp_path):
+    """A study whose grid was narrower: --resume redoes the summaries, reuses every finished
+    run and trains only the new rate."""
+    out, doc = quick_run
+    cfg = doc["config"]
+    lo, hi = cfg["sign_lrs"]
+    old = json.loads(json.dumps(doc))
+    old["config"]["sign_lrs"] = [lo]
+    sign = old["experiments"]["sign"]
+    sign["runs"] = [r for r in sign["runs"] if r["lr"] == lo]
+    (tmp_path / "study.json").write_text(json.dumps(old))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.reproduce", "--quick", "--resume", "--experiments",
+         "sign", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    n_old = len(sign["runs"])
+    assert f"reused {n_old} runs" in proc.stdout, proc.stdout[-2000:]
+    again = json.loads((tmp_path / "study.json").read_text())
+    assert again["config"]["sign_lrs"] == [lo, hi]
+    runs = again["experiments"]["sign"]["runs"]
+    assert [r for r in runs if r["lr"] == lo] == sign["runs"]  # reused as they were
+    assert len([r for r in runs if r["lr"] == hi]) == n_old  # the new rate, every label/seed
+    assert set(again["experiments"]["sign"]["best"]) == set(sign["best"])
+
+
+def test_reusable_runs_need_the_same_model_and_data(quick_run):
+    sys.path.insert(0, str(ROOT))
+    try:
+        from examples.reproduce import study
+    finally:
+        sys.path.remove(str(ROOT))
+    _, doc = quick_run
+    n = sum(len(e["runs"]) for e in doc["experiments"].values())
+    cfg, data = dict(doc["config"]), doc["data"]
+    assert len(study.reusable_runs(doc, dict(cfg, seeds=[0, 1, 2], adam_lrs=[1.0]), data)) == n
+    assert study.reusable_runs(doc, dict(cfg, d=cfg["d"] * 2), data) == []
+    assert study.reusable_runs(doc, dict(cfg, steps=cfg["steps"] + 1), data) == []
+    assert study.reusable_runs(doc, cfg, dict(data, train_bytes=1)) == []
+
+
 def test_files_on_command_line(tmp_path):
     """Text files given on the command line replace the standard library (data only)."""
     sys.path.insert(0, str(ROOT))

@@ -53,7 +53,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=None, help="override the number of steps")
     ap.add_argument("--seeds", type=int, default=None, help="override the number of seeds")
     ap.add_argument("--resume", action="store_true",
-                    help="keep the experiments of --out/study.json run with this configuration")
+                    help="keep the experiments of --out/study.json run with this configuration; "
+                         "after a grid or seed change, reuse its finished runs")
     ap.add_argument("--replot", action="store_true", help="only redraw the figures")
     args = ap.parse_args(argv)
     if args.quick and "XLA_FLAGS" not in os.environ and "jax" not in sys.modules:
@@ -90,12 +91,15 @@ def main(argv=None) -> dict:
         return doc
 
     config = clean(dataclasses.asdict(cfg))
-    doc = {}
+    doc, previous, earlier_seconds = {}, [], 0.0
+    corpus = load_corpus(args.files or None, cfg.max_bytes)
     if args.resume and path.exists():
         old = json.loads(path.read_text())
         if old.get("config") == config:
-            doc = old
-    corpus = load_corpus(args.files or None, cfg.max_bytes)
+            doc = old  # finished experiments are kept whole
+        else:  # a widened grid: experiments are summarised again, finished runs reused
+            previous = study.reusable_runs(old, config, corpus.info())
+            earlier_seconds = old.get("seconds", 0.0) if previous else 0.0
     doc.update({
         "config": config,
         "data": corpus.info(),
@@ -103,7 +107,7 @@ def main(argv=None) -> dict:
                         "backend": jax.default_backend()},
     })
     doc.setdefault("experiments", {})
-    runner = study.Runner(cfg, corpus)
+    runner = study.Runner(cfg, corpus, previous)
     t0 = time.perf_counter()
     for name in EXPERIMENTS:
         if name not in args.experiments or name in doc["experiments"]:
@@ -121,7 +125,9 @@ def main(argv=None) -> dict:
         doc["experiments"][name] = clean(res)
         print(f"{name}: {res['verdict']}")
         path.write_text(json.dumps(doc, indent=1) + "\n")
-    doc["seconds"] = round(time.perf_counter() - t0, 1)
+    if runner.reused:
+        print(f"reused {runner.reused} runs of the earlier study")
+    doc["seconds"] = round(time.perf_counter() - t0 + earlier_seconds, 1)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     figures(doc)
     return doc

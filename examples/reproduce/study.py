@@ -69,7 +69,7 @@ class Config:
     b1: float = 0.9
     b2: float = 0.95
     kappa: float = 1.0  # micro_adam_msq's floor
-    sign_lrs: tuple = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
+    sign_lrs: tuple = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
     adam_lrs: tuple = (1e-3, 3e-3, 1e-2, 3e-2)
     sign_ema_betas: tuple = (0.5,)  # ablation beside b1
     probe_examples: int = 512
@@ -117,9 +117,13 @@ def build(label, cfg: Config, steps: int, hp: dict | None = None):
 class Runner:
     """Trains the LM; compiled steps cached per (label, steps, batch size, hp)."""
 
-    def __init__(self, cfg: Config, corpus):
+    def __init__(self, cfg: Config, corpus, previous_runs=()):
         self.cfg = cfg
         self.corpus = corpus
+        #: finished runs of an earlier study of the same model, data and training length
+        #: (``--resume`` after a grid was widened): a run with the same key is not redone
+        self._previous = {run_key(r): r for r in previous_runs}
+        self.reused = 0
         self.eval_batch = corpus.heldout_windows(cfg.eval_windows, cfg.seq_len)
         rng = np.random.default_rng(10_000)  # probes: training windows no run draws first
         probes = corpus.batches(rng, cfg.probe_examples, cfg.seq_len)
@@ -164,6 +168,11 @@ class Runner:
         cfg = self.cfg
         B = batch_size or cfg.batch_size
         steps = steps or cfg.steps
+        old = self._previous.get(run_key(dict(label=label, lr=lr, seed=seed, batch_size=B,
+                                              steps=steps, hp=hp or {})))
+        if old is not None and (old["fidelity"] or not probes):
+            self.reused += 1
+            return old
         opt, step = self._step(label, steps, B, hp)
         params = model.init_params(jax.random.PRNGKey(seed), **cfg.model_cfg())
         state = opt.init(params)
@@ -193,6 +202,27 @@ class Runner:
                 "final_eval_loss": None if diverged else evals[-1]["loss"],
                 "eval": evals, "fidelity": fid, "hp": hp or {},
                 "seconds": round(time.perf_counter() - t0, 2)}
+
+
+#: Config fields that only widen or narrow the study (grids, seeds, bootstrap size): runs
+#: of a study that differs from this one in these fields alone can be reused.
+GRID_FIELDS = ("seeds", "sign_lrs", "adam_lrs", "sign_ema_betas", "batch_sizes", "bootstrap")
+
+
+def run_key(r):
+    """What makes two runs the same run (given the same model, data and training length)."""
+    hp = tuple(sorted((k, float(v)) for k, v in (r.get("hp") or {}).items()))
+    return (r["label"], float(r["lr"]), int(r["seed"]), int(r["batch_size"]), int(r["steps"]), hp)
+
+
+def reusable_runs(old_doc, config, data):
+    """The runs of ``old_doc`` that a study of ``config`` on ``data`` may reuse: all of them
+    when the two configurations differ in :data:`GRID_FIELDS` alone, else none."""
+    old = old_doc.get("config") or {}
+    same = {k: v for k, v in config.items() if k not in GRID_FIELDS}
+    if old_doc.get("data") != data or {k: old.get(k) for k in same} != same:
+        return []
+    return [r for e in old_doc.get("experiments", {}).values() for r in e.get("runs", [])]
 
 
 # --------------------------------------------------------------------------- #

@@ -195,6 +195,22 @@ class _Analyzer:
             return set(tag.leaves)
         return set()
 
+    @staticmethod
+    def parameter_only_call(eqn, tags, has_data):
+        """``(tag, var)`` of a call's one parameter input when the call sees no data and
+        returns one value (so it can run as a whole at the site), else None."""
+        views = [(t, v) for v, t in zip(eqn.invars, tags) if isinstance(t, (PView, Mixed))]
+        if has_data or len(eqn.outvars) != 1 or len(views) != 1:
+            return None
+        return views[0] if isinstance(views[0][0], PView) else None
+
+    @staticmethod
+    def extend_pre(tag, pv, eqn):
+        """``tag`` (held by ``pv``) followed by the parameter-only ``eqn``, which its site
+        applies again."""
+        base = tag.base if tag.pre else pv
+        return dataclasses.replace(tag, base=base, pre=tag.pre + (eqn,))
+
     def to_boundary(self, tag, where):
         """A tag crossing into or out of a sub-jaxpr."""
         if isinstance(tag, PView) and tag.pre:
@@ -232,8 +248,15 @@ class _Analyzer:
 
         if prim in _CALL_PRIMS:
             jaxpr, _ = compat.call_parts(eqn)
+            opaque = self.parameter_only_call(eqn, tags, has_data)
+            if opaque is not None and opaque[0].pre:  # already transformed: one more step
+                return [self.extend_pre(*opaque, eqn)]
             inner = [self.to_boundary(t, "jit") for t in tags]
             outs = self.run(jaxpr, inner, path, scan_lengths)
+            if opaque is not None and isinstance(outs[0], PView) and outs[0].pre:
+                # transformed inside (a gather by constant positions, ``jnp.take``): the
+                # whole call is one parameter-only step, applied again at the site
+                return [self.extend_pre(*opaque, eqn)]
             # one-hot vectors built inside the call, from ids passed into it
             for vi, vo in zip(jaxpr.outvars, eqn.outvars):
                 pat = self.patterns.get(vi)
