@@ -209,3 +209,73 @@ def test_shampoo_study_quick(tmp_path):
     for p in pairs.values():
         lo, hi = p["ci95"]
         assert lo <= p["mean"] <= hi and len(p["per_seed"]) == len(cfg["seeds"])
+
+
+def test_research_stats_quick(tmp_path):
+    """``python -m examples.research_stats --quick``: the figure and a sane record."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.research_stats", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "research_stats.png").stat().st_size > 10_000
+    doc = json.loads((tmp_path / "research_stats.json").read_text())
+    cfg = doc["config"]
+    assert [r["step"] for r in doc["records"]] == list(
+        range(0, cfg["steps"] + 1, cfg["measure_every"]))
+    for r in doc["records"]:
+        assert len(r["cosines"]) == cfg["batch_size"]
+        assert all(-1 - 1e-6 <= c <= 1 + 1e-6 for c in r["cosines"])
+        for q in [r["global_norm_quantiles"], *r["norm_quantiles"].values()]:
+            assert 0 <= q[0] <= q[1] <= q[2]
+        assert r["diversity"] >= 1 / cfg["batch_size"] - 1e-6
+        assert r["trace_cov"] > 0
+
+
+def test_research_stats_match_vmap_grad():
+    """The example's one-pass measurement against per-example gradients from vmap(grad)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from examples import research_stats as rs
+        from examples.reproduce import model
+    finally:
+        sys.path.remove(str(ROOT))
+    cfg = rs.QUICK
+    params = model.init_params(jax.random.PRNGKey(1), vocab=256, seq_len=cfg.seq_len + 1,
+                               d=cfg.d, heads=cfg.heads, layers=cfg.layers)
+    r = np.random.default_rng(0)
+    batch = {"ids": jnp.asarray(r.integers(0, 256, (cfg.batch_size, cfg.seq_len + 1)),
+                                jnp.int32)}
+    ref = jax.tree.map(lambda x: jnp.asarray(r.standard_normal(x.shape), x.dtype), params)
+    got = rs.measure_fn(cfg)(params, batch, ref)
+    one = lambda p, ex: model.loss_fn(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
+    g = jax.vmap(jax.grad(one), (None, 0))(params, batch)
+    B = cfg.batch_size
+    flat = jnp.concatenate([x.reshape(B, -1) for x in jax.tree.leaves(g)], 1)
+    rflat = jnp.concatenate([x.ravel() for x in jax.tree.leaves(ref)])
+    norms = jnp.linalg.norm(flat, axis=1)
+    np.testing.assert_allclose(got["cosines"], flat @ rflat / norms / jnp.linalg.norm(rflat),
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got["global_norms"], jnp.quantile(norms, jnp.array(rs.Q)),
+                               rtol=1e-4)
+    w1 = g["blocks"][0]["w1"].reshape(B, -1)
+    np.testing.assert_allclose(got["norms"]["blocks"][0]["w1"],
+                               jnp.quantile(jnp.linalg.norm(w1, axis=1), jnp.array(rs.Q)),
+                               rtol=1e-4)
+    mean = flat.mean(0)
+    np.testing.assert_allclose(got["diversity"], jnp.sum(norms**2) / jnp.sum((B * mean) ** 2),
+                               rtol=1e-4)
+    tr = jnp.sum(jnp.var(flat, 0, ddof=1))
+    np.testing.assert_allclose(got["noise"].trace_cov, tr, rtol=1e-4)
+    np.testing.assert_allclose(got["noise"].grad_sq_norm, jnp.sum(mean**2) - tr / B, rtol=1e-3)
+    x = g["blocks"][0]["w1"]
+    c = x - x.mean(0)
+    kurt = jnp.mean(c**4, 0) / jnp.mean(c**2, 0) ** 2
+    np.testing.assert_allclose(got["kurtosis"]["blocks"][0]["w1"], jnp.nanmedian(kurt),
+                               rtol=1e-3)
