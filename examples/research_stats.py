@@ -184,7 +184,7 @@ def plot(doc, path: Path):
                 for r in recs]
     a.plot(steps, b_simple, "o-", label="B_simple (one batch)")
     a.axhline(doc["noise_scale_late"], ls="--", color="C0",
-              label=f"B_simple, pieces averaged over the second half: {doc['noise_scale_late']:.0f}")
+              label=f"B_simple, pieces averaged over the 2nd half: {doc['noise_scale_late']:.0f}")
     a.plot(steps, [r["diversity"] * doc["config"]["batch_size"] for r in recs], "s-",
            color="C1", label="B x gradient diversity")
     a.set(yscale="log", xlabel="step", title="noise scale and diversity (batch sizes)")
