@@ -31,16 +31,19 @@ RUN_KEYS = {"label", "lr", "seed", "batch_size", "steps", "diverged", "final_eva
             "fidelity", "hp", "seconds"}
 
 
+def _run_module(*args):
+    """``python -m ARGS`` from the checkout, with XLA_FLAGS left to the module."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("reproduce_quick")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "examples.reproduce", "--quick", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = _run_module("examples.reproduce", "--quick", "--out", str(out))
     seconds = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(f"quick mode took {seconds:.1f} s")
@@ -109,13 +112,8 @@ def test_quick_study(quick_run):
 def test_resume_keeps_finished_experiments(quick_run, tmp_path):
     out, doc = quick_run
     (tmp_path / "study.json").write_text(json.dumps(doc))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "examples.reproduce", "--quick", "--resume", "--experiments",
-         "sign", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = _run_module("examples.reproduce", "--quick", "--resume", "--experiments",
+                       "sign", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = json.loads((tmp_path / "study.json").read_text())
     assert again["experiments"]["sign"]["runs"] == doc["experiments"]["sign"]["runs"]
@@ -132,13 +130,8 @@ def test_resume_after_widening_a_grid_reuses_runs(quick_run, tmp_path):
     sign = old["experiments"]["sign"]
     sign["runs"] = [r for r in sign["runs"] if r["lr"] == lo]
     (tmp_path / "study.json").write_text(json.dumps(old))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "examples.reproduce", "--quick", "--resume", "--experiments",
-         "sign", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = _run_module("examples.reproduce", "--quick", "--resume", "--experiments",
+                       "sign", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     n_old = len(sign["runs"])
     assert f"reused {n_old} runs" in proc.stdout, proc.stdout[-2000:]
@@ -186,12 +179,7 @@ def test_files_on_command_line(tmp_path):
 
 def test_shampoo_study_quick(tmp_path):
     """``python -m examples.reproduce.shampoo --quick``: paired runs, best rates, intervals."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "examples.reproduce.shampoo", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = _run_module("examples.reproduce.shampoo", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "shampoo.json").read_text())
     cfg = doc["config"]
@@ -213,12 +201,7 @@ def test_shampoo_study_quick(tmp_path):
 
 def test_research_stats_quick(tmp_path):
     """``python -m examples.research_stats --quick``: the figure and a sane record."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "examples.research_stats", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = _run_module("examples.research_stats", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "research_stats.png").stat().st_size > 10_000
     doc = json.loads((tmp_path / "research_stats.json").read_text())
