@@ -60,6 +60,10 @@ class Config:
     seed: int = 0
     max_bytes: int = 2_000_000
 
+    def model_cfg(self):
+        return dict(vocab=256, seq_len=self.seq_len + 1, d=self.d, heads=self.heads,
+                    layers=self.layers)
+
 
 QUICK = Config(d=16, heads=2, layers=1, seq_len=16, batch_size=8, steps=6, measure_every=3,
                reference_examples=16, max_bytes=200_000)
@@ -72,7 +76,8 @@ def _at(tree, path):
 
 
 def measure_fn(cfg: Config):
-    """``(params, batch, reference) -> dict`` of every statistic, in one pass."""
+    """``(params, batch, reference) -> dict`` of every statistic and the batch's loss
+    (``"loss"``), in one pass."""
 
     def measure(params, batch, reference):
         stats = {
@@ -83,7 +88,8 @@ def measure_fn(cfg: Config):
             "noise": js.stats.noise_scale_components(),
             "kurtosis": js.stats.kurtosis(),
         }
-        out = js.per_example_stat(model.loss_fn, stats)(params, batch)
+        loss, out = js.value_and_per_example_stat(model.loss_fn, stats)(params, batch)
+        out["loss"] = loss
         # kurtosis is per coordinate: keep its median per leaf (NaN where undefined)
         out["kurtosis"] = jax.tree.map(jnp.nanmedian, out["kurtosis"])
         return out
@@ -93,8 +99,7 @@ def measure_fn(cfg: Config):
 
 def run(cfg: Config, log=print) -> dict:
     corpus = load_corpus(None, cfg.max_bytes)
-    params = model.init_params(jax.random.PRNGKey(cfg.seed), vocab=256, seq_len=cfg.seq_len + 1,
-                               d=cfg.d, heads=cfg.heads, layers=cfg.layers)
+    params = model.init_params(jax.random.PRNGKey(cfg.seed), **cfg.model_cfg())
     opt = optax.adam(optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(1, cfg.steps // 20),
                                                         max(cfg.steps, 2), end_value=0.1 * cfg.lr))
     state = opt.init(params)
@@ -121,7 +126,7 @@ def run(cfg: Config, log=print) -> dict:
             noise = m["noise"]
             rec = {
                 "step": t,
-                "loss": float(model.loss_fn(params, batch)),
+                "loss": float(m["loss"]),
                 "global_norm_quantiles": [float(x) for x in m["global_norms"]],
                 "norm_quantiles": {name: [float(x) for x in _at(m["norms"], path)]
                                    for name, path in LAYERS},

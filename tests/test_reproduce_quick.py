@@ -230,13 +230,13 @@ def test_research_stats_match_vmap_grad():
     finally:
         sys.path.remove(str(ROOT))
     cfg = rs.QUICK
-    params = model.init_params(jax.random.PRNGKey(1), vocab=256, seq_len=cfg.seq_len + 1,
-                               d=cfg.d, heads=cfg.heads, layers=cfg.layers)
+    params = model.init_params(jax.random.PRNGKey(1), **cfg.model_cfg())
     r = np.random.default_rng(0)
     batch = {"ids": jnp.asarray(r.integers(0, 256, (cfg.batch_size, cfg.seq_len + 1)),
                                 jnp.int32)}
     ref = jax.tree.map(lambda x: jnp.asarray(r.standard_normal(x.shape), x.dtype), params)
     got = rs.measure_fn(cfg)(params, batch, ref)
+    np.testing.assert_allclose(got["loss"], model.loss_fn(params, batch), rtol=1e-5)
     one = lambda p, ex: model.loss_fn(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
     g = jax.vmap(jax.grad(one), (None, 0))(params, batch)
     B = cfg.batch_size

@@ -32,13 +32,17 @@ def _cast(tree, dtype):
     return jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
 
 
+def _causal_lm(m, vocab, r, dtype):
+    """Next-token loss, parameters and a batch of a Hugging Face causal LM ``m``."""
+    b = {"ids": jnp.asarray(r.integers(0, vocab, (4, 8)))}
+    loss = lambda p, b: _ce(m(b["ids"], params=p).logits[:, :-1], b["ids"][:, 1:])  # noqa: E731
+    return loss, _cast(m.params, dtype), b
+
+
 def gpt2(r, dtype):
     T = _hf()
     cfg = T.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2)
-    m = T.FlaxGPT2LMHeadModel(cfg, seed=0, dtype=dtype)
-    b = {"ids": jnp.asarray(r.integers(0, 50, (4, 8)))}
-    loss = lambda p, b: _ce(m(b["ids"], params=p).logits[:, :-1], b["ids"][:, 1:])  # noqa: E731
-    return loss, _cast(m.params, dtype), b
+    return _causal_lm(T.FlaxGPT2LMHeadModel(cfg, seed=0, dtype=dtype), 50, r, dtype)
 
 
 def bert(r, dtype):
@@ -66,10 +70,7 @@ def gemma(r, dtype):
     cfg = T.GemmaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                         max_position_embeddings=16)
-    m = T.FlaxGemmaForCausalLM(cfg, seed=0, dtype=dtype)
-    b = {"ids": jnp.asarray(r.integers(0, 50, (4, 8)))}
-    loss = lambda p, b: _ce(m(b["ids"], params=p).logits[:, :-1], b["ids"][:, 1:])  # noqa: E731
-    return loss, _cast(m.params, dtype), b
+    return _causal_lm(T.FlaxGemmaForCausalLM(cfg, seed=0, dtype=dtype), 50, r, dtype)
 
 
 def griffin(r, dtype):
