@@ -390,11 +390,14 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
 
     def mat(b0, size):
         total = None
-        for s, k, ing in ings:
-            g = _stacked(k.materialise, s.depth)(_slice_b(ing, s.depth, b0, size))
-            g = jnp.moveaxis(g, s.depth, 0) if s.depth else g
-            v = _to_leaf(g, s).astype(acc)
-            total = v if total is None else total + v
+        for s, k, ing in sorted(ings, key=lambda ski: ski[1].adds_in_place):
+            ing = _slice_b(ing, s.depth, b0, size)
+            if s.depth:
+                g = jnp.moveaxis(_stacked(k.materialise, s.depth)(ing), s.depth, 0)
+                v = _to_leaf(g, s).astype(acc)
+                total = v if total is None else total + v
+            else:
+                total = k.add_to_leaf(ing, total, lambda g, s=s: _to_leaf(g, s))
         return total
 
     def sq_norms():

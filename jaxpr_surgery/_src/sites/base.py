@@ -113,6 +113,18 @@ class Kernel:
     def materialise(self, ing):
         raise NotImplementedError
 
+    # A leaf shared by several sites (tying) sums their ``G`` tiles in the leaf's
+    # layout; kernels that write straight into the sum (a scatter) go last.
+    adds_in_place = False
+
+    def add_to_leaf(self, ing, total, to_leaf):
+        """``total + G`` of the examples in ``ing`` in the leaf's layout (``total``
+        may be None); ``to_leaf`` maps the site's view to the leaf. Kernels override
+        this to produce ``G`` in the leaf's layout directly (no per-tile transpose) or
+        to add into ``total`` in place."""
+        g = to_leaf(self.materialise(ing)).astype(self.acc)
+        return g if total is None else total + g
+
     def sq_norms(self, ing):
         return reduce_materialised(self.materialise(ing), S.SqNorms())
 

@@ -288,6 +288,41 @@ class DenseKernel(Kernel):
         x, dy = ing
         return self.to_view(_products(x, dy))
 
+    def leaf_axes(self):
+        """The leaf's axes as indices into the canonical sub-axes ``kdims + cdims +
+        fdims`` where the view chain only transposes (a tied ``table.T``); else None."""
+        axes = list(self.c["inv_w"])  # the view's axes
+        for op in reversed(self.site.chain):
+            if op.kind == "transpose":
+                axes = [axes[int(i)] for i in np.argsort(op.perm)]
+            elif op.kind == "scan" or op.kind == "identity" or op.in_shape == op.out_shape:
+                continue
+            else:
+                return None
+        return tuple(axes)
+
+    def add_to_leaf(self, ing, total, to_leaf):
+        """``G`` produced by one contraction straight in the leaf's layout: a tied
+        ``table.T`` gets ``dy^T x`` rather than ``x^T dy`` and a transpose per tile."""
+        axes = None if self.site.depth else self.leaf_axes()
+        if axes is None:
+            return super().add_to_leaf(ing, total, to_leaf)
+        x, dy = ing
+        c = self.c
+        b, N = x.shape[0], c["N"]
+        nk, nc = len(c["kdims"]), len(c["cdims"])
+        letters = [chr(ord("c") + i) for i in range(len(c["canon_shape"]))]
+        kl, cl, fl = letters[:nk], letters[nk : nk + nc], letters[nk + nc :]
+        xs = x.reshape((b,) + c["kdims"] + (N,) + c["cdims"])
+        ds = dy.reshape((b,) + c["kdims"] + (N,) + c["fdims"])
+        spec = "{},{}->{}".format(
+            "a" + "".join(kl) + "b" + "".join(cl),
+            "a" + "".join(kl) + "b" + "".join(fl),
+            "a" + "".join(letters[i] for i in axes),
+        )
+        g = jnp.einsum(spec, xs, ds).astype(self.acc)
+        return g if total is None else total + g
+
     def sq_norms(self, ing):
         x, dy = ing
         if self.c["N"] == 1:

@@ -172,6 +172,17 @@ class EmbeddingKernel(Kernel):
         ids, valid, dy = self._unpack(ing) if len(ing) == 2 else ing
         return jax.vmap(lambda i, r: self._scatter(i[None], r[None]))(ids, dy)
 
+    adds_in_place = True
+
+    def add_to_leaf(self, ing, total, to_leaf):
+        """Scatter-adds the rows into ``total`` (another site's tile of a tied table)
+        where the table is the leaf itself: no zero table per tile, no extra add."""
+        if total is None or self.site.chain:
+            return super().add_to_leaf(ing, total, to_leaf)
+        ids, valid, dy = self._unpack(ing)
+        b = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
+        return total.at[b, ids].add(dy.astype(total.dtype), mode="drop")
+
     def sq_norms(self, ing):
         ids, valid, dy = self._unpack(ing) if len(ing) == 2 else ing
         s, first = self._segments(ids, valid, dy)
@@ -223,6 +234,9 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
         valid = (ids >= 0) & (ids < self.V)
         dy = jnp.where(valid[..., None], dy, 0)
         return jnp.clip(ids, 0, self.V - 1), valid, dy
+
+    adds_in_place = False
+    add_to_leaf = Kernel.add_to_leaf  # rows on a one-hot axis of a view: the generic path
 
     def _view(self, v):
         from jaxpr_surgery._src.sites.dense import DenseKernel
