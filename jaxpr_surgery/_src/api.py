@@ -317,6 +317,7 @@ def _compute(prep, stat, opts: Options, name):
                 "leaves (chunk_size bounds the memory)."
             )
     leaf_avals = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in prep.diff_leaves]
+    data_axes = frozenset().union(*[compat.vma_of(x) for x in prep.ex_leaves])
     plan = engine.make_plan(
         closed,
         an,
@@ -327,8 +328,8 @@ def _compute(prep, stat, opts: Options, name):
         out_tree,
         budget=opts.memory_budget_bytes,
         flatten=prep.flatten_like_diff,
+        data_axes=data_axes,
     )
-    data_axes = frozenset().union(*[compat.vma_of(x) for x in prep.ex_leaves])
 
     def run_chunk(ex_leaves, b):
         return engine.run(plan, prep.diff_leaves, ex_leaves, prep.other_leaves, b, data_axes)

@@ -41,6 +41,8 @@ class Plan:
     modes: list = dataclasses.field(default_factory=list)  # per leaf
     budget: int | None = None  # memory_budget_bytes: bytes per tile of per-example gradients
     refs: dict = dataclasses.field(default_factory=dict)  # DotWith -> reference array per leaf
+    # clipped sums by a second, reweighted backward pass (see `clips_by_recompute`)
+    clip_recompute: bool = False
 
     @property
     def needs_norms(self):
@@ -49,6 +51,14 @@ class Plan:
     @property
     def has_clip(self):
         return any(isinstance(r, S.ClippedSum) for r in self.reductions)
+
+    def site_requests(self):
+        """What a direct-mode site computes inside the backward pass: every reduction,
+        except that a clipped sum by recomputation needs only the squared norms there."""
+        req = {rkey(j): r for j, r in enumerate(self.reductions) if not isinstance(r, S.ClippedSum)}
+        if self.has_clip and not any(isinstance(r, S.SqNorms) for r in req.values()):
+            req["norms"] = S.SqNorms()
+        return req
 
     @property
     def has_dot(self):
@@ -68,11 +78,27 @@ def rkey(j):
 
 
 def make_plan(
-    closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree, budget=None, flatten=None
+    closed,
+    analysis,
+    leaf_avals,
+    reductions,
+    n_ex,
+    n_other,
+    out_tree,
+    budget=None,
+    flatten=None,
+    data_axes=frozenset(),
 ):
     """``flatten(tree)``: a pytree shaped like the differentiated arguments as a list per
-    leaf (references of `DotWith`)."""
+    leaf (references of `DotWith`). ``data_axes``: the shard_map axes the examples vary
+    over (typed: the jaxpr casts the parameters to varying, and the VJP of such a cast
+    is a psum, which would give the second pass of a clipped sum the whole mesh's sum:
+    there clipped sums keep the one-pass form)."""
     plan = Plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree, budget=budget)
+    plan.clip_recompute = (
+        plan.has_clip and not data_axes and clips_by_recompute(closed.jaxpr)
+    )
+    keep_for_clip = plan.has_clip and not plan.clip_recompute
     for r in reductions:
         if isinstance(r, dots.DotWith):
             plan.refs[r] = _reference_leaves(flatten, r.reference, leaf_avals)
@@ -83,7 +109,7 @@ def make_plan(
         kron_ok = not plan.has_kron or (
             rule == "single" and kron.leaf_axes(analysis.leaves[i].sites[0]) is not None
         )
-        if rule == "single" and not plan.has_clip and not plan.has_dot and kron_ok:
+        if rule == "single" and not keep_for_clip and not plan.has_dot and kron_ok:
             plan.modes.append("direct")
         elif rule in ("single", "multi"):
             plan.modes.append("ingredients")
@@ -98,8 +124,24 @@ def make_plan(
 def _site_request(plan, site):
     mode = plan.modes[site.leaf]
     if mode == "direct":
-        return {rkey(j): r for j, r in enumerate(plan.reductions)}, False
+        return plan.site_requests(), False
     return {}, True
+
+
+def clips_by_recompute(jaxpr) -> bool:
+    """Clipped sums by a second backward pass where the loss uses ``jax.checkpoint``.
+
+    A clipped sum ``sum_b c_b g_b`` needs every example's norm before any weight,
+    so in one pass each site keeps its ``x`` and ``dy`` until the norms are known:
+    the activations of every layer at once, which remat exists to avoid. With remat
+    in the loss the norms come from the first pass and the sum from the VJP of the
+    per-example losses with cotangent ``c`` (grad's memory, one more backward)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is compat.remat_p:
+            return True
+        if any(clips_by_recompute(getattr(j, "jaxpr", j)) for j in compat.subjaxprs(eqn)):
+            return True
+    return False
 
 
 def _sink_avals(plan, site, B):
@@ -219,7 +261,11 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
             (site,) = sites
             ct = sink_cts[site.path]
             for j, r in enumerate(plan.reductions):
-                values[j][i] = _direct_to_leaf(site, r, ct[rkey(j)], B)
+                if rkey(j) in ct:
+                    values[j][i] = _direct_to_leaf(site, r, ct[rkey(j)], B)
+            if plan.has_clip:  # clip by recomputation: only the norms were needed here
+                key = next(k for k, r in plan.site_requests().items() if isinstance(r, S.SqNorms))
+                norms_leaf[i] = _direct_to_leaf(site, S.SqNorms(), ct[key], B)
             continue
         # ingredients mode
         ings = [(s, plan.kernels[s.path], sink_cts[s.path]["ing"]) for s in sites]
@@ -250,12 +296,44 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
         # double-where: no NaN in the gradient of the clip factor at a zero norm
         pos = total > 0
         norm = jnp.where(pos, jnp.sqrt(jnp.where(pos, total, 1.0)), 0.0)
+        reweighted = _reweighted_grads(plan, diff_leaves, ex_leaves, other_leaves)
         for j, r in enumerate(plan.reductions):
             if isinstance(r, S.ClippedSum):
                 c = _clip_factor(r.clip_norm, norm)
-                for i in range(n):
-                    values[j][i] = deferred[i](c)
+                if plan.clip_recompute:
+                    g = reweighted(c.astype(loss_b.dtype))
+                    for i in range(n):
+                        values[j][i] = g[i].astype(acc_dtype_for(plan.leaf_avals[i].dtype))
+                else:
+                    for i in range(n):
+                        values[j][i] = deferred[i](c)
     return values, loss_b, aux
+
+
+def _reweighted_grads(plan, diff_leaves, ex_leaves, other_leaves):
+    """``c -> [sum_b c_b g_b per leaf]``: the VJP of the per-example losses (remat and
+    all, as the user wrote them), evaluated only if called."""
+    closed = plan.closed
+    n = len(diff_leaves)
+    pull = []
+
+    def losses(leaves):
+        def one(ex):
+            outs = jax.core.eval_jaxpr(
+                closed.jaxpr, closed.consts, *leaves, *ex, *other_leaves
+            )
+            return outs[0]
+
+        return jax.vmap(one)(list(ex_leaves))
+
+    def apply(c):
+        if not pull:
+            pull.append(jax.vjp(losses, list(diff_leaves))[1])
+        (g,) = pull[0](c)
+        assert len(g) == n
+        return g
+
+    return apply
 
 
 def _clip_factor(C, norm):

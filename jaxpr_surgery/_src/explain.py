@@ -15,7 +15,7 @@ from jaxpr_surgery._src import analysis as A
 from jaxpr_surgery._src import compat, dots, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared
-from jaxpr_surgery._src.engine import cross_layout
+from jaxpr_surgery._src.engine import clips_by_recompute, cross_layout
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
     FALLBACK,
@@ -242,11 +242,15 @@ def explain(
         )
         an = A.analyse_jaxpr(closed.jaxpr, tags, n)
         B = prep.B
+        data_axes = frozenset().union(*[compat.vma_of(x) for x in prep.ex_leaves])
+        recompute = not data_axes and clips_by_recompute(closed.jaxpr)
         leaves = []
         site_notes = {}
         for i, x in enumerate(prep.diff_leaves):
             leaves.append(
-                _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes)
+                _leaf_report(
+                    prep, an, i, x, B, names, reqs, reductions, budget, site_notes, recompute
+                )
             )
         notes = [
             "Per-example gradients assume independent examples: run js.check_per_example(fn) "
@@ -274,7 +278,8 @@ def explain(
     return run
 
 
-def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes):
+def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes, recompute):
+    """``recompute``: clipped sums by a second backward pass (engine.clips_by_recompute)."""
     info = an.leaves[i]
     path, shape, dtype = prep.diff_paths[i], tuple(jnp.shape(x)), str(x.dtype)
     size = math.prod(shape)
@@ -346,7 +351,11 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes)
                         2.0 * B * size,
                         float(t * size * itemsize),
                     )
-            if isinstance(r, S.ClippedSum):  # ingredients x and dy are kept until the norms
+            if isinstance(r, S.ClippedSum) and recompute:  # loss with remat
+                rl = dataclasses.replace(
+                    rl, how=rl.how + " then a reweighted backward pass (remat: nothing kept)"
+                )
+            elif isinstance(r, S.ClippedSum):  # ingredients x and dy are kept until the norms
                 ing = sum(math.prod(v.aval.shape) for v in s.eqn.outvars) + sum(
                     math.prod(v.aval.shape)
                     for v, batched in zip(s.ext_vars, s.ext_batched)
