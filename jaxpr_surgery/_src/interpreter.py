@@ -50,25 +50,98 @@ class Evaluator:
         for v, x, f in zip(jaxpr.invars, vals, flags):
             env[v] = (x, f)
 
-        for i, eqn in enumerate(jaxpr.eqns):
-            p = path + (i,)
+        eqns = jaxpr.eqns
+        i = 0
+        while i < len(eqns):
+            eqn, p = eqns[i], path + (i,)
+            if not self._special(p, eqn):
+                # a run of ordinary equations: one vmap for all of them (a vmap per
+                # equation costs most of the tracing time of a large model)
+                j = i + 1
+                while j < len(eqns) and not self._special(path + (j,), eqns[j]):
+                    j += 1
+                self.segment(eqns[i:j], env, read)
+                i = j
+                continue
             ins = [read(v) for v in eqn.invars]
             iv, fl = [a for a, _ in ins], [b for _, b in ins]
             if p in self.an.sites:
                 outs, ofl = self.site(p, env, read, sinks)
-            elif p in self.an.scopes and eqn.primitive in _CALL_PRIMS:
+            elif eqn.primitive in _CALL_PRIMS:
                 sub, sub_consts = compat.call_parts(eqn)
                 outs, ofl = self.run(sub, sub_consts, iv, fl, sinks, p)
-            elif p in self.an.scopes and eqn.primitive is compat.remat_p:
+            elif eqn.primitive is compat.remat_p:
                 outs, ofl = self.remat(eqn, iv, fl, sinks, p)
-            elif p in self.an.scopes and eqn.primitive is compat.scan_p:
-                outs, ofl = self.scan(eqn, iv, fl, sinks, p)
             else:
-                outs, ofl = vmap_bind(eqn, iv, fl, self.B)
+                outs, ofl = self.scan(eqn, iv, fl, sinks, p)
             for v, o, f in zip(eqn.outvars, outs, ofl):
                 env[v] = (o, f)
+            i += 1
         res = [read(v) for v in jaxpr.outvars]
         return [a for a, _ in res], [b for _, b in res]
+
+    def _special(self, p, eqn):
+        """A site, or a call / remat / scan with a site inside: evaluated by hand."""
+        if p in self.an.sites:
+            return True
+        return p in self.an.scopes and (
+            eqn.primitive in _CALL_PRIMS
+            or eqn.primitive is compat.remat_p
+            or eqn.primitive is compat.scan_p
+        )
+
+    def segment(self, eqns, env, read):
+        """Ordinary equations under one ``jax.vmap`` over the examples. Whether a value
+        is batched follows statically (batched iff an input is), as for one equation."""
+        if len(eqns) == 1:
+            eqn = eqns[0]
+            ins = [read(v) for v in eqn.invars]
+            outs, ofl = vmap_bind(eqn, [a for a, _ in ins], [b for _, b in ins], self.B)
+            for v, o, f in zip(eqn.outvars, outs, ofl):
+                env[v] = (o, f)
+            return
+        flag, inputs, defined = {}, [], set()
+        for eqn in eqns:
+            fl = False
+            for v in eqn.invars:
+                if isinstance(v, compat.Literal):
+                    continue
+                if v in defined:
+                    fl |= flag[v]
+                else:
+                    if v not in flag:
+                        flag[v] = env[v][1]
+                        inputs.append(v)
+                    fl |= flag[v]
+            for v in eqn.outvars:
+                flag[v] = fl
+                defined.add(v)
+        outs = [v for eqn in eqns for v in eqn.outvars]
+        batched_in = [v for v in inputs if flag[v]]
+        if not batched_in:
+            for eqn in eqns:
+                vals = compat.bind_eqn(eqn, [read(v)[0] for v in eqn.invars])
+                for v, o in zip(eqn.outvars, vals):
+                    env[v] = (o, False)
+            return
+        fixed = {v: env[v][0] for v in inputs if not flag[v]}
+
+        def f(*bvals):
+            local = dict(fixed)
+            local.update(zip(batched_in, bvals))
+            for eqn in eqns:
+                ins = [v.val if isinstance(v, compat.Literal) else local[v] for v in eqn.invars]
+                local.update(zip(eqn.outvars, compat.bind_eqn(eqn, ins)))
+            return [local[v] for v in outs]
+
+        vals = jax.vmap(
+            f,
+            in_axes=0,
+            out_axes=[0 if flag[v] else None for v in outs],
+            axis_size=self.B,
+        )(*[env[v][0] for v in batched_in])
+        for v, o in zip(outs, vals):
+            env[v] = (o, flag[v])
 
     # ------------------------------------------------------------------ #
     def site(self, p, env, read, sinks):

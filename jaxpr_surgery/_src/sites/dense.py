@@ -87,11 +87,13 @@ def _products(x, dy):
     b, K, N = x.shape[:3]
     if N == 1:
         return x[:, :, 0, :, None] * dy[:, :, 0, None, :]
+    # lax.dot_general rather than jnp.einsum: this runs once per tile loop of
+    # every site, where einsum's path search is most of the tracing time
     if b == 1 and K == 1:
-        return jnp.einsum("nc,nf->cf", x[0, 0], dy[0, 0])[None, None]
+        return jax.lax.dot_general(x[0, 0], dy[0, 0], (((0,), (0,)), ((), ())))[None, None]
     if b == 1:
-        return jnp.einsum("knc,knf->kcf", x[0], dy[0])[None]
-    return jnp.einsum("bknc,bknf->bkcf", x, dy)
+        return jax.lax.dot_general(x[0], dy[0], (((1,), (1,)), ((0,), (0,))))[None]
+    return jax.lax.dot_general(x, dy, (((2,), (2,)), ((0, 1), (0, 1))))
 
 
 @register("dense")
