@@ -168,6 +168,11 @@ class _Prepared:
         full = self.diff_tree.flatten_up_to(tree)
         return [x for x, a in zip(full, self.diff_is_arr) if a]
 
+    @property
+    def data_axes(self):
+        """The shard_map axes the examples vary over (empty outside typed shard_map)."""
+        return frozenset().union(*[compat.vma_of(x) for x in self.ex_leaves])
+
     def unflatten_diff(self, leaves, static=None, *, keep_static=False):
         """A tree like the differentiated argument(s) from one value per array leaf;
         static (non-array) leaves get ``static``, or keep their value with ``keep_static``."""
@@ -317,7 +322,7 @@ def _compute(prep, stat, opts: Options, name):
                 "leaves (chunk_size bounds the memory)."
             )
     leaf_avals = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in prep.diff_leaves]
-    data_axes = frozenset().union(*[compat.vma_of(x) for x in prep.ex_leaves])
+    data_axes = prep.data_axes
     plan = engine.make_plan(
         closed,
         an,

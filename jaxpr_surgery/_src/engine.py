@@ -296,7 +296,8 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
         # double-where: no NaN in the gradient of the clip factor at a zero norm
         pos = total > 0
         norm = jnp.where(pos, jnp.sqrt(jnp.where(pos, total, 1.0)), 0.0)
-        reweighted = _reweighted_grads(plan, diff_leaves, ex_leaves, other_leaves)
+        if plan.clip_recompute:
+            reweighted = _reweighted_grads(plan, diff_leaves, ex_leaves, other_leaves)
         for j, r in enumerate(plan.reductions):
             if isinstance(r, S.ClippedSum):
                 c = _clip_factor(r.clip_norm, norm)
@@ -312,17 +313,14 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
 
 def _reweighted_grads(plan, diff_leaves, ex_leaves, other_leaves):
     """``c -> [sum_b c_b g_b per leaf]``: the VJP of the per-example losses (remat and
-    all, as the user wrote them), evaluated only if called."""
+    all, as the user wrote them), traced once for all clipped sums of the plan."""
     closed = plan.closed
     n = len(diff_leaves)
     pull = []
 
     def losses(leaves):
         def one(ex):
-            outs = jax.core.eval_jaxpr(
-                closed.jaxpr, closed.consts, *leaves, *ex, *other_leaves
-            )
-            return outs[0]
+            return compat.eval_jaxpr(closed.jaxpr, closed.consts, *leaves, *ex, *other_leaves)[0]
 
         return jax.vmap(one)(list(ex_leaves))
 

@@ -242,8 +242,7 @@ def explain(
         )
         an = A.analyse_jaxpr(closed.jaxpr, tags, n)
         B = prep.B
-        data_axes = frozenset().union(*[compat.vma_of(x) for x in prep.ex_leaves])
-        recompute = not data_axes and clips_by_recompute(closed.jaxpr)
+        recompute = not prep.data_axes and clips_by_recompute(closed.jaxpr)
         leaves = []
         site_notes = {}
         for i, x in enumerate(prep.diff_leaves):
