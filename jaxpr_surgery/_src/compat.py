@@ -76,6 +76,11 @@ Var = jex.core.Var
 JaxprEqn = jex.core.JaxprEqn
 
 
+def is_array_like(v) -> bool:
+    """A jax array or a tracer (values with no structural key)."""
+    return isinstance(v, (jax.Array, _core.Tracer))
+
+
 def _first(*getters):
     for g in getters:
         try:

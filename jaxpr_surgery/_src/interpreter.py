@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src.analysis import _CALL_PRIMS
 
 
@@ -22,12 +23,34 @@ def _bcast(val, B):
     return jnp.broadcast_to(val, (B,) + jnp.shape(val))
 
 
-def vmap_bind(eqn, vals, flags, B):
-    if not any(flags):
-        return compat.bind_eqn(eqn, vals), [False] * len(eqn.outvars)
-    in_axes = [0 if f else None for f in flags]
-    out = jax.vmap(lambda *a: compat.bind_eqn(eqn, list(a)), in_axes=in_axes, axis_size=B)(*vals)
-    return list(out), [True] * len(eqn.outvars)
+def _segment_key(eqns, inputs, in_flags):
+    namer = fp.Namer()
+    for i, v in enumerate(inputs):
+        namer.bind(v, ("in", i))
+    avals = tuple(fp.aval_key(v.aval) for v in inputs)
+    return ("segment", in_flags, avals, fp.eqns_key(eqns, namer))
+
+
+def _segment_fn(eqns, inputs, in_flags, out_flags, B):
+    """``vals -> outs`` of a run of equations, vmapped over the batched inputs."""
+    outs = [v for eqn in eqns for v in eqn.outvars]
+
+    def one(vals):
+        local = dict(zip(inputs, vals))
+        for eqn in eqns:
+            ins = [v.val if isinstance(v, compat.Literal) else local[v] for v in eqn.invars]
+            local.update(zip(eqn.outvars, compat.bind_eqn(eqn, ins)))
+        return [local[v] for v in outs]
+
+    def fn(vals):
+        return jax.vmap(
+            one,
+            in_axes=([0 if f else None for f in in_flags],),
+            out_axes=[0 if f else None for f in out_flags],
+            axis_size=B,
+        )(list(vals))
+
+    return fn
 
 
 class Evaluator:
@@ -36,6 +59,7 @@ class Evaluator:
         self.kernels = kernels  # path -> Kernel
         self.site_fn = site_fn  # (site, kernel, w, ext, ext_batched, sink) -> outs
         self.B = B
+        self._cache = {}  # structural key -> jitted run of ordinary equations
 
     def run(self, jaxpr, consts, vals, flags, sinks, path=()):
         env = {}
@@ -92,14 +116,10 @@ class Evaluator:
 
     def segment(self, eqns, env, read):
         """Ordinary equations under one ``jax.vmap`` over the examples. Whether a value
-        is batched follows statically (batched iff an input is), as for one equation."""
-        if len(eqns) == 1:
-            eqn = eqns[0]
-            ins = [read(v) for v in eqn.invars]
-            outs, ofl = vmap_bind(eqn, [a for a, _ in ins], [b for _, b in ins], self.B)
-            for v, o, f in zip(eqn.outvars, outs, ofl):
-                env[v] = (o, f)
-            return
+        is batched follows statically (batched iff an input is), as for one equation.
+
+        The vmapped run is a ``jax.jit`` cached by the run's structure
+        (`fingerprint.eqns_key`): the same layer repeated is traced once."""
         flag, inputs, defined = {}, [], set()
         for eqn in eqns:
             fl = False
@@ -117,29 +137,21 @@ class Evaluator:
                 flag[v] = fl
                 defined.add(v)
         outs = [v for eqn in eqns for v in eqn.outvars]
-        batched_in = [v for v in inputs if flag[v]]
-        if not batched_in:
+        if not any(flag[v] for v in inputs):
             for eqn in eqns:
                 vals = compat.bind_eqn(eqn, [read(v)[0] for v in eqn.invars])
                 for v, o in zip(eqn.outvars, vals):
                     env[v] = (o, False)
             return
-        fixed = {v: env[v][0] for v in inputs if not flag[v]}
-
-        def f(*bvals):
-            local = dict(fixed)
-            local.update(zip(batched_in, bvals))
-            for eqn in eqns:
-                ins = [v.val if isinstance(v, compat.Literal) else local[v] for v in eqn.invars]
-                local.update(zip(eqn.outvars, compat.bind_eqn(eqn, ins)))
-            return [local[v] for v in outs]
-
-        vals = jax.vmap(
-            f,
-            in_axes=0,
-            out_axes=[0 if flag[v] else None for v in outs],
-            axis_size=self.B,
-        )(*[env[v][0] for v in batched_in])
+        in_flags = tuple(flag[v] for v in inputs)
+        key = fp.keyed(lambda: _segment_key(eqns, inputs, in_flags))
+        fn = self._cache.get(key) if key is not None else None
+        if fn is None:
+            fn = _segment_fn(eqns, inputs, in_flags, [flag[v] for v in outs], self.B)
+            fn = jax.jit(fn) if key is not None else fn
+            if key is not None:
+                self._cache[key] = fn
+        vals = fn([env[v][0] for v in inputs])
         for v, o in zip(outs, vals):
             env[v] = (o, flag[v])
 
@@ -211,36 +223,88 @@ class Evaluator:
         return list(carry) + list(ys), [True] * ncar + list(ys_flags)
 
 
+def _site_key(site, kernel, direct, want_ing, sink):
+    """Everything the site's custom_vjp depends on, but the variables' identities
+    (``path`` and ``leaf`` are not read by kernels)."""
+    namer = fp.Namer()
+    namer.bind(site.base, ("w",))
+    for i, v in enumerate(site.ext_vars):
+        namer.bind(v, ("x", i))
+    comp = fp.eqns_key((*site.pre, site.eqn), namer)
+    state = {k: v for k, v in vars(kernel).items() if k != "site"}
+    return (
+        "site",
+        type(kernel),
+        fp.value_key(state),
+        site.kind,
+        site.param_pos,
+        site.depth,
+        fp.value_key(site.chain),
+        fp.value_key(tuple(site.scan_lengths)),
+        fp.value_key(tuple(site.view_shape)),
+        tuple(site.ext_batched),
+        fp.aval_key(site.base.aval),
+        tuple(fp.aval_key(v.aval) for v in site.ext_vars),
+        comp,
+        tuple(namer.ref(v) for v in site.eqn.outvars),
+        fp.value_key(direct),
+        bool(want_ing),
+        jax.tree.structure(sink),
+        tuple((tuple(x.shape), x.dtype) for x in jax.tree.leaves(sink)),
+    )
+
+
 def make_site_fn(reduction_plan):
     """Builds the custom_vjp-wrapped call for a site.
 
     ``reduction_plan(site) -> (direct_reductions: dict key->Reduction, want_ingredients)``.
+    The forward and backward computations are ``jax.jit`` functions cached by `_site_key`,
+    so the sites of repeated layers are traced once.
     """
     from jaxpr_surgery._src.sites.generic import composite
 
-    def site_fn(site, kernel, w, ext, ext_batched, sink):
+    cache = {}
+
+    def build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, jit):
         f = composite(site)
         in_axes = (None,) + tuple(0 if b else None for b in ext_batched)
         F = jax.vmap(f, in_axes=in_axes)
-        direct, want_ing = reduction_plan(site)
 
-        @jax.custom_vjp
-        def call(w, ext, sink):
+        def fwd_impl(w, ext):
             return F(w, *ext)
 
-        def fwd(w, ext, sink):
-            return F(w, *ext), (w, ext)
-
-        def bwd(res, dy):
-            w, ext = res
+        def bwd_impl(w, ext, dy):
             _, pull = jax.vjp(F, w, *ext)
             cts = pull(dy)
             ctx = kernel.prepare(w, ext, ext_batched, dy)
             out = kernel.direct_all(ctx, direct)
             if want_ing:
                 out["ing"] = kernel.ingredients(ctx)
-            out = jax.tree.map(lambda o, s: o.astype(s.dtype), out, sink)
+            out = jax.tree.map(lambda o, d: o.astype(d), out, sink_dtypes)
             return cts[0], tuple(cts[1:]), out
+
+        return (jax.jit(fwd_impl), jax.jit(bwd_impl)) if jit else (fwd_impl, bwd_impl)
+
+    def site_fn(site, kernel, w, ext, ext_batched, sink):
+        direct, want_ing = reduction_plan(site)
+        key = fp.keyed(lambda: _site_key(site, kernel, direct, want_ing, sink))
+        impl = cache.get(key) if key is not None else None
+        if impl is None:
+            sink_dtypes = jax.tree.map(lambda s: s.dtype, sink)
+            impl = build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key is not None)
+            if key is not None:
+                cache[key] = impl
+        fwd_impl, bwd_impl = impl
+
+        @jax.custom_vjp
+        def call(w, ext, sink):
+            return fwd_impl(w, ext)
+
+        def fwd(w, ext, sink):
+            return fwd_impl(w, ext), (w, ext)
+
+        def bwd(res, dy):
+            return bwd_impl(*res, dy)
 
         call.defvjp(fwd, bwd)
         return call(w, ext, sink)

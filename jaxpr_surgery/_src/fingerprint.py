@@ -1,0 +1,99 @@
+"""Structural keys of equations and sites, to trace repeated layers once.
+
+An unrolled model repeats the same layer: the same equations on values of the
+same shapes, only the variables differ. The interpreter wraps the work it does
+per run of ordinary equations and per site in a ``jax.jit`` keyed by the
+structure below, so the second and later layers bind an already traced (and
+already differentiated, batched and lowered) function instead of tracing it
+again.
+
+A key must determine the traced function completely: equal keys mean the same
+computation on the same abstract inputs. Anything we cannot key exactly
+(arrays or tracers in parameters, unknown objects compared by identity that
+differ between layers) makes the key ``None`` -- no caching, never a wrong hit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxpr_surgery._src import compat
+
+
+class Unkeyable(Exception):
+    """A value with no exact structural key."""
+
+
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, np.dtype, type)
+
+
+def value_key(v):
+    """A hashable key equal for equal values (type included: ``1`` is not ``1.0``)."""
+    if isinstance(v, _ATOMS):
+        return (type(v), v)
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(value_key(x) for x in v))
+    if isinstance(v, dict):
+        return (dict, tuple(sorted((repr(k), value_key(x)) for k, x in v.items())))
+    if isinstance(v, (frozenset, set)):
+        return (frozenset, frozenset(value_key(x) for x in v))
+    if isinstance(v, np.ndarray):
+        return (np.ndarray, v.dtype, v.shape, v.tobytes())
+    if isinstance(v, np.generic):
+        return (type(v), v.item())
+    if compat.is_array_like(v):
+        raise Unkeyable(type(v))
+    try:
+        hash(v)
+    except TypeError:
+        raise Unkeyable(type(v)) from None
+    # anything else (jaxprs, primitives, avals, shardings, dtypes, functions, frozen
+    # dataclasses): by its own ``==``/``hash`` -- identity for most jax objects.
+    return (type(v), v)
+
+
+def aval_key(a):
+    return value_key(a)
+
+
+class Namer:
+    """Canonical names of variables: inputs by position, then outputs in order."""
+
+    def __init__(self):
+        self.names = {}
+
+    def bind(self, v, name):
+        self.names[v] = name
+
+    def ref(self, v):
+        if isinstance(v, compat.Literal):
+            return ("lit", value_key(v.val), aval_key(v.aval))
+        return self.names[v]
+
+
+def eqns_key(eqns, namer: Namer) -> tuple:
+    """Key of a run of equations whose inputs ``namer`` already names."""
+    out = []
+    for eqn in eqns:
+        ins = tuple(namer.ref(v) for v in eqn.invars)
+        for v in eqn.outvars:
+            namer.bind(v, ("v", len(namer.names)))
+        out.append(
+            (
+                eqn.primitive,
+                value_key(dict(eqn.params)),
+                ins,
+                tuple(aval_key(v.aval) for v in eqn.outvars),
+                value_key(eqn.effects),
+                eqn.ctx,
+            )
+        )
+    return tuple(out)
+
+
+def keyed(fn):
+    """``fn()`` or ``None`` where some part has no exact key."""
+    try:
+        return fn()
+    except (Unkeyable, KeyError):
+        return None
