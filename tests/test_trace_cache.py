@@ -1,0 +1,164 @@
+"""Repeated layers are traced once (fingerprint.py), and only layers that really are the
+same share a trace: layers differing in one literal, one layout, one input or one dtype
+each get their own, checked against vmap(grad)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpr_surgery as js
+from jaxpr_surgery._src import fingerprint as fp
+from jaxpr_surgery._src import interpreter
+from jaxpr_surgery._src.sites import dense
+
+D, T = 6, 5
+
+
+def _grads(loss, params, batch):
+    one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
+    return jax.vmap(jax.grad(one), (None, 0))(params, batch)
+
+
+def _stack(L, loss_layer):
+    def loss(params, batch):
+        h = batch["x"]
+        for i in range(L):
+            h = loss_layer(h, params[f"l{i}"])
+        return jnp.mean(jnp.sum((h - batch["y"]) ** 2, axis=(-2, -1)))
+
+    return loss
+
+
+def _case(L, dtype, B=7, seed=0):
+    r = np.random.default_rng(seed)
+    n = lambda *s: jnp.asarray(r.standard_normal(s) / np.sqrt(s[0]), dtype)  # noqa: E731
+    params = {f"l{i}": {"w": n(D, D), "b": n(D)} for i in range(L)}
+    batch = {"x": n(B, T, D), "y": n(B, T, D)}
+    return params, batch
+
+
+def _layer(h, p):
+    return jnp.tanh(h @ p["w"] + p["b"])
+
+
+def test_identical_layers_trace_their_site_once(monkeypatch):
+    calls = {"prepare": 0, "segments": 0}
+    prepare, segment_fn = dense.DenseKernel.prepare, interpreter._segment_fn
+
+    def counting_prepare(self, *a, **k):
+        calls["prepare"] += 1
+        return prepare(self, *a, **k)
+
+    def counting_segment_fn(*a, **k):
+        calls["segments"] += 1
+        return segment_fn(*a, **k)
+
+    monkeypatch.setattr(dense.DenseKernel, "prepare", counting_prepare)
+    monkeypatch.setattr(interpreter, "_segment_fn", counting_segment_fn)
+    L = 6
+    params, batch = _case(L, jnp.float32)
+    jax.jit(js.per_example_stat(_stack(L, _layer), js.stats.second_moment())).lower(params, batch)
+    # one dense site kind (all layers alike); the bias add + tanh of every layer is
+    # one run of ordinary equations, traced once; the loss tail is another
+    assert calls["prepare"] == 1, calls
+    assert calls["segments"] <= 3, calls
+
+
+def _twins(params, batch):
+    """Consecutive layers identical but for one thing each that the key must see."""
+    x = batch["x"]
+    c = jnp.linspace(0.5, 1.5, D, dtype=x.dtype)  # an example-independent input
+    x0, c0 = x[:, 0], c[None]  # alike but for depending on the example or not
+    h = jnp.tanh(x @ params["a"] * 2.0)
+    h = jnp.tanh(h @ params["b"] * 3.0)  # another literal in the run after the site
+    h = jnp.tanh(h @ (params["c"] * 2.0))  # a literal inside the site (absorbed pre-op)
+    h = jnp.tanh(h @ (params["d"] * 3.0))
+    h = jnp.tanh(h @ params["e"].T)  # the same shapes through a transposed view
+    h = jnp.tanh(jnp.einsum("btd,ed->bte", h, params["f"]))  # other dimension numbers
+    h = jnp.tanh(h * params["g"] + params["h"])  # scale-shift sites
+    h = jnp.tanh(h * params["k"] + c * params["m"])  # ... one with a constant input
+    h = jnp.tanh(h @ params["n"] + x0)  # a second batched input
+    h = jnp.tanh(h @ params["o"] + c0)  # ... an unbatched one of the same shape
+    h = jnp.tanh(h @ params["p"])
+    return jnp.mean(jnp.sum((h - batch["y"]) ** 2, axis=(-2, -1)))
+
+
+def _twins_case(dtype, B=7):
+    r = np.random.default_rng(3)
+    n = lambda *s: jnp.asarray(r.standard_normal(s) / np.sqrt(s[0]), dtype)  # noqa: E731
+    params = {k: n(D, D) for k in "abcdefnop"}
+    params.update({k: 1.0 + 0.3 * n(D) for k in "gk"})
+    params.update({k: n(D) for k in "hm"})
+    batch = {"x": n(B, T, D), "y": n(B, T, D)}
+    return params, batch
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_near_identical_layers_keep_their_own_statistics(dtype, chunk):
+    def run():
+        params, batch = _twins_case(dtype)
+        g = _grads(_twins, params, batch)
+        B = batch["x"].shape[0]
+        sq = sum(jnp.sum(x.reshape(B, -1) ** 2, 1) for x in jax.tree.leaves(g))
+        C = float(np.median(np.sqrt(np.asarray(sq))))
+        c = jnp.minimum(1.0, C / jnp.sqrt(sq))
+        want = (
+            jax.tree.map(lambda x: x.mean(0), g),
+            jax.tree.map(lambda x: (x**2).mean(0), g),
+            jax.tree.map(lambda x: x.var(0, ddof=1), g),
+            jax.tree.map(lambda x: jnp.sign(x).mean(0), g),
+            sq,
+            jax.tree.map(lambda x: jnp.tensordot(c, x, 1) / B, g),
+        )
+        stats = (js.stats.mean(), js.stats.second_moment(), js.stats.variance(),
+                 js.stats.sign_mean(), js.stats.sq_norms(), js.stats.clipped_mean(C))
+        got = jax.jit(js.per_example_stat(_twins, stats, chunk_size=chunk))(params, batch)
+        tol = dict(rtol=2e-4, atol=2e-6) if dtype == jnp.float32 else dict(rtol=1e-10, atol=1e-13)
+        for k, (a, w) in enumerate(zip(got, want)):
+            if k == 3 and dtype == jnp.float32:
+                continue  # signs of near-zero float32 entries; float64 checks them exactly
+            for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(w)):
+                np.testing.assert_allclose(x, y, **tol, err_msg=f"stat {k} {path}")
+
+    if dtype == jnp.float64:
+        with jax.enable_x64(True):
+            run()
+    else:
+        run()
+
+
+def test_value_keys_are_exact():
+    assert fp.value_key(1) != fp.value_key(1.0) != fp.value_key(True)
+    assert fp.value_key((1, 2)) != fp.value_key([1, 2])
+    assert fp.value_key(np.arange(3)) == fp.value_key(np.arange(3))
+    assert fp.value_key(np.arange(3)) != fp.value_key(np.arange(3).astype(np.float32))
+    assert fp.value_key(np.array([1, 2])) != fp.value_key(np.array([1, 3]))
+    assert fp.value_key({"a": 1, "b": (2,)}) == fp.value_key({"b": (2,), "a": 1})
+    with pytest.raises(fp.Unkeyable):
+        fp.value_key(jnp.ones(3))  # a device array: no exact key, never cached
+    with pytest.raises(fp.Unkeyable):
+        fp.value_key({"a": [np.ones(2), jnp.zeros(2)]})
+    assert fp.keyed(lambda: fp.value_key(jnp.ones(3))) is None
+
+
+def test_traced_parameter_values_are_not_cached():
+    """A closure over a traced value (here a hyper-parameter under jit) lands in the
+    jaxpr as an input, never in a key; the statistic still follows it."""
+    params, batch = _case(3, jnp.float32)
+
+    def loss(p, b, s):
+        return _stack(3, lambda h, q: jnp.tanh(s * (h @ q["w"]) + q["b"]))(p, b)
+
+    @jax.jit
+    def f(p, b, s):
+        return js.per_example_stat(lambda p, b: loss(p, b, s), js.stats.second_moment())(p, b)
+
+    for s in (0.5, 2.0):
+        g = _grads(lambda p, b: loss(p, b, s), params, batch)
+        want = jax.tree.map(lambda x: (x**2).mean(0), g)
+        for a, w in zip(jax.tree.leaves(f(params, batch, s)), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, w, rtol=2e-4, atol=1e-6)
