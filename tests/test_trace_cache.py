@@ -158,7 +158,7 @@ def test_traced_parameter_values_are_not_cached():
         return js.per_example_stat(lambda p, b: loss(p, b, s), js.stats.second_moment())(p, b)
 
     for s in (0.5, 2.0):
-        g = _grads(lambda p, b: loss(p, b, s), params, batch)
+        g = _grads(lambda p, b, s=s: loss(p, b, s), params, batch)
         want = jax.tree.map(lambda x: (x**2).mean(0), g)
         for a, w in zip(jax.tree.leaves(f(params, batch, s)), jax.tree.leaves(want)):
             np.testing.assert_allclose(a, w, rtol=2e-4, atol=1e-6)

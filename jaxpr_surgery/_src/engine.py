@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import compat, dots, kron, tiling
+from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.interpreter import Evaluator, make_site_fn
 from jaxpr_surgery._src.sites import kernel_for
@@ -144,7 +145,7 @@ def clips_by_recompute(jaxpr) -> bool:
     return False
 
 
-def _sink_avals(plan, site, B):
+def _sink_avals(plan, site, B, cache=None):
     kernel = plan.kernels[site.path]
     direct, want_ing = _site_request(plan, site)
     lead = tuple(site.scan_lengths)
@@ -176,7 +177,11 @@ def _sink_avals(plan, site, B):
             out["ing"] = kernel.ingredients(ctx)
         return out
 
-    out = jax.eval_shape(f, w, ext, dy)
+    if cache is None:
+        out = jax.eval_shape(f, w, ext, dy)
+    else:  # repeated layers: the kernel traced once
+        key = fp.keyed(lambda: ("sink", fp.site_key(site, kernel), fp.value_key(direct), B))
+        out = cache.value(key, lambda: jax.eval_shape(f, w, ext, dy))
     return jax.tree.map(lambda a: SDS(lead + tuple(a.shape), a.dtype), out)
 
 
@@ -203,13 +208,14 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
 
     # A site's statistics vary over the data axes and over the axes its parameter
     # is sharded on (tensor parallelism inside shard_map: each shard's part)
+    cache = fp.TraceCache()  # repeated layers are traced once (fingerprint.py)
     leaf_axes = [compat.vma_of(x) for x in diff_leaves]
     sinks = {
         p: jax.tree.map(
             lambda a, s=s: compat.make_varying(
                 jnp.zeros(a.shape, a.dtype), data_axes | leaf_axes[s.leaf]
             ),
-            _sink_avals(plan, s, B),
+            _sink_avals(plan, s, B, cache),
         )
         for p, s in an.sites.items()
     }
@@ -218,7 +224,9 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
         i: vary(jnp.broadcast_to(diff_leaves[i], (B,) + tuple(jnp.shape(diff_leaves[i]))))
         for i in residual
     }
-    ev = Evaluator(an, plan.kernels, make_site_fn(lambda s: _site_request(plan, s)), B)
+    ev = Evaluator(
+        an, plan.kernels, make_site_fn(lambda s: _site_request(plan, s), cache), B, cache
+    )
     n = len(diff_leaves)
 
     def forward(sinks, copies):
@@ -269,7 +277,7 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
             continue
         # ingredients mode
         ings = [(s, plan.kernels[s.path], sink_cts[s.path]["ing"]) for s in sites]
-        _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred)
+        _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache)
 
     # Tensor parallelism: a leaf sharded over mesh axes beyond the data axes holds a
     # part of each example's gradient on every shard; its squared norms are the sum
@@ -447,20 +455,32 @@ def _cross_fast(sa, ka, inga, sb, kb, ingb):
     return jnp.einsum("btn,bnt->b", A, Xg)
 
 
-def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
+def _weighted_fn(s, k):
+    """``(ing, c) -> sum_b c_b G_b`` of one site in its view's layout."""
+
+    def fn(ing, c):
+        if s.depth:
+            cs = jnp.broadcast_to(c, tuple(s.scan_lengths) + c.shape)
+            return _stacked(k.weighted_sum, s.depth)(ing, cs)
+        return k.weighted_sum(ing, c)
+
+    return fn
+
+
+def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
     """Reductions of a leaf from its sites' ingredients (after the backward pass)."""
     aval = plan.leaf_avals[i]
     acc = acc_dtype_for(aval.dtype)
 
     def weighted(c):
+        if len(ings) == 1:  # repeated layers: traced once
+            s, k, ing = ings[0]
+            key = fp.keyed(lambda: ("weighted", fp.site_key(s, k)))
+            fn = cache.get(key, lambda: _weighted_fn(s, k))
+            return _to_leaf(fn(ing, c), s)
         total = None
         for s, k, ing in ings:
-            if s.depth:
-                cs = jnp.broadcast_to(c, tuple(s.scan_lengths) + c.shape)
-                ws = _stacked(k.weighted_sum, s.depth)(ing, cs)
-            else:
-                ws = k.weighted_sum(ing, c)
-            v = _to_leaf(ws, s)
+            v = _to_leaf(_weighted_fn(s, k)(ing, c), s)
             total = v if total is None else total + v
         return total
 
@@ -508,7 +528,9 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred):
         if plan.needs_norms and sq_key is None:
             sq_key = "norms"
             req[sq_key] = S.SqNorms()
-        out = _stacked(lambda ing: k.direct_all(k.ctx(ing), req), s.depth)(ing)
+        key = fp.keyed(lambda: ("leaf", fp.site_key(s, k), fp.value_key(req)))
+        fn = cache.get(key, lambda: _stacked(lambda ing: k.direct_all(k.ctx(ing), req), s.depth))
+        out = fn(ing)
         for j, r in enumerate(plan.reductions):
             if rkey(j) in out:
                 values[j][i] = _direct_to_leaf(s, r, out[rkey(j)], B)

@@ -15,6 +15,7 @@ differ between layers) makes the key ``None`` -- no caching, never a wrong hit.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from jaxpr_surgery._src import compat
@@ -97,3 +98,55 @@ def keyed(fn):
         return fn()
     except (Unkeyable, KeyError):
         return None
+
+
+def site_key(site, kernel) -> tuple:
+    """Everything a site's kernel computes from, but the variables' identities
+    (``path`` and ``leaf``, which kernels do not read)."""
+    namer = Namer()
+    namer.bind(site.base, ("w",))
+    for i, v in enumerate(site.ext_vars):
+        namer.bind(v, ("x", i))
+    comp = eqns_key((*site.pre, site.eqn), namer)
+    state = {k: v for k, v in vars(kernel).items() if k != "site"}
+    return (
+        type(kernel),
+        value_key(state),
+        site.kind,
+        site.param_pos,
+        site.depth,
+        value_key(site.chain),
+        value_key(tuple(site.scan_lengths)),
+        value_key(tuple(site.view_shape)),
+        tuple(site.ext_batched),
+        aval_key(site.base.aval),
+        tuple(aval_key(v.aval) for v in site.ext_vars),
+        comp,
+        tuple(namer.ref(v) for v in site.eqn.outvars),
+    )
+
+
+class TraceCache:
+    """``jax.jit`` functions by structural key, for one trace of the transformation.
+
+    ``get(key, build)`` returns the cached jit of ``build()`` for ``key``, or
+    ``build()`` itself (not jitted, not kept) where ``key`` is None. Plain
+    values (shapes) are kept with ``value``."""
+
+    def __init__(self):
+        self._fns = {}
+
+    def get(self, key, build):
+        if key is None:
+            return build()
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = jax.jit(build())
+        return fn
+
+    def value(self, key, compute):
+        if key is None:
+            return compute()
+        if key not in self._fns:
+            self._fns[key] = compute()
+        return self._fns[key]

@@ -54,12 +54,12 @@ def _segment_fn(eqns, inputs, in_flags, out_flags, B):
 
 
 class Evaluator:
-    def __init__(self, analysis, kernels, site_fn, B):
+    def __init__(self, analysis, kernels, site_fn, B, cache=None):
         self.an = analysis
         self.kernels = kernels  # path -> Kernel
         self.site_fn = site_fn  # (site, kernel, w, ext, ext_batched, sink) -> outs
         self.B = B
-        self._cache = {}  # structural key -> jitted run of ordinary equations
+        self.cache = fp.TraceCache() if cache is None else cache  # runs of equations
 
     def run(self, jaxpr, consts, vals, flags, sinks, path=()):
         env = {}
@@ -145,12 +145,9 @@ class Evaluator:
             return
         in_flags = tuple(flag[v] for v in inputs)
         key = fp.keyed(lambda: _segment_key(eqns, inputs, in_flags))
-        fn = self._cache.get(key) if key is not None else None
-        if fn is None:
-            fn = _segment_fn(eqns, inputs, in_flags, [flag[v] for v in outs], self.B)
-            fn = jax.jit(fn) if key is not None else fn
-            if key is not None:
-                self._cache[key] = fn
+        fn = self.cache.get(
+            key, lambda: _segment_fn(eqns, inputs, in_flags, [flag[v] for v in outs], self.B)
+        )
         vals = fn([env[v][0] for v in inputs])
         for v, o in zip(outs, vals):
             env[v] = (o, flag[v])
@@ -224,29 +221,9 @@ class Evaluator:
 
 
 def _site_key(site, kernel, direct, want_ing, sink):
-    """Everything the site's custom_vjp depends on, but the variables' identities
-    (``path`` and ``leaf`` are not read by kernels)."""
-    namer = fp.Namer()
-    namer.bind(site.base, ("w",))
-    for i, v in enumerate(site.ext_vars):
-        namer.bind(v, ("x", i))
-    comp = fp.eqns_key((*site.pre, site.eqn), namer)
-    state = {k: v for k, v in vars(kernel).items() if k != "site"}
     return (
         "site",
-        type(kernel),
-        fp.value_key(state),
-        site.kind,
-        site.param_pos,
-        site.depth,
-        fp.value_key(site.chain),
-        fp.value_key(tuple(site.scan_lengths)),
-        fp.value_key(tuple(site.view_shape)),
-        tuple(site.ext_batched),
-        fp.aval_key(site.base.aval),
-        tuple(fp.aval_key(v.aval) for v in site.ext_vars),
-        comp,
-        tuple(namer.ref(v) for v in site.eqn.outvars),
+        fp.site_key(site, kernel),
         fp.value_key(direct),
         bool(want_ing),
         jax.tree.structure(sink),
@@ -254,7 +231,7 @@ def _site_key(site, kernel, direct, want_ing, sink):
     )
 
 
-def make_site_fn(reduction_plan):
+def make_site_fn(reduction_plan, cache):
     """Builds the custom_vjp-wrapped call for a site.
 
     ``reduction_plan(site) -> (direct_reductions: dict key->Reduction, want_ingredients)``.
@@ -263,9 +240,7 @@ def make_site_fn(reduction_plan):
     """
     from jaxpr_surgery._src.sites.generic import composite
 
-    cache = {}
-
-    def build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, jit):
+    def build(site, kernel, ext_batched, direct, want_ing, sink_dtypes):
         f = composite(site)
         in_axes = (None,) + tuple(0 if b else None for b in ext_batched)
         F = jax.vmap(f, in_axes=in_axes)
@@ -283,18 +258,18 @@ def make_site_fn(reduction_plan):
             out = jax.tree.map(lambda o, d: o.astype(d), out, sink_dtypes)
             return cts[0], tuple(cts[1:]), out
 
-        return (jax.jit(fwd_impl), jax.jit(bwd_impl)) if jit else (fwd_impl, bwd_impl)
+        return fwd_impl, bwd_impl
 
     def site_fn(site, kernel, w, ext, ext_batched, sink):
         direct, want_ing = reduction_plan(site)
         key = fp.keyed(lambda: _site_key(site, kernel, direct, want_ing, sink))
-        impl = cache.get(key) if key is not None else None
-        if impl is None:
-            sink_dtypes = jax.tree.map(lambda s: s.dtype, sink)
-            impl = build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key is not None)
-            if key is not None:
-                cache[key] = impl
-        fwd_impl, bwd_impl = impl
+        sink_dtypes = jax.tree.map(lambda s: s.dtype, sink)
+        impl = cache.value(
+            key and ("impl",) + key,
+            lambda: build(site, kernel, ext_batched, direct, want_ing, sink_dtypes),
+        )
+        fwd_impl = cache.get(key and ("fwd",) + key, lambda: impl[0])
+        bwd_impl = cache.get(key and ("bwd",) + key, lambda: impl[1])
 
         @jax.custom_vjp
         def call(w, ext, sink):
