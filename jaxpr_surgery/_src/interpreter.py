@@ -231,6 +231,26 @@ def _site_key(site, kernel, direct, want_ing, sink):
     )
 
 
+def _custom_vjp_call(cache, key, impl):
+    """The site's custom_vjp: the forward value, and the backward pass that also
+    emits the statistics as the sink's cotangent."""
+    fwd_impl = cache.get(key and ("fwd",) + key, lambda: impl[0])
+    bwd_impl = cache.get(key and ("bwd",) + key, lambda: impl[1])
+
+    @jax.custom_vjp
+    def call(w, ext, sink):
+        return fwd_impl(w, ext)
+
+    def fwd(w, ext, sink):
+        return fwd_impl(w, ext), (w, ext)
+
+    def bwd(res, dy):
+        return bwd_impl(*res, dy)
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
 def make_site_fn(reduction_plan, cache):
     """Builds the custom_vjp-wrapped call for a site.
 
@@ -268,20 +288,7 @@ def make_site_fn(reduction_plan, cache):
             key and ("impl",) + key,
             lambda: build(site, kernel, ext_batched, direct, want_ing, sink_dtypes),
         )
-        fwd_impl = cache.get(key and ("fwd",) + key, lambda: impl[0])
-        bwd_impl = cache.get(key and ("bwd",) + key, lambda: impl[1])
-
-        @jax.custom_vjp
-        def call(w, ext, sink):
-            return fwd_impl(w, ext)
-
-        def fwd(w, ext, sink):
-            return fwd_impl(w, ext), (w, ext)
-
-        def bwd(res, dy):
-            return bwd_impl(*res, dy)
-
-        call.defvjp(fwd, bwd)
+        call = cache.value(key and ("call",) + key, lambda: _custom_vjp_call(cache, key, impl))
         return call(w, ext, sink)
 
     return site_fn
