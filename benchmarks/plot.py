@@ -42,7 +42,8 @@ def load(paths):
     for d in docs:
         doc["regimes"].update(d.get("regimes", {}))
     doc["chunk_curve"] = next((d["chunk_curve"] for d in docs if d.get("chunk_curve")), None)
-    doc["targets"] = evaluate_targets(doc["results"])
+    doc["tracing"] = next((d["tracing"] for d in docs if d.get("tracing")), None)
+    doc["targets"] = evaluate_targets(doc["results"], doc["tracing"])
     doc["sources"] = [os.path.relpath(p, ROOT) for p in paths]
     doc["total_wall_s"] = sum(d.get("total_wall_s") or 0 for d in docs)
     return doc
@@ -372,6 +373,29 @@ def render_md(doc, img_paths, md_path):
                      f"{_f((p.get('flops') or 0) / 1e9, '{:.3g}')}"
                      f"{' †' if p.get('has_loop') else ''}"
                      f"{' ERROR' if p.get('error') else ''} |")
+        L.append("")
+
+    # ---------------- tracing
+    tr = doc.get("tracing")
+    if tr and tr.get("points"):
+        L.append("## Tracing cost")
+        L.append("")
+        L.append(f"`jax.jit(f).lower(params, batch)` of a {tr['layers']}-layer transformer "
+                 f"(Python loop over identical layers, {tr['n_leaves']} leaves, B={tr['batch']}), "
+                 f"every function built afresh for each of {tr['reps']} interleaved repetitions; "
+                 "the fastest is reported. Repeated layers are traced once (a `jax.jit` per "
+                 "run of equations and per site, cached by structure).")
+        L.append("")
+        L.append("| method | statistic | trace+lower s | ratio to grad |")
+        L.append("|---|---|---|---|")
+        for p in tr["points"]:
+            L.append(f"| {p['method']} | {p['statistic']} | {p['trace_lower_s']:.3f} | "
+                     f"{p['ratio']:.2f}x |")
+        L.append("")
+    elif tr and tr.get("error"):
+        L.append("## Tracing cost")
+        L.append("")
+        L.append("ERROR: " + tr["error"].splitlines()[0][:300])
         L.append("")
 
     # ---------------- errors

@@ -36,7 +36,8 @@ clipped_mean`` and ``mean+second_moment`` (a tuple, one pass).
 Also recorded: the largest batch whose temporary memory fits a budget (found by
 compiling at abstract shapes only -- a bracketing secant/bisection search on
 ``memory_analysis``, no execution), and for the ``short`` transformer the
-temporary memory (and time) of ``second_moment`` against ``chunk_size``.
+temporary memory (and time) of ``second_moment`` against ``chunk_size``, and
+the trace+lower time of a 12-layer unrolled transformer (``--no-tracing`` skips it).
 
 A method that fails records its error in the JSON; the run goes on.
 """
@@ -647,6 +648,40 @@ def run_chunk_curve(model, regime, st: Settings):
 
 
 # --------------------------------------------------------------------------- #
+# Tracing cost of a deep unrolled model
+# --------------------------------------------------------------------------- #
+TRACE_STATS = ("mean", "second_moment", "variance", "clipped_mean")
+
+
+def run_tracing(st: Settings):
+    """trace+lower of ``jax.jit(f).lower(params, batch)`` for grad and js on a transformer
+    with many identical layers (a Python loop, no scan): each repetition builds every
+    function afresh (no jit cache hit across repetitions), methods interleaved; min."""
+    layers, reps = (3, 1) if st.quick else (12, 5)
+    model = models.transformer(T=16 if not st.quick else 8, d=64 if not st.quick else 16,
+                               V=512 if not st.quick else 64, layers=layers)
+    B = 8
+    params, batch = model.params, model.make_batch(B)
+    methods = [("grad", "grad")] + [("js", s) for s in TRACE_STATS]
+    samples = {m: [] for m in methods}
+    for _ in range(reps):
+        for m in methods:
+            fn = make_method(model, m[0], m[1], B)
+            t0 = time.perf_counter()
+            jax.jit(fn).lower(params, batch)
+            samples[m].append(time.perf_counter() - t0)
+    g = min(samples[("grad", "grad")])
+    pts = [{"method": m, "statistic": s, "trace_lower_s": min(samples[(m, s)]),
+            "ratio": min(samples[(m, s)]) / g, "samples_s": samples[(m, s)]}
+           for m, s in methods]
+    for p in pts:
+        log(f"  tracing {layers} layers {p['method']:4s} {p['statistic']:14s} "
+            f"{p['trace_lower_s']:.3f}s ({p['ratio']:.2f}x grad)")
+    return {"model": "transformer", "layers": layers, "batch": B,
+            "n_leaves": len(jax.tree.leaves(params)), "reps": reps, "points": pts}
+
+
+# --------------------------------------------------------------------------- #
 # Targets from the issue
 # --------------------------------------------------------------------------- #
 def _row(rows, regime, B, method, stat):
@@ -656,7 +691,7 @@ def _row(rows, regime, B, method, stat):
     return None
 
 
-def evaluate_targets(rows):
+def evaluate_targets(rows, tracing=None):
     """Every target of the issue, per batch size: value, threshold, met (None = not measured)."""
     out = []
 
@@ -757,6 +792,12 @@ def evaluate_targets(rows):
             ok = r is not None and r["ok"]
             add("remat_mem", "scan+remat: js temp memory <= 1.3x grad-with-remat", "scan_remat",
                 B, s, r["temp_ratio"] if ok else None, 1.3)
+    if tracing and tracing.get("points"):
+        for p in tracing["points"]:
+            if p["method"] == "js":
+                add("trace_lower", f"tracing: js trace+lower of a {tracing['layers']}-layer "
+                    "transformer <= 1.5x grad's", "deep", tracing["batch"], p["statistic"],
+                    p["ratio"], 1.5)
     return out
 
 
@@ -852,6 +893,8 @@ def main(argv=None):
                          '\'{"xla_backend_optimization_level": 0}\'')
     ap.add_argument("--no-maxbatch", action="store_true")
     ap.add_argument("--no-chunk", action="store_true")
+    ap.add_argument("--no-tracing", action="store_true",
+                    help="skip the trace+lower timing of a deep unrolled transformer")
     ap.add_argument("--all-baseline-stats", action="store_true",
                     help="run every statistic for vmap/micro_grad at every batch size")
     args = ap.parse_args(argv)
@@ -898,6 +941,7 @@ def main(argv=None):
         "results": [],
         "max_batch": [],
         "chunk_curve": None,
+        "tracing": None,
         "targets": [],
     }
     for name in names:
@@ -926,17 +970,24 @@ def main(argv=None):
                 doc["chunk_curve"] = {"error": _err(e)}
         doc["regimes"][name]["wall_s"] = time.perf_counter() - t_reg
         log(f"== regime {name} done in {doc['regimes'][name]['wall_s']:.1f}s")
-        doc["targets"] = evaluate_targets(doc["results"])
+        doc["targets"] = evaluate_targets(doc["results"], doc["tracing"])
         doc["total_wall_s"] = time.perf_counter() - t_start
         write_outputs(doc, out_path)
         jax.clear_caches()
         gc.collect()
 
+    if not args.no_tracing and not args.regimes:
+        log("== tracing cost")
+        try:
+            doc["tracing"] = run_tracing(st)
+        except Exception as e:  # noqa: BLE001
+            doc["tracing"] = {"error": _err(e)}
+
     try:
         doc["machine"]["loadavg_end"] = list(os.getloadavg())
     except OSError:
         pass
-    doc["targets"] = evaluate_targets(doc["results"])
+    doc["targets"] = evaluate_targets(doc["results"], doc["tracing"])
     doc["total_wall_s"] = time.perf_counter() - t_start
     csv_path = write_outputs(doc, out_path)
     n_err = sum(1 for r in doc["results"] if not r["ok"])

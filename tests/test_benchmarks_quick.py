@@ -116,6 +116,15 @@ def test_quick_json_schema(quick_run):
         for b, t in r["evaluations"]:
             assert t <= r["budget_bytes"] or b > r["max_batch"]
 
+    # trace+lower of a deep unrolled model, and its target rows
+    tr = doc["tracing"]
+    assert tr and "error" not in tr, tr
+    assert {(p["method"], p["statistic"]) for p in tr["points"]} >= {("grad", "grad"),
+                                                                    ("js", "second_moment")}
+    for p in tr["points"]:
+        assert p["trace_lower_s"] > 0 and math.isfinite(p["ratio"])
+    assert any(t["target"] == "trace_lower" and t["met"] is not None for t in doc["targets"])
+
     # chunk_size memory curve
     cc = doc["chunk_curve"]
     assert cc["statistic"] == "second_moment" and len(cc["points"]) >= 2
