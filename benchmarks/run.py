@@ -657,7 +657,7 @@ def run_tracing(st: Settings):
     """trace+lower of ``jax.jit(f).lower(params, batch)`` for grad and js on a transformer
     with many identical layers (a Python loop, no scan): each repetition builds every
     function afresh (no jit cache hit across repetitions), methods interleaved; min."""
-    layers, reps = (3, 1) if st.quick else (12, 5)
+    layers, reps = (3, 1) if st.quick else (12, 7)
     model = models.transformer(T=16 if not st.quick else 8, d=64 if not st.quick else 16,
                                V=512 if not st.quick else 64, layers=layers)
     B = 8
@@ -667,6 +667,7 @@ def run_tracing(st: Settings):
     for _ in range(reps):
         for m in methods:
             fn = make_method(model, m[0], m[1], B)
+            gc.collect()  # no collection of an earlier method's garbage inside this sample
             t0 = time.perf_counter()
             jax.jit(fn).lower(params, batch)
             samples[m].append(time.perf_counter() - t0)
