@@ -164,7 +164,48 @@ def _mark(met):
     return {True: "met", False: "**MISSED**", None: "not measured"}[met]
 
 
-def render_md(doc, img_paths, md_path):
+def _compare_section(doc, other, md_dir):
+    """Target summary of ``doc`` beside ``other`` (the same suite on another jax), and
+    every target row whose status differs between the two."""
+    ja, jb = doc["machine"].get("jax", "?"), other["machine"].get("jax", "?")
+    L = [f"## The same targets on jax {jb}", ""]
+    src = os.path.relpath(other["_path"], md_dir)
+    L.append(f"The suite as above, run on jax {jb} in the same way ([{os.path.basename(src)}]"
+             f"({src})). Wall-time ratios move between jax versions (XLA:CPU changes), "
+             "FLOPs and temporary memory much less.")
+    L.append("")
+    summ = {}
+    for k, d in (("a", doc), ("b", other)):
+        for t in d["targets"]:
+            row = summ.setdefault(t["description"], {"a": [0, 0], "b": [0, 0]})
+            if t["met"] is not None:
+                row[k][0 if t["met"] else 1] += 1
+    L.append(f"| target | met / missed, jax {ja} | met / missed, jax {jb} |")
+    L.append("|---|---|---|")
+    for d, row in summ.items():
+        L.append(f"| {d} | {row['a'][0]} / {row['a'][1]} | {row['b'][0]} / {row['b'][1]} |")
+    tot = [sum(r[k][i] for r in summ.values()) for k in "ab" for i in (0, 1)]
+    L.append(f"| **all** | {tot[0]} / {tot[1]} | {tot[2]} / {tot[3]} |")
+    L.append("")
+    key = lambda t: (t["target"], t["regime"], t["batch"], t["what"])  # noqa: E731
+    theirs = {key(t): t for t in other["targets"]}
+    diff = [(t, theirs[key(t)]) for t in doc["targets"]
+            if key(t) in theirs and t["met"] is not None and theirs[key(t)]["met"] is not None
+            and t["met"] != theirs[key(t)]["met"]]
+    if diff:
+        L.append("Rows whose status differs:")
+        L.append("")
+        L.append(f"| target | regime | B | what | jax {ja} | jax {jb} | threshold |")
+        L.append("|---|---|---|---|---|---|---|")
+        for a, b in diff:
+            L.append(f"| {a['description']} | {a['regime']} | {a['batch']} | {a['what']} | "
+                     f"{_f(a['value'])} ({_mark(a['met'])}) | {_f(b['value'])} "
+                     f"({_mark(b['met'])}) | ≤ {a['threshold']} |")
+        L.append("")
+    return L
+
+
+def render_md(doc, img_paths, md_path, compare=None):
     m = doc["machine"]
     md_dir = os.path.dirname(os.path.abspath(md_path))
     rel = {k: os.path.relpath(v, md_dir) for k, v in img_paths.items()}
@@ -398,6 +439,9 @@ def render_md(doc, img_paths, md_path):
         L.append("ERROR: " + tr["error"].splitlines()[0][:300])
         L.append("")
 
+    if compare is not None:
+        L += _compare_section(doc, compare, md_dir)
+
     # ---------------- errors
     errs = [r for r in doc["results"] if not r["ok"]]
     if errs:
@@ -420,10 +464,17 @@ def main(argv=None):
     ap.add_argument("--img-dir", default=os.path.join(ROOT, "docs", "img"))
     ap.add_argument("--md", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     ap.add_argument("--no-png", action="store_true")
+    ap.add_argument("--compare", default=os.path.join(HERE, "results", "cpu_jax0.10.json"),
+                    help="results of the same suite on another jax: its targets are summarised "
+                         "beside these (skipped where the file does not exist)")
     args = ap.parse_args(argv)
     doc = load(args.inputs)
+    other = None
+    if args.compare and os.path.exists(args.compare):
+        other = load([args.compare])
+        other["_path"] = args.compare
     paths = {} if args.no_png else plot_regimes(doc, args.img_dir)
-    md = render_md(doc, paths, args.md)
+    md = render_md(doc, paths, args.md, other)
     print(f"wrote {md}" + (f" and {len(paths)} PNG(s) in {args.img_dir}" if paths else ""),
           file=sys.stderr)
 

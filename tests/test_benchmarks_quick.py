@@ -157,9 +157,12 @@ def test_plot_markdown(quick_run):
     md = str(out_dir / "bench.md")
     from benchmarks import plot
 
-    plot.main([out, "--md", md, "--img-dir", str(out_dir / "img")])
+    # the run against itself as "another jax": every row has the same status
+    plot.main([out, "--md", md, "--img-dir", str(out_dir / "img"), "--compare", out])
     text = open(md).read()
     assert "## Targets from the issue" in text
+    assert "## Tracing cost" in text
+    assert "## The same targets on jax" in text and "Rows whose status differs" not in text
     assert "| mlp |" in text
     pngs = os.listdir(out_dir / "img")
     assert any(p.startswith("bench_mlp") for p in pngs)
