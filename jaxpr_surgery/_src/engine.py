@@ -180,7 +180,8 @@ def _sink_avals(plan, site, B, cache=None):
     if cache is None:
         out = jax.eval_shape(f, w, ext, dy)
     else:  # repeated layers: the kernel traced once
-        key = fp.keyed(lambda: ("sink", fp.site_key(site, kernel), fp.value_key(direct), B))
+        sk = cache.site_key(site, kernel)
+        key = sk and fp.keyed(lambda: ("sink", sk, fp.value_key(direct), B))
         out = cache.value(key, lambda: jax.eval_shape(f, w, ext, dy))
     return jax.tree.map(lambda a: SDS(lead + tuple(a.shape), a.dtype), out)
 
@@ -475,7 +476,8 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
     def weighted(c):
         if len(ings) == 1:  # repeated layers: traced once
             s, k, ing = ings[0]
-            key = fp.keyed(lambda: ("weighted", fp.site_key(s, k)))
+            sk = cache.site_key(s, k)
+            key = sk and ("weighted", sk)
             fn = cache.get(key, lambda: _weighted_fn(s, k))
             return _to_leaf(fn(ing, c), s)
         total = None
@@ -528,7 +530,8 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
         if plan.needs_norms and sq_key is None:
             sq_key = "norms"
             req[sq_key] = S.SqNorms()
-        key = fp.keyed(lambda: ("leaf", fp.site_key(s, k), fp.value_key(req)))
+        sk = cache.site_key(s, k)
+        key = sk and fp.keyed(lambda: ("leaf", sk, fp.value_key(req)))
         fn = cache.get(key, lambda: _stacked(lambda ing: k.direct_all(k.ctx(ing), req), s.depth))
         out = fn(ing)
         for j, r in enumerate(plan.reductions):

@@ -135,6 +135,14 @@ class TraceCache:
 
     def __init__(self):
         self._fns = {}
+        self._site_keys = {}  # id(kernel) -> site key (kernels live as long as the plan)
+
+    def site_key(self, site, kernel):
+        """`site_key`, computed once per site of this trace (None: no exact key)."""
+        k = id(kernel)
+        if k not in self._site_keys:
+            self._site_keys[k] = (kernel, keyed(lambda: site_key(site, kernel)))
+        return self._site_keys[k][1]
 
     def get(self, key, build):
         if key is None:

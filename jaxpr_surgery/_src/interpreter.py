@@ -220,10 +220,12 @@ class Evaluator:
         return list(carry) + list(ys), [True] * ncar + list(ys_flags)
 
 
-def _site_key(site, kernel, direct, want_ing, sink):
+def _site_key(sk, direct, want_ing, sink):
+    if sk is None:
+        return None
     return (
         "site",
-        fp.site_key(site, kernel),
+        sk,
         fp.value_key(direct),
         bool(want_ing),
         jax.tree.structure(sink),
@@ -282,7 +284,8 @@ def make_site_fn(reduction_plan, cache):
 
     def site_fn(site, kernel, w, ext, ext_batched, sink):
         direct, want_ing = reduction_plan(site)
-        key = fp.keyed(lambda: _site_key(site, kernel, direct, want_ing, sink))
+        sk = cache.site_key(site, kernel)
+        key = fp.keyed(lambda: _site_key(sk, direct, want_ing, sink))
         sink_dtypes = jax.tree.map(lambda s: s.dtype, sink)
         impl = cache.value(
             key and ("impl",) + key,
