@@ -4,6 +4,8 @@ activations of every layer are never kept at once. Checked against vmap(grad).""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,10 +82,7 @@ def test_remat_clipping_matches_oracle(dtype, chunk):
         for a, w in zip(jax.tree.leaves(got[3]), jax.tree.leaves(want_sm)):
             np.testing.assert_allclose(a, w, **tol)
 
-    if dtype == jnp.float64:
-        with jax.enable_x64(True):
-            run()
-    else:
+    with zoo.x64() if dtype == jnp.float64 else contextlib.nullcontext():
         run()
 
 

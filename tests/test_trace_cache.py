@@ -1,13 +1,16 @@
 """Repeated layers are traced once (fingerprint.py), and only layers that really are the
-same share a trace: layers differing in one literal, one layout, one input or one dtype
-each get their own, checked against vmap(grad)."""
+same share a trace: layers differing in one literal, one layout, one input or whether an
+input depends on the example each get their own, checked against vmap(grad)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import zoo
 
 import jaxpr_surgery as js
 from jaxpr_surgery._src import fingerprint as fp
@@ -124,10 +127,7 @@ def test_near_identical_layers_keep_their_own_statistics(dtype, chunk):
             for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(w)):
                 np.testing.assert_allclose(x, y, **tol, err_msg=f"stat {k} {path}")
 
-    if dtype == jnp.float64:
-        with jax.enable_x64(True):
-            run()
-    else:
+    with zoo.x64() if dtype == jnp.float64 else contextlib.nullcontext():
         run()
 
 
