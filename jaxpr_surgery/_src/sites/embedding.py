@@ -221,11 +221,10 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
         Kernel.__init__(self, site, acc_dtype)
         self.c = _canon(site)
         self.V, self.d = self.c["C"], self.c["F"]
-        self.ids_var = site.ext_vars[-1]
 
     def prepare(self, w, ext, ext_batched, dy):
         c = self.c
-        ids = ext[self.site.ext_vars.index(self.ids_var)]
+        ids = ext[-1]  # the ids are the last input (analysis)
         (dy,) = dy
         B = dy.shape[0]
         dy = jnp.transpose(dy, (0,) + tuple(1 + i for i in c["dy_perm"]))
