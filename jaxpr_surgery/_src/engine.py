@@ -145,7 +145,7 @@ def clips_by_recompute(jaxpr) -> bool:
     return False
 
 
-def _sink_avals(plan, site, B, cache=None):
+def _sink_avals(plan, site, B, cache):
     kernel = plan.kernels[site.path]
     direct, want_ing = _site_request(plan, site)
     lead = tuple(site.scan_lengths)
@@ -177,12 +177,10 @@ def _sink_avals(plan, site, B, cache=None):
             out["ing"] = kernel.ingredients(ctx)
         return out
 
-    if cache is None:
-        out = jax.eval_shape(f, w, ext, dy)
-    else:  # repeated layers: the kernel traced once
-        sk = cache.site_key(site, kernel)
-        key = sk and fp.keyed(lambda: ("sink", sk, fp.value_key(direct), B))
-        out = cache.value(key, lambda: jax.eval_shape(f, w, ext, dy))
+    # repeated layers: the kernel traced once
+    sk = cache.site_key(site, kernel)
+    key = sk and fp.keyed(lambda: ("sink", sk, fp.value_key(direct), B))
+    out = cache.value(key, lambda: jax.eval_shape(f, w, ext, dy))
     return jax.tree.map(lambda a: SDS(lead + tuple(a.shape), a.dtype), out)
 
 

@@ -54,12 +54,12 @@ def _segment_fn(eqns, inputs, in_flags, out_flags, B):
 
 
 class Evaluator:
-    def __init__(self, analysis, kernels, site_fn, B, cache=None):
+    def __init__(self, analysis, kernels, site_fn, B, cache):
         self.an = analysis
         self.kernels = kernels  # path -> Kernel
         self.site_fn = site_fn  # (site, kernel, w, ext, ext_batched, sink) -> outs
         self.B = B
-        self.cache = fp.TraceCache() if cache is None else cache  # runs of equations
+        self.cache = cache  # fingerprint.TraceCache: runs of equations traced once
 
     def run(self, jaxpr, consts, vals, flags, sinks, path=()):
         env = {}
@@ -233,11 +233,9 @@ def _site_key(sk, direct, want_ing, sink):
     )
 
 
-def _custom_vjp_call(cache, key, impl):
+def _custom_vjp_call(fwd_impl, bwd_impl):
     """The site's custom_vjp: the forward value, and the backward pass that also
     emits the statistics as the sink's cotangent."""
-    fwd_impl = cache.get(key and ("fwd",) + key, lambda: impl[0])
-    bwd_impl = cache.get(key and ("bwd",) + key, lambda: impl[1])
 
     @jax.custom_vjp
     def call(w, ext, sink):
@@ -257,12 +255,12 @@ def make_site_fn(reduction_plan, cache):
     """Builds the custom_vjp-wrapped call for a site.
 
     ``reduction_plan(site) -> (direct_reductions: dict key->Reduction, want_ingredients)``.
-    The forward and backward computations are ``jax.jit`` functions cached by `_site_key`,
-    so the sites of repeated layers are traced once.
+    A site's custom_vjp, with its forward and backward computations as ``jax.jit``
+    functions, is cached by `_site_key`, so the sites of repeated layers are traced once.
     """
     from jaxpr_surgery._src.sites.generic import composite
 
-    def build(site, kernel, ext_batched, direct, want_ing, sink_dtypes):
+    def build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key):
         f = composite(site)
         in_axes = (None,) + tuple(0 if b else None for b in ext_batched)
         F = jax.vmap(f, in_axes=in_axes)
@@ -280,18 +278,18 @@ def make_site_fn(reduction_plan, cache):
             out = jax.tree.map(lambda o, d: o.astype(d), out, sink_dtypes)
             return cts[0], tuple(cts[1:]), out
 
-        return fwd_impl, bwd_impl
+        if key is None:  # no exact key: traced for this site alone
+            return _custom_vjp_call(fwd_impl, bwd_impl)
+        return _custom_vjp_call(jax.jit(fwd_impl), jax.jit(bwd_impl))
 
     def site_fn(site, kernel, w, ext, ext_batched, sink):
         direct, want_ing = reduction_plan(site)
         sk = cache.site_key(site, kernel)
         key = fp.keyed(lambda: _site_key(sk, direct, want_ing, sink))
         sink_dtypes = jax.tree.map(lambda s: s.dtype, sink)
-        impl = cache.value(
-            key and ("impl",) + key,
-            lambda: build(site, kernel, ext_batched, direct, want_ing, sink_dtypes),
+        call = cache.value(
+            key, lambda: build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key)
         )
-        call = cache.value(key and ("call",) + key, lambda: _custom_vjp_call(cache, key, impl))
         return call(w, ext, sink)
 
     return site_fn
