@@ -164,6 +164,14 @@ def _mark(met):
     return {True: "met", False: "**MISSED**", None: "not measured"}[met]
 
 
+def _target_counts(targets):
+    """``{description: [met, missed, not measured]}`` in the order targets come."""
+    counts = defaultdict(lambda: [0, 0, 0])
+    for t in targets:
+        counts[t["description"]][0 if t["met"] else (1 if t["met"] is False else 2)] += 1
+    return counts
+
+
 def _compare_section(doc, other, md_dir):
     """Target summary of ``doc`` beside ``other`` (the same suite on another jax), and
     every target row whose status differs between the two."""
@@ -174,17 +182,12 @@ def _compare_section(doc, other, md_dir):
              f"({src})). Wall-time ratios move between jax versions (XLA:CPU changes), "
              "FLOPs and temporary memory much less.")
     L.append("")
-    summ = {}
-    for k, d in (("a", doc), ("b", other)):
-        for t in d["targets"]:
-            row = summ.setdefault(t["description"], {"a": [0, 0], "b": [0, 0]})
-            if t["met"] is not None:
-                row[k][0 if t["met"] else 1] += 1
+    ca, cb = _target_counts(doc["targets"]), _target_counts(other["targets"])
     L.append(f"| target | met / missed, jax {ja} | met / missed, jax {jb} |")
     L.append("|---|---|---|")
-    for d, row in summ.items():
-        L.append(f"| {d} | {row['a'][0]} / {row['a'][1]} | {row['b'][0]} / {row['b'][1]} |")
-    tot = [sum(r[k][i] for r in summ.values()) for k in "ab" for i in (0, 1)]
+    for d in dict.fromkeys([*ca, *cb]):
+        L.append(f"| {d} | {ca[d][0]} / {ca[d][1]} | {cb[d][0]} / {cb[d][1]} |")
+    tot = [sum(c[d][i] for d in c) for c in (ca, cb) for i in (0, 1)]
     L.append(f"| **all** | {tot[0]} / {tot[1]} | {tot[2]} / {tot[3]} |")
     L.append("")
     key = lambda t: (t["target"], t["regime"], t["batch"], t["what"])  # noqa: E731
@@ -299,9 +302,7 @@ def render_md(doc, img_paths, md_path, compare=None):
         L.append(f"| {t['description']} | {t['regime']} | {t['batch']} | {t['what']} | "
                  f"{_f(t['value'])} | ≤ {t['threshold']} | {_mark(t['met'])} |")
     L.append("")
-    summ = defaultdict(lambda: [0, 0, 0])
-    for t in doc["targets"]:
-        summ[t["description"]][0 if t["met"] else (1 if t["met"] is False else 2)] += 1
+    summ = _target_counts(doc["targets"])
     L.append("Summary (met / missed / not measured):")
     L.append("")
     for d, (a, b, c) in summ.items():
