@@ -401,13 +401,28 @@ def _slice_b(ing, depth, b0, size):
     return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, b0, size, axis=depth), ing)
 
 
+def leaf_feature_tile(B, shape, acc, budget, kernels):
+    """Blocks of features of a multi-site leaf's ``G`` (tiling.py), on an axis every
+    site can cut, or None; only where a tile holds one example."""
+    if tiling.leaf_tile(B, shape, acc, budget, kernels) != 1:
+        return None
+    axes = set(range(len(shape)))
+    for k in kernels:
+        axes &= set(k.leaf_cut_axes())
+    return tiling.feature_tile(tuple(shape), acc, sorted(axes), budget)
+
+
 def _tiled_materialised(plan, ings, mat, B, reductions, means):
     """Reductions of a leaf's ``G [B, *leaf] = mat(b0, size)``, tile by tile (tiling.py)."""
     aval = plan.leaf_avals[ings[0][0].leaf]
     acc = acc_dtype_for(aval.dtype)
-    tile = tiling.leaf_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings])
+    ks = [k for _, k, _ in ings]
+    tile = tiling.leaf_tile(B, aval.shape, acc, plan.budget, ks)
+    ft = leaf_feature_tile(B, aval.shape, acc, plan.budget, ks)
+    features = ft and (*ft, lambda b0, size, f0, fs: mat(b0, size, (ft[0], f0, fs)))
     return tiling.reduce_tiles(
-        mat, B, reductions, tile, means=means, shape=tuple(aval.shape), dtype=acc
+        mat, B, reductions, tile, means=means, shape=tuple(aval.shape), dtype=acc,
+        features=features,
     )
 
 
@@ -484,16 +499,18 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
             total = v if total is None else total + v
         return total
 
-    def mat(b0, size):
+    def mat(b0, size, cut=None):
         total = None
         for s, k, ing in sorted(ings, key=lambda ski: ski[1].adds_in_place):
             ing = _slice_b(ing, s.depth, b0, size)
             if s.depth:
                 g = jnp.moveaxis(_stacked(k.materialise, s.depth)(ing), s.depth, 0)
                 v = _to_leaf(g, s).astype(acc)
+                if cut is not None:
+                    v = jax.lax.dynamic_slice_in_dim(v, cut[1], cut[2], cut[0] + 1)
                 total = v if total is None else total + v
             else:
-                total = k.add_to_leaf(ing, total, lambda g, s=s: _to_leaf(g, s))
+                total = k.add_to_leaf(ing, total, lambda g, s=s: _to_leaf(g, s), cut)
         return total
 
     def sq_norms():
@@ -550,13 +567,14 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
         return
 
     # the plain sum is a contraction per site even when the summed G_b is tiled for
-    # other reductions: measured faster on XLA:CPU than a second consumer of G_b
-    todo = []
+    # other reductions (measured faster on XLA:CPU than a second consumer of a whole
+    # G_b), unless G_b comes in blocks of features that stay in cache
+    todo, sums = [], []
     for j, r in enumerate(plan.reductions):
         if isinstance(r, S.ClippedSum):
             continue
         if isinstance(r, S.PhiSum) and r.phi is None:
-            values[j][i] = weighted(jnp.ones((B,), acc))
+            sums.append(j)
         elif isinstance(r, S.SqNorms) and (v := sq_norms()) is not None:
             values[j][i] = v
         elif isinstance(r, S.KronSum) and (v := kron_streamed(plan, ings, r, B)) is not None:
@@ -571,12 +589,21 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
             todo.append(None)
         else:
             norms_leaf[i] = sq
+    centered = any(j is not None and isinstance(plan.reductions[j], S.Centered) for j in todo)
+    if (
+        todo
+        and not centered  # the centred sums need the sum beforehand anyway
+        and leaf_feature_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings])
+    ):
+        # blocks of G in cache: the plain sum rides along (measured faster than its
+        # contraction per site)
+        todo, sums = todo + sums, []
+    total = weighted(jnp.ones((B,), acc)) if sums or centered else None
+    for j in sums:
+        values[j][i] = total
     if todo:
         reds = [S.SqNorms() if j is None else plan.bound(plan.reductions[j], i) for j in todo]
-        means = [
-            weighted(jnp.ones((B,), acc)) / B if isinstance(r, S.Centered) else None
-            for r in reds
-        ]
+        means = [total / B if isinstance(r, S.Centered) else None for r in reds]
         outs = _tiled_materialised(plan, ings, mat, B, reds, means)
         for j, v in zip(todo, outs):
             if j is None:

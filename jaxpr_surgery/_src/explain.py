@@ -15,7 +15,7 @@ from jaxpr_surgery._src import analysis as A
 from jaxpr_surgery._src import compat, dots, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared
-from jaxpr_surgery._src.engine import clips_by_recompute, cross_layout
+from jaxpr_surgery._src.engine import clips_by_recompute, cross_layout, leaf_feature_tile
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
     FALLBACK,
@@ -320,6 +320,14 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
         for b in range(a + 1, len(ks))
     )
     leaf_tile = tiling.leaf_tile(B, shape, acc, budget, ks)  # as the engine sizes it
+    leaf_ft = leaf_feature_tile(B, shape, acc, budget, ks) if multi else None
+    # as the engine does: with blocks of features the plain sum rides in the tile loop
+    # of another reduction, unless centred sums need it beforehand
+    sum_rides = (
+        leaf_ft is not None
+        and not any(isinstance(r, S.Centered) for r in reductions)
+        and any(isinstance(r, S.PhiSum) and r.phi is not None for r in reductions)
+    )
 
     def rule_of(r):
         """(word, how, flops, bytes) of one reduction over the leaf's sites."""
@@ -338,17 +346,16 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
             reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
             rl = k.rule(r, B)
             linear = isinstance(r, S.PhiSum) and r.phi is None
-            if multi and not linear and not isinstance(r, S.ClippedSum):
+            if multi and (sum_rides or not linear) and not isinstance(r, S.ClippedSum):
                 if isinstance(r, S.SqNorms) and ghost_cross:
                     rl = dataclasses.replace(rl, how=rl.how + " + ghost cross terms")
                 else:
                     t = leaf_tile
                     rl = Rule(
                         STREAMED,
-                        f"tiled products of the shared leaf ({t} example{'s' if t > 1 else ''}"
-                        "/tile)",
+                        f"tiled products of the shared leaf ({tiling.describe(t, leaf_ft, shape)})",
                         2.0 * B * size,
-                        float(t * size * itemsize),
+                        float(tiling.tile_bytes(t, leaf_ft, shape, acc)),
                     )
             if isinstance(r, S.ClippedSum) and recompute:  # loss with remat
                 rl = dataclasses.replace(

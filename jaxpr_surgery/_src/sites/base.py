@@ -117,13 +117,25 @@ class Kernel:
     # layout; kernels that write straight into the sum (a scatter) go last.
     adds_in_place = False
 
-    def add_to_leaf(self, ing, total, to_leaf):
+    def add_to_leaf(self, ing, total, to_leaf, cut=None):
         """``total + G`` of the examples in ``ing`` in the leaf's layout (``total``
         may be None); ``to_leaf`` maps the site's view to the leaf. Kernels override
         this to produce ``G`` in the leaf's layout directly (no per-tile transpose) or
-        to add into ``total`` in place."""
+        to add into ``total`` in place.
+
+        ``cut = (axis, f0, size)`` restricts ``G`` (and ``total``) to ``f0:f0+size`` on
+        leaf ``axis`` (a block of features, tiling.py). This default forms the whole
+        ``G`` first; kernels produce the block alone on the axes `leaf_cut_axes` names.
+        """
         g = to_leaf(self.materialise(ing)).astype(self.acc)
+        if cut is not None:
+            axis, f0, size = cut
+            g = jax.lax.dynamic_slice_in_dim(g, f0, size, axis + 1)
         return g if total is None else total + g
+
+    def leaf_cut_axes(self):
+        """Leaf axes on which `add_to_leaf` produces a block without the whole ``G``."""
+        return ()
 
     def sq_norms(self, ing):
         return reduce_materialised(self.materialise(ing), S.SqNorms())

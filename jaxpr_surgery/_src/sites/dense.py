@@ -233,9 +233,33 @@ class DenseKernel(Kernel):
         budget = self.budget if budget is None else budget
         return tiling.tile_size(B, nbytes, budget, batched_ok=not per_ex)
 
+    def feature_tile(self, B, budget=None):
+        """Blocks of one example's ``G [K, C, F]`` along ``C`` or ``F`` (tiling.py),
+        or None; only where a tile holds one example."""
+        c = self.c
+        budget = self.budget if budget is None else budget
+        if self.tile(B, budget) != 1:
+            return None
+        return tiling.feature_tile((c["K"], c["C"], c["F"]), self.acc, (1, 2), budget)
+
+    def _block_G(self, x, dy, b0, size, axis, f0, fs):
+        """``G[b0:b0+size]`` restricted to ``f0:f0+fs`` on canonical ``axis`` (1: C, 2: F)."""
+        xs = jax.lax.dynamic_slice_in_dim(x, b0, size, 0)
+        ds = jax.lax.dynamic_slice_in_dim(dy, b0, size, 0)
+        if axis == 1:
+            xs = jax.lax.dynamic_slice_in_dim(xs, f0, fs, 3)
+        else:
+            ds = jax.lax.dynamic_slice_in_dim(ds, f0, fs, 3)
+        return _products(xs, ds)
+
     def tiled(self, x, dy, reds, means, budget=None):
         c = self.c
         B = x.shape[0]
+        ft = self.feature_tile(B, budget)
+        features = ft and (
+            *ft,
+            lambda b0, size, f0, fs: self._block_G(x, dy, b0, size, ft[0], f0, fs),
+        )
         return tiling.reduce_tiles(
             lambda b0, size: self._tile_G(x, dy, b0, size),
             B,
@@ -244,6 +268,7 @@ class DenseKernel(Kernel):
             means=means,
             shape=(c["K"], c["C"], c["F"]),
             dtype=self.acc,
+            features=features,
         )
 
     def _centered_rank_one(self, x, d):
@@ -303,12 +328,17 @@ class DenseKernel(Kernel):
                 return None
         return tuple(axes)
 
-    def add_to_leaf(self, ing, total, to_leaf):
+    def leaf_cut_axes(self):
+        axes = None if self.site.depth else self.leaf_order()
+        return () if axes is None else tuple(range(len(axes)))
+
+    def add_to_leaf(self, ing, total, to_leaf, cut=None):
         """``G`` produced by one contraction straight in the leaf's layout: a tied
-        ``table.T`` gets ``dy^T x`` rather than ``x^T dy`` and a transpose per tile."""
+        ``table.T`` gets ``dy^T x`` rather than ``x^T dy`` and a transpose per tile.
+        A ``cut`` of a leaf axis slices the operand that carries it."""
         axes = None if self.site.depth else self.leaf_order()
         if axes is None:
-            return super().add_to_leaf(ing, total, to_leaf)
+            return super().add_to_leaf(ing, total, to_leaf, cut)
         x, dy = ing
         c = self.c
         b, N = x.shape[0], c["N"]
@@ -317,6 +347,16 @@ class DenseKernel(Kernel):
         kl, cl, fl = letters[:nk], letters[nk : nk + nc], letters[nk + nc :]
         xs = x.reshape((b,) + c["kdims"] + (N,) + c["cdims"])
         ds = dy.reshape((b,) + c["kdims"] + (N,) + c["fdims"])
+        if cut is not None:  # canonical sub-axis j of leaf axis `axis`
+            axis, f0, size = cut
+            j = axes[axis]
+            cut_at = lambda a, pos: jax.lax.dynamic_slice_in_dim(a, f0, size, pos)  # noqa: E731
+            if j < nk:
+                xs, ds = cut_at(xs, 1 + j), cut_at(ds, 1 + j)
+            elif j < nk + nc:
+                xs = cut_at(xs, 2 + j)
+            else:
+                ds = cut_at(ds, 2 + j - nc)
         spec = "{},{}->{}".format(
             "a" + "".join(kl) + "b" + "".join(cl),
             "a" + "".join(kl) + "b" + "".join(fl),
@@ -364,12 +404,12 @@ class DenseKernel(Kernel):
         it = jnp.dtype(self.acc).itemsize
 
         def tiled():
-            t = self.tile(B)
+            t, ft, shape = self.tile(B), self.feature_tile(B), (K, C, F)
             return Rule(
                 STREAMED,
-                f"tiled per-example products ({t} example{'s' if t > 1 else ''}/tile)",
+                f"tiled per-example products ({tiling.describe(t, ft, shape)})",
                 float(2 * B * K * N * C * F + 2 * B * K * C * F),
-                float(t * K * C * F * it),
+                float(tiling.tile_bytes(t, ft, shape, self.acc)),
             )
 
         if isinstance(reduction, S.PhiSum):

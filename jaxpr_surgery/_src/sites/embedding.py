@@ -174,12 +174,29 @@ class EmbeddingKernel(Kernel):
 
     adds_in_place = True
 
-    def add_to_leaf(self, ing, total, to_leaf):
+    def leaf_cut_axes(self):
+        return () if self.site.chain or self.site.depth else (0, 1)
+
+    def add_to_leaf(self, ing, total, to_leaf, cut=None):
         """Scatter-adds the rows into ``total`` (another site's tile of a tied table)
-        where the table is the leaf itself: no zero table per tile, no extra add."""
-        if total is None or self.site.chain:
-            return super().add_to_leaf(ing, total, to_leaf)
+        where the table is the leaf itself: no zero table per tile, no extra add. A
+        ``cut`` of rows keeps the ids inside it (shifted); of columns, slices ``dy``."""
+        if self.site.chain or self.site.depth:
+            return super().add_to_leaf(ing, total, to_leaf, cut)
         ids, valid, dy = self._unpack(ing)
+        dy = dy.astype(self.acc)
+        rows, cols = self.V, self.d
+        if cut is not None:
+            axis, f0, size = cut
+            if axis == 0:
+                ids = ids - f0
+                ids = jnp.where((ids >= 0) & (ids < size), ids, size)  # outside: dropped
+                rows = size
+            else:
+                dy = jax.lax.dynamic_slice_in_dim(dy, f0, size, 2)
+                cols = size
+        if total is None:
+            total = jnp.zeros((ids.shape[0], rows, cols), dy.dtype)
         b = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
         return total.at[b, ids].add(dy.astype(total.dtype), mode="drop")
 
@@ -236,6 +253,7 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
 
     adds_in_place = False
     add_to_leaf = Kernel.add_to_leaf  # rows on a one-hot axis of a view: the generic path
+    leaf_cut_axes = Kernel.leaf_cut_axes
 
     def _view(self, v):
         from jaxpr_surgery._src.sites.dense import DenseKernel

@@ -1,0 +1,152 @@
+"""Feature blocks (``tiling.feature_tile``): one example's ``G`` cut along one axis.
+
+Where one example's per-example gradient is large (a vocabulary-sized tied table),
+the tile loop runs over blocks of features outside and examples inside. Real
+models reach it only with big leaves, so the zoo runs here with the block size
+shrunk to 100 bytes: many blocks, with remainders, on every token site.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import zoo
+from _models import assert_tree_close, oracle
+from conftest import STAT_IDS, check_against_reference, reference, run_stat
+
+import jaxpr_surgery as js
+from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src import tiling
+
+# token-axis dense sites, tied tables, layers inside a scan
+CASES = ["transformer", "transformer_rms_swiglu", "transformer_scan_remat"]
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    """Tiny feature blocks; returns the list of ``(axis, size, shape)`` used."""
+    monkeypatch.setattr(tiling, "CACHE_TILE_BYTES", 100)
+    monkeypatch.setattr(tiling, "MIN_FEATURE_TILE_BYTES", 1)
+    monkeypatch.setattr(tiling, "prefer_per_example", lambda: True)
+    seen = []
+    inner = tiling._feature_blocks
+
+    def spy(features, B, reductions, tile, means, shape, dtype):
+        seen.append((features[0], features[1], shape))
+        return inner(features, B, reductions, tile, means, shape, dtype)
+
+    monkeypatch.setattr(tiling, "_feature_blocks", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case_name", CASES)
+def test_zoo_in_tiny_feature_blocks(blocks, case_name, dtype):
+    ref = reference(case_name)
+    case = zoo.get_case(case_name, dtype)
+    out = run_stat(case, {sid: ref.stat(sid) for sid in STAT_IDS})
+    for sid in STAT_IDS:
+        check_against_reference(out[sid], case_name, sid, dtype)
+    assert blocks, "no site was cut into feature blocks"
+    assert any(shape[axis] % size for axis, size, shape in blocks), "no remainder block"
+
+
+def _tied(V, d, T, B, dtype, seed=0):
+    """A tied LM head: ``table[ids]`` in, ``h @ table.T`` out; ``V`` rows no block divides."""
+    k = jax.random.split(jax.random.PRNGKey(seed), 5)
+    params = {
+        "table": (0.5 * jax.random.normal(k[0], (V, d))).astype(dtype),
+        "w": (jax.random.normal(k[1], (d, d)) / np.sqrt(d)).astype(dtype),
+    }
+    batch = {
+        "ids": jax.random.randint(k[2], (B, T), 0, V).astype(jnp.uint16),
+        "y": jax.random.randint(k[3], (B, T), 0, V),
+    }
+
+    def loss(p, batch):
+        h = jnp.tanh(p["table"][batch["ids"]] @ p["w"])
+        logits = h @ p["table"].T
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, batch["y"][..., None], -1))
+
+    return loss, params, batch
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_tied_vocabulary_table_in_blocks_by_budget(dtype):
+    """No monkeypatching: a tiny budget cuts a 3001-row tied table into blocks of
+    `MIN_FEATURE_TILE_BYTES` (a remainder block included); every statistic of the
+    table, and mean + second moment + variance in one call, match ``vmap(grad)``."""
+    with zoo.x64() if dtype == jnp.float64 else jax.default_matmul_precision("highest"):
+        loss, params, batch = _tied(3001, 64, 6, 5, dtype)
+        ft = tiling.feature_tile((3001, 64), dtype, (0, 1), 1)
+        assert ft is not None and 3001 % ft[1] and ft[0] == 0
+        ref = oracle(loss, params, batch)
+        tol = dict(rtol=1e-9, atol=1e-11) if dtype == jnp.float64 else dict(rtol=2e-4, atol=2e-5)
+        stats = {
+            "mean": js.stats.mean(),
+            "second_moment": js.stats.second_moment(),
+            "variance": js.stats.variance(),
+            "sign_mean": js.stats.sign_mean(),
+            "sq_norms": js.stats.sq_norms(),
+        }
+        for budget in (1, None):
+            out = jax.jit(js.per_example_stat(loss, stats, memory_budget_bytes=budget))(
+                params, batch
+            )
+            for name in stats:
+                assert_tree_close(out[name], ref[name], err_msg=f"{name} budget={budget}", **tol)
+        for combo in [("mean", "second_moment"), ("mean", "variance", "second_moment")]:
+            out = jax.jit(
+                js.per_example_stat(loss, tuple(stats[n] for n in combo), memory_budget_bytes=1)
+            )(params, batch)
+            for name, v in zip(combo, out):
+                assert_tree_close(v, ref[name], err_msg=f"{name} in {combo}", **tol)
+
+
+def test_explain_reports_feature_blocks():
+    loss, params, batch = _tied(3001, 64, 6, 5, jnp.float32)
+    rep = js.explain(loss, js.stats.second_moment(), memory_budget_bytes=1)(params, batch)
+    assert "x 1001 of 3001 on axis 0/tile" in str(rep), str(rep)
+
+
+def test_feature_tile_sizes():
+    f32 = jnp.float32
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiling, "prefer_per_example", lambda: True)
+        assert tiling.feature_tile((64, 64), f32, (0, 1), None) is None  # 16 KiB: whole
+        axis, size = tiling.feature_tile((256, 8192), f32, (0, 1), None)  # 8 MiB
+        assert axis == 1 and size * 256 * 4 <= tiling.CACHE_TILE_BYTES
+        assert tiling.feature_tile((256, 8192), f32, (0,), None)[0] == 0  # only axis 0 cuts
+        assert tiling.feature_tile((256, 8192), f32, (), None) is None
+        # a budget below the cache size shrinks blocks, never below the minimum
+        assert tiling.feature_tile((256, 8192), f32, (1,), 1) == (1, 256)  # 256 KiB blocks
+        mp.setattr(tiling, "prefer_per_example", lambda: False)  # GPU: only over budget
+        assert tiling.feature_tile((256, 8192), f32, (1,), None) is None
+        assert tiling.feature_tile((256, 8192), f32, (1,), 1 << 20)[1] == 1024
+
+
+def test_reduce_tiles_blocks_equal_whole():
+    """The block loop against the one-tile loop on a random ``G``, every built-in
+    reduction at once, with remainders on both loops."""
+    with zoo.x64():
+        B, shape = 7, (5, 13)
+        G = jax.random.normal(jax.random.PRNGKey(1), (B,) + shape, jnp.float64) + 3.0
+        reds = [S.SQUARE, S.SIGN, S.SUM, S.Centered(), S.SqNorms()]
+        means = [None, None, None, jnp.mean(G, 0), None]
+        make = lambda b0, n: jax.lax.dynamic_slice_in_dim(G, b0, n, 0)  # noqa: E731
+
+        def make_f(b0, n, f0, fs):
+            return jax.lax.dynamic_slice_in_dim(make(b0, n), f0, fs, 2)
+
+        whole = tiling.reduce_tiles(make, B, reds, 3, means=means, shape=shape, dtype=G.dtype)
+        cut = tiling.reduce_tiles(
+            make, B, reds, 2, means=means, shape=shape, dtype=G.dtype, features=(1, 4, make_f)
+        )
+        for w, c in zip(jax.tree.leaves(whole), jax.tree.leaves(cut)):
+            np.testing.assert_allclose(np.asarray(c), np.asarray(w), rtol=1e-12)
+        np.testing.assert_allclose(
+            np.asarray(cut[3].m2), np.asarray(jnp.sum(jnp.square(G - means[3]), 0)), rtol=1e-12
+        )
