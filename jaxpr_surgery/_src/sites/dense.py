@@ -219,10 +219,17 @@ class DenseKernel(Kernel):
         return jnp.einsum("bknc,bknf->kcf", x, dy) / x.shape[0]
 
     # tiles ------------------------------------------------------------------ #
-    def _tile_G(self, x, dy, b0, size):
-        """Canonical ``G [size, K, C, F]`` of examples ``b0 .. b0+size``."""
+    def _tile_G(self, x, dy, b0, size, cut=None):
+        """Canonical ``G [size, K, C, F]`` of examples ``b0 .. b0+size``; with ``cut =
+        (axis, f0, fs)`` only ``f0:f0+fs`` on canonical ``axis`` (1: C, 2: F)."""
         xs = jax.lax.dynamic_slice_in_dim(x, b0, size, 0)
         ds = jax.lax.dynamic_slice_in_dim(dy, b0, size, 0)
+        if cut is not None:
+            axis, f0, fs = cut
+            if axis == 1:
+                xs = jax.lax.dynamic_slice_in_dim(xs, f0, fs, 3)
+            else:
+                ds = jax.lax.dynamic_slice_in_dim(ds, f0, fs, 3)
         return _products(xs, ds)
 
     def tile(self, B, budget=None):
@@ -242,23 +249,13 @@ class DenseKernel(Kernel):
             return None
         return tiling.feature_tile((c["K"], c["C"], c["F"]), self.acc, (1, 2), budget)
 
-    def _block_G(self, x, dy, b0, size, axis, f0, fs):
-        """``G[b0:b0+size]`` restricted to ``f0:f0+fs`` on canonical ``axis`` (1: C, 2: F)."""
-        xs = jax.lax.dynamic_slice_in_dim(x, b0, size, 0)
-        ds = jax.lax.dynamic_slice_in_dim(dy, b0, size, 0)
-        if axis == 1:
-            xs = jax.lax.dynamic_slice_in_dim(xs, f0, fs, 3)
-        else:
-            ds = jax.lax.dynamic_slice_in_dim(ds, f0, fs, 3)
-        return _products(xs, ds)
-
     def tiled(self, x, dy, reds, means, budget=None):
         c = self.c
         B = x.shape[0]
         ft = self.feature_tile(B, budget)
         features = ft and (
             *ft,
-            lambda b0, size, f0, fs: self._block_G(x, dy, b0, size, ft[0], f0, fs),
+            lambda b0, size, f0, fs: self._tile_G(x, dy, b0, size, (ft[0], f0, fs)),
         )
         return tiling.reduce_tiles(
             lambda b0, size: self._tile_G(x, dy, b0, size),
