@@ -589,22 +589,18 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
             todo.append(None)
         else:
             norms_leaf[i] = sq
-    centered = any(j is not None and isinstance(plan.reductions[j], S.Centered) for j in todo)
-    if (
-        todo
-        and not centered  # the centred sums need the sum beforehand anyway
-        and leaf_feature_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings])
-    ):
+    if todo and leaf_feature_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings]):
         # blocks of G in cache: the plain sum rides along (measured faster than its
         # contraction per site)
         todo, sums = todo + sums, []
-    total = weighted(jnp.ones((B,), acc)) if sums or centered else None
-    for j in sums:
-        values[j][i] = total
+    if sums:
+        total = weighted(jnp.ones((B,), acc))
+        for j in sums:
+            values[j][i] = total
     if todo:
         reds = [S.SqNorms() if j is None else plan.bound(plan.reductions[j], i) for j in todo]
-        means = [total / B if isinstance(r, S.Centered) else None for r in reds]
-        outs = _tiled_materialised(plan, ings, mat, B, reds, means)
+        # centred sums take one pass in the tile loop (tiling.py): no mean beforehand
+        outs = _tiled_materialised(plan, ings, mat, B, reds, [None] * len(reds))
         for j, v in zip(todo, outs):
             if j is None:
                 norms_leaf[i] = v

@@ -322,11 +322,10 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
     leaf_tile = tiling.leaf_tile(B, shape, acc, budget, ks)  # as the engine sizes it
     leaf_ft = leaf_feature_tile(B, shape, acc, budget, ks) if multi else None
     # as the engine does: with blocks of features the plain sum rides in the tile loop
-    # of another reduction, unless centred sums need it beforehand
-    sum_rides = (
-        leaf_ft is not None
-        and not any(isinstance(r, S.Centered) for r in reductions)
-        and any(isinstance(r, S.PhiSum) and r.phi is not None for r in reductions)
+    # of another reduction
+    sum_rides = leaf_ft is not None and any(
+        isinstance(r, S.Centered) or (isinstance(r, S.PhiSum) and r.phi is not None)
+        for r in reductions
     )
 
     def rule_of(r):

@@ -22,6 +22,7 @@ or within the budget (elsewhere) while every reduction reads it.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -102,17 +103,33 @@ def prefer_per_example() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def _tile_values(G, reductions, means):
-    """Per-tile contributions: ``G`` is ``[size, *shape]``. Centred sums are taken
-    against the exact mean of the whole batch (two-pass); the rest as for any
+def _tile_values(G, reductions, centres):
+    """Per-tile contributions: ``G`` is ``[size, *shape]``. A centred sum is taken
+    against its centre: the exact mean (two-pass: one array) or a shift ``K`` (one
+    pass: the pair ``sum (G - K)``, ``sum (G - K)^2``); the rest as for any
     materialised ``G``."""
     from jaxpr_surgery._src.sites.base import reduce_materialised
 
-    return [
-        jnp.sum(jnp.square(G - m), axis=0) if isinstance(r, S.Centered)
-        else reduce_materialised(G, r)
-        for r, m in zip(reductions, means)
-    ]
+    out = []
+    for r, c in zip(reductions, centres):
+        if not isinstance(r, S.Centered):
+            out.append(reduce_materialised(G, r))
+        elif c.exact:
+            out.append(jnp.sum(jnp.square(G - c.value), axis=0))
+        else:
+            d = G - c.value
+            out.append((jnp.sum(d, axis=0), jnp.sum(jnp.square(d), axis=0)))
+    return out
+
+
+class _Centre(NamedTuple):
+    value: jax.Array
+    exact: bool  # the exact mean (two-pass) or a shift (one pass)
+
+
+# One-pass centred sums: the most rounding is amplified against the two-pass
+# (re-centring on the running mean once the examples to come would exceed it).
+MAX_SHIFT_AMPLIFICATION = 32
 
 
 def reduce_tiles(
@@ -122,9 +139,19 @@ def reduce_tiles(
 
     Args:
       make: ``(b0, size) -> [size, *shape]`` (``b0`` may be traced; ``size`` static).
-      reductions: `PhiSum` (any phi), `Centered` (two-pass: ``means`` holds the
-        exact mean for it, computed beforehand by a contraction) or `SqNorms`.
+      reductions: `PhiSum` (any phi), `Centered` or `SqNorms`.
       tile: examples per tile.
+      means: per reduction, None or (for a `Centered`) the exact mean, computed
+        beforehand: then the centred sum is two-pass. Without it, one pass with no
+        contraction over the batch. The first tile's mean ``K`` and centred sum start
+        the running ``(mu, M2)``; the sums ``S1``, ``S2`` of ``G_b - mu`` and of its
+        square over the next group of ``n_g`` examples update them by
+        ``mu += S1/n``, ``M2 += S2 - S1^2/n`` (Chan's rule; ``n`` examples so far).
+        The subtraction that matters happens first, on the raw values, so rounding
+        does not grow with the mean's size against the spread (unlike
+        ``E[g^2] - E[g]^2``); each update cancels at most ``1 + n_g/n_before`` fold
+        (about 2 for a typical coordinate), and groups are cut so that this stays
+        within `MAX_SHIFT_AMPLIFICATION` (a single group up to 32 examples per tile).
       shape, dtype: of one example's ``G``.
       features: optional ``(axis, size, make_f)`` (`feature_tile`'s block and
         ``make_f(b0, size, f0, fs) -> G[b0:b0+size]`` restricted to ``f0:f0+fs`` on
@@ -143,39 +170,88 @@ def reduce_tiles(
         for r in reductions
     ):
         return _feature_blocks(features, B, reductions, tile, means, tuple(shape), dtype)
+    one = [isinstance(r, S.Centered) and m is None for r, m in zip(reductions, means)]
+    plain = [isinstance(r, S.PhiSum) and r.phi is None for r in reductions]
+    if any(one) and any(plain):  # the plain sum is B * mean: not a second pass over G
+        keep = [i for i, p in enumerate(plain) if not p]
+        vals = reduce_tiles(
+            make, B, [reductions[i] for i in keep], tile, means=[means[i] for i in keep],
+            shape=shape, dtype=dtype,
+        )
+        c = next(v for i, v in zip(keep, vals) if one[i])
+        out = dict(zip(keep, vals))
+        return [out[i] if i in out else B * c.mean for i in range(len(reductions))]
     tile = int(max(1, min(tile, B)))
     nfull, rem = divmod(B, tile)
     sq = [  # per-example values ([B]): written in place, not summed
         isinstance(r, S.SqNorms) or getattr(S.extension(r), "per_example", False)
         for r in reductions
     ]
-
-    def add(acc, b0, size):
-        vals = _tile_values(make(b0, size).astype(dtype), reductions, means)
-        return [
-            jax.lax.dynamic_update_slice_in_dim(a, v, b0, 0) if s else jax.tree.map(jnp.add, a, v)
-            for a, v, s in zip(acc, vals, sq)
-        ]
+    exact = [_Centre(m, True) if isinstance(r, S.Centered) else None
+             for r, m in zip(reductions, means)]
 
     # The first tile is peeled: the accumulators take its type (inside shard_map,
-    # the manual axes the values vary over), which the loop carry must keep.
-    first = _tile_values(make(0, tile).astype(dtype), reductions, means)
+    # the manual axes the values vary over), which the loop carry must keep; one-pass
+    # centred sums start from its exact two-pass moments.
+    G0 = make(0, tile).astype(dtype)
+    mu0 = jnp.mean(G0, axis=0) if tile > 1 else G0[0]
+    first = _tile_values(
+        G0, reductions, [_Centre(mu0, True) if o else c for o, c in zip(one, exact)]
+    )
     acc = [
         jax.lax.dynamic_update_slice_in_dim(
             compat.make_varying(jnp.zeros((B,), dtype), compat.vma_of(v)), v, 0, 0
         )
         if s
+        else (mu0, v) if o
         else v
-        for v, s in zip(first, sq)
+        for v, s, o in zip(first, sq, one)
     ]
-    if nfull > 1:
-        acc = jax.lax.fori_loop(1, nfull, lambda k, acc: add(acc, k * tile, tile), acc)
+
+    def group(acc, b0, ntiles, size):
+        """Tiles ``b0 + k*size`` for ``k < ntiles`` (``b0`` static), one-pass centred
+        sums against the running mean of the examples before ``b0``."""
+        centres = [_Centre(a[0], False) if o else c for a, o, c in zip(acc, one, exact)]
+
+        def body(k, inner):
+            start = b0 + k * size
+            vals = _tile_values(make(start, size).astype(dtype), reductions, centres)
+            return [
+                jax.lax.dynamic_update_slice_in_dim(a, v, start, 0) if s
+                else jax.tree.map(jnp.add, a, v)
+                for a, v, s in zip(inner, vals, sq)
+            ]
+
+        start = [
+            (compat.make_varying(jnp.zeros(shape, dtype), compat.vma_of(a[0])),) * 2 if o
+            else a
+            for a, o in zip(acc, one)
+        ]
+        inner = body(0, start)  # peeled: a loop's carry keeps its type (see above)
+        if ntiles > 1:
+            inner = jax.lax.fori_loop(1, ntiles, body, inner)
+        n = b0 + ntiles * size  # examples so far
+        return [
+            (a[0] + v[0] / n, a[1] + jnp.maximum(v[1] - jnp.square(v[0]) / n, 0)) if o
+            else v
+            for a, v, o in zip(acc, inner, one)
+        ]
+
+    # groups of whole tiles, each at most (MAX_SHIFT_AMPLIFICATION - 1) times the
+    # tiles before it (a single group without one-pass centred sums)
+    done = 1
+    while done < nfull:
+        per = nfull - done
+        if any(one):
+            per = min(per, (MAX_SHIFT_AMPLIFICATION - 1) * done)
+        acc = group(acc, done * tile, per, tile)
+        done += per
     if rem:
-        acc = add(acc, nfull * tile, rem)
-    out = []
-    for r, a, m in zip(reductions, acc, means):
-        out.append(S.Moments(m, a) if isinstance(r, S.Centered) else a)
-    return out
+        acc = group(acc, nfull * tile, 1, rem)
+    return [
+        S.Moments(*a) if o else S.Moments(c.value, a) if c is not None else a
+        for a, o, c in zip(acc, one, exact)
+    ]
 
 
 def _feature_blocks(features, B, reductions, tile, means, shape, dtype):
@@ -192,34 +268,30 @@ def _feature_blocks(features, B, reductions, tile, means, shape, dtype):
             None if m is None else jax.lax.dynamic_slice_in_dim(m, f0, size, axis)
             for m in means
         ]
-        vals = reduce_tiles(
+        return reduce_tiles(
             lambda b0, bs: make_f(b0, bs, f0, size), B, reductions, tile,
             means=ms, shape=sub, dtype=dtype,
         )
-        return [v.m2 if isinstance(v, S.Moments) else v for v in vals]
 
     def put(acc, vals, f0):
         return [
-            a + v if p else jax.lax.dynamic_update_slice_in_dim(a, v, f0, axis)
+            a + v if p else jax.tree.map(
+                lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, f0, axis), a, v
+            )
             for a, v, p in zip(acc, vals, per_ex)
         ]
 
+    def whole(v):  # the first block's value in an accumulator of the whole shape
+        z = compat.make_varying(jnp.zeros(shape, v.dtype), compat.vma_of(v))
+        return jax.lax.dynamic_update_slice_in_dim(z, v, 0, axis)
+
     # first block peeled: the accumulators take its type (see reduce_tiles)
-    first = block(0, fs)
-    acc = [
-        v if p else jax.lax.dynamic_update_slice_in_dim(
-            compat.make_varying(jnp.zeros(shape, v.dtype), compat.vma_of(v)), v, 0, axis
-        )
-        for v, p in zip(first, per_ex)
-    ]
+    acc = [v if p else jax.tree.map(whole, v) for v, p in zip(block(0, fs), per_ex)]
     if nf > 1:
         acc = jax.lax.fori_loop(1, nf, lambda k, acc: put(acc, block(k * fs, fs), k * fs), acc)
     if rem:
         acc = put(acc, block(nf * fs, rem), nf * fs)
-    return [
-        S.Moments(m, a) if isinstance(r, S.Centered) else a
-        for r, a, m in zip(reductions, acc, means)
-    ]
+    return acc
 
 
 def sum_tiles(f, B: int, tile: int):

@@ -193,10 +193,11 @@ class DenseKernel(Kernel):
         # Reductions that need G_b read it tile by tile (tiling.py): one loop
         # over examples serves all of them; G is never formed for the batch.
         x, dy = ctx
-        out, keys, reds, means = {}, [], [], []
+        out, keys, reds = {}, [], []
         for k, r in reductions.items():
             # the plain sum rides along in the tile loop (a hot add) rather than
-            # costing a second contraction over the batch
+            # costing a second contraction over the batch; centred sums take one
+            # pass (tiling.py), so no mean is contracted beforehand either
             if not self.needs_materialise(r) and not (
                 isinstance(r, S.PhiSum) and r.phi is None and self.c["N"] > 1
             ):
@@ -204,8 +205,7 @@ class DenseKernel(Kernel):
                 continue
             keys.append(k)
             reds.append(r)
-            means.append(self._mean(x, dy) if isinstance(r, S.Centered) else None)
-        vals = self.tiled(x, dy, reds, means)
+        vals = self.tiled(x, dy, reds, [None] * len(reds))
         for k, r, v in zip(keys, reds, vals):
             if isinstance(r, S.SqNorms):
                 out[k] = v
@@ -214,9 +214,6 @@ class DenseKernel(Kernel):
             else:
                 out[k] = self.to_view(v)
         return out
-
-    def _mean(self, x, dy):
-        return jnp.einsum("bknc,bknf->kcf", x, dy) / x.shape[0]
 
     # tiles ------------------------------------------------------------------ #
     def _tile_G(self, x, dy, b0, size, cut=None):
