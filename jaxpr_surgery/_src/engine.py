@@ -589,9 +589,12 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
             todo.append(None)
         else:
             norms_leaf[i] = sq
-    if todo and leaf_feature_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings]):
-        # blocks of G in cache: the plain sum rides along (measured faster than its
-        # contraction per site)
+    if todo and (
+        any(j is not None and isinstance(plan.reductions[j], S.Centered) for j in todo)
+        or leaf_feature_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings])
+    ):
+        # the plain sum rides along: centred sums give it for free (tiling.py), and
+        # with blocks of G in cache its add is faster than a contraction per site
         todo, sums = todo + sums, []
     if sums:
         total = weighted(jnp.ones((B,), acc))

@@ -321,11 +321,13 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
     )
     leaf_tile = tiling.leaf_tile(B, shape, acc, budget, ks)  # as the engine sizes it
     leaf_ft = leaf_feature_tile(B, shape, acc, budget, ks) if multi else None
-    # as the engine does: with blocks of features the plain sum rides in the tile loop
-    # of another reduction
-    sum_rides = leaf_ft is not None and any(
-        isinstance(r, S.Centered) or (isinstance(r, S.PhiSum) and r.phi is not None)
-        for r in reductions
+    # as the engine does: the plain sum rides in the tile loop of another reduction
+    # where centred sums give it, or with blocks of features
+    sum_rides = multi and (
+        any(isinstance(r, S.Centered) for r in reductions)
+        or (leaf_ft is not None and any(
+            isinstance(r, S.PhiSum) and r.phi is not None for r in reductions
+        ))
     )
 
     def rule_of(r):
