@@ -151,7 +151,7 @@ def reduce_tiles(
         does not grow with the mean's size against the spread (unlike
         ``E[g^2] - E[g]^2``); each update cancels at most ``1 + n_g/n_before`` fold
         (about 2 for a typical coordinate), and groups are cut so that this stays
-        within `MAX_SHIFT_AMPLIFICATION` (a single group up to 32 examples per tile).
+        within `MAX_SHIFT_AMPLIFICATION` (one group for up to 32 tiles).
       shape, dtype: of one example's ``G``.
       features: optional ``(axis, size, make_f)`` (`feature_tile`'s block and
         ``make_f(b0, size, f0, fs) -> G[b0:b0+size]`` restricted to ``f0:f0+fs`` on
@@ -222,12 +222,12 @@ def reduce_tiles(
                 for a, v, s in zip(inner, vals, sq)
             ]
 
-        start = [
+        fresh = [  # one-pass sums start at zero each group; the rest carry on
             (compat.make_varying(jnp.zeros(shape, dtype), compat.vma_of(a[0])),) * 2 if o
             else a
             for a, o in zip(acc, one)
         ]
-        inner = body(0, start)  # peeled: a loop's carry keeps its type (see above)
+        inner = body(0, fresh)  # peeled: a loop's carry keeps its type (see above)
         if ntiles > 1:
             inner = jax.lax.fori_loop(1, ntiles, body, inner)
         n = b0 + ntiles * size  # examples so far
