@@ -412,7 +412,7 @@ def leaf_feature_tile(B, shape, acc, budget, kernels):
     return tiling.feature_tile(tuple(shape), acc, sorted(axes), budget)
 
 
-def _tiled_materialised(plan, ings, mat, B, reductions, means):
+def _tiled_materialised(plan, ings, mat, B, reductions):
     """Reductions of a leaf's ``G [B, *leaf] = mat(b0, size)``, tile by tile (tiling.py)."""
     aval = plan.leaf_avals[ings[0][0].leaf]
     acc = acc_dtype_for(aval.dtype)
@@ -421,7 +421,7 @@ def _tiled_materialised(plan, ings, mat, B, reductions, means):
     ft = leaf_feature_tile(B, aval.shape, acc, plan.budget, ks)
     features = ft and (*ft, lambda b0, size, f0, fs: mat(b0, size, (ft[0], f0, fs)))
     return tiling.reduce_tiles(
-        mat, B, reductions, tile, means=means, shape=tuple(aval.shape), dtype=acc,
+        mat, B, reductions, tile, shape=tuple(aval.shape), dtype=acc,
         features=features,
     )
 
@@ -559,9 +559,7 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
                 values[j][i] = _leaf_dots(plan, i, ings, r, B, mat)
         if not kron_ok:  # the leaf's per-example gradient, tile by tile
             js_ = [j for j, r in enumerate(plan.reductions) if isinstance(r, S.KronSum)]
-            outs = _tiled_materialised(
-                plan, ings, mat, B, [plan.reductions[j] for j in js_], [None] * len(js_)
-            )
+            outs = _tiled_materialised(plan, ings, mat, B, [plan.reductions[j] for j in js_])
             for j, v in zip(js_, outs):
                 values[j][i] = v
         return
@@ -603,7 +601,7 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
     if todo:
         reds = [S.SqNorms() if j is None else plan.bound(plan.reductions[j], i) for j in todo]
         # centred sums take one pass in the tile loop (tiling.py): no mean beforehand
-        outs = _tiled_materialised(plan, ings, mat, B, reds, [None] * len(reds))
+        outs = _tiled_materialised(plan, ings, mat, B, reds)
         for j, v in zip(todo, outs):
             if j is None:
                 norms_leaf[i] = v
@@ -669,4 +667,4 @@ def _leaf_dots(plan, i, ings, r, B, mat):
             v = k.dots(k.ctx(ing), jnp.transpose(ref, m).astype(acc))
             total = v if total is None else total + v
         return total
-    return _tiled_materialised(plan, ings, mat, B, [dots.BoundDot(ref)], [None])[0]
+    return _tiled_materialised(plan, ings, mat, B, [dots.BoundDot(ref)])[0]
