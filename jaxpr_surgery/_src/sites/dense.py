@@ -125,18 +125,31 @@ class DenseKernel(Kernel):
         n = len(lead)
         return g.transpose(tuple(range(n)) + tuple(n + i for i in self.c["inv_w"]))
 
+    # what `prepare` keeps of the site's input, and the two uses of it that need no
+    # per-example product; a conv site (conv.py) keeps its raw input and overrides both
+    FEATURE_AXES = (1, 2)  # canonical axes of G a feature block may cut (C, F)
+
+    def tokens(self, x):
+        """Canonical ``X [b, K, N, C]`` from what `prepare` kept (here: ``X`` itself)."""
+        return x
+
+    def contract(self, x, dy, c=None):
+        """``sum_b c_b X_b^T DY_b`` (``c`` None: all ones) in the view's layout."""
+        if c is None:
+            return self.to_view(jnp.einsum("bknc,bknf->kcf", x, dy))
+        return self.to_view(jnp.einsum("bknc,bknf,b->kcf", x, dy, c.astype(x.dtype)))
+
     # reductions ------------------------------------------------------------ #
     def direct(self, ctx, reduction):
         x, dy = ctx
         N = self.c["N"]
         if isinstance(reduction, S.PhiSum):
             if reduction.phi is None:
-                return self.to_view(jnp.einsum("bknc,bknf->kcf", x, dy))
+                return self.contract(x, dy)
             if reduction.multiplicative and N == 1:
+                x0 = self.tokens(x)[:, :, 0]
                 return self.to_view(
-                    jnp.einsum(
-                        "bkc,bkf->kcf", reduction.apply(x[:, :, 0]), reduction.apply(dy[:, :, 0])
-                    )
+                    jnp.einsum("bkc,bkf->kcf", reduction.apply(x0), reduction.apply(dy[:, :, 0]))
                 )
         if isinstance(reduction, S.SqNorms):
             return self.sq_norms(ctx)
@@ -145,12 +158,13 @@ class DenseKernel(Kernel):
                 [self.kron_factors(ctx)], self.site.view_shape, reduction, self.acc, self.budget
             )
         if isinstance(reduction, S.Centered) and N == 1:
-            return self._centered_rank_one(x[:, :, 0], dy[:, :, 0])
+            return self._centered_rank_one(self.tokens(x)[:, :, 0], dy[:, :, 0])
         return self.direct_all(ctx, {"r": reduction})["r"]
 
     def kron_factors(self, ctx):
         """Token factors (kron.py): ``G_b[k, c, f] = sum_n X[b, k, n, c] DY[b, k, n, f]``."""
         x, dy = ctx
+        x = self.tokens(x)
         c = self.c
         B, N = x.shape[0], c["N"]
         kd, cd, fd, cw = c["kdims"], c["cdims"], c["fdims"], c["canon_w"]
@@ -171,6 +185,7 @@ class DenseKernel(Kernel):
     def dots(self, ctx, ref):
         """``[B]``: ``<X_b^T DY_b, ref>``, the reference contracted with the tokens."""
         x, dy = ctx
+        x = self.tokens(x)
         c = self.c
         R = jnp.transpose(ref, c["canon_w"]).reshape(c["K"], c["C"], c["F"])
         return dots.dense_dots(x, dy, R.astype(x.dtype))
@@ -216,10 +231,11 @@ class DenseKernel(Kernel):
         return out
 
     # tiles ------------------------------------------------------------------ #
-    def _tile_G(self, x, dy, b0, size, cut=None):
+    def _tile_G(self, x, dy, b0, size, cut=None, tokens=None):
         """Canonical ``G [size, K, C, F]`` of examples ``b0 .. b0+size``; with ``cut =
-        (axis, f0, fs)`` only ``f0:f0+fs`` on canonical ``axis`` (1: C, 2: F)."""
-        xs = jax.lax.dynamic_slice_in_dim(x, b0, size, 0)
+        (axis, f0, fs)`` only ``f0:f0+fs`` on canonical ``axis`` (1: C, 2: F). ``x`` as
+        `prepare` keeps it, or canonical ``X`` with ``tokens`` the identity."""
+        xs = (tokens or self.tokens)(jax.lax.dynamic_slice_in_dim(x, b0, size, 0))
         ds = jax.lax.dynamic_slice_in_dim(dy, b0, size, 0)
         if cut is not None:
             axis, f0, fs = cut
@@ -233,9 +249,14 @@ class DenseKernel(Kernel):
         """Examples per tile for a batch of ``B``."""
         c = self.c
         per_ex = c["N"] > 1 and tiling.prefer_per_example()
-        nbytes = tiling.bytes_of((c["K"], c["C"], c["F"]), self.acc)
+        nbytes = self.tile_bytes_per_example()
         budget = self.budget if budget is None else budget
         return tiling.tile_size(B, nbytes, budget, batched_ok=not per_ex)
+
+    def tile_bytes_per_example(self):
+        """Memory a tile takes per example: its ``G``."""
+        c = self.c
+        return tiling.bytes_of((c["K"], c["C"], c["F"]), self.acc)
 
     def feature_tile(self, B, budget=None):
         """Blocks of one example's ``G [K, C, F]`` along ``C`` or ``F`` (tiling.py),
@@ -244,18 +265,18 @@ class DenseKernel(Kernel):
         budget = self.budget if budget is None else budget
         if self.tile(B, budget) != 1:
             return None
-        return tiling.feature_tile((c["K"], c["C"], c["F"]), self.acc, (1, 2), budget)
+        return tiling.feature_tile((c["K"], c["C"], c["F"]), self.acc, self.FEATURE_AXES, budget)
 
-    def tiled(self, x, dy, reds, means, budget=None):
+    def tiled(self, x, dy, reds, means, budget=None, tokens=None):
         c = self.c
         B = x.shape[0]
         ft = self.feature_tile(B, budget)
         features = ft and (
             *ft,
-            lambda b0, size, f0, fs: self._tile_G(x, dy, b0, size, (ft[0], f0, fs)),
+            lambda b0, size, f0, fs: self._tile_G(x, dy, b0, size, (ft[0], f0, fs), tokens),
         )
         return tiling.reduce_tiles(
-            lambda b0, size: self._tile_G(x, dy, b0, size),
+            lambda b0, size: self._tile_G(x, dy, b0, size, tokens=tokens),
             B,
             reds,
             self.tile(B, budget),
@@ -299,7 +320,8 @@ class DenseKernel(Kernel):
         def exact():  # rare: small tiles, so the branch costs little memory
             small = min(self.budget or tiling.DEFAULT_MEMORY_BUDGET_BYTES, FALLBACK_TILE_BYTES)
             return self.tiled(
-                x[:, :, None], d[:, :, None], [S.Centered()], [mean], budget=small
+                x[:, :, None], d[:, :, None], [S.Centered()], [mean], budget=small,
+                tokens=lambda t: t,  # x is canonical already
             )[0].m2
 
         m2 = jax.lax.cond(ill, exact, lambda: jnp.maximum(m2, 0))
@@ -307,7 +329,7 @@ class DenseKernel(Kernel):
 
     def materialise(self, ing):
         x, dy = ing
-        return self.to_view(_products(x, dy))
+        return self.to_view(_products(self.tokens(x), dy))
 
     def leaf_order(self):
         """The leaf's axes as indices into the canonical sub-axes ``kdims + cdims +
@@ -334,6 +356,7 @@ class DenseKernel(Kernel):
         if axes is None:
             return super().add_to_leaf(ing, total, to_leaf, cut)
         x, dy = ing
+        x = self.tokens(x)
         c = self.c
         b, N = x.shape[0], c["N"]
         nk, nc = len(c["kdims"]), len(c["cdims"])
@@ -362,17 +385,17 @@ class DenseKernel(Kernel):
     def sq_norms(self, ing):
         x, dy = ing
         if self.c["N"] == 1:
-            return jnp.einsum(
-                "bkc,bkc,bkf,bkf->b", x[:, :, 0], x[:, :, 0], dy[:, :, 0], dy[:, :, 0]
-            )
+            x0 = self.tokens(x)[:, :, 0]
+            return jnp.einsum("bkc,bkc,bkf,bkf->b", x0, x0, dy[:, :, 0], dy[:, :, 0])
         if not self.use_ghost():
             return self.tiled(x, dy, [S.SqNorms()], [None])[0]
-        gx = jnp.einsum("bknc,bkmc->bknm", x, x)
+        X = self.tokens(x)
+        gx = jnp.einsum("bknc,bkmc->bknm", X, X)
         gd = jnp.einsum("bknf,bkmf->bknm", dy, dy)
         ghost = jnp.einsum("bknm,bknm->b", gx, gd)
         # The ghost sum cancels when token contributions do; against the scale
         # (sum_n |x_n| |dy_n|)^2 of its terms, recompute those examples exactly.
-        nx = jnp.sqrt(jnp.sum(jnp.square(x), -1))
+        nx = jnp.sqrt(jnp.sum(jnp.square(X), -1))
         nd = jnp.sqrt(jnp.sum(jnp.square(dy), -1))
         scale = jnp.sum(jnp.square(jnp.sum(nx * nd, -1)), -1)
         eps = jnp.finfo(ghost.dtype).eps
@@ -389,7 +412,7 @@ class DenseKernel(Kernel):
 
     def weighted_sum(self, ing, c):
         x, dy = ing
-        return self.to_view(jnp.einsum("bknc,bknf,b->kcf", x, dy, c.astype(x.dtype)))
+        return self.contract(x, dy, c)
 
     # reporting -------------------------------------------------------------- #
     def rule(self, reduction, B):
