@@ -88,10 +88,9 @@ class PatchConvKernel(DenseKernel):
         d = jnp.transpose(dy, (0, 1 + o[0]) + tuple(1 + i for i in o[2:]) + (1 + o[1],))
         return x.astype(self.acc), d.reshape(B, 1, c["N"], c["F"]).astype(self.acc)
 
-    def tile_bytes_per_example(self):
+    def tile_extra_bytes(self):
         """A tile holds its examples' patches as well as their ``G``."""
-        patches = tiling.bytes_of((self.c["N"], self.c["C"]), self.acc)
-        return super().tile_bytes_per_example() + patches
+        return tiling.bytes_of((self.c["N"], self.c["C"]), self.acc)
 
     def _patches_exceed_G(self):
         """Where one example's patches are larger than its ``G`` (many output positions,

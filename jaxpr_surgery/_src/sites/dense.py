@@ -254,9 +254,13 @@ class DenseKernel(Kernel):
         return tiling.tile_size(B, nbytes, budget, batched_ok=not per_ex)
 
     def tile_bytes_per_example(self):
-        """Memory a tile takes per example: its ``G``."""
+        """Memory a tile takes per example: its ``G``, and what `tile_extra_bytes` adds."""
         c = self.c
-        return tiling.bytes_of((c["K"], c["C"], c["F"]), self.acc)
+        return tiling.bytes_of((c["K"], c["C"], c["F"]), self.acc) + self.tile_extra_bytes()
+
+    def tile_extra_bytes(self):
+        """Per example of a tile, memory besides ``G`` (a conv's patches); here none."""
+        return 0
 
     def feature_tile(self, B, budget=None):
         """Blocks of one example's ``G [K, C, F]`` along ``C`` or ``F`` (tiling.py),
@@ -426,7 +430,7 @@ class DenseKernel(Kernel):
                 STREAMED,
                 f"tiled per-example products ({tiling.describe(t, ft, shape)})",
                 float(2 * B * K * N * C * F + 2 * B * K * C * F),
-                float(tiling.tile_bytes(t, ft, shape, self.acc)),
+                float(tiling.tile_bytes(t, ft, shape, self.acc) + t * self.tile_extra_bytes()),
             )
 
         if isinstance(reduction, S.PhiSum):
