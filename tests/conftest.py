@@ -569,3 +569,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    """Tiny feature blocks (tiling.feature_tile, one example per tile); returns the list
+    of ``(axis, size, shape)`` used."""
+    from jaxpr_surgery._src import tiling
+
+    monkeypatch.setattr(tiling, "CACHE_TILE_BYTES", 100)
+    monkeypatch.setattr(tiling, "MIN_FEATURE_TILE_BYTES", 1)
+    monkeypatch.setattr(tiling, "prefer_per_example", lambda: True)
+    seen = []
+    inner = tiling._feature_blocks
+
+    def spy(features, B, reductions, tile, means, shape, dtype):
+        seen.append((features[0], features[1], shape))
+        return inner(features, B, reductions, tile, means, shape, dtype)
+
+    monkeypatch.setattr(tiling, "_feature_blocks", spy)
+    return seen

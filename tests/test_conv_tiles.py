@@ -179,22 +179,14 @@ def test_conv_batched_tiles_with_remainder(monkeypatch, name):
     assert 3 in tiles, tiles
 
 
-def test_conv_feature_blocks(monkeypatch):
-    """Blocks of output channels (one example's G cut on C_out), with a remainder."""
-    monkeypatch.setattr(tiling, "CACHE_TILE_BYTES", 100)
-    monkeypatch.setattr(tiling, "MIN_FEATURE_TILE_BYTES", 1)
-    monkeypatch.setattr(tiling, "prefer_per_example", lambda: True)
-    seen = []
-    inner = tiling._feature_blocks
-
-    def spy(features, *a):
-        seen.append(features[:2])
-        return inner(features, *a)
-
-    monkeypatch.setattr(tiling, "_feature_blocks", spy)
+def test_conv_feature_blocks(blocks, monkeypatch):
+    """Blocks of output channels (one example's G cut on C_out), with a remainder: G of
+    27 x 5 float64 (1080 bytes) in blocks of about 600 bytes is 3 + 2 channels."""
+    monkeypatch.setattr(tiling, "CACHE_TILE_BYTES", 600)
     with x64():
-        _check("1d_nwc", 5, jnp.float64, 1e-9, 1e-12)
-    assert seen and all(axis == 2 for axis, _ in seen), seen
+        _check("2d_nhwc_same", 5, jnp.float64, 1e-9, 1e-12)
+    assert blocks and all(axis == 2 for axis, _, _ in blocks), blocks
+    assert any(shape[axis] % size for axis, size, shape in blocks), "no remainder block"
 
 
 def test_conv_memory_is_one_tile_of_patches():

@@ -24,23 +24,6 @@ from jaxpr_surgery._src import tiling
 CASES = ["transformer", "transformer_rms_swiglu", "transformer_scan_remat"]
 
 
-@pytest.fixture
-def blocks(monkeypatch):
-    """Tiny feature blocks; returns the list of ``(axis, size, shape)`` used."""
-    monkeypatch.setattr(tiling, "CACHE_TILE_BYTES", 100)
-    monkeypatch.setattr(tiling, "MIN_FEATURE_TILE_BYTES", 1)
-    monkeypatch.setattr(tiling, "prefer_per_example", lambda: True)
-    seen = []
-    inner = tiling._feature_blocks
-
-    def spy(features, B, reductions, tile, means, shape, dtype):
-        seen.append((features[0], features[1], shape))
-        return inner(features, B, reductions, tile, means, shape, dtype)
-
-    monkeypatch.setattr(tiling, "_feature_blocks", spy)
-    return seen
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("case_name", CASES)
 def test_zoo_in_tiny_feature_blocks(blocks, case_name, dtype):

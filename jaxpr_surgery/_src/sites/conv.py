@@ -193,4 +193,3 @@ class ConvKernel(Kernel):
         k = (PatchConvKernel if patches else GenericKernel)(site, acc_dtype)
         k.kind = "conv"
         return k
-
