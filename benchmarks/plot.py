@@ -309,16 +309,16 @@ def render_md(doc, img_paths, md_path, compare=None):
         L.append(f"* {d}: {a} / {b} / {c}")
     L.append("")
     L.append(
-        "Why the variance and mean+second_moment rows of the token-free models "
-        "miss (mlp; cnn, whose convs take the per-example VJP and whose head is such a "
-        "dense layer): a dense layer's statistic is one matmul "
+        "Why the variance and mean+second_moment rows of the token-free MLP "
+        "miss: a dense layer's statistic is one matmul "
         "of the weight gradient's size (`(x²)ᵀ(dy²)` for E[g²], `xᵀdy` for the mean), and "
         "the forward matmul is the only "
         "other large cost. Two different bilinear forms of the batch need two matmuls, so "
         "mean+second_moment costs about 3/2 of second_moment alone, and the variance "
         "(mean, then centred products that do not cancel) about 2-3x. On token-axis layers "
         "the mean rides in the tile loop and the variance takes the same single loop "
-        "(shifted by a running mean), so both cost about second_moment alone."
+        "(shifted by a running mean), so both cost about second_moment alone; so do the "
+        "cnn's convolutions, tiled over patches formed one example at a time."
     )
     L.append("")
 
