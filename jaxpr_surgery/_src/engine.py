@@ -44,6 +44,8 @@ class Plan:
     refs: dict = dataclasses.field(default_factory=dict)  # DotWith -> reference array per leaf
     # clipped sums by a second, reweighted backward pass (see `clips_by_recompute`)
     clip_recompute: bool = False
+    # sites finish their statistics before the backward pass goes on (make_site_fn)
+    finish_sites_first: bool = True
 
     @property
     def needs_norms(self):
@@ -96,9 +98,9 @@ def make_plan(
     is a psum, which would give the second pass of a clipped sum the whole mesh's sum:
     there clipped sums keep the one-pass form)."""
     plan = Plan(closed, analysis, leaf_avals, reductions, n_ex, n_other, out_tree, budget=budget)
-    plan.clip_recompute = (
-        plan.has_clip and not data_axes and clips_by_recompute(closed.jaxpr)
-    )
+    remat = uses_remat(closed.jaxpr)
+    plan.clip_recompute = plan.has_clip and not data_axes and remat
+    plan.finish_sites_first = not remat
     keep_for_clip = plan.has_clip and not plan.clip_recompute
     for r in reductions:
         if isinstance(r, dots.DotWith):
@@ -129,6 +131,16 @@ def _site_request(plan, site):
     return {}, True
 
 
+def uses_remat(jaxpr) -> bool:
+    """Whether the jaxpr (or one it calls) contains ``jax.checkpoint``."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is compat.remat_p:
+            return True
+        if any(uses_remat(getattr(j, "jaxpr", j)) for j in compat.subjaxprs(eqn)):
+            return True
+    return False
+
+
 def clips_by_recompute(jaxpr) -> bool:
     """Clipped sums by a second backward pass where the loss uses ``jax.checkpoint``.
 
@@ -137,12 +149,7 @@ def clips_by_recompute(jaxpr) -> bool:
     the activations of every layer at once, which remat exists to avoid. With remat
     in the loss the norms come from the first pass and the sum from the VJP of the
     per-example losses with cotangent ``c`` (grad's memory, one more backward)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is compat.remat_p:
-            return True
-        if any(clips_by_recompute(getattr(j, "jaxpr", j)) for j in compat.subjaxprs(eqn)):
-            return True
-    return False
+    return uses_remat(jaxpr)
 
 
 def _sink_avals(plan, site, B, cache):
@@ -223,9 +230,8 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
         i: vary(jnp.broadcast_to(diff_leaves[i], (B,) + tuple(jnp.shape(diff_leaves[i]))))
         for i in residual
     }
-    ev = Evaluator(
-        an, plan.kernels, make_site_fn(lambda s: _site_request(plan, s), cache), B, cache
-    )
+    site_fn = make_site_fn(lambda s: _site_request(plan, s), cache, plan.finish_sites_first)
+    ev = Evaluator(an, plan.kernels, site_fn, B, cache)
     n = len(diff_leaves)
 
     def forward(sinks, copies):

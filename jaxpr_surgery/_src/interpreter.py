@@ -251,12 +251,21 @@ def _custom_vjp_call(fwd_impl, bwd_impl):
     return call
 
 
-def make_site_fn(reduction_plan, cache):
+def make_site_fn(reduction_plan, cache, finish_first=False):
     """Builds the custom_vjp-wrapped call for a site.
 
     ``reduction_plan(site) -> (direct_reductions: dict key->Reduction, want_ingredients)``.
     A site's custom_vjp, with its forward and backward computations as ``jax.jit``
     functions, is cached by `_site_key`, so the sites of repeated layers are traced once.
+
+    ``finish_first``: a site outside any scan finishes its statistics before the
+    backward pass goes on to the layers below (an optimization barrier with its data
+    cotangents); otherwise XLA's scheduler may keep what they read (the site's input
+    and cotangent) alive into those layers. Measured, temp memory against grad: cnn
+    E[g^2] 1.13x -> 0.99x and variance 1.38x -> 1.22x, MLP E[g^2] 1.87x -> 1.38x,
+    long-sequence clipping 1.13x -> 0.96x, no time lost; but scan-over-layers with
+    remat 0.58x -> 0.77x for norms, so the engine sets it only for losses without
+    ``jax.checkpoint``.
     """
     from jaxpr_surgery._src.sites.generic import composite
 
@@ -276,7 +285,10 @@ def make_site_fn(reduction_plan, cache):
             if want_ing:
                 out["ing"] = kernel.ingredients(ctx)
             out = jax.tree.map(lambda o, d: o.astype(d), out, sink_dtypes)
-            return cts[0], tuple(cts[1:]), out
+            data_cts = tuple(cts[1:])
+            if finish_first and not site.scan_lengths:
+                data_cts, out = jax.lax.optimization_barrier((data_cts, out))
+            return cts[0], data_cts, out
 
         if key is None:  # no exact key: traced for this site alone
             return _custom_vjp_call(fwd_impl, bwd_impl)
