@@ -125,10 +125,10 @@ class DenseKernel(Kernel):
         n = len(lead)
         return g.transpose(tuple(range(n)) + tuple(n + i for i in self.c["inv_w"]))
 
-    # what `prepare` keeps of the site's input, and the two uses of it that need no
-    # per-example product; a conv site (conv.py) keeps its raw input and overrides both
     FEATURE_AXES = (1, 2)  # canonical axes of G a feature block may cut (C, F)
 
+    # what `prepare` keeps of the site's input, and the two uses of it that need no
+    # per-example product; a conv site (conv.py) keeps its raw input and overrides both
     def tokens(self, x):
         """Canonical ``X [b, K, N, C]`` from what `prepare` kept (here: ``X`` itself)."""
         return x
