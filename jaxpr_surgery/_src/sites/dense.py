@@ -10,8 +10,8 @@ dims. Rules:
 * multiplicative phi with ``N == 1``: ``phi(X)^T phi(DY)`` (rank one);
 * squared norms: ghost form ``sum (X X^T) * (DY DY^T)`` when ``2 N^2 <= C F``,
   else materialised;
-* centered moments with ``N == 1``: an exact expansion in centered ``X`` and
-  ``DY`` (no cancellation);
+* centered moments with ``N == 1``: ``phi(X)^T phi(DY)`` sums where they provably
+  do not cancel, else an exact expansion in centered ``X`` and ``DY``;
 * otherwise materialise ``G_b`` (``[B, K, C, F]``).
 """
 
@@ -76,6 +76,18 @@ def _canon(site):
 
 
 FALLBACK_TILE_BYTES = 4 << 20  # tiles of the exact variance where the rank-one form cancels
+# The raw variance sum x^2 d^2 - (sum x d)^2 / B (N == 1) is kept where its worst-case
+# rounding error, however the sums are ordered, is at most sqrt(eps) of the result (half
+# the digits; in practice the error is far smaller). So it is dropped where some element's
+# mean exceeds about sqrt(1 / tau) of its spreads, tau = 3 (B + 2) sqrt(eps) (float32: 5 at
+# B = 32, 2 at B = 200); past NAIVE_MAX_TAU (float32 batches over 239) that would be too
+# common to pay for the attempt, so the centred expansion is used at once.
+NAIVE_MAX_TAU = 1 / 4
+
+
+def naive_tau(B, dtype):
+    """Least ``m2 / sum_b G_b^2`` at which the raw variance sum is kept (see above)."""
+    return 3 * (B + 2) * math.sqrt(float(jnp.finfo(dtype).eps))
 
 
 def _products(x, dy):
@@ -291,9 +303,35 @@ class DenseKernel(Kernel):
         )
 
     def _centered_rank_one(self, x, d):
-        """Centred moments of ``G_b = x_b d_b^T`` (N == 1) by rank-one expansions in
-        centred ``x`` and ``d``; where the expansion's terms cancel (the variance is tiny
-        against them), the exact two-pass sum over tiles of ``G`` instead."""
+        """Centred moments of ``G_b = x_b d_b^T`` (N == 1).
+
+        First the raw form ``m2 = sum_b x_b^2 d_b^2 - (sum_b x_b d_b)^2 / B``: two
+        contractions, about second_moment's cost. Its rounding error is at most
+        ``3 (B + 2) eps sum_b G_b^2`` (every product is rounded, and each sum of ``B``
+        terms adds ``B eps`` of its absolute sum; Cauchy-Schwarz bounds the square of
+        the sum by ``B sum_b G_b^2``). Where some element's ``m2`` is below
+        ``1 / sqrt(eps)`` times that bound (the mean dwarfs the spread), the raw terms
+        may have cancelled: the centred expansion below instead. Where the test would
+        rarely pass (large float32 batches), the centred expansion is taken directly."""
+        B = x.shape[0]
+        tau = naive_tau(B, self.acc)
+        if tau > NAIVE_MAX_TAU:
+            return self._centered_expansion(x, d)
+        hi = jax.lax.Precision.HIGHEST  # the bound assumes products in the dtype's precision
+        s2 = jnp.einsum("bkc,bkf->kcf", jnp.square(x), jnp.square(d), precision=hi)
+        p = jnp.einsum("bkc,bkf->kcf", x, d, precision=hi)
+        m2 = s2 - jnp.square(p) / B
+        ill = jnp.any(m2 < tau * s2)
+        return jax.lax.cond(
+            ill,
+            lambda: self._centered_expansion(x, d),
+            lambda: S.Moments(self.to_view(p / B), self.to_view(jnp.maximum(m2, 0))),
+        )
+
+    def _centered_expansion(self, x, d):
+        """Centred moments of ``G_b = x_b d_b^T`` by rank-one expansions in centred ``x``
+        and ``d`` (four contractions); where the expansion's terms cancel (the variance
+        is tiny against them), the exact two-pass sum over tiles of ``G`` instead."""
         B = x.shape[0]
         xm, dm = jnp.mean(x, 0), jnp.mean(d, 0)
         u, v = x - xm, d - dm
@@ -450,6 +488,13 @@ class DenseKernel(Kernel):
             return tiled()
         if isinstance(reduction, S.Centered):
             if N == 1:
+                if naive_tau(B, self.acc) <= NAIVE_MAX_TAU:
+                    # two contractions and their [K, C, F] sums; the expansion below
+                    # runs only where they cancel
+                    return Rule(
+                        STREAMED, "rank-one centered", float(4 * B * K * C * F),
+                        float(3 * K * C * F * it),
+                    )
                 # the expansion's [K, C, F] terms (M, three cross sums, the result) are stored
                 return Rule(
                     STREAMED, "rank-one centered", float(12 * B * K * C * F),

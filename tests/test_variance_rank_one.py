@@ -1,0 +1,120 @@
+"""Variance at token-free dense sites (``G_b = x_b d_b^T``).
+
+The raw form ``sum x^2 d^2 - (sum x d)^2 / B`` costs two contractions; it is kept only
+where its worst-case rounding error is below ``sqrt(eps)`` of the result, else the
+centred expansion (and past that the exact tiles) take over. These tests sweep the mean
+against the spread through the threshold, check each branch is the one taken, and hold
+every result to the float64 oracle.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _models import x64
+
+import jaxpr_surgery as js
+from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.sites import dense
+
+
+def _model(B, ratio, dtype, C=6, F=5, seed=0):
+    """Per-example gradients ``x_b c_b^T`` whose mean is ``ratio`` times their spread."""
+    rng = np.random.default_rng(seed)
+    x = ratio * rng.uniform(0.5, 1.5, (1, C)) + rng.normal(size=(B, C))
+    c = rng.uniform(0.5, 1.5, (1, F)) + rng.normal(size=(B, F)) / max(ratio, 1.0)
+    w = rng.normal(size=(C, F))
+
+    def loss(w, batch):
+        xb, cb = batch
+        return jnp.mean(jnp.sum((xb @ w) * cb, -1))
+
+    return loss, jnp.asarray(w, dtype), (jnp.asarray(x, dtype), jnp.asarray(c, dtype))
+
+
+def _oracle(B, ratio, dtype=jnp.float32):
+    """Per-example gradients (float64) of the ``dtype``-rounded inputs, and their variance."""
+    with x64():
+        loss, w, batch = _model(B, ratio, dtype)
+        w, batch = jax.tree.map(lambda a: a.astype(jnp.float64), (w, batch))
+        g = jax.vmap(jax.grad(loss), in_axes=(None, 0))(w, jax.tree.map(lambda a: a[:, None], batch))
+        g = np.asarray(g)
+        return g, np.var(g, axis=0, ddof=1)
+
+
+def _float32_slack(g):
+    """What rounding each ``G_b`` to float32 alone may move the variance by (as vmap(grad)
+    would): first and second order in ``e = 4 eps max_b |G_b|``."""
+    e = 4 * np.finfo(np.float32).eps * np.abs(g).max(0)
+    dev = np.abs(g - g.mean(0))
+    return (4 * dev * e + 4 * e**2).sum(0) / (g.shape[0] - 1)
+
+
+def _variance(B, ratio, dtype=jnp.float32):
+    loss, w, batch = _model(B, ratio, dtype)
+    return np.asarray(jax.jit(js.per_example_stat(loss, js.stats.variance()))(w, batch))
+
+
+def _poisoned(monkeypatch):
+    """The centred expansion returns NaN: a NaN result shows it was the branch taken."""
+
+    def nan(self, x, d):
+        k, c, f = self.c["K"], self.c["C"], self.c["F"]
+        z = jnp.full((k, c, f), jnp.nan, self.acc)
+        return S.Moments(self.to_view(z), self.to_view(z))
+
+    monkeypatch.setattr(dense.DenseKernel, "_centered_expansion", nan)
+
+
+@pytest.mark.parametrize("B", [2, 7, 32, 200])
+@pytest.mark.parametrize("ratio", [0.0, 1.0, 3.0, 10.0, 30.0, 100.0, 1e3, 1e4])
+def test_raw_form_within_its_bound_where_kept(monkeypatch, B, ratio):
+    _poisoned(monkeypatch)  # NaN: the raw form was refused
+    got, (g, ref) = _variance(B, ratio), _oracle(B, ratio)
+    if np.all(np.isnan(got)):
+        # (two examples may agree in some element by chance: refused there too)
+        assert ratio >= 3.0 or B == 2, "refused where the mean is within the spread"
+        return
+    assert ratio <= 100.0, "kept where its terms cancel to within float32 rounding"
+    # its worst case is sqrt(eps) of the result; on top, what the per-example
+    # products' own float32 rounding allows (as for vmap(grad))
+    bound = np.sqrt(np.finfo(np.float32).eps) * ref + _float32_slack(g)
+    bad = np.abs(got - ref) > bound
+    assert not np.any(bad), (got[bad], ref[bad], bound[bad])
+
+
+@pytest.mark.parametrize("B", [2, 7, 32, 300])
+@pytest.mark.parametrize("ratio", [0.0, 3.0, 100.0, 1e4])
+def test_float32_through_the_threshold(B, ratio):
+    got, (_, ref) = _variance(B, ratio), _oracle(B, ratio)
+    # the centred forms behind the raw one hold the near-cancelling elements to the
+    # same tolerance as tests/test_one_pass_centred.py
+    np.testing.assert_allclose(got, ref, rtol=2e-2)
+
+
+def test_float64_is_tight():
+    for ratio in (0.0, 10.0, 1e4):
+        with x64():
+            got = _variance(64, ratio, jnp.float64)
+        np.testing.assert_allclose(got, _oracle(64, ratio, jnp.float64)[1], rtol=1e-9)
+
+
+@pytest.mark.parametrize("B", [8, 128])
+def test_raw_form_taken_where_it_cannot_cancel(monkeypatch, B):
+    _poisoned(monkeypatch)
+    got = _variance(B, 1.0)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, _oracle(B, 1.0)[1], rtol=1e-4)
+
+
+def test_centred_form_taken_where_the_raw_form_cancels(monkeypatch):
+    _poisoned(monkeypatch)
+    # mean 1e3 spreads: (sum x d)^2 / B matches sum x^2 d^2 to ~1e-6, past float32's bound
+    assert np.all(np.isnan(_variance(32, 1e3)))
+
+
+def test_large_float32_batches_skip_the_raw_form(monkeypatch):
+    B = next(b for b in range(2, 10**4) if dense.naive_tau(b, jnp.float32) > dense.NAIVE_MAX_TAU)
+    _poisoned(monkeypatch)
+    assert np.all(np.isnan(_variance(B, 1.0)))
+    assert np.all(np.isfinite(_variance(B - 3, 1.0)))
