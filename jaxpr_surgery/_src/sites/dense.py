@@ -10,8 +10,9 @@ dims. Rules:
 * multiplicative phi with ``N == 1``: ``phi(X)^T phi(DY)`` (rank one);
 * squared norms: ghost form ``sum (X X^T) * (DY DY^T)`` when ``2 N^2 <= C F``,
   else materialised;
-* centered moments with ``N == 1``: ``phi(X)^T phi(DY)`` sums where they provably
-  do not cancel, else an exact expansion in centered ``X`` and ``DY``;
+* centered moments with ``N == 1``: ``(X^2)^T (DY^2) - (X^T DY)^2 / B`` where it
+  provably keeps its digits (checked at run time), else an exact expansion in
+  centered ``X`` and ``DY``;
 * otherwise materialise ``G_b`` (``[B, K, C, F]``).
 """
 
