@@ -37,8 +37,8 @@ def _oracle(B, ratio, dtype=jnp.float32):
     with x64():
         loss, w, batch = _model(B, ratio, dtype)
         w, batch = jax.tree.map(lambda a: a.astype(jnp.float64), (w, batch))
-        g = jax.vmap(jax.grad(loss), in_axes=(None, 0))(w, jax.tree.map(lambda a: a[:, None], batch))
-        g = np.asarray(g)
+        rows = jax.tree.map(lambda a: a[:, None], batch)  # each example a batch of one
+        g = np.asarray(jax.vmap(jax.grad(loss), in_axes=(None, 0))(w, rows))
         return g, np.var(g, axis=0, ddof=1)
 
 
