@@ -198,7 +198,7 @@ def test_other_constructor_arguments():
 @pytest.mark.parametrize("chunk", [0, -2, 1.5])
 def test_chunk_size_invalid(mlp, chunk):
     _, params, batch = mlp
-    with pytest.raises(ValueError, match="chunk_size must be a positive int or None"):
+    with pytest.raises(ValueError, match="chunk_size must be a positive int, None"):
         _mean_fn(chunk_size=chunk)(params, batch)
 
 

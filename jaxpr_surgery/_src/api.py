@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import compat, engine, tiling
+from jaxpr_surgery._src import chunking, compat, engine, tiling
 from jaxpr_surgery._src import stats as S
 
 PyTree = Any
@@ -58,7 +58,7 @@ class Options:
     batch_argnums: tuple
     keep_batch_dim: bool
     has_aux: bool
-    chunk_size: int | None
+    chunk_size: int | str | None
     strict: bool
     axis_name: Any
     memory_budget_bytes: int | None = None
@@ -290,10 +290,7 @@ def _compute(prep, stat, opts: Options, name):
     stat_leaves, stat_tree, reqs, reductions = _flatten_stats(stat)
 
     cs = opts.chunk_size
-    if cs is not None and (
-        isinstance(cs, bool) or not isinstance(cs, (int, np.integer)) or cs <= 0
-    ):
-        raise ValueError(f"{name}: chunk_size must be a positive int or None, got {cs!r}.")
+    chunking.validate(cs, name)
     mb = opts.memory_budget_bytes
     if mb is not None and (
         isinstance(mb, bool) or not isinstance(mb, (int, np.integer)) or mb <= 0
@@ -340,7 +337,14 @@ def _compute(prep, stat, opts: Options, name):
         return engine.run(plan, prep.diff_leaves, ex_leaves, prep.other_leaves, b, data_axes)
 
     B = prep.B
-    if cs is None or cs >= B:
+    cs = chunking.resolve(
+        cs,
+        B,
+        lambda: chunking.activation_bytes_of(
+            closed.jaxpr, n, len(prep.ex_leaves), len(prep.other_leaves)
+        ),
+    )
+    if cs is None:
         values, loss_b, aux = run_chunk(prep.ex_leaves, B)
     else:
         values, loss_b, aux = _chunked(run_chunk, prep.ex_leaves, B, int(cs), reductions)
@@ -387,6 +391,11 @@ def _cast_like(result, prep):
 
 
 def _chunked(run_chunk, ex_leaves, B, cs, reductions):
+    """One ``lax.scan`` over the ``B // cs`` full chunks (the remainder after it).
+
+    The accumulators start at zero (merging a chunk into zero examples gives the
+    chunk's own values exactly), so every full chunk runs in the same loop body and
+    only one chunk's activations are ever live."""
     nfull, rem = divmod(B, cs)
     head = [x[: nfull * cs].reshape((nfull, cs) + x.shape[1:]) for x in ex_leaves]
     sq = [  # per-example values: concatenated over chunks
@@ -395,8 +404,18 @@ def _chunked(run_chunk, ex_leaves, B, cs, reductions):
         if isinstance(r, S.SqNorms) or getattr(S.extension(r), "per_example", False)
     ]
 
-    first_vals, first_loss, first_aux = run_chunk([h[0] for h in head], cs)
-    carry0 = {j: v for j, v in first_vals.items() if j not in sq}
+    vmas = []  # the mesh axes each accumulator varies over (inside shard_map)
+
+    def probe(chunk):
+        vals = {j: v for j, v in run_chunk(chunk, cs)[0].items() if j not in sq}
+        vmas.extend(compat.vma_of(x) for x in jax.tree.leaves(vals))
+        return vals
+
+    shapes = jax.eval_shape(probe, [h[0] for h in head])
+    flat, tree = jax.tree.flatten(shapes)
+    carry0 = jax.tree.unflatten(
+        tree, [compat.make_varying(jnp.zeros(s.shape, s.dtype), v) for s, v in zip(flat, vmas)]
+    )
 
     def step(carry, xs):
         k, chunk = xs
@@ -408,23 +427,11 @@ def _chunked(run_chunk, ex_leaves, B, cs, reductions):
         }
         return new, ({j: vals[j] for j in sq}, loss_b, aux)
 
-    if nfull > 1:
-        rest = [h[1:] for h in head]
-        carry, (sqv, loss_rest, aux_rest) = jax.lax.scan(step, carry0, (jnp.arange(1, nfull), rest))
-        loss_b = jnp.concatenate([first_loss[None], loss_rest]).reshape((nfull * cs,))
-        aux = [
-            jnp.concatenate([a[None], r]).reshape((nfull * cs,) + a.shape[1:])
-            for a, r in zip(first_aux, aux_rest)
-        ]
-        sq_vals = {
-            j: [jnp.concatenate([f[None], r]).reshape((-1,)) for f, r in zip(first_vals[j], sqv[j])]
-            for j in sq
-        }
-    else:
-        carry, loss_b, aux = carry0, first_loss, list(first_aux)
-        sq_vals = {j: first_vals[j] for j in sq}
+    carry, (sqv, loss_b, aux) = jax.lax.scan(step, carry0, (jnp.arange(nfull), head))
+    loss_b = loss_b.reshape((nfull * cs,))
+    aux = [a.reshape((nfull * cs,) + a.shape[2:]) for a in aux]
     values = dict(carry)
-    values.update(sq_vals)
+    values.update({j: [v.reshape((-1,) + v.shape[2:]) for v in sqv[j]] for j in sq})
     if rem:
         tail = [x[nfull * cs :] for x in ex_leaves]
         tv, tl, ta = run_chunk(tail, rem)
@@ -448,7 +455,7 @@ def value_and_per_example_stat(
     batch_argnums: int | Sequence[int] = 1,
     keep_batch_dim: bool = True,
     has_aux: bool = False,
-    chunk_size: int | None = None,
+    chunk_size: int | str | None = "auto",
     strict: bool = False,
     axis_name: Any = None,
     memory_budget_bytes: int | None = None,
@@ -541,7 +548,7 @@ def per_example_stat(
     batch_argnums: int | Sequence[int] = 1,
     keep_batch_dim: bool = True,
     has_aux: bool = False,
-    chunk_size: int | None = None,
+    chunk_size: int | str | None = "auto",
     strict: bool = False,
     axis_name: Any = None,
     memory_budget_bytes: int | None = None,
@@ -567,7 +574,11 @@ def per_example_stat(
         a leading axis of size 1. False: ``fn`` is written for one example.
       has_aux: ``fn`` returns ``(loss, aux)``.
       chunk_size: process examples in chunks of this size (bounds the memory of the
-        whole forward and backward pass); statistics are merged exactly.
+        whole forward and backward pass); statistics are merged exactly. ``None``:
+        the whole batch at once. ``"auto"`` (default): on CPU, chunks whose
+        activations (estimated from the jaxpr) stay near the cache, since XLA:CPU
+        runs a model whose activations spill to main memory several times slower;
+        elsewhere the whole batch.
       memory_budget_bytes: bytes per tile where a statistic needs per-example
         gradients of a layer (E[g²], signs, variance at token-axis sites): they are
         produced and reduced a tile of examples at a time, never for the whole batch.

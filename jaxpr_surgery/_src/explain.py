@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import compat, dots, kron, tiling
+from jaxpr_surgery._src import chunking, compat, dots, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared
 from jaxpr_surgery._src.engine import clips_by_recompute, cross_layout, leaf_feature_tile
@@ -73,6 +73,8 @@ class Report:
     memory_budget_bytes: int
     grad_flops: float | None = None  # XLA's estimate for jax.grad (explain(compare_grad=True))
     grad_temp_bytes: float | None = None
+    chunk_size: int | None = None  # examples per chunk the call runs (None: the whole batch)
+    activation_bytes_per_example: int | None = None  # the estimate chunk_size="auto" uses
     _annotated: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def as_dict(self):
@@ -144,6 +146,14 @@ class Report:
             line += ")"
         line += f"; tiles sized by memory_budget_bytes={_mib(self.memory_budget_bytes)}"
         lines.append(line)
+        if self.activation_bytes_per_example is not None:
+            act = _mib(self.activation_bytes_per_example)
+            lines.append(
+                f"batch run in chunks of {self.chunk_size} examples (activations ~{act} per "
+                "example)"
+                if self.chunk_size
+                else f"batch run whole (activations ~{act} per example)"
+            )
         lines.extend(self.notes)
         return "\n".join(lines)
 
@@ -180,6 +190,7 @@ def explain(
     keep_batch_dim: bool = True,
     has_aux: bool = False,
     memory_budget_bytes: int | None = None,
+    chunk_size: int | str | None = "auto",
     compare_grad: bool = False,
 ):
     r"""Reports, for every parameter leaf, the layer kind detected and the rule that runs.
@@ -193,6 +204,8 @@ def explain(
       keep_batch_dim: as for `per_example_stat`.
       has_aux: as for `per_example_stat`.
       memory_budget_bytes: as for `per_example_stat` (sizes the tiles reported).
+      chunk_size: as for `per_example_stat`; the report states the chunk the call
+        runs with (``"auto"``: chosen from the estimated activations per example).
       compare_grad: also compile ``jax.grad(fn)`` once and report the predicted
         extra FLOPs and memory as ratios to XLA's estimates for it.
 
@@ -217,6 +230,7 @@ def explain(
       ['streamed']
     """
     stat = _default_stats() if stat is None else stat
+    chunking.validate(chunk_size, "explain")
     stat_leaves, _, reqs, reductions = _flatten_stats(stat)
     names = [stat_name(s) for s in stat_leaves]
     budget = (
@@ -242,6 +256,10 @@ def explain(
         )
         an = A.analyse_jaxpr(closed.jaxpr, tags, n)
         B = prep.B
+        act = chunking.activation_bytes_of(
+            closed.jaxpr, n, len(prep.ex_leaves), len(prep.other_leaves)
+        )
+        chunk = chunking.resolve(chunk_size, B, act)
         recompute = not prep.data_axes and clips_by_recompute(closed.jaxpr)
         leaves = []
         site_notes = {}
@@ -271,6 +289,8 @@ def explain(
             budget,
             gflops,
             gmem,
+            chunk,
+            act,
             annotated,
         )
 

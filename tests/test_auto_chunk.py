@@ -1,0 +1,194 @@
+"""``chunk_size="auto"`` (the default): on CPU the batch runs in chunks whose activations,
+estimated from the per-example jaxpr, fit `chunking.CPU_CHUNK_BYTES`; elsewhere, or where
+the whole batch fits, in one go. Checks the estimate, the choice of chunk, that the
+chunked default is checked against the vmap(grad) oracle (float32 and float64, with a
+remainder chunk), and the argument's validation."""
+
+from __future__ import annotations
+
+import collections
+
+import _models as M
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpr_surgery as js
+from jaxpr_surgery._src import chunking, tiling
+
+
+# --------------------------------------------------------------------------- #
+# The choice of chunk
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize(
+    "B,per_ex,budget,want",
+    [
+        (8, 1, 64, None),  # the batch fits
+        (1, 10**9, 64, None),  # one example: nothing to chunk
+        (8, 16, 64, 4),  # 4 fit exactly: a divisor
+        (32, 9, 64, 4),  # 7 fit; balanced 7 (5 chunks) -> divisor 4 (>= 7/2)
+        (13, 16, 64, 4),  # prime B: no useful divisor, balanced chunks of 4 (+1 remainder)
+        (12, 20, 64, 3),  # 3 fit: a divisor
+        (10, 10**9, 64, 1),  # one example is over the budget: one at a time
+        (256, 1, 64, 64),  # a divisor equal to what fits
+    ],
+)
+def test_auto_chunk(B, per_ex, budget, want):
+    got = chunking.auto_chunk(B, per_ex, budget)
+    assert got == want
+    if got is not None:
+        assert got * per_ex <= budget or got == 1  # never over the budget
+        assert got < B
+
+
+def test_auto_chunk_default_budget_is_read_at_call_time(monkeypatch):
+    monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 100)
+    assert chunking.auto_chunk(8, 50) == 2
+    monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 10**6)
+    assert chunking.auto_chunk(8, 50) is None
+
+
+def _per_example_jaxpr(loss, params, batch):
+    ex = jax.tree.map(lambda a: a[0], batch)
+    closed = jax.make_jaxpr(lambda p, e: loss(p, jax.tree.map(lambda a: a[None], e)))(
+        params, ex)
+    n_p, n_e = len(jax.tree.leaves(params)), len(jax.tree.leaves(ex))
+    return closed.jaxpr, [False] * n_p + [True] * n_e
+
+
+def test_activation_bytes_counts_data_dependent_values_only():
+    W = jnp.ones((64, 32), jnp.float32)
+    x = jnp.ones((1, 64), jnp.float32)
+
+    def f(w, b):
+        wt = (w * 2.0).T  # parameters only: counted once per batch, not per example
+        return jnp.sum(jnp.tanh(b @ w) @ wt)
+
+    jaxpr, flags = _per_example_jaxpr(f, W, x)
+    got = chunking.activation_bytes(jaxpr, flags)
+    # the data-dependent values: [1,64]-example reshapes aside, b@w [1,32], tanh [1,32],
+    # @wt [1,64], the scalar sum: a few hundred bytes, far below W's 8 KiB
+    assert 0 < got < W.size * 4 // 4
+    # the same function with a parameter-sized data-dependent value counts it
+    jaxpr2, flags2 = _per_example_jaxpr(lambda w, b: jnp.sum(w * jnp.sum(b)), W, x)
+    assert chunking.activation_bytes(jaxpr2, flags2) >= W.size * 4
+
+
+def test_activation_bytes_looks_into_jit_but_not_into_loops():
+    W = jnp.ones((16, 16), jnp.float32)
+    x = jnp.ones((1, 16), jnp.float32)
+    big = lambda h: jnp.sum(jnp.exp(h[..., None] * jnp.ones(4096)))  # 256 KiB inside  # noqa: E731
+
+    flat = chunking.activation_bytes(*_per_example_jaxpr(lambda w, b: big(b @ w), W, x))
+    jitted = chunking.activation_bytes(
+        *_per_example_jaxpr(lambda w, b: jax.jit(big)(b @ w), W, x))
+    assert jitted == flat > 16 * 4096 * 4
+
+    def scanned(w, b):
+        h, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w) + big(c) * 0, None), b, None, length=3)
+        return jnp.sum(h)
+
+    assert chunking.activation_bytes(*_per_example_jaxpr(scanned, W, x)) < 16 * 4096 * 4
+
+
+# --------------------------------------------------------------------------- #
+# The default call, chunked, against the oracle
+# --------------------------------------------------------------------------- #
+def _scan_lengths(f, *args):
+    """Lengths of the top-level scans of ``f``'s jaxpr."""
+    closed = jax.make_jaxpr(f)(*args)
+    return collections.Counter(
+        e.params["length"] for e in closed.jaxpr.eqns if e.primitive is jax.lax.scan_p)
+
+
+def _chunk_loops(loss, stat, params, batch):
+    """Top-level scans of the default call that the whole-batch call has not: the loop
+    over chunks (the tile loops of the sites are in both)."""
+    auto = _scan_lengths(js.per_example_stat(loss, stat), params, batch)
+    whole = _scan_lengths(js.per_example_stat(loss, stat, chunk_size=None), params, batch)
+    return dict(auto - whole)
+
+
+@pytest.mark.parametrize("name", ["transformer", "tied"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("B,chunk,loops", [(8, 2, 4), (7, 3, 2)])  # 7: a remainder of 1
+def test_default_is_chunked_when_activations_exceed_the_budget(monkeypatch, name, dtype, B,
+                                                               chunk, loops):
+    if not tiling.prefer_per_example():
+        pytest.skip("auto chunking applies on CPU only")
+    with M.x64() if dtype == jnp.float64 else _null():
+        maker = {"transformer": M.make_transformer, "tied": M.make_tied}[name]
+        loss, params, batch = maker(dtype=dtype, batch_size=B)
+        jaxpr, flags = _per_example_jaxpr(loss, params, batch)
+        per_ex = chunking.activation_bytes(jaxpr, flags)
+        # a budget of 3 examples: balanced chunks of 2 (B = 8), or 3, 3 and 1 (B = 7)
+        monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 3 * per_ex)
+        assert chunking.auto_chunk(B, per_ex) == chunk
+        stats = M.all_stats()
+        f = js.per_example_stat(loss, stats)
+        assert _chunk_loops(loss, stats, params, batch) == {loops: 1}  # one loop of chunks
+        out = jax.jit(f)(params, batch)
+        ora = M.oracle(loss, params, batch)
+        tol = dict(rtol=1e-9, atol=1e-11) if dtype == jnp.float64 else {}
+        for k in M.STAT_NAMES:
+            M.assert_stat_close(k, out[k], ora[k], **tol)
+        whole = jax.jit(js.per_example_stat(loss, stats, chunk_size=None))(params, batch)
+        for k in M.STAT_NAMES:
+            M.assert_consistent(k, out[k], whole[k], err_msg=f"{name} {k}")
+
+
+def test_default_is_one_chunk_where_the_batch_fits():
+    loss, params, batch = M.get("mlp")
+    assert _chunk_loops(loss, js.stats.second_moment(), params, batch) == {}
+
+
+def test_default_is_one_chunk_off_cpu(monkeypatch):
+    loss, params, batch = M.get("transformer")
+    monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 1)
+    stat = js.stats.second_moment()
+    assert _chunk_loops(loss, stat, params, batch) == {M.B: 1}  # one example per chunk
+    monkeypatch.setattr(tiling, "prefer_per_example", lambda: False)
+    assert _chunk_loops(loss, stat, params, batch) == {}
+
+
+@pytest.mark.parametrize("bad", ["Auto", "whole", 0, -2, 2.5, True])
+def test_bad_chunk_size_is_named(bad):
+    loss, params, batch = M.get("mlp")
+    with pytest.raises(ValueError, match=r"chunk_size must be a positive int, None .* \"auto\""):
+        js.per_example_stat(loss, js.stats.mean(), chunk_size=bad)(params, batch)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def test_explicit_none_runs_the_whole_batch_even_when_large(monkeypatch):
+    loss, params, batch = M.get("transformer")
+    monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 1)
+    g = js.per_example_stat(loss, js.stats.mean(), chunk_size=None)
+    auto = js.per_example_stat(loss, js.stats.mean())
+    assert sum((_scan_lengths(auto, params, batch) - _scan_lengths(g, params, batch)).values())
+    np.testing.assert_allclose(
+        jax.tree.leaves(jax.jit(g)(params, batch))[0],
+        jax.tree.leaves(jax.grad(loss)(params, batch))[0], rtol=1e-5, atol=1e-6)
+
+
+def test_explain_reports_the_chunk(monkeypatch):
+    loss, params, batch = M.get("transformer")
+    rep = js.explain(loss)(params, batch)
+    assert rep.chunk_size is None and rep.activation_bytes_per_example > 0
+    assert "batch run whole" in str(rep)
+    if tiling.prefer_per_example():
+        monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 2 * rep.activation_bytes_per_example)
+        rep2 = js.explain(loss)(params, batch)
+        assert rep2.chunk_size == 2 and "chunks of 2 examples" in str(rep2)
+        assert rep2.as_dict()["chunk_size"] == 2
+    assert js.explain(loss, chunk_size=4)(params, batch).chunk_size == 4
+    assert js.explain(loss, chunk_size=None)(params, batch).chunk_size is None
+    with pytest.raises(ValueError, match="explain: chunk_size must be"):
+        js.explain(loss, chunk_size="big")
