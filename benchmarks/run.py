@@ -316,7 +316,7 @@ def microbatch_size_for(B):
 
 
 def make_method(model: models.Model, method: str, stat: str, B: int,
-                microbatch_size: int | None = None, chunk_size: int | None = None):
+                microbatch_size: int | None = None, chunk_size: int | str | None = "auto"):
     loss = model.loss
     if method == "grad":
         return jax.grad(loss)

@@ -42,6 +42,35 @@ def test_auto_chunk(B, per_ex, budget, want):
         assert got < B
 
 
+@pytest.mark.parametrize(
+    "B,budget,acc,want",
+    [
+        (32, 64, 0, 4),  # the cache alone: 4 of 16 bytes fit 64
+        (32, 64, 16, 4),  # merges stream 16 bytes per chunk: 3 x 16 = 48 <= 4 x 16
+        (32, 64, 32, 8),  # 3 x 32 = 96 bytes of activations at least: 6, the divisor 8
+        (8, 64, 32, None),  # ... which is the whole batch of 8
+        (32, 64, 200, None),  # 3 x 200 / 16 = 38 examples > B
+        (32, 112, 32, 8),  # 7 fit, at least 6: no divisor in [6, 7], 8 just above
+        (29, 112, 32, 6),  # prime: balanced chunks of 6 (5 chunks), a remainder of 5
+    ],
+)
+def test_auto_chunk_keeps_merges_small(B, budget, acc, want):
+    assert chunking.auto_chunk(B, 16, budget, accumulator_bytes=acc) == want
+
+
+def test_accumulator_bytes():
+    from jaxpr_surgery._src.api import _flatten_stats
+
+    avals = [jax.ShapeDtypeStruct((10, 3), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.bfloat16)]
+    reds = lambda s: _flatten_stats(s)[3]  # noqa: E731
+    # float32 accumulators (bf16 leaves accumulate in float32): 34 numbers per statistic
+    assert chunking.accumulator_bytes(reds(js.stats.second_moment()), avals) == 34 * 4
+    assert chunking.accumulator_bytes(reds(js.stats.variance()), avals) == 2 * 34 * 4
+    assert chunking.accumulator_bytes(reds(js.stats.sq_norms()), avals) == 0  # per example
+    both = {"m": js.stats.mean(), "v": js.stats.variance(), "n": js.stats.sq_norms()}
+    assert chunking.accumulator_bytes(reds(both), avals) == 3 * 34 * 4
+
+
 def test_auto_chunk_default_budget_is_read_at_call_time(monkeypatch):
     monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 100)
     assert chunking.auto_chunk(8, 50) == 2
@@ -112,7 +141,9 @@ def _chunk_loops(loss, stat, params, batch):
 
 @pytest.mark.parametrize("name", ["transformer", "tied"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
-@pytest.mark.parametrize("B,chunk,loops", [(8, 2, 4), (7, 3, 2)])  # 7: a remainder of 1
+# B=8: four chunks of 2, the first before a loop of 3; B=7: two chunks of 3 in one
+# loop and a remainder of 1
+@pytest.mark.parametrize("B,chunk,loops", [(8, 2, 3), (7, 3, 2)])
 def test_default_is_chunked_when_activations_exceed_the_budget(monkeypatch, name, dtype, B,
                                                                chunk, loops):
     if not tiling.prefer_per_example():
@@ -124,10 +155,11 @@ def test_default_is_chunked_when_activations_exceed_the_budget(monkeypatch, name
         per_ex = chunking.activation_bytes(jaxpr, flags)
         # a budget of 3 examples: balanced chunks of 2 (B = 8), or 3, 3 and 1 (B = 7)
         monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 3 * per_ex)
+        monkeypatch.setattr(chunking, "MERGE_FACTOR", 0)  # the tiny models' merges are free
         assert chunking.auto_chunk(B, per_ex) == chunk
         stats = M.all_stats()
         f = js.per_example_stat(loss, stats)
-        assert _chunk_loops(loss, stats, params, batch) == {loops: 1}  # one loop of chunks
+        assert _chunk_loops(loss, stats, params, batch) == {loops: 1}
         out = jax.jit(f)(params, batch)
         ora = M.oracle(loss, params, batch)
         tol = dict(rtol=1e-9, atol=1e-11) if dtype == jnp.float64 else {}
@@ -146,8 +178,9 @@ def test_default_is_one_chunk_where_the_batch_fits():
 def test_default_is_one_chunk_off_cpu(monkeypatch):
     loss, params, batch = M.get("transformer")
     monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "MERGE_FACTOR", 0)
     stat = js.stats.second_moment()
-    assert _chunk_loops(loss, stat, params, batch) == {M.B: 1}  # one example per chunk
+    assert _chunk_loops(loss, stat, params, batch) == {M.B - 1: 1}  # one example each
     monkeypatch.setattr(tiling, "prefer_per_example", lambda: False)
     assert _chunk_loops(loss, stat, params, batch) == {}
 
@@ -170,6 +203,7 @@ class _null:
 def test_explicit_none_runs_the_whole_batch_even_when_large(monkeypatch):
     loss, params, batch = M.get("transformer")
     monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "MERGE_FACTOR", 0)
     g = js.per_example_stat(loss, js.stats.mean(), chunk_size=None)
     auto = js.per_example_stat(loss, js.stats.mean())
     assert sum((_scan_lengths(auto, params, batch) - _scan_lengths(g, params, batch)).values())
@@ -185,6 +219,7 @@ def test_explain_reports_the_chunk(monkeypatch):
     assert "batch run whole" in str(rep)
     if tiling.prefer_per_example():
         monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 2 * rep.activation_bytes_per_example)
+        monkeypatch.setattr(chunking, "MERGE_FACTOR", 0)
         rep2 = js.explain(loss)(params, batch)
         assert rep2.chunk_size == 2 and "chunks of 2 examples" in str(rep2)
         assert rep2.as_dict()["chunk_size"] == 2

@@ -259,7 +259,14 @@ def explain(
         act = chunking.activation_bytes_of(
             closed.jaxpr, n, len(prep.ex_leaves), len(prep.other_leaves)
         )
-        chunk = chunking.resolve(chunk_size, B, act)
+        chunk = chunking.resolve(
+            chunk_size,
+            B,
+            act,
+            lambda: chunking.accumulator_bytes(
+                reductions, [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in prep.diff_leaves]
+            ),
+        )
         recompute = not prep.data_axes and clips_by_recompute(closed.jaxpr)
         leaves = []
         site_notes = {}
