@@ -349,12 +349,15 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
     leaf_tile = tiling.leaf_tile(B, shape, acc, budget, ks)  # as the engine sizes it
     leaf_ft = leaf_feature_tile(B, shape, acc, budget, ks) if multi else None
     # as the engine does: the plain sum rides in the tile loop of another reduction
-    # where centred sums give it, or with blocks of features
+    # where centred sums give it, with blocks of features, or on CPU
+    tiled = any(
+        (isinstance(r, S.PhiSum) and r.phi is not None)
+        or (isinstance(r, S.SqNorms) and not ghost_cross)
+        for r in reductions
+    )
     sum_rides = multi and (
         any(isinstance(r, S.Centered) for r in reductions)
-        or (leaf_ft is not None and any(
-            isinstance(r, S.PhiSum) and r.phi is not None for r in reductions
-        ))
+        or ((leaf_ft is not None or tiling.prefer_per_example()) and tiled)
     )
 
     def rule_of(r):
