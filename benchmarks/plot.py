@@ -325,7 +325,7 @@ def render_md(doc, img_paths, md_path, compare=None):
     L.append("")
     L.append(
         "Why some transformer rows of variance or mean+second_moment against "
-        "second_moment alone miss on the large-vocabulary model: on CPU the default "
+        "second_moment alone miss on the short and large-vocabulary models: on CPU the default "
         "`chunk_size=\"auto\"` runs a batch whose activations outgrow the cache in "
         "chunks, and each chunk merges its statistics into parameter-sized accumulators; "
         "a chunk is kept at least 3 times their bytes, so a statistic with two "
