@@ -19,12 +19,10 @@ parallelism and buys nothing unless the user bounds the memory with an explicit
 
 from __future__ import annotations
 
-import math
-
 import jax
 import numpy as np
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, tiling
 
 # One chunk's estimated activations, CPU. The estimate counts every unfused
 # intermediate, about twice what XLA keeps (its temp memory), so this keeps a
@@ -56,10 +54,10 @@ def _nbytes(v) -> int:
     if shape is None or dtype is None:
         return 0
     try:
-        itemsize = np.dtype(dtype).itemsize
+        np.dtype(dtype)
     except TypeError:  # extended dtypes (PRNG keys, float0)
         return 0
-    return int(math.prod(shape)) * itemsize
+    return tiling.bytes_of(shape, dtype)
 
 
 def activation_bytes(jaxpr, data_in) -> int:
@@ -132,9 +130,7 @@ def accumulator_bytes(reductions, leaf_avals) -> int:
             engine._zeros_value(r, a, acc_dtype_for(a.dtype), 1) for r in merged for a in leaf_avals
         ]
     )
-    return sum(
-        int(math.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes)
-    )
+    return sum(tiling.bytes_of(x.shape, x.dtype) for x in jax.tree.leaves(shapes))
 
 
 def validate(chunk_size, name: str) -> None:
@@ -160,14 +156,12 @@ def resolve(chunk_size, B: int, per_example_bytes, acc_bytes=0) -> int | None:
     """The examples per chunk a call runs with (None: the whole batch at once).
     ``per_example_bytes`` and ``acc_bytes`` (see `auto_chunk`): numbers, or functions
     giving them (only called for ``"auto"`` on CPU)."""
-    from jaxpr_surgery._src import tiling
-
     if isinstance(chunk_size, str):  # "auto"
         if not tiling.prefer_per_example():
             return None
         nbytes = per_example_bytes() if callable(per_example_bytes) else per_example_bytes
-        if B <= 1 or nbytes * B <= CPU_CHUNK_BYTES:
-            return None
+        if B <= 1 or nbytes * B <= CPU_CHUNK_BYTES:  # as auto_chunk, before the cost of
+            return None  # the accumulators' shapes (an eval_shape), which it alone needs
         acc = acc_bytes() if callable(acc_bytes) else acc_bytes
         return auto_chunk(B, nbytes, accumulator_bytes=acc)
     if chunk_size is None or chunk_size >= B:

@@ -677,4 +677,3 @@ def _leaf_dots(plan, i, ings, r, B, mat):
             total = v if total is None else total + v
         return total
     return _tiled_materialised(plan, ings, mat, B, [dots.BoundDot(ref)])[0]
-
