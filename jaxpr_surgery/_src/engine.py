@@ -487,6 +487,11 @@ def _weighted_fn(s, k):
     return fn
 
 
+def _in_leaf_space(fn, site):
+    """``fn`` (a value in the site's view) followed by the map back to the leaf."""
+    return lambda *args: _to_leaf(fn(*args), site)
+
+
 def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
     """Reductions of a leaf from its sites' ingredients (after the backward pass)."""
     aval = plan.leaf_avals[i]
@@ -497,8 +502,8 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
             s, k, ing = ings[0]
             sk = cache.site_key(s, k)
             key = sk and ("weighted", sk)
-            fn = cache.get(key, lambda: _weighted_fn(s, k))
-            return _to_leaf(fn(ing, c), s)
+            fn = cache.get(key, lambda: _in_leaf_space(_weighted_fn(s, k), s))
+            return fn(ing, c)
         total = None
         for s, k, ing in ings:
             v = _to_leaf(_weighted_fn(s, k)(ing, c), s)
@@ -553,18 +558,21 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
             req[sq_key] = S.SqNorms()
         sk = cache.site_key(s, k)
         key = sk and fp.keyed(lambda: ("leaf", sk, fp.value_key(req)))
-        fn = cache.get(key, lambda: _stacked(lambda ing: k.direct_all(k.ctx(ing), req), s.depth))
-        out = fn(ing)
-        for j, r in enumerate(plan.reductions):
+        def leaf_fn(ing):  # with the conversion to leaf space: one jit per repeated leaf
+            out = _stacked(lambda ing: k.direct_all(k.ctx(ing), req), s.depth)(ing)
+            return {q: _direct_to_leaf(s, r, out[q], B) for q, r in req.items() if q in out}
+
+        out = cache.get(key, lambda: leaf_fn)(ing)
+        for j in range(len(plan.reductions)):
             if rkey(j) in out:
-                values[j][i] = _direct_to_leaf(s, r, out[rkey(j)], B)
+                values[j][i] = out[rkey(j)]
         if plan.needs_norms:
-            norms_leaf[i] = _direct_to_leaf(s, S.SqNorms(), out[sq_key], B)
+            norms_leaf[i] = out[sq_key]
         for j, r in enumerate(plan.reductions):
             if isinstance(r, dots.DotWith):
                 values[j][i] = _leaf_dots(plan, i, ings, r, B, mat)
-        if not kron_ok:  # the leaf's per-example gradient, tile by tile
-            js_ = [j for j, r in enumerate(plan.reductions) if isinstance(r, S.KronSum)]
+        js_ = [j for j, r in enumerate(plan.reductions) if isinstance(r, S.KronSum)]
+        if js_ and not kron_ok:  # the leaf's per-example gradient, tile by tile
             outs = _tiled_materialised(plan, ings, mat, B, [plan.reductions[j] for j in js_])
             for j, v in zip(js_, outs):
                 values[j][i] = v

@@ -23,6 +23,12 @@ def _bcast(val, B):
     return jnp.broadcast_to(val, (B,) + jnp.shape(val))
 
 
+def _read(env, v):
+    if isinstance(v, compat.Literal):
+        return v.val, False
+    return env[v]
+
+
 def _segment_key(eqns, inputs, in_flags):
     namer = fp.Namer()
     for i, v in enumerate(inputs):
@@ -63,26 +69,38 @@ class Evaluator:
 
     def run(self, jaxpr, consts, vals, flags, sinks, path=()):
         env = {}
-
-        def read(v):
-            if isinstance(v, compat.Literal):
-                return v.val, False
-            return env[v]
-
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = (c, False)
         for v, x, f in zip(jaxpr.invars, vals, flags):
             env[v] = (x, f)
 
-        eqns = jaxpr.eqns
+        n = len(jaxpr.eqns)
+        blocks = self._blocks(jaxpr, path)
+        last_use = self._last_use(jaxpr, path) if blocks else None
         i = 0
-        while i < len(eqns):
+        while i < n:
+            j = blocks.get(i)
+            if j is not None and self.block(jaxpr, i, j, env, sinks, path, last_use):
+                i = j
+                continue
+            j = next((s for s in sorted(blocks) if s > i), n)
+            self._run_eqns(jaxpr, i, j, env, sinks, path)
+            i = j
+        res = [_read(env, v) for v in jaxpr.outvars]
+        return [a for a, _ in res], [b for _, b in res]
+
+    def _run_eqns(self, jaxpr, start, stop, env, sinks, path):
+        """Evaluates ``jaxpr.eqns[start:stop]`` into ``env`` (var -> (value, batched))."""
+        eqns = jaxpr.eqns
+        read = lambda v: _read(env, v)  # noqa: E731
+        i = start
+        while i < stop:
             eqn, p = eqns[i], path + (i,)
             if not self._special(p, eqn):
                 # a run of ordinary equations: one vmap for all of them (a vmap per
                 # equation costs most of the tracing time of a large model)
                 j = i + 1
-                while j < len(eqns) and not self._special(path + (j,), eqns[j]):
+                while j < stop and not self._special(path + (j,), eqns[j]):
                     j += 1
                 self.segment(eqns[i:j], env, read)
                 i = j
@@ -101,8 +119,162 @@ class Evaluator:
             for v, o, f in zip(eqn.outvars, outs, ofl):
                 env[v] = (o, f)
             i += 1
-        res = [read(v) for v in jaxpr.outvars]
-        return [a for a, _ in res], [b for _, b in res]
+
+    # ------------------------------------------------------------------ #
+    # Repeated layers: one jit per layer-sized block of equations
+    # ------------------------------------------------------------------ #
+    def _blocks(self, jaxpr, path):
+        """``{start: stop}``: spans of ``jaxpr.eqns`` that repeat the same layer.
+
+        An unrolled model (a Python loop over layers) is a periodic sequence of
+        sites and scopes; each period (from one layer's first site to the next
+        layer's) becomes a block, evaluated by `block` as one ``jax.jit`` cached by
+        its structure. Under the engine's ``jax.vjp`` the second and later layers
+        then reuse the first one's trace, linearization, transposition and
+        lowering (JAX caches those per traced jaxpr), instead of going through
+        the machinery site by site. Spans that turn out not to be identical just
+        trace separately (`block` keys each exactly)."""
+        eqns = jaxpr.eqns
+        specials = [k for k, e in enumerate(eqns) if self._special(path + (k,), e)]
+        n = len(specials)
+        if n < 4:
+            return {}
+        toks = [self._token(path + (k,), eqns[k]) for k in specials]
+        # candidate periods: gaps between successive occurrences of a token
+        last, periods = {}, set()
+        for k, t in enumerate(toks):
+            if t is not None and t in last:
+                periods.add(k - last[t])
+            last[t] = k
+        best = None  # (coverage, -period, start, repeats)
+        for P in periods:
+            k = 0
+            while k + P < n:
+                if toks[k] is None or toks[k] != toks[k + P]:
+                    k += 1
+                    continue
+                s = k
+                while k + P < n and toks[k] is not None and toks[k] == toks[k + P]:
+                    k += 1
+                R = (k - s + P) // P
+                if R >= 2:
+                    cand = (R * P, -P, s, R)
+                    best = cand if best is None or cand > best else best
+        if best is None:
+            return {}
+        _, P, s, R = best
+        P = -P
+        starts = [specials[s + r * P] for r in range(R)]
+        if s + R * P < n:
+            stop = specials[s + R * P]
+        else:
+            stop = min(len(eqns), starts[-1] + (starts[-1] - starts[-2]))
+        return dict(zip(starts, starts[1:] + [stop]))
+
+    def _token(self, p, eqn):
+        """A cheap structural token of a special equation (None: matches nothing)."""
+        site = self.an.sites.get(p)
+        if site is not None:
+            sk = self.cache.site_key(site, self.kernels[p])
+            return None if sk is None else ("site", sk)
+        try:
+            return (
+                eqn.primitive,
+                fp.value_key(dict(eqn.params)),
+                tuple(fp.aval_key(v.aval) for v in eqn.outvars),
+            )
+        except fp.Unkeyable:
+            return None
+
+    def block(self, jaxpr, start, stop, env, sinks, path, last_use):
+        """Evaluates ``jaxpr.eqns[start:stop]`` as one cached ``jax.jit``; False
+        (nothing done) where the span has no exact structural key."""
+        eqns = jaxpr.eqns[start:stop]
+        inputs, seen, defined = [], set(), set()
+
+        def need(v):
+            if not isinstance(v, compat.Literal) and v not in defined and v not in seen:
+                seen.add(v)
+                inputs.append(v)
+
+        for k, eqn in enumerate(eqns):
+            site = self.an.sites.get(path + (start + k,))
+            if site is not None:  # a site reads its parameter view and inputs directly
+                need(site.base)
+                for v in site.ext_vars:
+                    need(v)
+            for v in eqn.invars:
+                need(v)
+            defined.update(eqn.outvars)
+        outs = [v for e in eqns for v in e.outvars if last_use.get(v, -1) >= stop]
+        in_flags = tuple(env[v][1] for v in inputs)
+        n = len(path)
+        inner_sites = sorted(
+            q for q in self.an.sites if len(q) > n and q[:n] == path and start <= q[n] < stop
+        )
+        inner_scopes = sorted(
+            q for q in self.an.scopes if len(q) > n and q[:n] == path and start <= q[n] < stop
+        )
+
+        def rel(q):
+            return (q[n] - start,) + q[n + 1 :]
+
+        def make_key():
+            namer = fp.Namer()
+            for i, v in enumerate(inputs):
+                namer.bind(v, ("in", i))
+            sites = []
+            for q in inner_sites:
+                k = self.site_fn.key_of(self.an.sites[q], self.kernels[q], sinks[q])
+                if k is None:
+                    raise fp.Unkeyable(q)
+                sites.append((rel(q), k))
+            return (
+                "block",
+                in_flags,
+                tuple(fp.aval_key(v.aval) for v in inputs),
+                fp.eqns_key(eqns, namer),
+                tuple(namer.ref(v) for v in outs),
+                tuple(sites),
+                tuple(rel(q) for q in inner_scopes),
+                self.B,
+            )
+
+        key = fp.keyed(make_key)
+        if key is None:
+            return False
+
+        def build():
+            holder = {}
+
+            def fn(vals, sink_list):
+                sub = {v: (x, f) for v, x, f in zip(inputs, vals, in_flags)}
+                self._run_eqns(jaxpr, start, stop, sub, dict(zip(inner_sites, sink_list)), path)
+                res = [sub[v] for v in outs]
+                holder["flags"] = [f for _, f in res]
+                return [x for x, _ in res]
+
+            return jax.jit(fn), holder
+
+        fn, holder = self.cache.value(key, build)
+        vals = fn([env[v][0] for v in inputs], [sinks[q] for q in inner_sites])
+        for v, o, f in zip(outs, vals, holder["flags"]):
+            env[v] = (o, f)
+        return True
+
+    def _last_use(self, jaxpr, path):
+        """var -> index of the last equation that reads it (``len(eqns)``: returned)."""
+        last = {}
+        for k, eqn in enumerate(jaxpr.eqns):
+            site = self.an.sites.get(path + (k,))
+            extra = (site.base, *site.ext_vars) if site is not None else ()
+            for v in (*eqn.invars, *extra):
+                if not isinstance(v, compat.Literal):
+                    last[v] = k
+        for v in jaxpr.outvars:
+            if not isinstance(v, compat.Literal):
+                last[v] = len(jaxpr.eqns)
+        return last
 
     def _special(self, p, eqn):
         """A site, or a call / remat / scan with a site inside: evaluated by hand."""
@@ -304,4 +476,11 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
         )
         return call(w, ext, sink)
 
+    def key_of(site, kernel, sink):
+        """The structural key of the call ``site_fn`` makes (None: not keyable)."""
+        direct, want_ing = reduction_plan(site)
+        sk = cache.site_key(site, kernel)
+        return fp.keyed(lambda: _site_key(sk, direct, want_ing, sink))
+
+    site_fn.key_of = key_of
     return site_fn
