@@ -46,6 +46,9 @@ class Plan:
     clip_recompute: bool = False
     # sites finish their statistics before the backward pass goes on (make_site_fn)
     finish_sites_first: bool = True
+    # clipped sums in one pass: every site also keeps its ingredients (x, dy) for the
+    # reweighted sum once all norms are known
+    keep_for_clip: bool = False
 
     @property
     def needs_norms(self):
@@ -101,7 +104,7 @@ def make_plan(
     remat = uses_remat(closed.jaxpr)
     plan.clip_recompute = plan.has_clip and not data_axes and remat
     plan.finish_sites_first = not remat
-    keep_for_clip = plan.has_clip and not plan.clip_recompute
+    plan.keep_for_clip = plan.has_clip and not plan.clip_recompute
     for r in reductions:
         if isinstance(r, dots.DotWith):
             plan.refs[r] = _reference_leaves(flatten, r.reference, leaf_avals)
@@ -112,7 +115,7 @@ def make_plan(
         kron_ok = not plan.has_kron or (
             rule == "single" and kron.leaf_axes(analysis.leaves[i].sites[0]) is not None
         )
-        if rule == "single" and not keep_for_clip and not plan.has_dot and kron_ok:
+        if rule == "single" and not plan.has_dot and kron_ok:
             plan.modes.append("direct")
         elif rule in ("single", "multi"):
             plan.modes.append("ingredients")
@@ -127,7 +130,7 @@ def make_plan(
 def _site_request(plan, site):
     mode = plan.modes[site.leaf]
     if mode == "direct":
-        return plan.site_requests(), False
+        return plan.site_requests(), plan.keep_for_clip
     return {}, True
 
 
@@ -156,20 +159,22 @@ def _sink_avals(plan, site, B, cache):
     kernel = plan.kernels[site.path]
     direct, want_ing = _site_request(plan, site)
     lead = tuple(site.scan_lengths)
+    # the statistics: known without tracing the kernel, a value in the view's shape or [B]
+    view = SDS(lead + tuple(site.view_shape), kernel.acc)
+    per_ex = SDS(lead + (B,), kernel.acc)
+
+    def aval(r):
+        ext = S.extension(r)
+        if ext is not None:
+            return ext.aval(r, site.view_shape, kernel.acc, lead)
+        if isinstance(r, S.SqNorms):
+            return per_ex
+        return S.Moments(view, view) if isinstance(r, S.Centered) else view
+
+    out = {k: aval(r) for k, r in direct.items()}
     if not want_ing:
-        # known without tracing the kernel: a value in the view's shape, or [B]
-        view = SDS(lead + tuple(site.view_shape), kernel.acc)
-        per_ex = SDS(lead + (B,), kernel.acc)
-
-        def aval(r):
-            ext = S.extension(r)
-            if ext is not None:
-                return ext.aval(r, site.view_shape, kernel.acc, lead)
-            if isinstance(r, S.SqNorms):
-                return per_ex
-            return S.Moments(view, view) if isinstance(r, S.Centered) else view
-
-        return {k: aval(r) for k, r in direct.items()}
+        return out
+    # the ingredients: from the kernel, traced once for repeated layers
     w = SDS(site.view_shape, site.base.aval.dtype)
     ext = tuple(
         SDS(((B,) if b else ()) + tuple(v.aval.shape), v.aval.dtype)
@@ -178,17 +183,13 @@ def _sink_avals(plan, site, B, cache):
     dy = tuple(SDS((B,) + tuple(v.aval.shape), v.aval.dtype) for v in site.eqn.outvars)
 
     def f(w, ext, dy):
-        ctx = kernel.prepare(w, ext, site.ext_batched, dy)
-        out = kernel.direct_all(ctx, direct)
-        if want_ing:
-            out["ing"] = kernel.ingredients(ctx)
-        return out
+        return kernel.ingredients(kernel.prepare(w, ext, site.ext_batched, dy))
 
-    # repeated layers: the kernel traced once
     sk = cache.site_key(site, kernel)
-    key = sk and fp.keyed(lambda: ("sink", sk, fp.value_key(direct), B))
-    out = cache.value(key, lambda: jax.eval_shape(f, w, ext, dy))
-    return jax.tree.map(lambda a: SDS(lead + tuple(a.shape), a.dtype), out)
+    key = sk and ("sink-ingredients", sk, B)
+    ing = cache.value(key, lambda: jax.eval_shape(f, w, ext, dy))
+    out["ing"] = jax.tree.map(lambda a: SDS(lead + tuple(a.shape), a.dtype), ing)
+    return out
 
 
 def _stacked(fn, depth):
@@ -216,12 +217,17 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
     # is sharded on (tensor parallelism inside shard_map: each shard's part)
     cache = fp.TraceCache()  # repeated layers are traced once (fingerprint.py)
     leaf_axes = [compat.vma_of(x) for x in diff_leaves]
+    zeros = {}  # one zero array per shape, dtype and axes: sinks share them
+
+    def zero(a, axes):
+        k = (tuple(a.shape), a.dtype, frozenset(axes))
+        if k not in zeros:
+            zeros[k] = compat.make_varying(jnp.zeros(a.shape, a.dtype), axes)
+        return zeros[k]
+
     sinks = {
         p: jax.tree.map(
-            lambda a, s=s: compat.make_varying(
-                jnp.zeros(a.shape, a.dtype), data_axes | leaf_axes[s.leaf]
-            ),
-            _sink_avals(plan, s, B, cache),
+            lambda a, s=s: zero(a, data_axes | leaf_axes[s.leaf]), _sink_avals(plan, s, B, cache)
         )
         for p, s in an.sites.items()
     }
@@ -276,9 +282,11 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
             for j, r in enumerate(plan.reductions):
                 if rkey(j) in ct:
                     values[j][i] = _direct_to_leaf(site, r, ct[rkey(j)], B)
-            if plan.has_clip:  # clip by recomputation: only the norms were needed here
+            if plan.has_clip:  # the norms came with the other statistics
                 key = next(k for k, r in plan.site_requests().items() if isinstance(r, S.SqNorms))
                 norms_leaf[i] = _direct_to_leaf(site, S.SqNorms(), ct[key], B)
+            if plan.keep_for_clip:  # and the ingredients, for the reweighted sum
+                deferred[i] = _weighted_leaf([(site, plan.kernels[site.path], ct["ing"])], cache)
             continue
         # ingredients mode
         ings = [(s, plan.kernels[s.path], sink_cts[s.path]["ing"]) for s in sites]
@@ -305,7 +313,7 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
             norms_leaf[i] = jax.lax.psum(norms_leaf[i], model_axes)
 
     if plan.has_clip:
-        total = sum(norms_leaf)
+        total = jnp.sum(jnp.stack(jnp.broadcast_arrays(*norms_leaf)), 0)
         # double-where: no NaN in the gradient of the clip factor at a zero norm
         pos = total > 0
         norm = jnp.where(pos, jnp.sqrt(jnp.where(pos, total, 1.0)), 0.0)
@@ -492,10 +500,8 @@ def _in_leaf_space(fn, site):
     return lambda *args: _to_leaf(fn(*args), site)
 
 
-def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
-    """Reductions of a leaf from its sites' ingredients (after the backward pass)."""
-    aval = plan.leaf_avals[i]
-    acc = acc_dtype_for(aval.dtype)
+def _weighted_leaf(ings, cache):
+    """``c -> sum_b c_b g_b`` of a leaf from its sites' ingredients."""
 
     def weighted(c):
         if len(ings) == 1:  # repeated layers: traced once
@@ -509,6 +515,14 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
             v = _to_leaf(_weighted_fn(s, k)(ing, c), s)
             total = v if total is None else total + v
         return total
+
+    return weighted
+
+
+def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
+    """Reductions of a leaf from its sites' ingredients (after the backward pass)."""
+    aval = plan.leaf_avals[i]
+    acc = acc_dtype_for(aval.dtype)
 
     def mat(b0, size, cut=None):
         total = None
@@ -541,7 +555,7 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
         ]
         return sum(own) + 2 * sum(crosses)
 
-    deferred[i] = weighted
+    weighted = deferred[i] = _weighted_leaf(ings, cache)
     if len(ings) == 1:
         # one site: all reductions in one call, so they share its tile loop
         s, k, ing = ings[0]

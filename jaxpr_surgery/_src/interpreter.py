@@ -76,11 +76,11 @@ class Evaluator:
 
         n = len(jaxpr.eqns)
         blocks = self._blocks(jaxpr, path)
-        last_use = self._last_use(jaxpr, path) if blocks else None
+        outs = self._block_outputs(jaxpr, path, blocks) if blocks else None
         i = 0
         while i < n:
             j = blocks.get(i)
-            if j is not None and self.block(jaxpr, i, j, env, sinks, path, last_use):
+            if j is not None and self.block(jaxpr, i, j, env, sinks, path, outs[i]):
                 i = j
                 continue
             j = next((s for s in sorted(blocks) if s > i), n)
@@ -186,7 +186,21 @@ class Evaluator:
         except fp.Unkeyable:
             return None
 
-    def block(self, jaxpr, start, stop, env, sinks, path, last_use):
+    def _block_outputs(self, jaxpr, path, blocks):
+        """``{start: outvars}``: what each block returns. A value read after its block
+        is returned, and so is the same value of every block of the same length: the
+        last layer then returns what the others do (one more output, unused, that
+        XLA drops) and shares their trace."""
+        last = self._last_use(jaxpr, path)
+        flat = {a: [v for e in jaxpr.eqns[a:b] for v in e.outvars] for a, b in blocks.items()}
+        keep = {}
+        for a, b in blocks.items():
+            keep.setdefault(b - a, set()).update(
+                k for k, v in enumerate(flat[a]) if last.get(v, -1) >= b
+            )
+        return {a: [flat[a][k] for k in sorted(keep[b - a])] for a, b in blocks.items()}
+
+    def block(self, jaxpr, start, stop, env, sinks, path, outs):
         """Evaluates ``jaxpr.eqns[start:stop]`` as one cached ``jax.jit``; False
         (nothing done) where the span has no exact structural key."""
         eqns = jaxpr.eqns[start:stop]
@@ -206,7 +220,6 @@ class Evaluator:
             for v in eqn.invars:
                 need(v)
             defined.update(eqn.outvars)
-        outs = [v for e in eqns for v in e.outvars if last_use.get(v, -1) >= stop]
         in_flags = tuple(env[v][1] for v in inputs)
         n = len(path)
         inner_sites = sorted(
