@@ -246,3 +246,37 @@ def test_blocks_keep_every_statistic_exact(dtype, chunk):
 
     with zoo.x64() if dtype == jnp.float64 else contextlib.nullcontext():
         run()
+
+
+@pytest.mark.parametrize("name", zoo.CORE_ZOO)
+def test_static_ingredient_shapes_match_the_traced_ones(name, monkeypatch):
+    """Kernels that size their ingredients without tracing (`ingredient_avals`) give
+    exactly what tracing ``prepare`` gives, on every model of the zoo."""
+    from jaxpr_surgery._src import engine
+    from jaxpr_surgery._src.sites import base
+
+    sink_avals = engine._sink_avals
+    checked = []
+
+    def both(plan, site, B, cache):
+        static = sink_avals(plan, site, B, cache)
+        kernel = plan.kernels[site.path]
+        with monkeypatch.context() as m:
+            m.setattr(type(kernel), "ingredient_avals", base.Kernel.ingredient_avals)
+            traced = sink_avals(plan, site, B, fp.TraceCache())
+        assert jax.tree.structure(static) == jax.tree.structure(traced), site.kind
+        for a, b in zip(jax.tree.leaves(static), jax.tree.leaves(traced)):
+            assert (a.shape, a.dtype) == (b.shape, b.dtype), (site.kind, a, b)
+        if "ing" in static and base.Kernel.ingredient_avals is not type(
+            kernel
+        ).ingredient_avals:
+            checked.append(site.kind)
+        return static
+
+    monkeypatch.setattr(engine, "_sink_avals", both)
+    case = zoo.get_case(name)
+    # one-pass clipping keeps every site's ingredients (variance too, on multi-site leaves)
+    stat = (js.stats.clipped_mean(1.0), js.stats.variance())
+    jax.jit(js.per_example_stat(case.loss_fn, stat)).lower(case.params, case.batch)
+    if name in ("mlp", "transformer"):
+        assert checked, "no kernel sized its ingredients statically"

@@ -185,9 +185,11 @@ def _sink_avals(plan, site, B, cache):
     def f(w, ext, dy):
         return kernel.ingredients(kernel.prepare(w, ext, site.ext_batched, dy))
 
-    sk = cache.site_key(site, kernel)
-    key = sk and ("sink-ingredients", sk, B)
-    ing = cache.value(key, lambda: jax.eval_shape(f, w, ext, dy))
+    ing = kernel.ingredient_avals(B)
+    if ing is None:
+        sk = cache.site_key(site, kernel)
+        key = sk and ("sink-ingredients", sk, B)
+        ing = cache.value(key, lambda: jax.eval_shape(f, w, ext, dy))
     out["ing"] = jax.tree.map(lambda a: SDS(lead + tuple(a.shape), a.dtype), ing)
     return out
 

@@ -105,6 +105,12 @@ class Kernel:
     def ingredients(self, ctx):
         return ctx
 
+    def ingredient_avals(self, B):
+        """The shapes of ``ingredients`` for ``B`` examples where the kernel knows them
+        without tracing (None: the engine traces ``prepare``). Exact: a test checks
+        them against the traced ones."""
+        return None
+
     def ctx(self, ing):
         """The ``prepare`` context back from ingredients."""
         return ing

@@ -131,6 +131,15 @@ class DenseKernel(Kernel):
         dy = dy.reshape(B, c["K"], c["N"], c["F"]).astype(self.acc)
         return x, dy
 
+    def ingredient_avals(self, B):
+        if type(self) is not DenseKernel:  # subclasses keep other layouts
+            return None
+        c = self.c
+        return (
+            jax.ShapeDtypeStruct((B, c["K"], c["N"], c["C"]), self.acc),
+            jax.ShapeDtypeStruct((B, c["K"], c["N"], c["F"]), self.acc),
+        )
+
     def to_view(self, g):
         """[..., K, C, F] -> [..., *w_shape]."""
         lead = g.shape[:-3]

@@ -54,6 +54,9 @@ class GenericKernel(Kernel):
     def materialise(self, ing):
         return ing
 
+    def ingredient_avals(self, B):
+        return jax.ShapeDtypeStruct((B,) + tuple(self.site.view_shape), self.acc)
+
 
 @register("scale-shift")
 class ScaleShiftKernel(GenericKernel):
