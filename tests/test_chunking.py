@@ -90,3 +90,25 @@ def test_chunk_larger_than_batch_is_one_chunk():
     out = jax.jit(js.per_example_stat(loss, js.stats.sq_norms(), chunk_size=10 * M.B))(
         params, batch)
     M.assert_stat_close("sq_norms", out, M.oracle_of("mlp")["sq_norms"])
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4])
+def test_each_chunk_size_is_traced_once(chunk, monkeypatch):
+    """The peeled first chunk (or the probe of the accumulators' shapes with two
+    chunks) and the loop body share one trace; a remainder is a second size."""
+    from jaxpr_surgery._src import engine
+
+    sizes = []
+    run = engine.run
+
+    def counting(plan, diff, ex, other, b, axes):
+        sizes.append(b)
+        return run(plan, diff, ex, other, b, axes)
+
+    monkeypatch.setattr(engine, "run", counting)
+    loss, params, batch = M.get("mlp")
+    jax.jit(js.per_example_stat(loss, js.stats.variance(), chunk_size=chunk)).lower(
+        params, batch
+    )
+    want = [chunk] + ([M.B % chunk] if M.B % chunk else [])
+    assert sorted(sizes) == sorted(want), (sizes, want)

@@ -348,7 +348,18 @@ def _compute(prep, stat, opts: Options, name):
     if cs is None:
         values, loss_b, aux = run_chunk(prep.ex_leaves, B)
     else:
-        values, loss_b, aux = _chunked(run_chunk, prep.ex_leaves, B, int(cs), reductions)
+        # a chunk's computation is a jit per chunk size: the first chunk (peeled, or
+        # the probe of the accumulators' shapes) and the loop body share one trace
+        chunk_fns = {}
+
+        def jitted_chunk(ex_leaves, b):
+            if b not in chunk_fns:
+                chunk_fns[b] = jax.jit(
+                    lambda d, e, o: engine.run(plan, d, e, o, b, data_axes)
+                )
+            return chunk_fns[b](prep.diff_leaves, ex_leaves, prep.other_leaves)
+
+        values, loss_b, aux = _chunked(jitted_chunk, prep.ex_leaves, B, int(cs), reductions)
 
     N = B
     loss_sum = jnp.sum(loss_b)

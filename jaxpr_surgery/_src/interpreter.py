@@ -11,6 +11,8 @@ remat's memory savings.
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 
@@ -21,6 +23,9 @@ from jaxpr_surgery._src.analysis import _CALL_PRIMS
 
 def _bcast(val, B):
     return jnp.broadcast_to(val, (B,) + jnp.shape(val))
+
+
+_MAX_PERIODS = 8  # candidate layer periods tried per jaxpr (`Evaluator._blocks`)
 
 
 def _read(env, v):
@@ -140,12 +145,15 @@ class Evaluator:
         if n < 4:
             return {}
         toks = [self._token(path + (k,), eqns[k]) for k in specials]
-        # candidate periods: gaps between successive occurrences of a token
-        last, periods = {}, set()
+        # candidate periods: the commonest gaps between successive occurrences of a
+        # token (a layer's period is the gap of every token it has once); a few
+        # only, so the search stays linear in the number of sites
+        last, gaps = {}, collections.Counter()
         for k, t in enumerate(toks):
             if t is not None and t in last:
-                periods.add(k - last[t])
+                gaps[k - last[t]] += 1
             last[t] = k
+        periods = [P for P, _ in gaps.most_common(_MAX_PERIODS)]
         best = None  # (coverage, -period, start, repeats)
         for P in periods:
             k = 0
