@@ -19,6 +19,8 @@ parallelism and buys nothing unless the user bounds the memory with an explicit
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import numpy as np
 
@@ -125,12 +127,17 @@ def accumulator_bytes(reductions, leaf_avals) -> int:
     ]
     if not merged or not leaf_avals:
         return 0
-    shapes = jax.eval_shape(
-        lambda: [
-            engine._zeros_value(r, a, acc_dtype_for(a.dtype), 1) for r in merged for a in leaf_avals
-        ]
-    )
-    return sum(tiling.bytes_of(x.shape, x.dtype) for x in jax.tree.leaves(shapes))
+    # leaves of one shape and dtype (a model's repeated layers) are sized once
+    kinds = collections.Counter((tuple(a.shape), np.dtype(a.dtype)) for a in leaf_avals)
+    total = 0
+    for r in merged:
+        for (shape, dtype), count in kinds.items():
+            a = jax.ShapeDtypeStruct(shape, dtype)
+            out = jax.eval_shape(
+                lambda r=r, a=a: engine._zeros_value(r, a, acc_dtype_for(a.dtype), 1)
+            )
+            total += count * sum(tiling.bytes_of(x.shape, x.dtype) for x in jax.tree.leaves(out))
+    return total
 
 
 def validate(chunk_size, name: str) -> None:
