@@ -37,7 +37,8 @@ Also recorded: the largest batch whose temporary memory fits a budget (found by
 compiling at abstract shapes only -- a bracketing secant/bisection search on
 ``memory_analysis``, no execution), and for the ``short`` transformer the
 temporary memory (and time) of ``second_moment`` against ``chunk_size``, and
-the trace+lower time of a 12-layer unrolled transformer (``--no-tracing`` skips it).
+the trace+lower time of a 12-layer unrolled transformer and of a 48-layer one
+(``--no-tracing`` skips them).
 
 A method that fails records its error in the JSON; the run goes on.
 """
@@ -656,13 +657,21 @@ TRACE_STATS = ("mean", "second_moment", "variance", "clipped_mean")
 def run_tracing(st: Settings):
     """trace+lower of ``jax.jit(f).lower(params, batch)`` for grad and js on a transformer
     with many identical layers (a Python loop, no scan): each repetition builds every
-    function afresh (no jit cache hit across repetitions), methods interleaved; min."""
+    function afresh (no jit cache hit across repetitions), methods interleaved; min.
+    ``deeper``: the same at four times the depth (does the cost grow like grad's?)."""
     layers, reps = (3, 1) if st.quick else (12, 7)
+    out = _trace_points(st, layers, reps, TRACE_STATS)
+    out["deeper"] = _trace_points(st, 4 * layers, 1 if st.quick else 3,
+                                  ("second_moment", "clipped_mean"))
+    return out
+
+
+def _trace_points(st: Settings, layers, reps, stats):
     model = models.transformer(T=16 if not st.quick else 8, d=64 if not st.quick else 16,
                                V=512 if not st.quick else 64, layers=layers)
     B = 8
     params, batch = model.params, model.make_batch(B)
-    methods = [("grad", "grad")] + [("js", s) for s in TRACE_STATS]
+    methods = [("grad", "grad")] + [("js", s) for s in stats]
     samples = {m: [] for m in methods}
     for _ in range(reps):
         for m in methods:
