@@ -449,7 +449,7 @@ def _refuse_known_crash(method, stat):
         if v < (0, 10, 2):
             raise RuntimeError(
                 f"skipped: jaxlib {jaxlib.__version__} segfaults building micro_grad of "
-                "the Kronecker moments (fixed by jaxlib 0.10.2)"
+                "the Kronecker moments (jaxlib 0.10.2 builds it)"
             )
 
 
