@@ -438,21 +438,6 @@ def _finish_rows(rows, samples_by_label):
                 r[kr] = r[k] / base[k]
 
 
-def _refuse_known_crash(method, stat):
-    """jaxlib 0.10.0 (0.10.2 does not) segfaults inside ``libjax_common.so`` building
-    ``optax.microbatching.micro_grad`` of the Kronecker moments (a baseline, not js):
-    recorded as an error row instead of killing the whole run."""
-    if method.startswith("micro_grad") and stat == "kron_moments":
-        import jaxlib
-
-        v = tuple(int(x) for x in jaxlib.__version__.split(".")[:3] if x.isdigit())
-        if v < (0, 10, 2):
-            raise RuntimeError(
-                f"skipped: jaxlib {jaxlib.__version__} segfaults building micro_grad of "
-                "the Kronecker moments (jaxlib 0.10.2 builds it)"
-            )
-
-
 def run_config(model, regime, B, entries, st):
     """Compile + interleaved timing for one (regime, B). Returns result rows."""
     params = model.params
@@ -467,7 +452,6 @@ def run_config(model, regime, B, entries, st):
             row["microbatch_size"] = microbatch_size_for(B)
         samples: list[float] = []
         try:
-            _refuse_known_crash(method, stat)
             fn = make_method(model, method, stat, B)
             t0 = time.perf_counter()
             lowered = jax.jit(fn).lower(params, batch)
