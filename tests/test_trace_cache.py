@@ -25,6 +25,27 @@ def _grads(loss, params, batch):
     return jax.vmap(jax.grad(one), (None, 0))(params, batch)
 
 
+def _oracle(g, names):
+    """``(statistics, expected values)`` for ``names`` from per-example gradients ``g``
+    (leaves [B, ...]); clipping at the median per-example norm."""
+    B = jax.tree.leaves(g)[0].shape[0]
+    sq = sum(jnp.sum(x.reshape(B, -1) ** 2, 1) for x in jax.tree.leaves(g))
+    C = float(np.median(np.sqrt(np.asarray(sq))))
+    c = jnp.minimum(1.0, C / jnp.sqrt(sq))
+    table = {
+        "mean": (js.stats.mean(), jax.tree.map(lambda x: x.mean(0), g)),
+        "second_moment": (js.stats.second_moment(), jax.tree.map(lambda x: (x**2).mean(0), g)),
+        "variance": (js.stats.variance(), jax.tree.map(lambda x: x.var(0, ddof=1), g)),
+        "sign_mean": (js.stats.sign_mean(), jax.tree.map(lambda x: jnp.sign(x).mean(0), g)),
+        "sq_norms": (js.stats.sq_norms(), sq),
+        "clipped_mean": (
+            js.stats.clipped_mean(C),
+            jax.tree.map(lambda x: jnp.tensordot(c, x, 1) / B, g),
+        ),
+    }
+    return tuple(table[n][0] for n in names), tuple(table[n][1] for n in names)
+
+
 def _stack(L, loss_layer):
     def loss(params, batch):
         h = batch["x"]
@@ -104,21 +125,8 @@ def _twins_case(dtype, B=7):
 def test_near_identical_layers_keep_their_own_statistics(dtype, chunk):
     def run():
         params, batch = _twins_case(dtype)
-        g = _grads(_twins, params, batch)
-        B = batch["x"].shape[0]
-        sq = sum(jnp.sum(x.reshape(B, -1) ** 2, 1) for x in jax.tree.leaves(g))
-        C = float(np.median(np.sqrt(np.asarray(sq))))
-        c = jnp.minimum(1.0, C / jnp.sqrt(sq))
-        want = (
-            jax.tree.map(lambda x: x.mean(0), g),
-            jax.tree.map(lambda x: (x**2).mean(0), g),
-            jax.tree.map(lambda x: x.var(0, ddof=1), g),
-            jax.tree.map(lambda x: jnp.sign(x).mean(0), g),
-            sq,
-            jax.tree.map(lambda x: jnp.tensordot(c, x, 1) / B, g),
-        )
-        stats = (js.stats.mean(), js.stats.second_moment(), js.stats.variance(),
-                 js.stats.sign_mean(), js.stats.sq_norms(), js.stats.clipped_mean(C))
+        names = ("mean", "second_moment", "variance", "sign_mean", "sq_norms", "clipped_mean")
+        stats, want = _oracle(_grads(_twins, params, batch), names)
         got = jax.jit(js.per_example_stat(_twins, stats, chunk_size=chunk))(params, batch)
         tol = dict(rtol=2e-4, atol=2e-6) if dtype == jnp.float32 else dict(rtol=1e-10, atol=1e-13)
         for k, (a, w) in enumerate(zip(got, want)):
@@ -215,20 +223,8 @@ def _blocky(params, batch):
 def test_blocks_keep_every_statistic_exact(dtype, chunk):
     def run():
         params, batch = _case(6, dtype, B=5, seed=4)
-        g = _grads(_blocky, params, batch)
-        B = batch["x"].shape[0]
-        sq = sum(jnp.sum(x.reshape(B, -1) ** 2, 1) for x in jax.tree.leaves(g))
-        C = float(np.median(np.sqrt(np.asarray(sq))))
-        c = jnp.minimum(1.0, C / jnp.sqrt(sq))
-        want = (
-            jax.tree.map(lambda x: x.mean(0), g),
-            jax.tree.map(lambda x: (x**2).mean(0), g),
-            jax.tree.map(lambda x: x.var(0, ddof=1), g),
-            sq,
-            jax.tree.map(lambda x: jnp.tensordot(c, x, 1) / B, g),
-        )
-        stats = (js.stats.mean(), js.stats.second_moment(), js.stats.variance(),
-                 js.stats.sq_norms(), js.stats.clipped_mean(C))
+        names = ("mean", "second_moment", "variance", "sq_norms", "clipped_mean")
+        stats, want = _oracle(_grads(_blocky, params, batch), names)
         tol = dict(rtol=2e-4, atol=2e-6) if dtype == jnp.float32 else dict(rtol=1e-10, atol=1e-13)
         # every statistic alone (each its own plan: direct sites, clipping's kept
         # ingredients) and all together (ingredients)

@@ -174,7 +174,18 @@ def _sink_avals(plan, site, B, cache):
     out = {k: aval(r) for k, r in direct.items()}
     if not want_ing:
         return out
-    # the ingredients: from the kernel, traced once for repeated layers
+    # the ingredients: as the kernel states them, else traced once for repeated layers
+    ing = kernel.ingredient_avals(B)
+    if ing is None:
+        sk = cache.site_key(site, kernel)
+        key = sk and ("sink-ingredients", sk, B)
+        ing = cache.value(key, lambda: _traced_ingredient_avals(site, kernel, B))
+    out["ing"] = jax.tree.map(lambda a: SDS(lead + tuple(a.shape), a.dtype), ing)
+    return out
+
+
+def _traced_ingredient_avals(site, kernel, B):
+    """The shapes of a site's ingredients for ``B`` examples, by tracing its kernel."""
     w = SDS(site.view_shape, site.base.aval.dtype)
     ext = tuple(
         SDS(((B,) if b else ()) + tuple(v.aval.shape), v.aval.dtype)
@@ -185,13 +196,7 @@ def _sink_avals(plan, site, B, cache):
     def f(w, ext, dy):
         return kernel.ingredients(kernel.prepare(w, ext, site.ext_batched, dy))
 
-    ing = kernel.ingredient_avals(B)
-    if ing is None:
-        sk = cache.site_key(site, kernel)
-        key = sk and ("sink-ingredients", sk, B)
-        ing = cache.value(key, lambda: jax.eval_shape(f, w, ext, dy))
-    out["ing"] = jax.tree.map(lambda a: SDS(lead + tuple(a.shape), a.dtype), ing)
-    return out
+    return jax.eval_shape(f, w, ext, dy)
 
 
 def _stacked(fn, depth):

@@ -82,13 +82,14 @@ class Evaluator:
         n = len(jaxpr.eqns)
         blocks = self._blocks(jaxpr, path)
         outs = self._block_outputs(jaxpr, path, blocks) if blocks else None
+        starts = sorted(blocks)
         i = 0
         while i < n:
             j = blocks.get(i)
             if j is not None and self.block(jaxpr, i, j, env, sinks, path, outs[i]):
                 i = j
                 continue
-            j = next((s for s in sorted(blocks) if s > i), n)
+            j = next((s for s in starts if s > i), n)
             self._run_eqns(jaxpr, i, j, env, sinks, path)
             i = j
         res = [_read(env, v) for v in jaxpr.outvars]
