@@ -150,13 +150,16 @@ def test_user_names_do_not_alias_builtins(name):
 # --------------------------------------------------------------------------- #
 # 5. ghost norms when token contributions cancel
 # --------------------------------------------------------------------------- #
-def _cancel_case(dtype):
+def _cancel_case(dtype, which="all"):
     r = np.random.default_rng(4)
     B, T, d, F = 8, 32, 64, 64
     x = r.standard_normal((B, T // 2, d))
     c = r.standard_normal((B, T // 2, F))
+    # the second half of the tokens undoes the first: on every example, or on the
+    # odd ones alone (the recomputation must pick exactly those)
+    sign = np.ones((B, 1, 1)) if which == "all" else np.where(np.arange(B) % 2, 1.0, -1.0)[:, None, None]
     x = np.concatenate([x, x + 1e-4 * r.standard_normal(x.shape)], 1)
-    c = np.concatenate([c, -c], 1)
+    c = np.concatenate([c, -sign * c], 1)
     W = jnp.asarray(r.standard_normal((d, F)) / 8, dtype)
 
     def loss(W, b):
@@ -165,12 +168,13 @@ def _cancel_case(dtype):
     return loss, W, {"x": jnp.asarray(x, dtype), "c": jnp.asarray(c, dtype)}
 
 
-def test_ghost_norms_cancellation_float32_vs_float64():
-    loss, W, b = _cancel_case(jnp.float32)
+@pytest.mark.parametrize("which", ["all", "odd"])
+def test_ghost_norms_cancellation_float32_vs_float64(which):
+    loss, W, b = _cancel_case(jnp.float32, which)
     sq, cm = js.per_example_stat(loss, (js.stats.sq_norms(), js.stats.clipped_mean(1e-2)))(W, b)
 
     def ref():
-        l64, W64, b64 = _cancel_case(jnp.float64)
+        l64, W64, b64 = _cancel_case(jnp.float64, which)
         g = _per_example_grads(l64, W64, b64)
         n2 = (g**2).sum((1, 2))
         cf = jnp.minimum(1.0, 1e-2 / jnp.sqrt(n2))
@@ -181,6 +185,36 @@ def test_ghost_norms_cancellation_float32_vs_float64():
     np.testing.assert_allclose(sq, n2, rtol=2e-2)
     # G_b itself cancels in float32 (as it does for vmap(grad)): compare at its scale
     np.testing.assert_allclose(cm, cm_ref, rtol=2e-2, atol=1e-2 * np.abs(cm_ref).max())
+
+
+def _tanh_loss(W, b):  # not linear in W: the norms have a derivative to check
+    return jnp.mean(jnp.sum(jnp.tanh(b["x"] @ W) * b["c"], axis=(-1, -2)))
+
+
+@pytest.mark.parametrize("jac", ["jacrev", "jacfwd"])
+def test_ghost_norms_derivative_where_they_cancel(jac):
+    """The flagged examples' norms come from a loop with a traced trip count, which
+    has no reverse-mode derivative: derivatives (both modes) must still work and
+    come from the exact recomputation, not the cancelling ghost sum (that one is
+    off by 10x on the odd examples here in float32)."""
+    d = getattr(jax, jac)
+
+    def jacobian(dtype):
+        W, b = _cancel_case(dtype, "odd")[1:]
+        fn = js.per_example_stat(_tanh_loss, js.stats.sq_norms())
+        return np.asarray(jax.jit(d(lambda W: fn(W, b)))(W), np.float64)
+
+    def oracle():
+        W, b = _cancel_case(jnp.float64, "odd")[1:]
+        n2 = lambda W: jnp.sum(jnp.square(_per_example_grads(_tanh_loss, W, b)), (1, 2))  # noqa: E731
+        return np.asarray(jax.jit(d(n2))(W)), jacobian(jnp.float64)
+
+    ref, ours64 = _x64(oracle)
+    np.testing.assert_allclose(ours64, ref, rtol=1e-9, atol=1e-12 * np.abs(ref).max())
+    ours32 = jacobian(jnp.float32)
+    scale = np.abs(ref).reshape(len(ref), -1).max(1)
+    err = np.abs(ours32 - ref).reshape(len(ref), -1).max(1) / scale
+    assert np.all(err < 2e-2), err
 
 
 # --------------------------------------------------------------------------- #

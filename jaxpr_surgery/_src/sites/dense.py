@@ -109,6 +109,37 @@ def _products(x, dy):
     return jax.lax.dot_general(x, dy, (((2,), (2,)), ((0, 1), (0, 1))))
 
 
+def _recompute_flagged(exact, x, dy, ghost, bad):
+    """``ghost`` with ``exact(x, dy, b)`` in place of the examples ``bad`` flags.
+
+    The value comes from one loop over the flagged examples alone (flagged first in
+    ``order``): no trip in the usual case and no branch to trace or lower. A loop
+    with a traced trip count has no reverse-mode derivative, so derivatives (of any
+    order) come from the same recomputation written with static bounds and branches;
+    they are only traced when something differentiates the statistic.
+    """
+
+    @jax.custom_jvp
+    def fast(x, dy, ghost, bad):
+        order = jnp.argsort(jnp.logical_not(bad), stable=True)
+
+        def one(i, g):
+            b = order[i]
+            return g.at[b].set(exact(x, dy, b))
+
+        return jax.lax.fori_loop(0, jnp.sum(bad, dtype=jnp.int32), one, ghost)
+
+    def differentiable(x, dy, ghost, bad):
+        def one(b, g):
+            return g.at[b].set(jax.lax.cond(bad[b], lambda: exact(x, dy, b), lambda: g[b]))
+
+        fix = lambda g: jax.lax.fori_loop(0, x.shape[0], one, g)  # noqa: E731
+        return jax.lax.cond(jnp.any(bad), fix, lambda g: g, ghost)
+
+    fast.defjvp(lambda primals, tangents: jax.jvp(differentiable, primals, tangents))
+    return fast(x, dy, ghost, bad)
+
+
 @register("dense")
 class DenseKernel(Kernel):
     def __init__(self, site, acc_dtype):
@@ -453,14 +484,8 @@ class DenseKernel(Kernel):
         eps = jnp.finfo(ghost.dtype).eps
         bad = ghost <= 1024 * eps * scale
 
-        def fix(ghost):
-            def one(b, g):
-                exact = lambda: jnp.sum(jnp.square(self._tile_G(x, dy, b, 1)))  # noqa: E731
-                return g.at[b].set(jax.lax.cond(bad[b], exact, lambda: g[b]))
-
-            return jax.lax.fori_loop(0, x.shape[0], one, ghost)
-
-        return jax.lax.cond(jnp.any(bad), fix, lambda g: g, ghost)
+        return _recompute_flagged(lambda x, dy, b: jnp.sum(jnp.square(self._tile_G(x, dy, b, 1))),
+                                  x, dy, ghost, bad)
 
     def weighted_sum(self, ing, c):
         x, dy = ing
