@@ -157,7 +157,8 @@ def _cancel_case(dtype, which="all"):
     c = r.standard_normal((B, T // 2, F))
     # the second half of the tokens undoes the first: on every example, or on the
     # odd ones alone (the recomputation must pick exactly those)
-    sign = np.ones((B, 1, 1)) if which == "all" else np.where(np.arange(B) % 2, 1.0, -1.0)[:, None, None]
+    sign = np.ones(B) if which == "all" else np.where(np.arange(B) % 2, 1.0, -1.0)
+    sign = sign[:, None, None]
     x = np.concatenate([x, x + 1e-4 * r.standard_normal(x.shape)], 1)
     c = np.concatenate([c, -sign * c], 1)
     W = jnp.asarray(r.standard_normal((d, F)) / 8, dtype)
