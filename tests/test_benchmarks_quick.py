@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,6 +142,28 @@ def test_quick_json_schema(quick_run):
         assert t["met"] in (True, False, None)
         if t["met"] is not None:
             assert t["met"] == (t["value"] <= t["threshold"])
+    # the equal-memory floor: grad in the same chunks, beside every equal-memory row
+    assert any(r["method"] == "grad_chunk" for r in rows)
+    eq = [t for t in doc["targets"] if t["target"] == "equal_mem_time" and t["met"] is not None]
+    assert eq
+    for t in eq:
+        assert t["grad_chunk_vs_micro_grad"] > 0 and t["js_chunk_vs_grad_chunk"] > 0
+        assert t["value"] == pytest.approx(
+            t["grad_chunk_vs_micro_grad"] * t["js_chunk_vs_grad_chunk"])
+
+
+def test_chunked_grad_reference_is_the_gradient():
+    """The floor's reference computes what it claims (the gradient), with chunks."""
+    from benchmarks import models, run
+
+    m = models.transformer(T=4, d=8, V=16, layers=1, heads=2)
+    b = m.make_batch(8)
+    want = jax.grad(m.loss)(m.params, b)
+    got = jax.jit(run.make_method(m, "grad_chunk", "grad", 8))(m.params, b)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="multiple"):
+        run.make_method(m, "grad_chunk", "grad", 8, microbatch_size=3)
 
 
 def test_quick_csv(quick_run):
@@ -164,5 +188,6 @@ def test_plot_markdown(quick_run):
     assert "## Tracing cost" in text
     assert "## The same targets on jax" in text and "Rows whose status differs" not in text
     assert "| mlp |" in text
+    assert "Equal memory: the floor" in text
     pngs = os.listdir(out_dir / "img")
     assert any(p.startswith("bench_mlp") for p in pngs)
