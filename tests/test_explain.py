@@ -228,3 +228,45 @@ def test_predicted_memory_within_1_5x_of_xla(name):
         assert pred is not None
         assert measured <= 1.5 * pred + slack and pred <= 1.5 * measured + slack, (
             name, rep.statistics, measured, pred, rep.grad_temp_bytes)
+
+
+def _tied_dense():
+    """One [d, d] weight used by two dense layers with tokens (no ghost cross term)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    r = np.random.default_rng(3)
+    W = jnp.asarray(r.standard_normal((6, 6)) / 3, jnp.float32)
+    b = {"x": jnp.asarray(r.standard_normal((5, 4, 6)), jnp.float32)}
+
+    def loss(W, b):
+        return jnp.mean(jnp.sum(jnp.tanh(jnp.tanh(b["x"] @ W) @ W) ** 2, axis=(-1, -2)))
+
+    return loss, W, b
+
+
+@pytest.mark.parametrize("other", ["second_moment", "variance", "sq_norms", "clipped_mean",
+                                   "kron_moments"])
+def test_explain_says_how_the_engine_sums_a_shared_leaf(other, monkeypatch):
+    """explain's word for the plain sum of a leaf with several sites (a contraction
+    per site, or an add in the tile loop of the other statistics) is what the engine
+    does: the tile loops the engine runs are recorded."""
+    from jaxpr_surgery._src import engine
+    from jaxpr_surgery._src import stats as S
+
+    loss, W, b = _tied_dense()
+    make = M.STATS.get(other) or getattr(js.stats, other)
+    stat = {"mean": js.stats.mean(), other: make()}
+    seen = []
+    orig = engine._tiled_materialised
+
+    def spy(plan, ings, mat, B, reductions):
+        seen.extend(reductions)
+        return orig(plan, ings, mat, B, reductions)
+
+    monkeypatch.setattr(engine, "_tiled_materialised", spy)
+    js.per_example_stat(loss, stat)(W, b)
+    engine_rides = any(isinstance(r, S.PhiSum) and r.phi is None for r in seen)
+    leaf = js.explain(loss, stat)(W, b).leaves[0]
+    mean_part = next(p for p in leaf.detail.split("; ") if p.startswith("mean:"))
+    assert ("tiled products of the shared leaf" in mean_part) == engine_rides, (seen, leaf.detail)

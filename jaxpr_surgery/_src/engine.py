@@ -9,6 +9,7 @@ the per-example aux outputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -545,6 +546,7 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
                 total = k.add_to_leaf(ing, total, lambda g, s=s: _to_leaf(g, s), cut)
         return total
 
+    @functools.cache  # one trace for a statistic and the clipping norms alike
     def sq_norms():
         if len(ings) == 1:
             s, k, ing = ings[0]
@@ -599,39 +601,28 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
                 values[j][i] = v
         return
 
-    # the plain sum is a contraction per site even when the summed G_b is tiled for
-    # other reductions (measured faster on XLA:CPU than a second consumer of a whole
-    # G_b), unless G_b comes in blocks of features that stay in cache
-    todo, sums = [], []
-    for j, r in enumerate(plan.reductions):
-        if isinstance(r, S.ClippedSum):
-            continue
-        if isinstance(r, S.PhiSum) and r.phi is None:
-            sums.append(j)
-        elif isinstance(r, S.SqNorms) and (v := sq_norms()) is not None:
-            values[j][i] = v
-        elif isinstance(r, S.KronSum) and (v := kron_streamed(plan, ings, r, B)) is not None:
-            values[j][i] = v
-        elif isinstance(r, dots.DotWith):
-            values[j][i] = _leaf_dots(plan, i, ings, r, B, mat)
-        else:
-            todo.append(j)
-    if plan.needs_norms:
-        sq = sq_norms()
-        if sq is None:
-            todo.append(None)
-        else:
-            norms_leaf[i] = sq
-    if todo and (
-        any(j is not None and isinstance(plan.reductions[j], S.Centered) for j in todo)
-        or leaf_feature_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings])
-        or tiling.prefer_per_example()
-    ):
-        # the plain sum rides along: centred sums give it for free (tiling.py), and
-        # with G (or its blocks) in cache, one example a tile on CPU, its add is faster
-        # than a contraction per site (long transformer, tied embedding: mean+E[g²]
-        # 1.16-1.24x -> 1.00-1.04x E[g²] alone)
+    ghost_ok = all(
+        cross_layout(*ings[a][:2], *ings[b][:2]) is not None
+        for a in range(len(ings))
+        for b in range(a + 1, len(ings))
+    )
+    facs = leaf_factors(ings) if any(isinstance(r, S.KronSum) for r in plan.reductions) else None
+    ft = leaf_feature_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings])
+    todo, rides = multi_site_routes(plan.reductions, ghost_ok, facs is not None, ft)
+    sums = [j for j, r in enumerate(plan.reductions) if _plain_sum(r)]
+    if rides:
         todo, sums = todo + sums, []
+    for j, r in enumerate(plan.reductions):
+        if j in todo or isinstance(r, S.ClippedSum) or _plain_sum(r):
+            continue
+        if isinstance(r, S.SqNorms):
+            values[j][i] = sq_norms()
+        elif isinstance(r, S.KronSum):
+            values[j][i] = kron.moments(facs, tuple(aval.shape), r, acc, plan.budget)
+        else:  # DotWith
+            values[j][i] = _leaf_dots(plan, i, ings, r, B, mat)
+    if plan.needs_norms and None not in todo:
+        norms_leaf[i] = sq_norms()
     if sums:
         total = weighted(jnp.ones((B,), acc))
         for j in sums:
@@ -647,6 +638,44 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
                 values[j][i] = v
 
 
+def _plain_sum(r):
+    return isinstance(r, S.PhiSum) and r.phi is None
+
+
+def multi_site_routes(reductions, ghost_ok, kron_ok, leaf_ft):
+    """How a leaf used by several sites (tying) gets its reductions: ``(tiled, rides)``.
+
+    ``tiled``: the reductions (indices; None for the norms that clipping needs) read
+    from tiles of the leaf's summed per-example gradient; the others come from the
+    sites' own forms: squared norms from their ghost norms and cross terms
+    (``ghost_ok``), Kronecker moments from their token factors (``kron_ok``), dots
+    with a reference per site, plain sums by one contraction per site. ``rides``:
+    the plain sums are added in that tile loop instead: centred sums give them for
+    free (tiling.py), and with ``G`` (or its blocks, ``leaf_ft``) in cache, one
+    example a tile on CPU, the add is faster than a contraction per site (long
+    transformer, tied embedding: mean+E[g²] 1.16-1.24x -> 1.00-1.04x E[g²] alone);
+    elsewhere a contraction per site is faster than a second consumer of a whole
+    ``G_b``. The engine and `explain` both decide by this function.
+    """
+    tiled = [
+        j
+        for j, r in enumerate(reductions)
+        if not isinstance(r, (S.ClippedSum, dots.DotWith))
+        and not _plain_sum(r)
+        and not (isinstance(r, S.SqNorms) and ghost_ok)
+        and not (isinstance(r, S.KronSum) and kron_ok)
+    ]
+    needs_norms = any(isinstance(r, (S.SqNorms, S.ClippedSum)) for r in reductions)
+    if needs_norms and not ghost_ok:
+        tiled.append(None)
+    rides = bool(tiled) and (
+        any(j is not None and isinstance(reductions[j], S.Centered) for j in tiled)
+        or leaf_ft is not None
+        or tiling.prefer_per_example()
+    )
+    return tiled, rides
+
+
 def leaf_factors(ings):
     """The token factors of a multi-site leaf's sites in leaf axes, or None where some
     site has none (generic sites, views that reshape the leaf, layers inside scans) or
@@ -660,15 +689,6 @@ def leaf_factors(ings):
     if len({f.structure for f in out}) != 1 or (len(out) > 1 and out[0].kaxes):
         return None
     return out
-
-
-def kron_streamed(plan, ings, r, B):
-    """`KronSum` of a multi-site leaf (a tied embedding) from its sites' tokens."""
-    facs = leaf_factors(ings)
-    if facs is None:
-        return None
-    aval = plan.leaf_avals[ings[0][0].leaf]
-    return kron.moments(facs, tuple(aval.shape), r, acc_dtype_for(aval.dtype), plan.budget)
 
 
 def _reference_leaves(flatten, reference, leaf_avals):

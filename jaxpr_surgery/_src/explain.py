@@ -15,7 +15,12 @@ from jaxpr_surgery._src import analysis as A
 from jaxpr_surgery._src import chunking, compat, dots, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared
-from jaxpr_surgery._src.engine import clips_by_recompute, cross_layout, leaf_feature_tile
+from jaxpr_surgery._src.engine import (
+    clips_by_recompute,
+    cross_layout,
+    leaf_feature_tile,
+    multi_site_routes,
+)
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
     FALLBACK,
@@ -348,17 +353,24 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
     )
     leaf_tile = tiling.leaf_tile(B, shape, acc, budget, ks)  # as the engine sizes it
     leaf_ft = leaf_feature_tile(B, shape, acc, budget, ks) if multi else None
-    # as the engine does: the plain sum rides in the tile loop of another reduction
-    # where centred sums give it, with blocks of features, or on CPU
-    tiled = any(
-        (isinstance(r, S.PhiSum) and r.phi is not None)
-        or (isinstance(r, S.SqNorms) and not ghost_cross)
-        for r in reductions
-    )
-    sum_rides = multi and (
-        any(isinstance(r, S.Centered) for r in reductions)
-        or ((leaf_ft is not None or tiling.prefer_per_example()) and tiled)
-    )
+
+    def kron_streams():
+        """Token grams serve `KronSum` (every site's token factors line up in leaf axes)."""
+        ok = all(
+            kron.leaf_axes(s) is not None and hasattr(k, "kron_meta")
+            for s, k in zip(info.sites, ks)
+        ) and (not multi or len({k.kron_meta()[1] for k in ks}) == 1)
+        return ok and (not multi or all(not k.kron_meta()[0][1] for k in ks))  # no block dims
+
+    # which reductions the engine reads from tiles of the leaf's summed G, and whether
+    # the plain sums ride in that loop: the engine's own decision
+    tiled = set()
+    sum_rides = False
+    if multi:
+        kron_ok = any(isinstance(r, S.KronSum) for r in reductions) and kron_streams()
+        reds = list(reductions)
+        idx, sum_rides = multi_site_routes(reds, ghost_cross, kron_ok, leaf_ft)
+        tiled = {reds[j] for j in idx if j is not None}
 
     def rule_of(r):
         """(word, how, flops, bytes) of one reduction over the leaf's sites."""
@@ -377,17 +389,16 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
             reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
             rl = k.rule(r, B)
             linear = isinstance(r, S.PhiSum) and r.phi is None
-            if multi and (sum_rides or not linear) and not isinstance(r, S.ClippedSum):
-                if isinstance(r, S.SqNorms) and ghost_cross:
-                    rl = dataclasses.replace(rl, how=rl.how + " + ghost cross terms")
-                else:
-                    t = leaf_tile
-                    rl = Rule(
-                        STREAMED,
-                        f"tiled products of the shared leaf ({tiling.describe(t, leaf_ft, shape)})",
-                        2.0 * B * size,
-                        float(tiling.tile_bytes(t, leaf_ft, shape, acc)),
-                    )
+            if multi and isinstance(r, S.SqNorms) and ghost_cross:
+                rl = dataclasses.replace(rl, how=rl.how + " + ghost cross terms")
+            elif multi and (r in tiled or (linear and sum_rides)):
+                t = leaf_tile
+                rl = Rule(
+                    STREAMED,
+                    f"tiled products of the shared leaf ({tiling.describe(t, leaf_ft, shape)})",
+                    2.0 * B * size,
+                    float(tiling.tile_bytes(t, leaf_ft, shape, acc)),
+                )
             if isinstance(r, S.ClippedSum) and recompute:  # loss with remat
                 rl = dataclasses.replace(
                     rl, how=rl.how + " then a reweighted backward pass (remat: nothing kept)"
@@ -409,13 +420,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
     def kron_rule(r):
         """Token grams where every site has token factors lining up in leaf axes (one
         site, or a tied embedding); else tiles of the leaf's exact per-example gradients."""
-        streamed = all(
-            kron.leaf_axes(s) is not None and hasattr(k, "kron_meta")
-            for s, k in zip(info.sites, ks)
-        ) and (not multi or len({k.kron_meta()[1] for k in ks}) == 1)
-        if streamed and multi:
-            streamed = all(not k.kron_meta()[0][1] for k in ks)  # no block dims
-        if streamed:
+        if kron_streams():
             metas = [k.kron_meta()[0] for k in ks]
             tok = sum(m[0] for m in metas)
             it_bytes = itemsize * (
