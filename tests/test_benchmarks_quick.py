@@ -142,6 +142,10 @@ def test_quick_json_schema(quick_run):
         assert t["met"] in (True, False, None)
         if t["met"] is not None:
             assert t["met"] == (t["value"] <= t["threshold"])
+    fused = [t for t in doc["targets"] if t.get("vs_slower_alone") is not None]
+    assert fused and all(t["target"] == "fused_vs_single" for t in fused)
+    for t in fused:
+        assert t["vs_slower_alone"] <= t["value"] + 1e-12  # the slower one is at least sm
     # the equal-memory floor: grad in the same chunks, beside every equal-memory row
     assert any(r["method"] == "grad_chunk" for r in rows)
     eq = [t for t in doc["targets"] if t["target"] == "equal_mem_time" and t["met"] is not None]
@@ -189,5 +193,6 @@ def test_plot_markdown(quick_run):
     assert "## The same targets on jax" in text and "Rows whose status differs" not in text
     assert "| mlp |" in text
     assert "Equal memory: the floor" in text
+    assert "mean+second_moment against each alone" in text
     pngs = os.listdir(out_dir / "img")
     assert any(p.startswith("bench_mlp") for p in pngs)
