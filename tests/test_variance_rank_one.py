@@ -2,7 +2,8 @@
 
 The raw form ``sum x^2 d^2 - (sum x d)^2 / B`` costs two contractions; it is kept only
 where its worst-case rounding error is below ``sqrt(eps)`` of the result, else the
-centred expansion (and past that the exact tiles) take over. These tests sweep the mean
+centred expansion (and past that the exact tiles) take over. Large batches take it in
+groups, each held to its own bound, merged exactly. These tests sweep the mean
 against the spread through the threshold, check each branch is the one taken, and hold
 every result to the float64 oracle.
 """
@@ -66,7 +67,7 @@ def _poisoned(monkeypatch):
     monkeypatch.setattr(dense.DenseKernel, "_centered_expansion", nan)
 
 
-@pytest.mark.parametrize("B", [2, 7, 32, 200])
+@pytest.mark.parametrize("B", [2, 7, 32, 200, 301])
 @pytest.mark.parametrize("ratio", [0.0, 1.0, 3.0, 10.0, 30.0, 100.0, 1e3, 1e4])
 def test_raw_form_within_its_bound_where_kept(monkeypatch, B, ratio):
     _poisoned(monkeypatch)  # NaN: the raw form was refused
@@ -113,8 +114,56 @@ def test_centred_form_taken_where_the_raw_form_cancels(monkeypatch):
     assert np.all(np.isnan(_variance(32, 1e3)))
 
 
-def test_large_float32_batches_skip_the_raw_form(monkeypatch):
-    B = next(b for b in range(2, 10**4) if dense.naive_tau(b, jnp.float32) > dense.NAIVE_MAX_TAU)
+@pytest.mark.parametrize("B", [129, 300, 301, 515])
+def test_large_float32_batches_take_the_raw_form_in_groups(monkeypatch, B):
+    """Past one group (float32: 128 examples) the raw form runs per group, each held to
+    its own bound, and the groups merge exactly: still the raw form (no NaN from the
+    poisoned expansion), within the raw form's bound of the oracle."""
+    groups = dense.raw_groups(B, jnp.float32)
+    assert sum(c * n for c, n in groups) == B and sum(c for c, _ in groups) > 1
+    assert max(n for _, n in groups) - min(n for _, n in groups) <= 1
+    assert max(n for _, n in groups) <= dense.raw_group_size(jnp.float32) == 128
     _poisoned(monkeypatch)
-    assert np.all(np.isnan(_variance(B, 1.0)))
-    assert np.all(np.isfinite(_variance(B - 3, 1.0)))
+    for ratio in (0.0, 1.0):
+        got, (g, ref) = _variance(B, ratio), _oracle(B, ratio)
+        assert np.all(np.isfinite(got)), ratio
+        bound = np.sqrt(np.finfo(np.float32).eps) * ref + _float32_slack(g)
+        assert np.all(np.abs(got - ref) <= bound), ratio
+
+
+def test_one_group_where_the_bound_allows():
+    assert dense.raw_groups(128, jnp.float32) == [(1, 128)]
+    assert dense.raw_groups(7, jnp.float32) == [(1, 7)]
+    assert dense.raw_groups(10**5, jnp.float64) == [(1, 10**5)]  # float64: tau stays small
+
+
+def test_a_cancelling_group_sends_the_batch_to_the_centred_form(monkeypatch):
+    """One group whose mean dwarfs its spread (the others fine) is enough."""
+    _poisoned(monkeypatch)
+    loss, w, (x, c) = _model(300, 1.0, jnp.float32)
+    _, _, (x2, c2) = _model(300, 1e3, jnp.float32, seed=1)
+    x = x.at[200:].set(x2[200:])
+    c = c.at[200:].set(c2[200:])
+    got = np.asarray(jax.jit(js.per_example_stat(loss, js.stats.variance()))(w, (x, c)))
+    assert np.all(np.isnan(got))
+
+
+def test_grouped_raw_form_differentiates():
+    """jax.grad through the grouped raw form (a scan of merges) against vmap(grad)."""
+    B, C, F = 300, 6, 5
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(B, C)) + 0.5, jnp.float32)
+    w = jnp.asarray(rng.normal(size=(C, F)) / 2, jnp.float32)
+    u = jnp.asarray(rng.normal(size=(C, F)), jnp.float32)
+
+    def loss(w, xb):
+        return jnp.mean(jnp.sum(jnp.tanh(xb @ w) ** 2, -1))
+
+    var = js.per_example_stat(loss, js.stats.variance())
+    ours = jax.jit(jax.grad(lambda w: jnp.sum(var(w, x) * u)))(w)
+
+    def ref_var(w):
+        g = jax.vmap(jax.grad(loss), in_axes=(None, 0))(w, x[:, None])
+        return jnp.sum(jnp.var(g, axis=0, ddof=1) * u)
+
+    np.testing.assert_allclose(ours, jax.jit(jax.grad(ref_var))(w), rtol=2e-3, atol=1e-6)

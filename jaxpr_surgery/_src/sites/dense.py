@@ -81,9 +81,23 @@ FALLBACK_TILE_BYTES = 4 << 20  # tiles of the exact variance where the rank-one 
 # rounding error, however the sums are ordered, is at most sqrt(eps) of the result (half
 # the digits; in practice the error is far smaller). So it is dropped where some element's
 # mean exceeds about sqrt(1 / tau) of its spreads, tau = 3 (B + 2) sqrt(eps) (float32: 5 at
-# B = 32, 2 at B = 200); past NAIVE_MAX_TAU (float32 batches over 239) that would be too
-# common to pay for the attempt, so the centred expansion is used at once.
-NAIVE_MAX_TAU = 1 / 4
+# B = 32, 2 at B = 200). tau grows with the examples summed, so larger batches take the raw
+# form in groups of at most `raw_group_size` examples (float32: 128, tau 0.135), each held
+# to its own bound, merged by Chan et al.'s pairwise update (the exact moments of the
+# union, adding no cancellation of its own).
+RAW_GROUP_TAU = 0.135
+
+
+def raw_group_size(dtype):
+    """The most examples one raw variance sum takes (its tau at most `RAW_GROUP_TAU`)."""
+    return max(2, int(RAW_GROUP_TAU / (3 * math.sqrt(float(jnp.finfo(dtype).eps)))) - 2)
+
+
+def raw_groups(B, dtype):
+    """``[(count, size), ...]``: ``B`` examples in groups of sizes differing by at most one."""
+    G = -(-B // raw_group_size(dtype))
+    n, r = divmod(B, G)
+    return [(c, m) for c, m in ((r, n + 1), (G - r, n)) if c]
 
 
 def naive_tau(B, dtype):
@@ -352,21 +366,47 @@ class DenseKernel(Kernel):
         terms adds ``B eps`` of its absolute sum; Cauchy-Schwarz bounds the square of
         the sum by ``B sum_b G_b^2``). Where some element's ``m2`` is below
         ``1 / sqrt(eps)`` times that bound (the mean dwarfs the spread), the raw terms
-        may have cancelled: the centred expansion below instead. Where the test would
-        rarely pass (large float32 batches), the centred expansion is taken directly."""
-        B = x.shape[0]
-        tau = naive_tau(B, self.acc)
-        if tau > NAIVE_MAX_TAU:
-            return self._centered_expansion(x, d)
+        may have cancelled: the centred expansion below instead. The bound grows with
+        the examples summed, so larger batches take the raw form in groups
+        (`raw_groups`), each tested against its own bound, merged pairwise (Chan et
+        al.: ``m2 = m2_a + m2_b + delta^2 n_a n_b / n``, exact and cancellation-free)."""
         hi = jax.lax.Precision.HIGHEST  # the bound assumes products in the dtype's precision
-        s2 = jnp.einsum("bkc,bkf->kcf", jnp.square(x), jnp.square(d), precision=hi)
-        p = jnp.einsum("bkc,bkf->kcf", x, d, precision=hi)
-        m2 = s2 - jnp.square(p) / B
-        ill = jnp.any(m2 < tau * s2)
+
+        def raw(xg, dg):  # one group: mean, m2, and whether its terms may have cancelled
+            s2 = jnp.einsum("bkc,bkf->kcf", jnp.square(xg), jnp.square(dg), precision=hi)
+            p = jnp.einsum("bkc,bkf->kcf", xg, dg, precision=hi)
+            mean = p / xg.shape[0]
+            m2 = s2 - p * mean
+            return mean, m2, jnp.any(m2 < naive_tau(xg.shape[0], self.acc) * s2)
+
+        def merge(a, na, b, nb):
+            delta = b[0] - a[0]
+            w = (nb / (na + nb)).astype(self.acc)
+            c = (na * nb / (na + nb)).astype(self.acc)
+            return a[0] + delta * w, a[1] + b[1] + jnp.square(delta) * c, a[2] | b[2]
+
+        acc, seen, b0 = None, 0, 0
+        for count, size in raw_groups(x.shape[0], self.acc):
+            xs = x[b0 : b0 + count * size].reshape((count, size) + x.shape[1:])
+            ds = d[b0 : b0 + count * size].reshape((count, size) + d.shape[1:])
+            b0 += count * size
+            if acc is None:  # the first group starts the sums
+                acc, seen = raw(xs[0], ds[0]), size
+                xs, ds, count = xs[1:], ds[1:], count - 1
+            if count == 0:
+                continue
+
+            def body(carry, g, size=size):
+                a, na = carry
+                return (merge(a, na, raw(*g), size), na + size), None
+
+            acc = jax.lax.scan(body, (acc, jnp.asarray(seen, self.acc)), (xs, ds))[0][0]
+            seen += count * size
+        mean, m2, ill = acc
         return jax.lax.cond(
             ill,
             lambda: self._centered_expansion(x, d),
-            lambda: S.Moments(self.to_view(p / B), self.to_view(jnp.maximum(m2, 0))),
+            lambda: S.Moments(self.to_view(mean), self.to_view(jnp.maximum(m2, 0))),
         )
 
     def _centered_expansion(self, x, d):
@@ -523,17 +563,13 @@ class DenseKernel(Kernel):
             return tiled()
         if isinstance(reduction, S.Centered):
             if N == 1:
-                if naive_tau(B, self.acc) <= NAIVE_MAX_TAU:
-                    # two contractions and their [K, C, F] sums; the expansion below
-                    # runs only where they cancel
-                    return Rule(
-                        STREAMED, "rank-one centered", float(4 * B * K * C * F),
-                        float(3 * K * C * F * it),
-                    )
-                # the expansion's [K, C, F] terms (M, three cross sums, the result) are stored
+                # two contractions and their [K, C, F] sums (a group's and the running
+                # ones where the batch is taken in groups); the centred expansion runs
+                # only where they cancel
+                grouped = sum(c for c, _ in raw_groups(B, self.acc)) > 1
                 return Rule(
-                    STREAMED, "rank-one centered", float(12 * B * K * C * F),
-                    float(5 * K * C * F * it),
+                    STREAMED, "rank-one centered", float(4 * B * K * C * F),
+                    float((5 if grouped else 3) * K * C * F * it),
                 )
             return tiled()
         return tiled()
