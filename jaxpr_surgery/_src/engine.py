@@ -601,7 +601,7 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
                 values[j][i] = v
         return
 
-    ghost_ok = all(
+    ghost_ok = plan.needs_norms and all(  # (only norms ask; the layout check is numpy work)
         cross_layout(*ings[a][:2], *ings[b][:2]) is not None
         for a in range(len(ings))
         for b in range(a + 1, len(ings))
