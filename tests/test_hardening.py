@@ -218,6 +218,27 @@ def test_ghost_norms_derivative_where_they_cancel(jac):
     assert np.all(err < 2e-2), err
 
 
+def test_ghost_norms_grad_of_vmap_where_they_cancel():
+    """grad of a vmap over models (the recomputation's flags batched) runs and matches
+    the oracle, on the examples that cancel too."""
+
+    def grads(dtype, ours):
+        W, b = _cancel_case(dtype, "odd")[1:]
+        Ws = jnp.stack([W, -0.5 * W])
+        fn = js.per_example_stat(_tanh_loss, js.stats.sq_norms())
+        if not ours:
+            fn = lambda W, b: jnp.sum(jnp.square(_per_example_grads(_tanh_loss, W, b)), (1, 2))  # noqa: E731
+        wt = jnp.arange(1.0, 9.0, dtype=dtype)  # a different weight per example
+        f = lambda Ws: jnp.sum(jax.vmap(fn, in_axes=(0, None))(Ws, b) * wt)  # noqa: E731
+        return np.asarray(jax.jit(jax.grad(f))(Ws), np.float64)
+
+    ref = _x64(lambda: grads(jnp.float64, False))
+    np.testing.assert_allclose(_x64(lambda: grads(jnp.float64, True)), ref, rtol=1e-9,
+                               atol=1e-12 * np.abs(ref).max())
+    np.testing.assert_allclose(grads(jnp.float32, True), ref, rtol=2e-2,
+                               atol=2e-2 * np.abs(ref).max())
+
+
 # --------------------------------------------------------------------------- #
 # 6. clipping bounds
 # --------------------------------------------------------------------------- #

@@ -123,18 +123,23 @@ def _products(x, dy):
     return jax.lax.dot_general(x, dy, (((2,), (2,)), ((0, 1), (0, 1))))
 
 
-def _recompute_flagged(exact, x, dy, ghost, bad):
-    """``ghost`` with ``exact(x, dy, b)`` in place of the examples ``bad`` flags.
+def _recompute_flagged(exact, x, dy, ghost, limit):
+    """``ghost`` with ``exact(x, dy, b)`` in place of the examples where it is at most
+    ``limit`` (where its terms may have cancelled).
 
     The value comes from one loop over the flagged examples alone (flagged first in
     ``order``): no trip in the usual case and no branch to trace or lower. A loop
     with a traced trip count has no reverse-mode derivative, so derivatives (of any
-    order) come from the same recomputation written with static bounds and branches;
-    they are only traced when something differentiates the statistic.
+    order) come from recomputing every example's norm in a loop with static bounds,
+    taken where flagged: about one more weight-gradient contraction, paid only by
+    programs that differentiate the statistic. No branch there either: under
+    ``vmap`` a branch on traced flags becomes a select whose operands pass through
+    ``stop_gradient``, which reverse mode cannot transpose inside this rule.
     """
 
     @jax.custom_jvp
-    def fast(x, dy, ghost, bad):
+    def fast(x, dy, ghost, limit):
+        bad = ghost <= limit
         order = jnp.argsort(jnp.logical_not(bad), stable=True)
 
         def one(i, g):
@@ -143,15 +148,16 @@ def _recompute_flagged(exact, x, dy, ghost, bad):
 
         return jax.lax.fori_loop(0, jnp.sum(bad, dtype=jnp.int32), one, ghost)
 
-    def differentiable(x, dy, ghost, bad):
-        def one(b, g):
-            return g.at[b].set(jax.lax.cond(bad[b], lambda: exact(x, dy, b), lambda: g[b]))
+    def differentiable(x, dy, ghost, limit):
+        bad = ghost <= limit
 
-        fix = lambda g: jax.lax.fori_loop(0, x.shape[0], one, g)  # noqa: E731
-        return jax.lax.cond(jnp.any(bad), fix, lambda g: g, ghost)
+        def one(b, g):
+            return g.at[b].set(jnp.where(bad[b], exact(x, dy, b), g[b]))
+
+        return jax.lax.fori_loop(0, x.shape[0], one, ghost)
 
     fast.defjvp(lambda primals, tangents: jax.jvp(differentiable, primals, tangents))
-    return fast(x, dy, ghost, bad)
+    return fast(x, dy, ghost, limit)
 
 
 @register("dense")
@@ -522,10 +528,8 @@ class DenseKernel(Kernel):
         nd = jnp.sqrt(jnp.sum(jnp.square(dy), -1))
         scale = jnp.sum(jnp.square(jnp.sum(nx * nd, -1)), -1)
         eps = jnp.finfo(ghost.dtype).eps
-        bad = ghost <= 1024 * eps * scale
-
         return _recompute_flagged(lambda x, dy, b: jnp.sum(jnp.square(self._tile_G(x, dy, b, 1))),
-                                  x, dy, ghost, bad)
+                                  x, dy, ghost, 1024 * eps * scale)
 
     def weighted_sum(self, ing, c):
         x, dy = ing
