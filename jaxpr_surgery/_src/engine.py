@@ -53,7 +53,7 @@ class Plan:
 
     @property
     def needs_norms(self):
-        return any(isinstance(r, (S.SqNorms, S.ClippedSum)) for r in self.reductions)
+        return needs_norms(self.reductions)
 
     @property
     def has_clip(self):
@@ -609,11 +609,11 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
     facs = leaf_factors(ings) if any(isinstance(r, S.KronSum) for r in plan.reductions) else None
     ft = leaf_feature_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings])
     todo, rides = multi_site_routes(plan.reductions, ghost_ok, facs is not None, ft)
-    sums = [j for j, r in enumerate(plan.reductions) if _plain_sum(r)]
+    sums = [j for j, r in enumerate(plan.reductions) if S.is_plain_sum(r)]
     if rides:
         todo, sums = todo + sums, []
     for j, r in enumerate(plan.reductions):
-        if j in todo or isinstance(r, S.ClippedSum) or _plain_sum(r):
+        if j in todo or isinstance(r, S.ClippedSum) or S.is_plain_sum(r):
             continue
         if isinstance(r, S.SqNorms):
             values[j][i] = sq_norms()
@@ -638,8 +638,9 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
                 values[j][i] = v
 
 
-def _plain_sum(r):
-    return isinstance(r, S.PhiSum) and r.phi is None
+def needs_norms(reductions):
+    """Per-example squared norms are asked for, or needed by clipping."""
+    return any(isinstance(r, (S.SqNorms, S.ClippedSum)) for r in reductions)
 
 
 def multi_site_routes(reductions, ghost_ok, kron_ok, leaf_ft):
@@ -661,12 +662,11 @@ def multi_site_routes(reductions, ghost_ok, kron_ok, leaf_ft):
         j
         for j, r in enumerate(reductions)
         if not isinstance(r, (S.ClippedSum, dots.DotWith))
-        and not _plain_sum(r)
+        and not S.is_plain_sum(r)
         and not (isinstance(r, S.SqNorms) and ghost_ok)
         and not (isinstance(r, S.KronSum) and kron_ok)
     ]
-    needs_norms = any(isinstance(r, (S.SqNorms, S.ClippedSum)) for r in reductions)
-    if needs_norms and not ghost_ok:
+    if needs_norms(reductions) and not ghost_ok:
         tiled.append(None)
     rides = bool(tiled) and (
         any(j is not None and isinstance(reductions[j], S.Centered) for j in tiled)

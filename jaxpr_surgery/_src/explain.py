@@ -388,7 +388,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
         for s, k in zip(info.sites, ks):
             reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
             rl = k.rule(r, B)
-            linear = isinstance(r, S.PhiSum) and r.phi is None
+            linear = S.is_plain_sum(r)
             if multi and isinstance(r, S.SqNorms) and ghost_cross:
                 rl = dataclasses.replace(rl, how=rl.how + " + ghost cross terms")
             elif multi and (r in tiled or (linear and sum_rides)):

@@ -108,6 +108,11 @@ class PhiSum(Reduction):
         return g if self.phi is None else self.phi(g)
 
 
+def is_plain_sum(r) -> bool:
+    """``r`` is the plain sum of the per-example gradients (no ``phi``): linear."""
+    return isinstance(r, PhiSum) and r.phi is None
+
+
 @dataclasses.dataclass(frozen=True)
 class Centered(Reduction):
     """Mean and centered sum of squares ``(mean_b g_b, sum_b (g_b - mean)^2)``."""

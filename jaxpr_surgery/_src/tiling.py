@@ -171,7 +171,7 @@ def reduce_tiles(
     ):
         return _feature_blocks(features, B, reductions, tile, means, tuple(shape), dtype)
     one = [isinstance(r, S.Centered) and m is None for r, m in zip(reductions, means)]
-    plain = [isinstance(r, S.PhiSum) and r.phi is None for r in reductions]
+    plain = [S.is_plain_sum(r) for r in reductions]
     if any(one) and any(plain):  # the plain sum is B * mean: not a second pass over G
         keep = [i for i, p in enumerate(plain) if not p]
         vals = reduce_tiles(

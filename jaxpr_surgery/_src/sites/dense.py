@@ -287,7 +287,7 @@ class DenseKernel(Kernel):
             # costing a second contraction over the batch; centred sums take one
             # pass (tiling.py), so no mean is contracted beforehand either
             if not self.needs_materialise(r) and not (
-                isinstance(r, S.PhiSum) and r.phi is None and self.c["N"] > 1
+                S.is_plain_sum(r) and self.c["N"] > 1
             ):
                 out[k] = self.direct(ctx, r)
                 continue

@@ -212,7 +212,7 @@ class EmbeddingKernel(Kernel):
     def rule(self, reduction, B):
         T = int(np.prod(self.site.eqn.outvars[0].aval.shape)) // self.d
         it = jnp.dtype(self.acc).itemsize
-        if isinstance(reduction, S.PhiSum) and reduction.phi is None:
+        if S.is_plain_sum(reduction):
             return Rule(STREAMED, "scatter-add", float(B * T * self.d), 0.0)
         if isinstance(reduction, S.PhiSum) and not _phi_zero_is_zero(reduction):
             return Rule(
