@@ -164,26 +164,38 @@ def _mark(met):
     return {True: "met", False: "**MISSED**", None: "not measured"}[met]
 
 
+def _side_table(intro, head, rows, cells):
+    """An explanatory paragraph, then a table of target rows: ``cells(t)`` gives each
+    row's values (formatted by `_f`) after its regime and batch; a status column ends it."""
+    L = [intro, "", "| regime | B | " + " | ".join(head) + " | status |",
+         "|---|---|" + "---|" * (len(head) + 1)]
+    for t in rows:
+        L.append(f"| {t['regime']} | {t['batch']} | "
+                 + " | ".join(_f(v) if not isinstance(v, str) else v for v in cells(t))
+                 + f" | {_mark(t['met'])} |")
+    L.append("")
+    return L
+
+
 def _equal_memory_floor(targets):
     """The equal-memory time rows beside the plain gradient in the same chunks."""
     rows = [t for t in targets if t["target"] == "equal_mem_time"
             and t.get("grad_chunk_vs_micro_grad") is not None]
     if not rows:
         return []
-    L = ["Equal memory: the floor. Any method at micro_grad's memory runs the model one "
-         "chunk of B/4 examples at a time; `grad_chunk` is `jax.grad` alone doing that (no "
-         "statistic). Its time over micro_grad's is the best ratio any such method can "
-         "reach; js's time over it is what the statistics add.", "",
-         "| regime | B | statistic | js_chunk / micro_grad | grad_chunk / micro_grad "
-         "| js_chunk / grad_chunk | status |",
-         "|---|---|---|---|---|---|---|"]
-    for t in rows:
-        L.append(f"| {t['regime']} | {t['batch']} | {t['what']} | {_f(t['value'])} | "
-                 f"{_f(t['grad_chunk_vs_micro_grad'])} | {_f(t['js_chunk_vs_grad_chunk'])} | "
-                 f"{_mark(t['met'])} |")
+    L = _side_table(
+        "Equal memory: the floor. Any method at micro_grad's memory runs the model one "
+        "chunk of B/4 examples at a time; `grad_chunk` is `jax.grad` alone doing that (no "
+        "statistic). Its time over micro_grad's is the best ratio any such method can "
+        "reach; js's time over it is what the statistics add.",
+        ["statistic", "js_chunk / micro_grad", "grad_chunk / micro_grad",
+         "js_chunk / grad_chunk"],
+        rows,
+        lambda t: [t["what"], t["value"], t["grad_chunk_vs_micro_grad"],
+                   t["js_chunk_vs_grad_chunk"]],
+    )
     missed = [t for t in rows if t["met"] is False]
     floor = [t for t in missed if t["grad_chunk_vs_micro_grad"] > t["threshold"]]
-    L.append("")
     if missed:
         L.append(f"Of the {len(missed)} missed rows, {len(floor)} have the chunked gradient "
                  f"alone above the {missed[0]['threshold']}x threshold: there micro_grad "
@@ -199,18 +211,15 @@ def _fused_floor(targets):
             and t.get("mean_vs_second_moment") is not None]
     if not rows:
         return []
-    L = ["mean+second_moment against each alone: both at once cannot cost less than the "
-         "slower of the two, and on some models js's mean alone (the gradient, through "
-         "the same chunks and tile loops) costs more than second_moment alone.", "",
-         "| regime | B | mean+second_moment / second_moment | mean / second_moment "
-         "| mean+second_moment / slower alone | status |",
-         "|---|---|---|---|---|---|"]
-    for t in rows:
-        L.append(f"| {t['regime']} | {t['batch']} | {_f(t['value'])} | "
-                 f"{_f(t['mean_vs_second_moment'])} | {_f(t['vs_slower_alone'])} | "
-                 f"{_mark(t['met'])} |")
-    L.append("")
-    return L
+    return _side_table(
+        "mean+second_moment against each alone: both at once cannot cost less than the "
+        "slower of the two, and on some models js's mean alone (the gradient, through "
+        "the same chunks and tile loops) costs more than second_moment alone.",
+        ["mean+second_moment / second_moment", "mean / second_moment",
+         "mean+second_moment / slower alone"],
+        rows,
+        lambda t: [t["value"], t["mean_vs_second_moment"], t["vs_slower_alone"]],
+    )
 
 
 def _target_counts(targets):

@@ -344,15 +344,15 @@ def _chunked_grad(loss, B, mb):
 def make_method(model: models.Model, method: str, stat: str, B: int,
                 microbatch_size: int | None = None, chunk_size: int | str | None = "auto"):
     loss = model.loss
+    # the chunk of the equal-memory methods (grad_chunk, js_chunk, micro_grad_mb)
+    mb = microbatch_size if microbatch_size is not None else microbatch_size_for(B)
     if method == "grad":
         return jax.grad(loss)
     if method == "js":
         return js.per_example_stat(loss, js_stat(stat), chunk_size=chunk_size)
     if method == "grad_chunk":  # the plain gradient, one chunk of B/4 at a time
-        mb = microbatch_size if microbatch_size is not None else microbatch_size_for(B)
         return _chunked_grad(loss, B, mb)
     if method == "js_chunk":  # equal memory to micro_grad_mb: the same chunk
-        mb = microbatch_size if microbatch_size is not None else microbatch_size_for(B)
         return js.per_example_stat(loss, js_stat(stat), chunk_size=mb)
     if method == "vmap":
         def per_example_loss(p, ex):
@@ -364,11 +364,9 @@ def make_method(model: models.Model, method: str, stat: str, B: int,
         return f
     if method in ("micro_grad", "micro_grad_mb"):
         transform, metrics, fin = _micro_transform(stat)
-        mb = None
-        if method == "micro_grad_mb":
-            mb = microbatch_size if microbatch_size is not None else microbatch_size_for(B)
         mg = optax.microbatching.micro_grad(
-            loss, argnums=0, batch_argnums=1, keep_batch_dim=True, microbatch_size=mb,
+            loss, argnums=0, batch_argnums=1, keep_batch_dim=True,
+            microbatch_size=mb if method == "micro_grad_mb" else None,
             accumulator=optax.microbatching.AccumulationType.MEAN,
             transform_fn=transform, metrics_fn=metrics)
 
