@@ -20,6 +20,7 @@ from jaxpr_surgery._src.engine import (
     cross_layout,
     leaf_feature_tile,
     multi_site_routes,
+    needs_norms,
 )
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
@@ -346,7 +347,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
         )
     ks = [kernel_for(s, acc, budget) for s in info.sites]
     multi = len(info.sites) > 1
-    ghost_cross = multi and all(
+    ghost_cross = multi and needs_norms(reductions) and all(  # as the engine checks it
         cross_layout(info.sites[a], ks[a], info.sites[b], ks[b]) is not None
         for a in range(len(ks))
         for b in range(a + 1, len(ks))
