@@ -1,9 +1,11 @@
 """Sites finish their statistics before the backward pass goes on (interpreter.make_site_fn).
 
-In a loss without ``jax.checkpoint`` each site outside a scan ties its statistics to
-its data cotangents with ``lax.optimization_barrier``, so XLA cannot keep the site's
-input and cotangent alive into the layers below; with remat it does not (measured
-worse there). The barrier changes scheduling only: the values stay the oracle's.
+In a loss without ``jax.checkpoint`` each site outside a scan passes its input and
+cotangent through one ``lax.optimization_barrier`` before its statistics and its
+cotangent with the statistics through another before its data cotangents, so XLA can
+neither hoist work on the input ahead nor keep the site's input and cotangent alive
+into the layers below; with remat it does not (measured worse there). The barriers
+change scheduling only: the values stay the oracle's.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def test_barrier_only_without_remat_and_values_unchanged(remat):
         stats = (js.stats.second_moment(), js.stats.variance(), js.stats.sq_norms())
         f = js.per_example_stat(loss, stats)
         n = _count_barriers(jax.make_jaxpr(f)(p, b).jaxpr)
-        assert (n == 0) if remat else (n >= 2), n  # one per site (two dense sites)
+        assert (n == 0) if remat else (n >= 4), n  # two per site (two dense sites)
         one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
         g = jax.vmap(jax.grad(one), in_axes=(None, 0))(p, b)
         m2, var, sq = jax.jit(f)(p, b)

@@ -472,6 +472,15 @@ def cross_layout(sa, ka, sb, kb):
     return None
 
 
+def ghost_cross_ok(sites, kernels):
+    """Every pair of a shared leaf's sites has a ghost cross term (`cross_layout`)."""
+    return all(
+        cross_layout(sites[a], kernels[a], sites[b], kernels[b]) is not None
+        for a in range(len(sites))
+        for b in range(a + 1, len(sites))
+    )
+
+
 def _cross_fast(sa, ka, inga, sb, kb, ingb):
     """<G_a, G_b> per example (ghost form), or None when there is no cheap formula."""
     rows_on = cross_layout(sa, ka, sb, kb)
@@ -601,11 +610,8 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
                 values[j][i] = v
         return
 
-    ghost_ok = plan.needs_norms and all(  # (only norms ask; the layout check is numpy work)
-        cross_layout(*ings[a][:2], *ings[b][:2]) is not None
-        for a in range(len(ings))
-        for b in range(a + 1, len(ings))
-    )
+    # (only norms ask; the layout check is numpy work)
+    ghost_ok = plan.needs_norms and ghost_cross_ok([s for s, _, _ in ings], [k for _, k, _ in ings])
     facs = leaf_factors(ings) if any(isinstance(r, S.KronSum) for r in plan.reductions) else None
     ft = leaf_feature_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings])
     todo, rides = multi_site_routes(plan.reductions, ghost_ok, facs is not None, ft)

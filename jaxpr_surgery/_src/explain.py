@@ -17,7 +17,7 @@ from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared
 from jaxpr_surgery._src.engine import (
     clips_by_recompute,
-    cross_layout,
+    ghost_cross_ok,
     leaf_feature_tile,
     multi_site_routes,
     needs_norms,
@@ -347,11 +347,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
         )
     ks = [kernel_for(s, acc, budget) for s in info.sites]
     multi = len(info.sites) > 1
-    ghost_cross = multi and needs_norms(reductions) and all(  # as the engine checks it
-        cross_layout(info.sites[a], ks[a], info.sites[b], ks[b]) is not None
-        for a in range(len(ks))
-        for b in range(a + 1, len(ks))
-    )
+    ghost_cross = multi and needs_norms(reductions) and ghost_cross_ok(info.sites, ks)
     leaf_tile = tiling.leaf_tile(B, shape, acc, budget, ks)  # as the engine sizes it
     leaf_ft = leaf_feature_tile(B, shape, acc, budget, ks) if multi else None
 
