@@ -85,6 +85,28 @@ def test_chunked_variance_is_accurate_when_examples_agree(chunk):
     np.testing.assert_allclose(out["gns"], var.sum() / g2, rtol=1e-3)
 
 
+@pytest.mark.parametrize("chunk", [3, 1])
+def test_chunked_float32_model_under_x64(chunk):
+    """With ``jax_enable_x64`` on, a float32 model's centred sums stay float32 through
+    the chunk loop: merging them by a traced chunk count must not promote them to
+    float64 (once a scan-carry type error), and every statistic keeps its dtype."""
+    import zoo
+
+    loss, params, batch = M.get("mlp")
+    stat = {"var": js.stats.variance(), "snr": js.stats.snr(),
+            "gns": js.stats.gradient_noise_scale(), "mean": js.stats.mean()}
+    with zoo.x64():
+        out = jax.jit(js.per_example_stat(loss, stat, chunk_size=chunk))(params, batch)
+        whole = jax.jit(js.per_example_stat(loss, stat))(params, batch)
+    for k in stat:
+        for a, b in zip(jax.tree.leaves(out[k]), jax.tree.leaves(whole[k])):
+            assert a.dtype == b.dtype == jnp.float32, (k, a.dtype, b.dtype)
+    ora = M.oracle_of("mlp")
+    M.assert_stat_close("variance", out["var"], ora["variance"])
+    M.assert_stat_close("mean", out["mean"], ora["mean"])
+    np.testing.assert_allclose(out["gns"], whole["gns"], rtol=1e-4)
+
+
 def test_chunk_larger_than_batch_is_one_chunk():
     loss, params, batch = M.get("mlp")
     out = jax.jit(js.per_example_stat(loss, js.stats.sq_norms(), chunk_size=10 * M.B))(

@@ -397,10 +397,14 @@ def merge(red, a, na, b, nb):
     if ext is not None:
         return ext.merge(red, a, na, b, nb)
     if isinstance(red, S.Centered):
+        # the weights in the accumulators' dtype: counts may be traced integers (a
+        # chunk loop's index), whose quotient would promote float32 sums to float64
+        # under jax_enable_x64
         n = na + nb
+        dt = jnp.result_type(a.mean)
         delta = b.mean - a.mean
-        mean = a.mean + delta * (nb / n)
-        m2 = a.m2 + b.m2 + jnp.square(delta) * (na * nb / n)
+        mean = a.mean + delta * jnp.asarray(nb / n, dt)
+        m2 = a.m2 + b.m2 + jnp.square(delta) * jnp.asarray(na * nb / n, dt)
         return S.Moments(mean, m2)
     if isinstance(red, S.SqNorms):
         return jnp.concatenate([a, b], axis=0)
