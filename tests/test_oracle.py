@@ -150,3 +150,27 @@ def test_result_dtypes_follow_params():
     out = run_stat(case, {"m": js.stats.mean(), "v": js.stats.variance()})
     for x in jax.tree.leaves(out):
         assert x.dtype == np.float64, x.dtype
+
+
+# --------------------------------------------------------------------------- #
+# Chunks with a remainder and the smallest tiles, float32 under x64
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("case_name", CASES)
+def test_chunked_tiny_tiles_float32_under_x64_match_oracle(case_name):
+    """Every statistic with ``chunk_size=3`` (a remainder chunk: B is 4..8) and
+    ``memory_budget_bytes=1`` (one example and the smallest feature block per tile),
+    for a float32 model with ``jax_enable_x64`` on: chunk merges, tile remainders and
+    one-pass centred groups all run, and every value keeps the float32 dtype it has
+    without x64 (a traced float64 count once promoted the merged sums)."""
+    ref = reference(case_name)
+    case = zoo.get_case(case_name, "float32")
+    request = {sid: ref.stat(sid) for sid in STAT_IDS}
+    with zoo.x64():
+        out = run_stat(case, request, chunk_size=3, memory_budget_bytes=1)
+    plain = combined_result(case_name, "float32", STAT_IDS)
+    for sid in STAT_IDS:
+        check_against_reference(out[sid], case_name, sid, "float32")
+        if plain[0] == "ok":
+            got = [np.asarray(x).dtype for x in jax.tree.leaves(out[sid])]
+            want = [np.asarray(x).dtype for x in jax.tree.leaves(plain[1][sid])]
+            assert got == want, (sid, got, want)
