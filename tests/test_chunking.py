@@ -107,6 +107,22 @@ def test_chunked_float32_model_under_x64(chunk):
     np.testing.assert_allclose(out["gns"], whole["gns"], rtol=1e-4)
 
 
+def test_chunked_variance_with_large_counts():
+    """Chunks of 50000 examples: Chan's weight ``n_a n_b / n`` must not be formed as an
+    int32 product of the traced counts (it overflowed past 2**31 and the variance came
+    out negative, silently)."""
+    cs = 50_000
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3 * cs, 2)).astype(np.float32)
+    x[cs:] += 3.0  # later chunks' means differ: the merge's cross term matters
+    w = jnp.asarray([0.5, -0.25], jnp.float32)
+    stat = {"var": js.stats.variance(), "gns": js.stats.gradient_noise_scale()}
+    out = jax.jit(js.per_example_stat(_shifted_loss, stat, chunk_size=cs))(w, {"x": x})
+    whole = jax.jit(js.per_example_stat(_shifted_loss, stat))(w, {"x": x})
+    np.testing.assert_allclose(out["var"], x.astype(np.float64).var(0, ddof=1), rtol=1e-4)
+    np.testing.assert_allclose(out["gns"], whole["gns"], rtol=1e-4)
+
+
 def test_chunk_larger_than_batch_is_one_chunk():
     loss, params, batch = M.get("mlp")
     out = jax.jit(js.per_example_stat(loss, js.stats.sq_norms(), chunk_size=10 * M.B))(

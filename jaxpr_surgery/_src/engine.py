@@ -397,14 +397,15 @@ def merge(red, a, na, b, nb):
     if ext is not None:
         return ext.merge(red, a, na, b, nb)
     if isinstance(red, S.Centered):
-        # the weights in the accumulators' dtype: counts may be traced integers (a
-        # chunk loop's index), whose quotient would promote float32 sums to float64
-        # under jax_enable_x64
-        n = na + nb
+        # Counts may be traced integers (a chunk loop's index times the chunk size):
+        # the weights are formed without their product (na * nb overflows int32 from
+        # about 46341 examples on each side) and in the accumulators' dtype (a
+        # quotient of int64 counts is float64 under jax_enable_x64)
         dt = jnp.result_type(a.mean)
+        w = jnp.asarray(nb / (na + nb), dt)
         delta = b.mean - a.mean
-        mean = a.mean + delta * jnp.asarray(nb / n, dt)
-        m2 = a.m2 + b.m2 + jnp.square(delta) * jnp.asarray(na * nb / n, dt)
+        mean = a.mean + delta * w
+        m2 = a.m2 + b.m2 + jnp.square(delta) * (jnp.asarray(na, dt) * w)
         return S.Moments(mean, m2)
     if isinstance(red, S.SqNorms):
         return jnp.concatenate([a, b], axis=0)
