@@ -397,16 +397,7 @@ def merge(red, a, na, b, nb):
     if ext is not None:
         return ext.merge(red, a, na, b, nb)
     if isinstance(red, S.Centered):
-        # Counts may be traced integers (a chunk loop's index times the chunk size):
-        # the weights are formed without their product (na * nb overflows int32 from
-        # about 46341 examples on each side) and in the accumulators' dtype (a
-        # quotient of int64 counts is float64 under jax_enable_x64)
-        dt = jnp.result_type(a.mean)
-        w = jnp.asarray(nb / (na + nb), dt)
-        delta = b.mean - a.mean
-        mean = a.mean + delta * w
-        m2 = a.m2 + b.m2 + jnp.square(delta) * (jnp.asarray(na, dt) * w)
-        return S.Moments(mean, m2)
+        return S.merge_moments(a, na, b, nb)
     if isinstance(red, S.SqNorms):
         return jnp.concatenate([a, b], axis=0)
     return a + b

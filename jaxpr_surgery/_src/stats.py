@@ -160,6 +160,21 @@ class Moments(NamedTuple):
     m2: jax.Array
 
 
+def merge_moments(a: Moments, na, b: Moments, nb) -> Moments:
+    """The moments of the union of two disjoint sets of ``na`` and ``nb`` examples
+    (Chan et al.: ``m2 = m2_a + m2_b + delta^2 n_a n_b / n``, exact, no cancellation).
+
+    Counts may be traced integers (a chunk loop's index times the chunk size): the
+    weights are formed without their product (``na * nb`` overflows int32 from about
+    46341 examples on each side) and in the moments' dtype (a quotient of int64 counts
+    is float64 under ``jax_enable_x64``).
+    """
+    dt = jnp.result_type(a.mean)
+    w = jnp.asarray(nb / (na + nb), dt)
+    delta = b.mean - a.mean
+    return Moments(a.mean + delta * w, a.m2 + b.m2 + jnp.square(delta) * (jnp.asarray(na, dt) * w))
+
+
 SQUARE = PhiSum(jnp.square, multiplicative=True, name="square", _builtin=True)
 SIGN = PhiSum(jnp.sign, multiplicative=True, name="sign", _builtin=True)
 ABS = PhiSum(jnp.abs, multiplicative=True, name="abs", _builtin=True)

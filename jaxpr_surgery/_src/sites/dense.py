@@ -386,10 +386,8 @@ class DenseKernel(Kernel):
             return mean, m2, jnp.any(m2 < naive_tau(xg.shape[0], self.acc) * s2)
 
         def merge(a, na, b, nb):
-            delta = b[0] - a[0]
-            w = (nb / (na + nb)).astype(self.acc)
-            c = (na * nb / (na + nb)).astype(self.acc)
-            return a[0] + delta * w, a[1] + b[1] + jnp.square(delta) * c, a[2] | b[2]
+            m = S.merge_moments(S.Moments(*a[:2]), na, S.Moments(*b[:2]), nb)
+            return m.mean, m.m2, a[2] | b[2]
 
         acc, seen, b0 = None, 0, 0
         for count, size in raw_groups(x.shape[0], self.acc):
