@@ -132,16 +132,16 @@ def test_chunk_larger_than_batch_is_one_chunk():
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 4])
 def test_each_chunk_size_is_traced_once(chunk, monkeypatch):
-    """The peeled first chunk (or the probe of the accumulators' shapes with two
-    chunks) and the loop body share one trace; a remainder is a second size."""
+    """The peeled first chunk and the loop body share one trace (the first continues
+    running values at zero); a remainder is a second size."""
     from jaxpr_surgery._src import engine
 
     sizes = []
     run = engine.run
 
-    def counting(plan, diff, ex, other, b, axes):
+    def counting(plan, diff, ex, other, b, axes, carry=None):
         sizes.append(b)
-        return run(plan, diff, ex, other, b, axes)
+        return run(plan, diff, ex, other, b, axes, carry=carry)
 
     monkeypatch.setattr(engine, "run", counting)
     loss, params, batch = M.get("mlp")
@@ -150,3 +150,41 @@ def test_each_chunk_size_is_traced_once(chunk, monkeypatch):
     )
     want = [chunk] + ([M.B % chunk] if M.B % chunk else [])
     assert sorted(sizes) == sorted(want), (sizes, want)
+
+
+def _token_sum_loss(w, x):
+    # x [B, 2, C] with x[:, 1] = 0 and w [C, 1]: two tokens (a tile-loop site), and
+    # every example's gradient is its first token, x[b, 0]
+    return jnp.mean(jnp.sum(x @ w, axis=(1, 2)))
+
+
+_token_fns: dict = {}
+
+
+@pytest.mark.parametrize("B", [100, 257])
+def test_chunked_one_pass_variance_keeps_the_shift_bound(B):
+    """Chunks continue the running one-pass centred sums against one shift (no merge
+    per chunk), re-centred once the examples after the shift reach 31 times those it
+    is the mean of. On the inputs that break one-pass formulas (a mean 1000 times the
+    spread, an outlier or the only non-zero example first, heavy tails), float32
+    chunks of 1, 3 and 7 stay within the bound of `MAX_SHIFT_AMPLIFICATION`, as the
+    whole batch does (B = 257 with chunks of 1 re-centres at 32 examples)."""
+    from test_one_pass_centred import _cases, _rel
+
+    from jaxpr_surgery._src import tiling
+
+    eps = float(np.finfo(np.float32).eps)
+    bound = 2 * tiling.MAX_SHIFT_AMPLIFICATION * 32 * eps
+    for name, G in _cases(B, n=500):
+        truth = np.sum((G - G.mean(0)) ** 2, 0) / (B - 1)
+        x = np.zeros((B, 2, G.shape[1]), np.float32)
+        x[:, 0] = G
+        w = jnp.zeros((G.shape[1], 1), jnp.float32)
+        for cs in (None, 1, 3, 7):
+            key = (B, cs)
+            if key not in _token_fns:
+                _token_fns[key] = jax.jit(
+                    js.per_example_stat(_token_sum_loss, js.stats.variance(), chunk_size=cs)
+                )
+            got = np.asarray(_token_fns[key](w, jnp.asarray(x)))[:, 0]
+            assert _rel(got, truth) < bound, (name, cs, _rel(got, truth))

@@ -178,3 +178,28 @@ def test_pyproject_declares_tested_range():
     hi_t = compat._version_tuple(hi)
     top = compat._version_tuple(compat.TESTED_JAX[1])
     assert hi_t == (top[0], top[1] + 1), (hi, compat.TESTED_JAX)
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py)")
+def test_ordering_barrier_keeps_each_operands_axes():
+    """Inside shard_map jax 0.10's optimization_barrier gives every output the union
+    of its operands' varying axes (jax 0.12 keeps each); `ordering_barrier` keeps them
+    on both, or example data tied to model-sharded statistics would change type."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    seen = []
+
+    def f(x, w):
+        a, (b,) = compat.ordering_barrier((x, [w]))
+        seen.append([compat.vma_of(v) for v in (x, w, a, b)])
+        return a * 2, b * 3
+
+    put = lambda v, s: jax.device_put(v, jax.sharding.NamedSharding(mesh, s))  # noqa: E731
+    out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P("model")),
+                                out_specs=(P("data"), P("model"))))(
+        put(jnp.arange(4.0), P("data")), put(jnp.arange(4.0), P("model")))
+    x, w, a, b = seen[0]
+    assert (a, b) == (x, w) == (frozenset({"data"}), frozenset({"model"}))
+    np.testing.assert_allclose(out[0], 2 * np.arange(4.0))
+    np.testing.assert_allclose(out[1], 3 * np.arange(4.0))

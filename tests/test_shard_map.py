@@ -50,10 +50,13 @@ def _check(name, out, names):
         M.assert_stat_close(k, out[k], ora[k])
 
 
+@pytest.mark.parametrize("chunk", [None, 1])
 @pytest.mark.parametrize("name", ["mlp", "transformer"])
-def test_shard_map_every_statistic_equals_full_batch(name):
+def test_shard_map_every_statistic_equals_full_batch(name, chunk):
+    """Also in chunks of one local example: the chunks' running statistics (the loop
+    carry) vary over the mesh axis like the statistics themselves."""
     loss, params, batch = M.get(name)
-    fn = js.per_example_stat(loss, M.all_stats(), axis_name="d")
+    fn = js.per_example_stat(loss, M.all_stats(), axis_name="d", chunk_size=chunk)
     mesh = _mesh()
     sm = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("d")),
                        out_specs=_out_specs(M.STAT_NAMES), check_vma=True)
@@ -130,16 +133,18 @@ TP_STATS = {
 }
 
 
+@pytest.mark.parametrize("chunk", [None, 1])
 @pytest.mark.parametrize("stat", sorted(TP_STATS))
-def test_tensor_parallel_megatron_mlp(stat):
+def test_tensor_parallel_megatron_mlp(stat, chunk):
     """Column-sharded w1/b1, row-sharded w2, replicated gain, psum over 'model': elementwise
-    statistics are exact per shard; norms and clipping sum the shards' parts."""
+    statistics are exact per shard; norms and clipping sum the shards' parts. Also in
+    chunks (running statistics of sharded leaves vary over 'model' too)."""
     local, full, params, batch, specs = _megatron()
     mesh = jax.make_mesh((2, 2), ("data", "model"))
     per_ex = stat.startswith("sq_norms")
     out_specs = P("data") if stat == "sq_norms" else (
         {k: P("data") for k in specs} if per_ex else specs)
-    fn = js.per_example_stat(local, TP_STATS[stat](), axis_name="data")
+    fn = js.per_example_stat(local, TP_STATS[stat](), axis_name="data", chunk_size=chunk)
     sm = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P("data")), out_specs=out_specs))
     ns = lambda s: jax.sharding.NamedSharding(mesh, s)  # noqa: E731
     got = sm({k: jax.device_put(v, ns(specs[k])) for k, v in params.items()},

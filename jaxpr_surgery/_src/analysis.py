@@ -50,6 +50,19 @@ class LayoutOp:
             return value.transpose(tuple(range(n)) + tuple(n + int(i) for i in inv))
         raise AssertionError(self.kind)
 
+    def forward(self, value):
+        """Maps a value shaped ``lead + in_shape`` to ``lead + out_shape`` (undoes
+        `inverse`)."""
+        if self.kind == "scan" or self.kind == "identity":
+            return value
+        lead = value.shape[: value.ndim - len(self.in_shape)]
+        if self.kind == "reshape":
+            return value.reshape(lead + tuple(self.out_shape))
+        if self.kind == "transpose":
+            n = len(lead)
+            return value.transpose(tuple(range(n)) + tuple(n + int(i) for i in self.perm))
+        raise AssertionError(self.kind)
+
 
 @dataclasses.dataclass(frozen=True)
 class PView:

@@ -360,6 +360,26 @@ def make_varying(x, axes):
     return lax.pvary(x, missing)  # pragma: no cover - older jax
 
 
+def ordering_barrier(tree):
+    """``lax.optimization_barrier`` of ``tree``'s leaves (none is computed from the
+    outputs before all inputs are done), keeping each leaf's varying manual axes.
+
+    jax 0.10 gives every output of a barrier the union of its operands' axes inside
+    shard_map (jax 0.12 keeps each operand's); there the leaves pass one barrier per
+    set of axes, so a leaf waits only for those with its own."""
+    leaves, treedef = jax.tree.flatten(tree)
+    out = list(lax.optimization_barrier(leaves))
+    if any(vma_of(o) != vma_of(x) for o, x in zip(out, leaves)):
+        groups: dict = {}
+        for i, x in enumerate(leaves):
+            groups.setdefault(vma_of(x), []).append(i)
+        out = list(leaves)
+        for idx in groups.values():
+            for i, o in zip(idx, lax.optimization_barrier([leaves[i] for i in idx])):
+                out[i] = o
+    return jax.tree.unflatten(treedef, out)
+
+
 def float0_zeros(shape):
     import numpy as np
 

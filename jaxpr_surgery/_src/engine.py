@@ -19,7 +19,7 @@ import numpy as np
 from jaxpr_surgery._src import compat, dots, kron, tiling
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.interpreter import Evaluator, make_site_fn
+from jaxpr_surgery._src.interpreter import CARRY_COUNT, Evaluator, make_site_fn
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
     acc_dtype_for,
@@ -213,11 +213,84 @@ def _to_leaf(value, site):
 
 
 def _moments_to_leaf(m, site):
-    return S.Moments(_to_leaf(m.mean, site), _to_leaf(m.m2, site))
+    """`Moments` (or carried `Shifted` sums) in leaf space."""
+    return jax.tree.map(lambda x: _to_leaf(x, site), m)
 
 
-def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
-    """Evaluates one chunk; returns (values: dict j -> list per leaf, loss_b, aux_flat)."""
+def _from_leaf(value, site):
+    """A leaf-space value (stacked over enclosing scans) in the site's view (undoes
+    `_to_leaf`)."""
+    for op in site.chain:
+        value = op.forward(value)
+    return value
+
+
+def per_example(r) -> bool:
+    """``r``'s value is per example (``[B]``): concatenated over chunks, not merged."""
+    return isinstance(r, S.SqNorms) or getattr(S.extension(r), "per_example", False)
+
+
+def value_dtype(plan, i):
+    """The dtype of leaf ``i``'s merged statistics: the widest of the leaf's accumulation
+    dtype and its sites' (a float32 leaf meeting float64 data under x64 accumulates in
+    float64), whatever route computed them, so that chunks carry one type."""
+    return jnp.result_type(
+        acc_dtype_for(plan.leaf_avals[i].dtype),
+        *(plan.kernels[s.path].acc for s in plan.analysis.leaves[i].sites),
+    )
+
+
+def _typed(plan, i, v, axes):
+    """A merged value of leaf ``i`` in `value_dtype`, varying over ``axes`` (shard_map)."""
+    dt = value_dtype(plan, i)
+    return jax.tree.map(lambda x: compat.make_varying(x.astype(dt), axes), v)
+
+
+def zero_carry(plan, diff_leaves, data_axes):
+    """The running values before the first chunk (a `stats.Carry` over no examples):
+    zeros shaped and typed like `run`'s merged values (a centred reduction's: `Shifted`
+    sums)."""
+    values = {}
+    for j, r in enumerate(plan.reductions):
+        if per_example(r):
+            continue
+
+        def zeros(aval, r=r):
+            if isinstance(r, S.Centered):  # carried as Shifted sums
+                z = jnp.zeros(aval.shape, aval.dtype)
+                return S.Shifted(z, z, z)
+            return jax.tree.map(jnp.zeros_like, _zeros_value(r, aval, aval.dtype, 0))
+
+        values[j] = [
+            _typed(plan, i, zeros(aval), data_axes | compat.vma_of(x))
+            for i, (x, aval) in enumerate(zip(diff_leaves, plan.leaf_avals))
+        ]
+    return S.Carry(values, 0)
+
+
+def _carry_sink(plan, site, sink, carry, axes):
+    """A direct-mode site's sink seeded with the running values of earlier chunks (its
+    tile loops continue them: interpreter.carried) and their count."""
+    sink = dict(sink)
+    for j, r in enumerate(plan.reductions):
+        key = rkey(j)
+        if key in sink and S.carries(r):
+            v = jax.tree.map(lambda x: _from_leaf(x, site), carry.values[j][site.leaf])
+            dt = jax.tree.leaves(sink[key])[0].dtype  # the site's accumulation dtype
+            sink[key] = jax.tree.map(lambda x, dt=dt: compat.make_varying(x.astype(dt), axes), v)
+    acc = plan.kernels[site.path].acc
+    n = jnp.broadcast_to(jnp.asarray(carry.n, acc), tuple(site.scan_lengths))
+    sink[CARRY_COUNT] = compat.make_varying(n, axes)
+    return sink
+
+
+def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
+    """Evaluates one chunk; returns (values: dict j -> list per leaf, loss_b, aux_flat).
+
+    ``carry``: a `stats.Carry` (values keyed like the returned ones; none for
+    per-example reductions): the running values of the examples of earlier chunks.
+    The values returned are then over those examples and this chunk's: tile loops
+    start from them (no pass over the accumulators to merge), the rest is merged."""
     an = plan.analysis
     vary = lambda x: compat.make_varying(x, data_axes)  # noqa: E731
 
@@ -239,6 +312,12 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
         )
         for p, s in an.sites.items()
     }
+    done = set()  # (j, i): values that continue ``carry`` already
+    if carry is not None:
+        for p, s in an.sites.items():
+            if plan.modes[s.leaf] == "direct":
+                sinks[p] = _carry_sink(plan, s, sinks[p], carry, data_axes | leaf_axes[s.leaf])
+                done.update((j, s.leaf) for j, r in enumerate(plan.reductions) if S.carries(r))
     residual = [i for i, m in enumerate(plan.modes) if m == "residual"]
     copies = {
         i: vary(jnp.broadcast_to(diff_leaves[i], (B,) + tuple(jnp.shape(diff_leaves[i]))))
@@ -298,7 +377,14 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
             continue
         # ingredients mode
         ings = [(s, plan.kernels[s.path], sink_cts[s.path]["ing"]) for s in sites]
-        _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache)
+        leaf_carry = None if carry is None else S.Carry(
+            {j: v[i] for j, v in carry.values.items() if S.carries(plan.reductions[j])}, carry.n
+        )
+        done.update(
+            (j, i)
+            for j in _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache,
+                                      leaf_carry)
+        )
 
     # Tensor parallelism: a leaf sharded over mesh axes beyond the data axes holds a
     # part of each example's gradient on every shard; its squared norms are the sum
@@ -337,6 +423,15 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes):
                 else:
                     for i in range(n):
                         values[j][i] = deferred[i](c)
+    for j, r in enumerate(plan.reductions):
+        if per_example(r):
+            continue
+        for i in range(n):
+            v = values[j][i]
+            if carry is not None and (j, i) not in done:
+                v = S.merge(r, carry.values[j][i], carry.n, v, B)
+            # one type, chunked or not (a chunk loop's carry keeps zero_carry's)
+            values[j][i] = _typed(plan, i, v, data_axes | leaf_axes[i])
     return values, loss_b, aux
 
 
@@ -391,18 +486,6 @@ def _zeros_value(r, aval, acc, B):
     return z
 
 
-def merge(red, a, na, b, nb):
-    """Merges the values of one reduction over two disjoint sets of examples."""
-    ext = S.extension(red)
-    if ext is not None:
-        return ext.merge(red, a, na, b, nb)
-    if isinstance(red, S.Centered):
-        return S.merge_moments(a, na, b, nb)
-    if isinstance(red, S.SqNorms):
-        return jnp.concatenate([a, b], axis=0)
-    return a + b
-
-
 def _direct_to_leaf(site, r, v, B):
     """A site's direct value (stacked over enclosing scans) in leaf space."""
     ext = S.extension(r)
@@ -430,8 +513,9 @@ def leaf_feature_tile(B, shape, acc, budget, kernels):
     return tiling.feature_tile(tuple(shape), acc, sorted(axes), budget)
 
 
-def _tiled_materialised(plan, ings, mat, B, reductions):
-    """Reductions of a leaf's ``G [B, *leaf] = mat(b0, size)``, tile by tile (tiling.py)."""
+def _tiled_materialised(plan, ings, mat, B, reductions, carry=None):
+    """Reductions of a leaf's ``G [B, *leaf] = mat(b0, size)``, tile by tile (tiling.py;
+    ``carry`` as there)."""
     aval = plan.leaf_avals[ings[0][0].leaf]
     acc = acc_dtype_for(aval.dtype)
     ks = [k for _, k, _ in ings]
@@ -440,7 +524,7 @@ def _tiled_materialised(plan, ings, mat, B, reductions):
     features = ft and (*ft, lambda b0, size, f0, fs: mat(b0, size, (ft[0], f0, fs)))
     return tiling.reduce_tiles(
         mat, B, reductions, tile, shape=tuple(aval.shape), dtype=acc,
-        features=features,
+        features=features, carry=carry,
     )
 
 
@@ -532,8 +616,12 @@ def _weighted_leaf(ings, cache):
     return weighted
 
 
-def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
-    """Reductions of a leaf from its sites' ingredients (after the backward pass)."""
+def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache, carry=None):
+    """Reductions of a leaf from its sites' ingredients (after the backward pass).
+
+    ``carry``: a `stats.Carry` of the leaf's running values (keyed by reduction index,
+    `run`). Returns the indices of the reductions whose values continue it (the
+    caller merges the rest)."""
     aval = plan.leaf_avals[i]
     acc = acc_dtype_for(aval.dtype)
 
@@ -604,7 +692,7 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
             outs = _tiled_materialised(plan, ings, mat, B, [plan.reductions[j] for j in js_])
             for j, v in zip(js_, outs):
                 values[j][i] = v
-        return
+        return ()
 
     # (only norms ask; the layout check is numpy work)
     ghost_ok = plan.needs_norms and ghost_cross_ok([s for s, _, _ in ings], [k for _, k, _ in ings])
@@ -629,15 +717,20 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
         total = weighted(jnp.ones((B,), acc))
         for j in sums:
             values[j][i] = total
+    carried = ()
     if todo:
         reds = [S.SqNorms() if j is None else plan.bound(plan.reductions[j], i) for j in todo]
+        if carry is not None:  # the tile loop continues the running values
+            carried = [j for j in todo if j in carry.values]
+            carry = S.Carry([carry.values.get(j) for j in todo], carry.n)
         # centred sums take one pass in the tile loop (tiling.py): no mean beforehand
-        outs = _tiled_materialised(plan, ings, mat, B, reds)
+        outs = _tiled_materialised(plan, ings, mat, B, reds, carry)
         for j, v in zip(todo, outs):
             if j is None:
                 norms_leaf[i] = v
             else:
                 values[j][i] = v
+    return carried
 
 
 def needs_norms(reductions):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat
 from jaxpr_surgery._src import fingerprint as fp
+from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.analysis import _CALL_PRIMS
 
 
@@ -427,22 +428,44 @@ def _site_key(sk, direct, want_ing, sink):
     )
 
 
-def _custom_vjp_call(fwd_impl, bwd_impl):
+def _custom_vjp_call(fwd_impl, bwd_impl, keep_sink=False):
     """The site's custom_vjp: the forward value, and the backward pass that also
-    emits the statistics as the sink's cotangent."""
+    emits the statistics as the sink's cotangent. ``keep_sink``: the backward pass
+    also reads the sink's value (running statistics of earlier chunks, `carried`)."""
 
     @jax.custom_vjp
     def call(w, ext, sink):
         return fwd_impl(w, ext)
 
     def fwd(w, ext, sink):
-        return fwd_impl(w, ext), (w, ext)
+        return fwd_impl(w, ext), (w, ext, sink if keep_sink else None)
 
     def bwd(res, dy):
-        return bwd_impl(*res, dy)
+        w, ext, sink = res
+        return bwd_impl(w, ext, dy, sink)
 
     call.defvjp(fwd, bwd)
     return call
+
+
+CARRY_COUNT = "n"  # the sink entry holding the examples of earlier chunks (`carried`)
+
+
+def carried(kernel, ctx, direct, sink, B):
+    """A site's statistics continuing the running ones of earlier chunks (api.py).
+
+    The sink holds them (each `stats.carries` reduction of ``direct``, in the view's
+    layout) and their count under `CARRY_COUNT`. The kernel starts its tile loops
+    from those it names in `carried_keys`; the rest are merged here. The cotangent of
+    the count is zero."""
+    n = sink[CARRY_COUNT]
+    init = {k: sink[k] for k, r in direct.items() if S.carries(r)}
+    keys = set(kernel.carried_keys(direct)) & set(init)
+    out = kernel.direct_all(ctx, direct, S.Carry({k: init[k] for k in keys}, n) if keys else None)
+    for k in set(init) - keys:
+        out[k] = S.merge(direct[k], init[k], n, out[k], B)
+    out[CARRY_COUNT] = compat.make_varying(jnp.zeros_like(n), compat.vma_of(n))
+    return out
 
 
 def make_site_fn(reduction_plan, cache, finish_first=False):
@@ -483,14 +506,17 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
         def fwd_impl(w, ext):
             return F(w, *ext)
 
-        def bwd_impl(w, ext, dy):
+        def bwd_impl(w, ext, dy, sink):
             _, pull = jax.vjp(F, w, *ext)
             finish = finish_first and not site.scan_lengths
             # the statistics start once the cotangent is there (x and dy through one
             # barrier), and the data cotangents once they are done (dy and them)
             sx, sdy = jax.lax.optimization_barrier((ext, dy)) if finish else (ext, dy)
             ctx = kernel.prepare(w, sx, ext_batched, sdy)
-            out = kernel.direct_all(ctx, direct)
+            if sink is None:
+                out = kernel.direct_all(ctx, direct)
+            else:
+                out = carried(kernel, ctx, direct, sink, jax.tree.leaves(dy)[0].shape[0])
             if want_ing:
                 out["ing"] = kernel.ingredients(ctx)
             out = jax.tree.map(lambda o, d: o.astype(d), out, sink_dtypes)
@@ -499,9 +525,10 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
             cts = pull(dy)
             return cts[0], tuple(cts[1:]), out
 
+        keep = CARRY_COUNT in sink_dtypes
         if key is None:  # no exact key: traced for this site alone
-            return _custom_vjp_call(fwd_impl, bwd_impl)
-        return _custom_vjp_call(jax.jit(fwd_impl), jax.jit(bwd_impl))
+            return _custom_vjp_call(fwd_impl, bwd_impl, keep)
+        return _custom_vjp_call(jax.jit(fwd_impl), jax.jit(bwd_impl), keep)
 
     def site_fn(site, kernel, w, ext, ext_batched, sink):
         direct, want_ing = reduction_plan(site)

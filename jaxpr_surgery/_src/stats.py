@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpr_surgery._src import compat
+
 PyTree = Any
 
 __all__ = [
@@ -173,6 +175,81 @@ def merge_moments(a: Moments, na, b: Moments, nb) -> Moments:
     w = jnp.asarray(nb / (na + nb), dt)
     delta = b.mean - a.mean
     return Moments(a.mean + delta * w, a.m2 + b.m2 + jnp.square(delta) * (jnp.asarray(na, dt) * w))
+
+
+class Shifted(NamedTuple):
+    """Running centred moments of ``n`` examples against a shift ``K`` (carried across
+    chunks of the batch, tiling.py): ``s1 = sum_b (g_b - K)``, ``s2 = sum_b (g_b - K)^2``,
+    so ``mean = K + s1/n`` and ``m2 = s2 - s1^2/n``. The subtraction of the final
+    ``s1^2/n`` cancels at most ``1 + m/n_K`` fold where ``K`` is the exact mean of the
+    first ``n_K`` examples and ``m`` came after (the between-group part of ``m2`` bounds
+    it); callers re-centre (`recentre`) before that exceeds
+    `tiling.MAX_SHIFT_AMPLIFICATION`."""
+
+    shift: jax.Array
+    s1: jax.Array
+    s2: jax.Array
+
+
+def shifted_moments(s: Shifted, n) -> Moments:
+    """The `Moments` of ``n`` examples from their `Shifted` sums."""
+    d = s.s1 / jnp.asarray(n, jnp.result_type(s.s1))
+    return Moments(s.shift + d, jnp.maximum(s.s2 - s.s1 * d, 0))
+
+
+def recentre(s: Shifted, n) -> Shifted:
+    """The same moments of ``n`` examples against their mean (``s1 = 0``)."""
+    m = shifted_moments(s, n)
+    return Shifted(m.mean, compat.make_varying(jnp.zeros_like(s.s1), compat.vma_of(s.s1)), m.m2)
+
+
+def merge_shifted(a: Shifted, na, b: Moments, nb) -> Shifted:
+    """`Shifted` sums of ``na`` examples and the `Moments` of ``nb`` more (with no
+    examples before, the new ones' mean becomes the shift)."""
+    dt = jnp.result_type(a.s1)
+    K = jnp.where(jnp.asarray(na) > 0, a.shift, b.mean.astype(dt))
+    d = b.mean - K
+    nb = jnp.asarray(nb, dt)
+    return Shifted(K, a.s1 + nb * d, a.s2 + b.m2 + nb * jnp.square(d))
+
+
+def merge(red, a, na, b, nb):
+    """Merges the values of reduction ``red`` over two disjoint sets of ``na`` and ``nb``
+    examples (chunks of the batch: api.py, engine.py); a centred reduction's running
+    value may be `Shifted`."""
+    ext = extension(red)
+    if ext is not None:
+        return ext.merge(red, a, na, b, nb)
+    if isinstance(red, Centered):
+        if isinstance(a, Shifted):
+            return merge_shifted(a, na, b, nb)
+        return merge_moments(a, na, b, nb)
+    if isinstance(red, SqNorms):
+        return jnp.concatenate([a, b], axis=0)
+    return a + b
+
+
+def carries(red) -> bool:
+    """A chunk's tile loops start ``red`` from its running value over the chunks before
+    (tiling.py, `Carry`) rather than merging their own value into it afterwards:
+    sums of ``phi`` and centred moments."""
+    return extension(red) is None and isinstance(red, (PhiSum, Centered))
+
+
+class Carry(NamedTuple):
+    """The running values a chunk's statistics continue (api.py chunks the batch).
+
+    Attributes:
+      values: per reduction (a list aligned with the reductions, or a dict keyed like
+        them), its value over the ``n`` examples of the chunks before (a centred
+        reduction's: `Shifted`), or None where the callee returns the chunk's own
+        value (merged by the caller).
+      n: the number of those examples (may be traced; 0 for the first chunk, whose
+        running values are zeros).
+    """
+
+    values: Any
+    n: Any
 
 
 SQUARE = PhiSum(jnp.square, multiplicative=True, name="square", _builtin=True)

@@ -133,7 +133,8 @@ MAX_SHIFT_AMPLIFICATION = 32
 
 
 def reduce_tiles(
-    make, B: int, reductions, tile: int, *, means=None, shape, dtype, features=None
+    make, B: int, reductions, tile: int, *, means=None, shape, dtype, features=None,
+    carry=None,
 ):
     """Reductions of ``G [B, *shape]`` with ``G[b0:b0+size] = make(b0, size)``.
 
@@ -158,18 +159,33 @@ def reduce_tiles(
         ``axis``): blocks of features in an outer loop, examples in the inner one.
         Used where every reduction is a built-in one (elementwise or a sum over
         features); else ignored.
+      carry: optional `stats.Carry` (values aligned with ``reductions``): the
+        running values of the ``carry.n`` examples of earlier chunks (which must be at
+        least ``B`` unless zero). A carried sum of ``phi`` starts from its running
+        value; a carried one-pass centred sum takes the running mean as the first
+        group's shift (the first tile's mean when ``carry.n`` is 0) and continues its
+        ``(mu, M2)``: each update cancels at most ``1 + B/n`` fold, so no merge of the
+        chunk's own moments is needed (a pass over every accumulator per chunk). Only
+        `stats.carries` reductions without a given mean may be carried.
 
     Returns:
       One value per reduction: ``sum_b phi(G_b)``; `Moments` ``(mean, sum_b (G_b-mean)^2)``;
-      ``[B]`` squared norms.
+      ``[B]`` squared norms. Carried ones: over the ``carry.n + B`` examples.
     """
     reductions = list(reductions)
     means = list(means) if means is not None else [None] * len(reductions)
+    inits = list(carry.values) if carry is not None else [None] * len(reductions)
+    n0 = carry.n if carry is not None else 0
+    for r, m, i in zip(reductions, means, inits):
+        if i is not None and not (S.carries(r) and m is None):
+            raise AssertionError(f"reduce_tiles: {r!r} cannot be carried here")
     if features is not None and all(
         S.extension(r) is None and isinstance(r, (S.PhiSum, S.Centered, S.SqNorms))
         for r in reductions
     ):
-        return _feature_blocks(features, B, reductions, tile, means, tuple(shape), dtype)
+        return _feature_blocks(
+            features, B, reductions, tile, means, tuple(shape), dtype, inits, n0
+        )
     one = [isinstance(r, S.Centered) and m is None for r, m in zip(reductions, means)]
     plain = [S.is_plain_sum(r) for r in reductions]
     if any(one) and any(plain):  # the plain sum is B * mean: not a second pass over G
@@ -177,10 +193,19 @@ def reduce_tiles(
         vals = reduce_tiles(
             make, B, [reductions[i] for i in keep], tile, means=[means[i] for i in keep],
             shape=shape, dtype=dtype,
+            carry=None if carry is None else S.Carry([inits[i] for i in keep], n0),
         )
-        c = next(v for i, v in zip(keep, vals) if one[i])
+        ci = next(i for i in keep if one[i])
+        c = vals[keep.index(ci)]
+        carried = inits[ci] is not None  # c's mean is over the earlier chunks' examples too
+        if any((inits[i] is not None) != carried for i, p in enumerate(plain) if p):
+            raise AssertionError("reduce_tiles: a plain sum and its centred sum carry alike")
+        if carried:  # Shifted: n * mean = n * shift + s1
+            total = jnp.asarray(n0 + B, c.shift.dtype) * c.shift + c.s1
+        else:
+            total = B * c.mean
         out = dict(zip(keep, vals))
-        return [out[i] if i in out else B * c.mean for i in range(len(reductions))]
+        return [out[i] if i in out else total for i in range(len(reductions))]
     tile = int(max(1, min(tile, B)))
     nfull, rem = divmod(B, tile)
     sq = [  # per-example values ([B]): written in place, not summed
@@ -191,86 +216,100 @@ def reduce_tiles(
              for r, m in zip(reductions, means)]
 
     # The first tile is peeled: the accumulators take its type (inside shard_map,
-    # the manual axes the values vary over), which the loop carry must keep; one-pass
-    # centred sums start from its exact two-pass moments.
+    # the manual axes the values vary over), which the loop carry must keep. One-pass
+    # centred sums are `Shifted` sums against the first tile's mean (its exact
+    # two-pass moments), or continue carried ones against their shift.
     G0 = make(0, tile).astype(dtype)
     mu0 = jnp.mean(G0, axis=0) if tile > 1 else G0[0]
+    shifts = [
+        (jnp.where(jnp.asarray(n0) > 0, i.shift, mu0) if i is not None else mu0) if o else None
+        for o, i in zip(one, inits)
+    ]
     first = _tile_values(
-        G0, reductions, [_Centre(mu0, True) if o else c for o, c in zip(one, exact)]
+        G0, reductions, [_Centre(k, False) if o else c for o, k, c in zip(one, shifts, exact)]
     )
     acc = [
         jax.lax.dynamic_update_slice_in_dim(
             compat.make_varying(jnp.zeros((B,), dtype), compat.vma_of(v)), v, 0, 0
         )
         if s
-        else (mu0, v) if o
-        else v
-        for v, s, o in zip(first, sq, one)
+        else v if i is None and not o
+        else S.Shifted(k, *v) if i is None
+        else S.Shifted(k, i.s1 + v[0], i.s2 + v[1]) if o
+        else jax.tree.map(jnp.add, i, v)  # a carried sum of phi
+        for v, s, o, k, i in zip(first, sq, one, shifts, inits)
     ]
 
-    def group(acc, b0, ntiles, size):
-        """Tiles ``b0 + k*size`` for ``k < ntiles`` (``b0`` static), one-pass centred
-        sums against the running mean of the examples before ``b0``."""
-        centres = [_Centre(a[0], False) if o else c for a, o, c in zip(acc, one, exact)]
+    def group(acc, b0, ntiles, size, recentre):
+        """Tiles ``b0 + k*size`` for ``k < ntiles`` (``b0`` static); ``recentre``: one-pass
+        centred sums first take the running mean of the examples before ``b0`` as their
+        shift."""
+        if recentre:
+            acc = [S.recentre(a, n0 + b0) if o else a for a, o in zip(acc, one)]
+        centres = [_Centre(a.shift, False) if o else c for a, o, c in zip(acc, one, exact)]
 
         def body(k, inner):
-            start = b0 + k * size
-            vals = _tile_values(make(start, size).astype(dtype), reductions, centres)
+            begin = b0 + k * size
+            vals = _tile_values(make(begin, size).astype(dtype), reductions, centres)
             return [
-                jax.lax.dynamic_update_slice_in_dim(a, v, start, 0) if s
+                jax.lax.dynamic_update_slice_in_dim(a, v, begin, 0) if s
+                else S.Shifted(a.shift, a.s1 + v[0], a.s2 + v[1]) if o
                 else jax.tree.map(jnp.add, a, v)
-                for a, v, s in zip(inner, vals, sq)
+                for a, v, s, o in zip(inner, vals, sq, one)
             ]
 
-        fresh = [  # one-pass sums start at zero each group; the rest carry on
-            (compat.make_varying(jnp.zeros(shape, dtype), compat.vma_of(a[0])),) * 2 if o
-            else a
-            for a, o in zip(acc, one)
-        ]
-        inner = body(0, fresh)  # peeled: a loop's carry keeps its type (see above)
-        if ntiles > 1:
-            inner = jax.lax.fori_loop(1, ntiles, body, inner)
-        n = b0 + ntiles * size  # examples so far
-        return [
-            (a[0] + v[0] / n, a[1] + jnp.maximum(v[1] - jnp.square(v[0]) / n, 0)) if o
-            else v
-            for a, v, o in zip(acc, inner, one)
-        ]
+        if ntiles == 1:
+            return body(0, acc)
+        return jax.lax.fori_loop(0, ntiles, body, acc)
 
-    # groups of whole tiles, each at most (MAX_SHIFT_AMPLIFICATION - 1) times the
-    # tiles before it (a single group without one-pass centred sums)
-    done = 1
-    while done < nfull:
-        per = nfull - done
-        if any(one):
-            per = min(per, (MAX_SHIFT_AMPLIFICATION - 1) * done)
-        acc = group(acc, done * tile, per, tile)
-        done += per
-    if rem:
-        acc = group(acc, nfull * tile, 1, rem)
+    # Groups of tiles, each against one shift: the first against the first tile's
+    # mean (or a carried shift, which api.py keeps able to take this whole call); each
+    # later one re-centres first and takes at most (MAX_SHIFT_AMPLIFICATION - 1) times
+    # the examples its shift is the mean of (a single group without centred sums).
+    limit = MAX_SHIFT_AMPLIFICATION - 1
+    n_shift, since, t = tile, 0, 1  # examples the shift is the mean of; after it; tiles
+    while t < nfull or rem:
+        size, left = (tile, nfull - t) if t < nfull else (rem, 1)
+        k = left if not any(one) else min(left, (limit * n_shift - since) // size)
+        recentre = k == 0
+        if recentre:
+            n_shift, since = t * tile, 0
+            k = left if not any(one) else min(left, max(1, limit * n_shift // size))
+        acc = group(acc, t * tile, k, size, recentre)
+        since += k * size
+        if t < nfull:
+            t += k
+        else:
+            rem = 0
     return [
-        S.Moments(*a) if o else S.Moments(c.value, a) if c is not None else a
-        for a, o, c in zip(acc, one, exact)
+        (a if i is not None else S.shifted_moments(a, B)) if o
+        else S.Moments(c.value, a) if c is not None
+        else a
+        for a, o, c, i in zip(acc, one, exact, inits)
     ]
 
 
-def _feature_blocks(features, B, reductions, tile, means, shape, dtype):
+def _feature_blocks(features, B, reductions, tile, means, shape, dtype, inits, n0):
     """`reduce_tiles` with an outer loop over blocks of one axis of ``G``."""
     axis, fs, make_f = features
     n = shape[axis]
     fs = int(max(1, min(fs, n)))
     nf, rem = divmod(n, fs)
     per_ex = [isinstance(r, S.SqNorms) for r in reductions]
+    carried = any(i is not None for i in inits)
 
     def block(f0, size):
         sub = shape[:axis] + (size,) + shape[axis + 1 :]
-        ms = [
-            None if m is None else jax.lax.dynamic_slice_in_dim(m, f0, size, axis)
-            for m in means
-        ]
+
+        def cut(m):
+            return None if m is None else jax.tree.map(
+                lambda x: jax.lax.dynamic_slice_in_dim(x, f0, size, axis), m
+            )
+
         return reduce_tiles(
             lambda b0, bs: make_f(b0, bs, f0, size), B, reductions, tile,
-            means=ms, shape=sub, dtype=dtype,
+            means=[cut(m) for m in means], shape=sub, dtype=dtype,
+            carry=S.Carry([cut(i) for i in inits], n0) if carried else None,
         )
 
     def put(acc, vals, f0):

@@ -98,9 +98,17 @@ class Kernel:
     def direct(self, ctx, reduction):
         return reduce_materialised(self.materialise(ctx), reduction)
 
-    def direct_all(self, ctx, reductions):
-        """``{key: direct(ctx, r)}``; kernels override to share work between reductions."""
+    def direct_all(self, ctx, reductions, carry=None):
+        """``{key: direct(ctx, r)}``; kernels override to share work between reductions.
+
+        ``carry``: a `stats.Carry` keyed like ``reductions`` (in the view's layout), only
+        for keys `carried_keys` names: those come back over its examples as well."""
         return {k: self.direct(ctx, r) for k, r in reductions.items()}
+
+    def carried_keys(self, reductions):
+        """Keys of ``reductions`` whose computation starts from the running values of
+        earlier chunks (`direct_all`'s ``carry``); the caller merges the others."""
+        return ()
 
     def ingredients(self, ctx):
         return ctx

@@ -275,30 +275,49 @@ class DenseKernel(Kernel):
             return N != 1 and not self.use_ghost()
         return True
 
-    def direct_all(self, ctx, reductions):
+    def _in_tile_loop(self, reductions):
+        """The keys of ``reductions`` that `direct_all` reads from tiles of ``G_b``
+        (none where no reduction needs ``G_b``)."""
         if not any(self.needs_materialise(r) for r in reductions.values()):
+            return []
+        # the plain sum rides along in the tile loop (a hot add) rather than
+        # costing a second contraction over the batch; centred sums take one
+        # pass (tiling.py), so no mean is contracted beforehand either
+        return [
+            k for k, r in reductions.items()
+            if self.needs_materialise(r) or (S.is_plain_sum(r) and self.c["N"] > 1)
+        ]
+
+    def carried_keys(self, reductions):
+        return [k for k in self._in_tile_loop(reductions) if S.carries(reductions[k])]
+
+    def from_view(self, v):
+        """[..., *w_shape] -> [..., K, C, F] (undoes `to_view`)."""
+        c = self.c
+        n = v.ndim - len(c["canon_shape"])
+        v = v.transpose(tuple(range(n)) + tuple(n + int(i) for i in np.argsort(c["inv_w"])))
+        return v.reshape(v.shape[:n] + (c["K"], c["C"], c["F"]))
+
+    def direct_all(self, ctx, reductions, carry=None):
+        tiled = self._in_tile_loop(reductions)
+        if not tiled:
             return super().direct_all(ctx, reductions)
         # Reductions that need G_b read it tile by tile (tiling.py): one loop
         # over examples serves all of them; G is never formed for the batch.
         x, dy = ctx
-        out, keys, reds = {}, [], []
-        for k, r in reductions.items():
-            # the plain sum rides along in the tile loop (a hot add) rather than
-            # costing a second contraction over the batch; centred sums take one
-            # pass (tiling.py), so no mean is contracted beforehand either
-            if not self.needs_materialise(r) and not (
-                S.is_plain_sum(r) and self.c["N"] > 1
-            ):
-                out[k] = self.direct(ctx, r)
-                continue
-            keys.append(k)
-            reds.append(r)
-        vals = self.tiled(x, dy, reds, [None] * len(reds))
+        out = {k: self.direct(ctx, r) for k, r in reductions.items() if k not in tiled}
+        keys, reds = tiled, [reductions[k] for k in tiled]
+        if carry is not None:
+            inits = [carry.values.get(k) for k in keys]
+            carry = S.Carry(
+                [None if i is None else jax.tree.map(self.from_view, i) for i in inits], carry.n
+            )
+        vals = self.tiled(x, dy, reds, [None] * len(reds), carry=carry)
         for k, r, v in zip(keys, reds, vals):
             if isinstance(r, S.SqNorms):
                 out[k] = v
             elif isinstance(r, S.Centered):
-                out[k] = S.Moments(self.to_view(v.mean), self.to_view(v.m2))
+                out[k] = jax.tree.map(self.to_view, v)  # Moments, or Shifted (carried)
             else:
                 out[k] = self.to_view(v)
         return out
@@ -344,7 +363,7 @@ class DenseKernel(Kernel):
             return None
         return tiling.feature_tile((c["K"], c["C"], c["F"]), self.acc, self.FEATURE_AXES, budget)
 
-    def tiled(self, x, dy, reds, means, budget=None, tokens=None):
+    def tiled(self, x, dy, reds, means, budget=None, tokens=None, carry=None):
         c = self.c
         B = x.shape[0]
         ft = self.feature_tile(B, budget)
@@ -361,6 +380,7 @@ class DenseKernel(Kernel):
             shape=(c["K"], c["C"], c["F"]),
             dtype=self.acc,
             features=features,
+            carry=carry,
         )
 
     def _centered_rank_one(self, x, d):
