@@ -613,11 +613,12 @@ def per_example_stat(
         a leading axis of size 1. False: ``fn`` is written for one example.
       has_aux: ``fn`` returns ``(loss, aux)``.
       chunk_size: process examples in chunks of this size (bounds the memory of the
-        whole forward and backward pass); statistics are merged exactly. ``None``:
-        the whole batch at once. ``"auto"`` (default): on CPU, chunks whose
-        activations (estimated from the jaxpr) stay near the cache, since XLA:CPU
-        runs a model whose activations spill to main memory several times slower,
-        and hold at least 3 times the bytes of the statistics merged across chunks;
+        whole forward and backward pass); each chunk continues the running
+        statistics exactly (variances as shifted sums, re-centred as their rounding
+        bound requires). ``None``: the whole batch at once. ``"auto"`` (default): on
+        CPU, chunks whose activations (estimated from the jaxpr) stay near the cache,
+        since XLA:CPU runs a model whose activations spill to main memory several
+        times slower, and hold at least 3 times the bytes of the running statistics;
         elsewhere the whole batch. `explain` reports the choice.
       memory_budget_bytes: bytes per tile where a statistic needs per-example
         gradients of a layer (E[g²], signs, variance at token-axis sites): they are

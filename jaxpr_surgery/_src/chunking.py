@@ -8,9 +8,10 @@ jaxpr: the bytes of every intermediate value that depends on the example's data
 (values computed from the parameters alone count once per batch, not per
 example). Calls into jitted functions and custom-derivative functions are looked
 into; loops and ``jax.checkpoint`` count their outputs only, since their insides
-are not kept alive for the backward pass. Each chunk merges its statistics into
-the running ones, which streams parameter-sized accumulators through memory, so a
-chunk is also kept large against them (`MERGE_FACTOR`).
+are not kept alive for the backward pass. Each chunk continues the running
+statistics (api.py: its tile loops start from them; leaves without one merge into
+them), which streams parameter-sized accumulators through memory, so a chunk is
+also kept large against them (`MERGE_FACTOR`).
 
 Elsewhere (GPU, TPU) the whole batch runs at once: there a chunk loop costs
 parallelism and buys nothing unless the user bounds the memory with an explicit
@@ -89,10 +90,10 @@ def auto_chunk(
     than the batch pays for its merges).
 
     The chunks are balanced, and a divisor of ``B`` is taken when one is close (no
-    remainder chunk to trace). Merging a chunk's statistics into the running ones
-    streams the accumulators (``accumulator_bytes``, parameter-sized per statistic)
-    through memory a few times, so a chunk's activations are kept at least
-    `MERGE_FACTOR` times the accumulators, even beyond the budget.
+    remainder chunk to trace). Every chunk streams the running statistics
+    (``accumulator_bytes``, parameter-sized per statistic) through memory, so a
+    chunk's activations are kept at least `MERGE_FACTOR` times the accumulators,
+    even beyond the budget.
     """
     budget = CPU_CHUNK_BYTES if budget is None else budget
     per_ex = max(int(per_example_bytes), 1)
@@ -114,8 +115,8 @@ def auto_chunk(
 
 
 def accumulator_bytes(reductions, leaf_avals) -> int:
-    """Bytes of the running values a chunk merges into: per statistic, parameter-sized
-    (per-example values are concatenated, not merged)."""
+    """Bytes of the running values a chunk continues: per statistic, parameter-sized
+    (per-example values are concatenated, not carried)."""
     from jaxpr_surgery._src import engine
     from jaxpr_surgery._src import stats as S
     from jaxpr_surgery._src.sites.base import acc_dtype_for

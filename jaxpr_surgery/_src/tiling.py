@@ -144,15 +144,15 @@ def reduce_tiles(
       tile: examples per tile.
       means: per reduction, None or (for a `Centered`) the exact mean, computed
         beforehand: then the centred sum is two-pass. Without it, one pass with no
-        contraction over the batch. The first tile's mean ``K`` and centred sum start
-        the running ``(mu, M2)``; the sums ``S1``, ``S2`` of ``G_b - mu`` and of its
-        square over the next group of ``n_g`` examples update them by
-        ``mu += S1/n``, ``M2 += S2 - S1^2/n`` (Chan's rule; ``n`` examples so far).
-        The subtraction that matters happens first, on the raw values, so rounding
-        does not grow with the mean's size against the spread (unlike
-        ``E[g^2] - E[g]^2``); each update cancels at most ``1 + n_g/n_before`` fold
-        (about 2 for a typical coordinate), and groups are cut so that this stays
-        within `MAX_SHIFT_AMPLIFICATION` (one group for up to 32 tiles).
+        contraction over the batch: `stats.Shifted` sums ``S1``, ``S2`` of ``G_b - K``
+        and of its square, ``K`` the first tile's mean (its exact two-pass moments),
+        so ``mean = K + S1/n`` and ``M2 = S2 - S1^2/n``. The subtraction that matters
+        happens first, on the raw values, so rounding does not grow with the mean's
+        size against the spread (unlike ``E[g^2] - E[g]^2``); the final one cancels at
+        most ``1 + m/n_K`` fold where ``K`` is the mean of ``n_K`` examples and ``m``
+        came after it (about 2 for a typical coordinate). Groups of tiles are cut so
+        that this stays within `MAX_SHIFT_AMPLIFICATION`: one group for up to 32
+        tiles, then each group first re-centres on the running mean (`stats.recentre`).
       shape, dtype: of one example's ``G``.
       features: optional ``(axis, size, make_f)`` (`feature_tile`'s block and
         ``make_f(b0, size, f0, fs) -> G[b0:b0+size]`` restricted to ``f0:f0+fs`` on
