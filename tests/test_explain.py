@@ -260,9 +260,9 @@ def test_explain_says_how_the_engine_sums_a_shared_leaf(other, monkeypatch):
     seen = []
     orig = engine._tiled_materialised
 
-    def spy(plan, ings, mat, B, reductions, carry=None):
+    def spy(plan, ings, mat, B, reductions):
         seen.extend(reductions)
-        return orig(plan, ings, mat, B, reductions, carry)
+        return orig(plan, ings, mat, B, reductions)
 
     monkeypatch.setattr(engine, "_tiled_materialised", spy)
     js.per_example_stat(loss, stat)(W, b)

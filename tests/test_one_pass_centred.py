@@ -120,3 +120,42 @@ def test_variance_near_cancellation_through_a_model():
     np.testing.assert_allclose(got64, ref, rtol=1e-9)
     # the spread is 1e-3 of the gradient: E[g^2] - E[g]^2 would keep no digit here
     np.testing.assert_allclose(got, ref, rtol=2e-2)
+
+
+@pytest.mark.parametrize("features", [False, True])
+@pytest.mark.parametrize("B,cs,tile", [(10, 3, 1), (12, 4, 2), (40, 13, 1), (9, 9, 5)])
+def test_carried_chunks_match_the_whole_batch(B, cs, tile, features):
+    """`reduce_tiles` with a `Carry` (api.py's chunks): sums of phi start from the
+    running ones, centred sums continue `Shifted` sums against the first tile's mean;
+    chunk by chunk they give the whole batch's values (float64), with or without
+    feature blocks, and the plain sum derived from the carried mean."""
+    shape = (5, 7)
+    g = 3.0 + np.random.default_rng(B + cs).normal(size=(B,) + shape)
+    reds = [S.SQUARE, S.Centered(), S.SUM, S.SqNorms(), S.SIGN]
+    with x64():
+        G = jnp.asarray(g)
+
+        def run(Gc, carry):
+            make = lambda b0, size: jax.lax.dynamic_slice_in_dim(Gc, b0, size, 0)  # noqa: E731
+            feats = None
+            if features:  # blocks of 3 on axis 1 (a remainder of 1)
+                feats = (1, 3, lambda b0, size, f0, fs: jax.lax.dynamic_slice_in_dim(
+                    make(b0, size), f0, fs, 2))
+            return tiling.reduce_tiles(make, Gc.shape[0], reds, tile, shape=shape,
+                                       dtype=Gc.dtype, features=feats, carry=carry)
+
+        z = jnp.zeros(shape)
+        acc = [z, S.Shifted(z, z, z), z, None, z]
+        sq = []
+        for b0 in range(0, B, cs):
+            out = jax.jit(run)(G[b0 : b0 + cs], S.Carry(acc, jnp.asarray(b0, jnp.int32)))
+            sq.append(out[3])
+            acc = [None if isinstance(r, S.SqNorms) else o for r, o in zip(reds, out)]
+        acc[1] = S.shifted_moments(acc[1], B)
+        acc[3] = jnp.concatenate(sq)
+        ref = run(G, None)
+        for r, a, b in zip(reds, acc, ref):
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-11,
+                                           atol=1e-11, err_msg=repr(r))
+    np.testing.assert_allclose(np.asarray(acc[1].m2), ((g - g.mean(0)) ** 2).sum(0), rtol=1e-10)

@@ -376,15 +376,10 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
                 deferred[i] = _weighted_leaf([(site, plan.kernels[site.path], ct["ing"])], cache)
             continue
         # ingredients mode
+        # (merged afterwards: measured slower when its tile loop continued the running
+        # values, 5-15% on the large-vocabulary tied table in feature blocks)
         ings = [(s, plan.kernels[s.path], sink_cts[s.path]["ing"]) for s in sites]
-        leaf_carry = None if carry is None else S.Carry(
-            {j: v[i] for j, v in carry.values.items() if S.carries(plan.reductions[j])}, carry.n
-        )
-        done.update(
-            (j, i)
-            for j in _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache,
-                                      leaf_carry)
-        )
+        _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache)
 
     # Tensor parallelism: a leaf sharded over mesh axes beyond the data axes holds a
     # part of each example's gradient on every shard; its squared norms are the sum
@@ -513,9 +508,8 @@ def leaf_feature_tile(B, shape, acc, budget, kernels):
     return tiling.feature_tile(tuple(shape), acc, sorted(axes), budget)
 
 
-def _tiled_materialised(plan, ings, mat, B, reductions, carry=None):
-    """Reductions of a leaf's ``G [B, *leaf] = mat(b0, size)``, tile by tile (tiling.py;
-    ``carry`` as there)."""
+def _tiled_materialised(plan, ings, mat, B, reductions):
+    """Reductions of a leaf's ``G [B, *leaf] = mat(b0, size)``, tile by tile (tiling.py)."""
     aval = plan.leaf_avals[ings[0][0].leaf]
     acc = acc_dtype_for(aval.dtype)
     ks = [k for _, k, _ in ings]
@@ -524,7 +518,7 @@ def _tiled_materialised(plan, ings, mat, B, reductions, carry=None):
     features = ft and (*ft, lambda b0, size, f0, fs: mat(b0, size, (ft[0], f0, fs)))
     return tiling.reduce_tiles(
         mat, B, reductions, tile, shape=tuple(aval.shape), dtype=acc,
-        features=features, carry=carry,
+        features=features,
     )
 
 
@@ -616,12 +610,8 @@ def _weighted_leaf(ings, cache):
     return weighted
 
 
-def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache, carry=None):
-    """Reductions of a leaf from its sites' ingredients (after the backward pass).
-
-    ``carry``: a `stats.Carry` of the leaf's running values (keyed by reduction index,
-    `run`). Returns the indices of the reductions whose values continue it (the
-    caller merges the rest)."""
+def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
+    """Reductions of a leaf from its sites' ingredients (after the backward pass)."""
     aval = plan.leaf_avals[i]
     acc = acc_dtype_for(aval.dtype)
 
@@ -692,7 +682,7 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache, carr
             outs = _tiled_materialised(plan, ings, mat, B, [plan.reductions[j] for j in js_])
             for j, v in zip(js_, outs):
                 values[j][i] = v
-        return ()
+        return
 
     # (only norms ask; the layout check is numpy work)
     ghost_ok = plan.needs_norms and ghost_cross_ok([s for s, _, _ in ings], [k for _, k, _ in ings])
@@ -717,20 +707,15 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache, carr
         total = weighted(jnp.ones((B,), acc))
         for j in sums:
             values[j][i] = total
-    carried = ()
     if todo:
         reds = [S.SqNorms() if j is None else plan.bound(plan.reductions[j], i) for j in todo]
-        if carry is not None:  # the tile loop continues the running values
-            carried = [j for j in todo if j in carry.values]
-            carry = S.Carry([carry.values.get(j) for j in todo], carry.n)
         # centred sums take one pass in the tile loop (tiling.py): no mean beforehand
-        outs = _tiled_materialised(plan, ings, mat, B, reds, carry)
+        outs = _tiled_materialised(plan, ings, mat, B, reds)
         for j, v in zip(todo, outs):
             if j is None:
                 norms_leaf[i] = v
             else:
                 values[j][i] = v
-    return carried
 
 
 def needs_norms(reductions):

@@ -460,7 +460,7 @@ def carried(kernel, ctx, direct, sink, B):
     the count is zero."""
     n = sink[CARRY_COUNT]
     init = {k: sink[k] for k, r in direct.items() if S.carries(r)}
-    keys = set(kernel.carried_keys(direct)) & set(init)
+    keys = set(kernel.carried_keys(direct, B)) & set(init)
     out = kernel.direct_all(ctx, direct, S.Carry({k: init[k] for k in keys}, n) if keys else None)
     for k in set(init) - keys:
         out[k] = S.merge(direct[k], init[k], n, out[k], B)

@@ -105,9 +105,10 @@ class Kernel:
         for keys `carried_keys` names: those come back over its examples as well."""
         return {k: self.direct(ctx, r) for k, r in reductions.items()}
 
-    def carried_keys(self, reductions):
-        """Keys of ``reductions`` whose computation starts from the running values of
-        earlier chunks (`direct_all`'s ``carry``); the caller merges the others."""
+    def carried_keys(self, reductions, B):
+        """Keys of ``reductions`` whose computation for ``B`` examples starts from the
+        running values of earlier chunks (`direct_all`'s ``carry``); the caller merges
+        the others."""
         return ()
 
     def ingredients(self, ctx):
