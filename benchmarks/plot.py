@@ -386,14 +386,17 @@ def render_md(doc, img_paths, md_path, compare=None):
     L.append("")
     L.append(
         "Why some transformer rows of variance or mean+second_moment against "
-        "second_moment alone miss on the short and large-vocabulary models: on CPU the default "
-        "`chunk_size=\"auto\"` runs a batch whose activations outgrow the cache in "
-        "chunks, and each chunk merges its statistics into parameter-sized accumulators; "
-        "a chunk is kept at least 3 times their bytes, so a statistic with two "
-        "accumulators (the variance; mean+second_moment) takes larger chunks, or the "
-        "whole batch, where second_moment alone takes small ones. Both are faster than "
-        "unchunked (e.g. vocab B=32 variance 0.47x -> 0.36x grad); second_moment gains "
-        "more. The ratio is the chunk policy's, not a slower variance."
+        "second_moment alone miss, mostly on the large-vocabulary model: on token-axis "
+        "sites all three take one tile loop, but the variance updates two running sums "
+        "per example (the shifted one-pass sums) where E[g²] updates one. On CPU the "
+        "default `chunk_size=\"auto\"` runs a batch whose activations outgrow the cache "
+        "in chunks, and each chunk continues the running statistics, which streams "
+        "them through memory: a chunk is kept at least 3 times their bytes, so a "
+        "statistic with two accumulators (the variance; mean+second_moment) takes larger "
+        "chunks, or the whole batch, where second_moment alone takes small ones. The "
+        "tied vocabulary-sized table merges each chunk's values afterwards (continuing "
+        "them in its feature-blocked tile loop measured slower), a pass over its "
+        "accumulators per chunk."
     )
     L.append("")
     L.append(
