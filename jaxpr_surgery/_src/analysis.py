@@ -39,28 +39,25 @@ class LayoutOp:
 
     def inverse(self, value):
         """Maps a value shaped ``lead + out_shape`` back to ``lead + in_shape``."""
-        if self.kind == "scan" or self.kind == "identity":
-            return value
-        lead = value.shape[: value.ndim - len(self.out_shape)]
-        if self.kind == "reshape":
-            return value.reshape(lead + tuple(self.in_shape))
-        if self.kind == "transpose":
-            inv = np.argsort(self.perm)
-            n = len(lead)
-            return value.transpose(tuple(range(n)) + tuple(n + int(i) for i in inv))
-        raise AssertionError(self.kind)
+        perm = None if self.perm is None else np.argsort(self.perm)
+        return self._map(value, self.out_shape, self.in_shape, perm)
 
     def forward(self, value):
         """Maps a value shaped ``lead + in_shape`` to ``lead + out_shape`` (undoes
         `inverse`)."""
+        return self._map(value, self.in_shape, self.out_shape, self.perm)
+
+    def _map(self, value, src, dst, perm):
+        """``lead + src`` -> ``lead + dst`` by this step's kind (``perm``: the
+        transpose's, in that direction)."""
         if self.kind == "scan" or self.kind == "identity":
             return value
-        lead = value.shape[: value.ndim - len(self.in_shape)]
+        lead = value.shape[: value.ndim - len(src)]
         if self.kind == "reshape":
-            return value.reshape(lead + tuple(self.out_shape))
+            return value.reshape(lead + tuple(dst))
         if self.kind == "transpose":
             n = len(lead)
-            return value.transpose(tuple(range(n)) + tuple(n + int(i) for i in self.perm))
+            return value.transpose(tuple(range(n)) + tuple(n + int(i) for i in perm))
         raise AssertionError(self.kind)
 
 

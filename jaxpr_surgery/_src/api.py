@@ -437,15 +437,19 @@ def _chunked(run_chunk, ex_leaves, B, cs, zero, reductions):
         return {j: [S.recentre(v, n) for v in vals] if j in centred else vals
                 for j, vals in carry.items()}
 
+    def split(vals):  # (the running values, the per-example ones)
+        return ({j: v for j, v in vals.items() if j in zero},
+                {j: v for j, v in vals.items() if j not in zero})
+
     def step(carry, xs):
         k, chunk = xs
         vals, loss_b, aux = run_chunk(chunk, cs, S.Carry(carry, count(k * cs)))
-        new = {j: vals[j] for j in carry}
-        return new, ({j: v for j, v in vals.items() if j not in carry}, loss_b, aux)
+        new, per_ex = split(vals)
+        return new, (per_ex, loss_b, aux)
 
     vals, loss_b, aux = run_chunk([h[0] for h in head], cs, S.Carry(zero, count(0)))
-    carry = {j: vals[j] for j in zero}
-    pieces = [({j: v for j, v in vals.items() if j not in zero}, loss_b, list(aux))]
+    carry, per_ex = split(vals)
+    pieces = [(per_ex, loss_b, list(aux))]
     # the shift is the mean of at least n_shift examples, `since` came after it
     n_shift, since = 1, cs - 1
     k = 1
@@ -471,8 +475,8 @@ def _chunked(run_chunk, ex_leaves, B, cs, zero, reductions):
             tail = [x[nfull * cs :] for x in ex_leaves]
             carry, tail = compat.ordering_barrier((carry, tail))
             vals, loss_t, aux_t = run_chunk(tail, rem, S.Carry(carry, count(nfull * cs)))
-            carry = {j: vals[j] for j in zero}
-            pieces.append(({j: v for j, v in vals.items() if j not in zero}, loss_t, aux_t))
+            carry, per_ex = split(vals)
+            pieces.append((per_ex, loss_t, aux_t))
             rem = 0
     values = {j: [S.shifted_moments(v, B) for v in vals] if j in centred else vals
               for j, vals in carry.items()}

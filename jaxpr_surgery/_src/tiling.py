@@ -162,10 +162,10 @@ def reduce_tiles(
       carry: optional `stats.Carry` (values aligned with ``reductions``): the
         running values of the ``carry.n`` examples of earlier chunks (which must be at
         least ``B`` unless zero). A carried sum of ``phi`` starts from its running
-        value; a carried one-pass centred sum takes the running mean as the first
-        group's shift (the first tile's mean when ``carry.n`` is 0) and continues its
-        ``(mu, M2)``: each update cancels at most ``1 + B/n`` fold, so no merge of the
-        chunk's own moments is needed (a pass over every accumulator per chunk). Only
+        value; a carried one-pass centred sum continues its `stats.Shifted` sums
+        against their shift (the first tile's mean when ``carry.n`` is 0), so no
+        merge of the chunk's own moments is needed (a pass over every accumulator per
+        chunk); api.py re-centres between chunks to keep the shift's bound. Only
         `stats.carries` reductions without a given mean may be carried.
 
     Returns:

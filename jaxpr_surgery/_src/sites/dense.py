@@ -299,7 +299,7 @@ class DenseKernel(Kernel):
         """[..., *w_shape] -> [..., K, C, F] (undoes `to_view`)."""
         c = self.c
         n = v.ndim - len(c["canon_shape"])
-        v = v.transpose(tuple(range(n)) + tuple(n + int(i) for i in np.argsort(c["inv_w"])))
+        v = v.transpose(tuple(range(n)) + tuple(n + int(i) for i in c["canon_w"]))
         return v.reshape(v.shape[:n] + (c["K"], c["C"], c["F"]))
 
     def direct_all(self, ctx, reductions, carry=None):
