@@ -230,18 +230,12 @@ def _target_counts(targets):
     return counts
 
 
-def _compare_section(doc, other, md_dir):
-    """Target summary of ``doc`` beside ``other`` (the same suite on another jax), and
-    every target row whose status differs between the two."""
-    ja, jb = doc["machine"].get("jax", "?"), other["machine"].get("jax", "?")
-    L = [f"## The same targets on jax {jb}", ""]
-    src = os.path.relpath(other["_path"], md_dir)
-    L.append(f"The suite as above, run on jax {jb} in the same way ([{os.path.basename(src)}]"
-             f"({src})). Wall-time ratios move between jax versions (XLA:CPU changes), "
-             "FLOPs and temporary memory much less.")
-    L.append("")
+def _targets_side_by_side(doc, other, la, lb):
+    """Target counts of ``doc`` (labelled ``la``) beside ``other``'s (``lb``), and every
+    target row whose status differs between the two."""
+    L = []
     ca, cb = _target_counts(doc["targets"]), _target_counts(other["targets"])
-    L.append(f"| target | met / missed, jax {ja} | met / missed, jax {jb} |")
+    L.append(f"| target | met / missed, {la} | met / missed, {lb} |")
     L.append("|---|---|---|")
     for d in dict.fromkeys([*ca, *cb]):
         L.append(f"| {d} | {ca[d][0]} / {ca[d][1]} | {cb[d][0]} / {cb[d][1]} |")
@@ -256,7 +250,7 @@ def _compare_section(doc, other, md_dir):
     if diff:
         L.append("Rows whose status differs:")
         L.append("")
-        L.append(f"| target | regime | B | what | jax {ja} | jax {jb} | threshold |")
+        L.append(f"| target | regime | B | what | {la} | {lb} | threshold |")
         L.append("|---|---|---|---|---|---|---|")
         for a, b in diff:
             L.append(f"| {a['description']} | {a['regime']} | {a['batch']} | {a['what']} | "
@@ -266,7 +260,86 @@ def _compare_section(doc, other, md_dir):
     return L
 
 
-def render_md(doc, img_paths, md_path, compare=None):
+def _compare_section(doc, other, md_dir):
+    """Target summary of ``doc`` beside ``other`` (the same suite on another jax)."""
+    ja, jb = doc["machine"].get("jax", "?"), other["machine"].get("jax", "?")
+    L = [f"## The same targets on jax {jb}", ""]
+    src = os.path.relpath(other["_path"], md_dir)
+    L.append(f"The suite as above, run on jax {jb} in the same way ([{os.path.basename(src)}]"
+             f"({src})). Wall-time ratios move between jax versions (XLA:CPU changes), "
+             "FLOPs and temporary memory much less.")
+    L.append("")
+    return L + _targets_side_by_side(doc, other, f"jax {ja}", f"jax {jb}")
+
+
+# methods set side by side under the two allocators (largest batch of each regime)
+_ALLOC_COLS = [("js", "second_moment"), ("js", "variance"), ("js", "mean+second_moment"),
+               ("js_chunk", "second_moment"), ("micro_grad_mb", "second_moment")]
+
+
+def _allocator_section(doc, steady, md_dir):
+    """The suite under glibc's default malloc (``doc``) beside the same suite with malloc
+    keeping freed memory (``steady``): page faults per call, times and targets."""
+    src = os.path.relpath(steady["_path"], md_dir)
+    L = ["## Page faults: the same suite with a steady allocator", ""]
+    L.append(
+        "With glibc's default malloc, a freed block above its mmap threshold (which adapts "
+        "up to 32 MiB) is returned to the OS, so an XLA:CPU program whose temporary buffer "
+        "is larger maps it afresh and page-faults every page of it on every call. The "
+        "suite above runs that way (the default of a Python process on Linux). "
+        f"[{os.path.basename(src)}]({src}) is the same suite run with "
+        "`python -m benchmarks.run --allocator steady` (`MALLOC_ARENA_MAX=1 "
+        "MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2^40`: freed memory stays in the process), "
+        "where a call after the first faults next to nothing. On this machine a fault costs "
+        "about a microsecond, so the faults are a large part of the time of every program "
+        "with more than 32 MiB of temporaries -- `grad` on the transformers above all. "
+        "Ratios to `grad` under the default allocator are therefore kinder to the methods "
+        "with less temporary memory (js, and js in chunks) than the same computation is on "
+        "a machine where memory is reused; the steady run is the fairer compute comparison, "
+        "the default run what a user gets without setting anything. In the steady run "
+        "`chunk_size=\"auto\"` finds that memory is kept (a probe counting page faults, "
+        "once per process) and runs every batch whole, which was the fastest there; "
+        "`js_chunk` is still `chunk_size=B/4`."
+    )
+    L.append("")
+    L.append("Largest batch of each regime. Per method: median ms (minor page faults per call, "
+             "thousands) under the default allocator → under the steady one; then the ratio to "
+             "`grad` of the same run.")
+    L.append("")
+    heads = ["grad"] + [f"{m}:{s}" for m, s in _ALLOC_COLS]
+    L.append("| regime | B | " + " | ".join(heads) + " |")
+    L.append("|---|---|" + "---|" * len(heads))
+
+    def find(d, reg, B, m, s):
+        return next((r for r in d["results"] if r["regime"] == reg and r["batch"] == B
+                     and r["method"] == m and r["statistic"] == s and r["ok"]), None)
+
+    def cell(a, b, ratio):
+        if a is None or b is None or a.get("time_median_s") is None:
+            return "–"
+        fa, fb = a.get("minor_faults_per_call"), b.get("minor_faults_per_call")
+        flt = lambda f: "?" if f is None else f"{f / 1e3:.1f}k"  # noqa: E731
+        txt = (f"{_ms(a['time_median_s'])} ({flt(fa)}) → "
+               f"{_ms(b['time_median_s'])} ({flt(fb)})")
+        if ratio:
+            txt += f"; {_f(a.get('time_ratio'))}x → {_f(b.get('time_ratio'))}x"
+        return txt
+
+    for reg in _regimes(doc):
+        Bs = [r["batch"] for r in doc["results"] if r["regime"] == reg]
+        B = max(Bs)
+        cells = [cell(find(doc, reg, B, "grad", "grad"), find(steady, reg, B, "grad", "grad"),
+                      False)]
+        cells += [cell(find(doc, reg, B, m, s), find(steady, reg, B, m, s), True)
+                  for m, s in _ALLOC_COLS]
+        L.append(f"| {reg} | {B} | " + " | ".join(cells) + " |")
+    L.append("")
+    L.append("Targets under the two allocators:")
+    L.append("")
+    return L + _targets_side_by_side(doc, steady, "default malloc", "steady malloc")
+
+
+def render_md(doc, img_paths, md_path, compare=None, steady=None):
     m = doc["machine"]
     md_dir = os.path.dirname(os.path.abspath(md_path))
     rel = {k: os.path.relpath(v, md_dir) for k, v in img_paths.items()}
@@ -388,10 +461,11 @@ def render_md(doc, img_paths, md_path, compare=None):
         "Why some transformer rows of variance or mean+second_moment against "
         "second_moment alone miss, mostly on the large-vocabulary model: on token-axis "
         "sites all three take one tile loop, but the variance updates two running sums "
-        "per example (the shifted one-pass sums) where E[g²] updates one. On CPU the "
-        "default `chunk_size=\"auto\"` runs a batch whose activations outgrow the cache "
-        "in chunks, and each chunk continues the running statistics, which streams "
-        "them through memory: a chunk is kept at least 3 times their bytes, so a "
+        "per example (the shifted one-pass sums) where E[g²] updates one. On CPU, under "
+        "glibc's default malloc (the run above), the default `chunk_size=\"auto\"` runs a "
+        "batch whose temporaries would pass about 32 MiB in chunks, and each chunk "
+        "continues the running statistics, which streams them through memory: a chunk "
+        "is kept at least 3 times their bytes, so a "
         "statistic with two accumulators (the variance; mean+second_moment) takes larger "
         "chunks, or the whole batch, where second_moment alone takes small ones. The "
         "tied vocabulary-sized table merges each chunk's values afterwards (continuing "
@@ -535,6 +609,8 @@ def render_md(doc, img_paths, md_path, compare=None):
         L.append("ERROR: " + tr["error"].splitlines()[0][:300])
         L.append("")
 
+    if steady is not None:
+        L += _allocator_section(doc, steady, md_dir)
     if compare is not None:
         L += _compare_section(doc, compare, md_dir)
 
@@ -563,14 +639,21 @@ def main(argv=None):
     ap.add_argument("--compare", default=os.path.join(HERE, "results", "cpu_jax0.10.json"),
                     help="results of the same suite on another jax: its targets are summarised "
                          "beside these (skipped where the file does not exist)")
+    ap.add_argument("--steady", default=os.path.join(HERE, "results", "cpu_steady_alloc.json"),
+                    help="results of the same suite with --allocator steady: page faults and "
+                         "targets set beside these (skipped where the file does not exist)")
     args = ap.parse_args(argv)
     doc = load(args.inputs)
-    other = None
-    if args.compare and os.path.exists(args.compare):
-        other = load([args.compare])
-        other["_path"] = args.compare
+
+    def side(path):
+        if not path or not os.path.exists(path):
+            return None
+        d = load([path])
+        d["_path"] = path
+        return d
+
     paths = {} if args.no_png else plot_regimes(doc, args.img_dir)
-    md = render_md(doc, paths, args.md, other)
+    md = render_md(doc, paths, args.md, side(args.compare), side(args.steady))
     print(f"wrote {md}" + (f" and {len(paths)} PNG(s) in {args.img_dir}" if paths else ""),
           file=sys.stderr)
 

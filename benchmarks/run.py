@@ -40,6 +40,15 @@ temporary memory (and time) of ``second_moment`` against ``chunk_size``, and
 the trace+lower time of a 12-layer unrolled transformer and of a 48-layer one
 (``--no-tracing`` skips them).
 
+Each row also records ``minor_faults_per_call``: the process's minor page faults
+per timed call. With glibc's default malloc, a freed buffer above its mmap
+threshold (at most 32 MiB) goes back to the OS, so a program whose XLA temporary
+buffer is larger page-faults all of it on every call; on the 2-core machine of
+docs/benchmarks.md a fault costs about 1 microsecond, so 100 MiB of temporary
+memory adds about 25 ms a call. ``--allocator steady`` runs the suite with malloc
+keeping freed memory (`STEADY_ALLOCATOR_ENV`) and writes
+``<platform>_steady_alloc.json``; docs/benchmarks.md sets the two side by side.
+
 A method that fails records its error in the JSON; the run goes on.
 """
 
@@ -82,8 +91,18 @@ RESULT_FIELDS = [
     "time_median_s", "time_ratio", "n_reps", "time_min_s", "time_max_s", "warmup_s",
     "flops", "flops_ratio", "bytes_accessed", "temp_bytes", "temp_ratio", "peak_bytes",
     "output_bytes", "argument_bytes", "trace_lower_s", "compile_s", "has_loop",
-    "microbatch_size", "calls_per_sample",
+    "microbatch_size", "calls_per_sample", "minor_faults_per_call",
 ]
+
+# glibc malloc returns a freed buffer above its mmap threshold (at most 32 MiB) to the
+# OS, so an XLA:CPU program whose temporary buffer is larger page-faults all of it on
+# every call; "steady" keeps freed memory in the process (one arena, no mmap, no trim),
+# so that after the first call no method pays for page faults (docs/benchmarks.md).
+STEADY_ALLOCATOR_ENV = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+}
 
 
 # --------------------------------------------------------------------------- #
@@ -469,7 +488,7 @@ def run_config(model, regime, B, entries, st):
     params = model.params
     batch = model.make_batch(B)
     jax.block_until_ready(batch)
-    rows, runnable = [], []
+    rows, runnable, faults = [], [], {}
     for method, stat in entries:
         row = {k: None for k in RESULT_FIELDS}
         row.update(regime=regime.name, batch=B, method=method, statistic=stat,
@@ -504,6 +523,7 @@ def run_config(model, regime, B, entries, st):
             row["error"] = _err(e)
             log(f"  ! {regime.name} B={B} {row['label']}: {type(e).__name__}: {str(e)[:300]}")
         rows.append((row, samples))
+        faults[row["label"]] = [0, 0]  # minor page faults, calls (timed samples only)
         log(f"  compiled {regime.name:10s} B={B:<5d} {row['label']:30s} "
             f"lower {row['trace_lower_s'] or 0:6.2f}s compile {row['compile_s'] or 0:6.2f}s "
             f"warm {row['warmup_s'] or 0:7.3f}s temp {(row['temp_bytes'] or 0) / 2**20:8.1f}MiB")
@@ -518,17 +538,25 @@ def run_config(model, regime, B, entries, st):
             try:
                 k = row.get("calls_per_sample") or 1
                 t = 0.0
+                f0 = minor_faults()
                 for _ in range(k):
                     t0 = time.perf_counter()
                     jax.block_until_ready(compiled(params, batch))
                     t += time.perf_counter() - t0
+                f1 = minor_faults()
                 samples.append(t / k)
+                if f0 is not None and f1 is not None:
+                    faults[row["label"]][0] += f1 - f0
+                    faults[row["label"]][1] += k
             except Exception as e:  # noqa: BLE001
                 row["ok"], row["error"] = False, _err(e)
     del runnable
     gc.collect()
 
     out = [r for r, _ in rows]
+    for r in out:
+        n_faults, n_calls = faults.get(r["label"], (0, 0))
+        r["minor_faults_per_call"] = n_faults / n_calls if n_calls else None
     _finish_rows(out, {r["label"]: s for r, s in rows})
     g = next((r for r in out if r["method"] == "grad"), None)
     if g and g["ok"]:
@@ -889,6 +917,7 @@ def machine_info():
         "device_count": ndev,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "xla_flags": os.environ.get("XLA_FLAGS"),
+        "allocator": allocator_info(),
     }
     try:
         with open("/proc/cpuinfo") as f:
@@ -931,12 +960,49 @@ def _json_default(o):
     return str(o)
 
 
-def default_out():
+def minor_faults():
+    """The process's minor page faults so far (all threads), or None where the OS
+    does not count them."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    try:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except (OSError, ValueError):
+        return None
+
+
+def allocator_info():
+    """The allocator mode of this process: ``steady`` where `STEADY_ALLOCATOR_ENV` is
+    in effect, else ``default``; with the malloc settings found in the environment."""
+    env = {k: os.environ[k] for k in sorted(os.environ)
+           if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    if "LD_PRELOAD" in env:  # library names only: no path of this machine in the results
+        env["LD_PRELOAD"] = " ".join(
+            os.path.basename(x) for x in env["LD_PRELOAD"].replace(":", " ").split()
+        )
+    steady = all(os.environ.get(k) == v for k, v in STEADY_ALLOCATOR_ENV.items())
+    return {"mode": "steady" if steady else "default", "libc": list(platform.libc_ver()),
+            "env": env}
+
+
+def default_out(allocator="default"):
     try:
         plat = jax.devices()[0].platform
     except Exception:  # noqa: BLE001
         plat = "cpu"
-    return os.path.join(os.path.dirname(__file__), "results", f"{plat}.json")
+    suffix = "" if allocator == "default" else f"_{allocator}_alloc"
+    return os.path.join(os.path.dirname(__file__), "results", f"{plat}{suffix}.json")
+
+
+def _reexec_steady(argv):
+    """Runs this command again in a process with `STEADY_ALLOCATOR_ENV` (malloc reads
+    it at start-up) and returns its exit code."""
+    import subprocess
+
+    env = dict(os.environ, **STEADY_ALLOCATOR_ENV)
+    return subprocess.call([sys.executable, "-m", "benchmarks.run", *argv], env=env)
 
 
 def main(argv=None):
@@ -957,7 +1023,16 @@ def main(argv=None):
                     help="skip the trace+lower timing of a deep unrolled transformer")
     ap.add_argument("--all-baseline-stats", action="store_true",
                     help="run every statistic for vmap/micro_grad at every batch size")
+    ap.add_argument("--allocator", choices=["default", "steady"], default="default",
+                    help="steady: run with glibc malloc keeping freed memory (one arena, no "
+                         "mmap, no trim), so that no call page-faults its temporary buffers; "
+                         "results go to <platform>_steady_alloc.json unless --out is given")
     args = ap.parse_args(argv)
+    if args.allocator == "steady" and allocator_info()["mode"] != "steady":
+        if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+            ap.error("--allocator steady sets glibc malloc's environment variables; this "
+                     f"process runs on {platform.system()} {platform.libc_ver()[0] or ''}.")
+        raise SystemExit(_reexec_steady(list(sys.argv[1:] if argv is None else argv)))
 
     st = _settings(args.quick, args)
     global _COMPILER_OPTIONS
@@ -967,7 +1042,7 @@ def main(argv=None):
     bad = [n for n in names if n not in regimes]
     if bad:
         ap.error(f"unknown regime(s) {bad}; choose from {list(regimes)}")
-    out_path = args.out or default_out()
+    out_path = args.out or default_out(args.allocator)
 
     t_start = time.perf_counter()
     doc = {

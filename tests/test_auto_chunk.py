@@ -1,12 +1,18 @@
-"""``chunk_size="auto"`` (the default): on CPU the batch runs in chunks whose activations,
-estimated from the per-example jaxpr, fit `chunking.CPU_CHUNK_BYTES`; elsewhere, or where
-the whole batch fits, in one go. Checks the estimate, the choice of chunk, that the
-chunked default is checked against the vmap(grad) oracle (float32 and float64, with a
-remainder chunk), and the argument's validation."""
+"""``chunk_size="auto"`` (the default): on CPU, where the allocator page-faults large
+temporaries afresh on every call (glibc's default malloc), the batch runs in chunks whose
+activations, estimated from the per-example jaxpr, fit `chunking.CPU_CHUNK_BYTES`;
+elsewhere, where the allocator keeps freed memory, or where the whole batch fits, in one
+go. Checks the estimate, the choice of chunk, the allocator probe (in processes with
+either allocator), that the chunked default is checked against the vmap(grad) oracle
+(float32 and float64, with a remainder chunk), and the argument's validation."""
 
 from __future__ import annotations
 
 import collections
+import os
+import platform
+import subprocess
+import sys
 
 import _models as M
 import jax
@@ -16,6 +22,13 @@ import pytest
 
 import jaxpr_surgery as js
 from jaxpr_surgery._src import chunking, tiling
+
+
+@pytest.fixture(autouse=True)
+def _allocator_faults(monkeypatch):
+    """The choices below are those of a process whose allocator gives large buffers
+    back (glibc's default): whatever this one's, measured by the probe."""
+    monkeypatch.setattr(chunking, "temporaries_refault", lambda: True)
 
 
 # --------------------------------------------------------------------------- #
@@ -181,6 +194,51 @@ def test_default_is_one_chunk_off_cpu(monkeypatch):
     assert _chunk_loops(loss, stat, params, batch) == {M.B - 1: 1}  # one example each
     monkeypatch.setattr(tiling, "prefer_per_example", lambda: False)
     assert _chunk_loops(loss, stat, params, batch) == {}
+
+
+def test_default_runs_whole_where_the_allocator_keeps_memory(monkeypatch):
+    """Without page faults on every call, the whole batch was the fastest on CPU
+    (docs/benchmarks.md): "auto" then chunks nothing, however large the batch."""
+    loss, params, batch = M.get("transformer")
+    monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 1)
+    monkeypatch.setattr(chunking, "MERGE_FACTOR", 0)
+    stat = js.stats.second_moment()
+    assert _chunk_loops(loss, stat, params, batch) == {M.B - 1: 1}  # refaults: chunks of 1
+    monkeypatch.setattr(chunking, "temporaries_refault", lambda: False)
+    assert _chunk_loops(loss, stat, params, batch) == {}
+    assert chunking.resolve("auto", 64, 10**9) is None
+    assert chunking.resolve(4, 64, 10**9) == 4  # an explicit chunk is kept
+    report = js.explain(loss, stat)(params, batch)
+    assert report.chunk_size is None
+    assert any("allocator keeps freed memory" in n for n in report.notes)
+    assert "allocator" in str(report)
+
+
+_PROBE = "from jaxpr_surgery._src import chunking; print(chunking.temporaries_refault())"
+_STEADY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
+           "MALLOC_TRIM_THRESHOLD_": "1099511627776"}
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+    reason="the probe's two answers are set up with glibc malloc's environment",
+)
+def test_allocator_probe_tells_the_two_allocators_apart():
+    """The probe, in fresh processes: glibc's default malloc maps a buffer above
+    32 MiB afresh on every call (True: keep the chunks); with malloc keeping freed
+    memory, some call reuses it (False)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    base.pop("GLIBC_TUNABLES", None)
+    base["PYTHONPATH"] = root + os.pathsep + base.get("PYTHONPATH", "")
+    base["JAX_PLATFORMS"] = "cpu"
+    got = {}
+    for name, extra in (("default", {}), ("steady", _STEADY)):
+        out = subprocess.run([sys.executable, "-c", _PROBE], env={**base, **extra},
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[name] = out.stdout.strip().splitlines()[-1]
+    assert got == {"default": "True", "steady": "False"}
 
 
 @pytest.mark.parametrize("bad", ["Auto", "whole", 0, -2, 2.5, True])

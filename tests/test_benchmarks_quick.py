@@ -28,7 +28,7 @@ if ROOT not in sys.path:
 RESULT_KEYS = {
     "regime", "batch", "method", "statistic", "label", "ok", "error", "time_median_s",
     "time_ratio", "n_reps", "flops", "flops_ratio", "temp_bytes", "temp_ratio",
-    "trace_lower_s", "compile_s", "has_loop", "microbatch_size",
+    "trace_lower_s", "compile_s", "has_loop", "microbatch_size", "minor_faults_per_call",
 }
 MACHINE_KEYS = {"platform", "cpu_count", "jax", "jaxlib", "optax", "device_kind", "date"}
 
@@ -91,6 +91,12 @@ def test_quick_json_schema(quick_run):
         assert r["time_median_s"] > 0 and r["n_reps"] >= 1
         assert r["compile_s"] >= 0 and r["trace_lower_s"] >= 0
         assert math.isfinite(r["time_ratio"])
+        # minor page faults per timed call (counted by the OS on Linux and macOS)
+        f = r["minor_faults_per_call"]
+        assert f is None or (math.isfinite(f) and f >= 0)
+    if sys.platform.startswith("linux"):
+        assert all(r["minor_faults_per_call"] is not None for r in rows)
+    assert doc["machine"]["allocator"]["mode"] in ("default", "steady")
 
     methods = {r["method"] for r in rows}
     assert {"grad", "js", "vmap", "micro_grad", "micro_grad_mb"} <= methods
@@ -170,6 +176,22 @@ def test_chunked_grad_reference_is_the_gradient():
         run.make_method(m, "grad_chunk", "grad", 8, microbatch_size=3)
 
 
+def test_steady_allocator_settings(monkeypatch):
+    """``--allocator steady`` re-runs the suite with malloc keeping freed memory: the
+    mode is read back from the environment, and results go to their own file."""
+    from benchmarks import run
+
+    for k in run.STEADY_ALLOCATOR_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert run.allocator_info()["mode"] == "default"
+    for k, v in run.STEADY_ALLOCATOR_ENV.items():
+        monkeypatch.setenv(k, v)
+    info = run.allocator_info()
+    assert info["mode"] == "steady" and info["env"]["MALLOC_MMAP_MAX_"] == "0"
+    assert run.default_out("steady").endswith("_steady_alloc.json")
+    assert not run.default_out().endswith("_alloc.json")
+
+
 def test_quick_csv(quick_run):
     doc, out, _, _ = quick_run
     csv_path = os.path.splitext(out)[0] + ".csv"
@@ -185,9 +207,13 @@ def test_plot_markdown(quick_run):
     md = str(out_dir / "bench.md")
     from benchmarks import plot
 
-    # the run against itself as "another jax": every row has the same status
-    plot.main([out, "--md", md, "--img-dir", str(out_dir / "img"), "--compare", out])
+    # the run against itself as "another jax" and as the steady-allocator run: every
+    # row has the same status
+    plot.main([out, "--md", md, "--img-dir", str(out_dir / "img"), "--compare", out,
+               "--steady", out])
     text = open(md).read()
+    assert "## Page faults: the same suite with a steady allocator" in text
+    assert "| short |" in text.split("## Page faults")[1]
     assert "## Targets from the issue" in text
     assert "## Tracing cost" in text
     assert "## The same targets on jax" in text and "Rows whose status differs" not in text

@@ -620,10 +620,12 @@ def per_example_stat(
         whole forward and backward pass); each chunk continues the running
         statistics exactly (variances as shifted sums, re-centred as their rounding
         bound requires). ``None``: the whole batch at once. ``"auto"`` (default): on
-        CPU, chunks whose activations (estimated from the jaxpr) stay near the cache,
-        since XLA:CPU runs a model whose activations spill to main memory several
-        times slower, and hold at least 3 times the bytes of the running statistics;
-        elsewhere the whole batch. `explain` reports the choice.
+        CPU, where the allocator hands large freed buffers back to the OS (glibc's
+        default malloc: every call then page-faults temporaries above 32 MiB afresh;
+        measured once per process), chunks whose activations (estimated from the
+        jaxpr) keep about 32 MiB of temporaries, holding at least 3 times the bytes
+        of the running statistics; elsewhere, and on CPU where the allocator keeps
+        freed memory, the whole batch. `explain` reports the choice.
       memory_budget_bytes: bytes per tile where a statistic needs per-example
         gradients of a layer (E[g²], signs, variance at token-axis sites): they are
         produced and reduced a tile of examples at a time, never for the whole batch.

@@ -1,17 +1,25 @@
 """Automatic chunking of the batch (``chunk_size="auto"``).
 
 On CPU, running the model over the whole batch at once is slower than over
-chunks of it once one chunk's activations outgrow the cache: the forward and
-backward pass stream every activation through main memory. ``"auto"`` picks the
-chunk from an estimate of one example's activations, read off the per-example
-jaxpr: the bytes of every intermediate value that depends on the example's data
-(values computed from the parameters alone count once per batch, not per
-example). Calls into jitted functions and custom-derivative functions are looked
-into; loops and ``jax.checkpoint`` count their outputs only, since their insides
-are not kept alive for the backward pass. Each chunk continues the running
-statistics (api.py: its tile loops start from them; leaves without one merge into
-them), which streams parameter-sized accumulators through memory, so a chunk is
-also kept large against them (`MERGE_FACTOR`).
+chunks of it once the program's temporaries outgrow about 32 MiB. Measured, the
+cause is mostly the allocator, not the cache: glibc's malloc (a Linux process's
+default) returns a freed block above its mmap threshold, which adapts up to
+32 MiB, to the OS, so each call of a program with more temporary memory maps its
+buffer afresh and page-faults every page of it (about 1 microsecond a page on the
+benchmark machine; docs/benchmarks.md sets the suite under that allocator beside
+one that keeps freed memory, where the whole batch is as fast or faster). So
+``"auto"`` first asks whether this process's allocator does that
+(`temporaries_refault`, measured once by running a program with a 48 MiB
+temporary); where it keeps freed memory instead, the whole batch runs. Otherwise
+it picks the chunk from an estimate of one example's activations, read
+off the per-example jaxpr: the bytes of every intermediate value that depends on
+the example's data (values computed from the parameters alone count once per
+batch, not per example). Calls into jitted functions and custom-derivative
+functions are looked into; loops and ``jax.checkpoint`` count their outputs only,
+since their insides are not kept alive for the backward pass. Each chunk
+continues the running statistics (api.py: its tile loops start from them; leaves
+without one merge into them), which streams parameter-sized accumulators through
+memory, so a chunk is also kept large against them (`MERGE_FACTOR`).
 
 Elsewhere (GPU, TPU) the whole batch runs at once: there a chunk loop costs
 parallelism and buys nothing unless the user bounds the memory with an explicit
@@ -21,6 +29,7 @@ parallelism and buys nothing unless the user bounds the memory with an explicit
 from __future__ import annotations
 
 import collections
+import functools
 
 import jax
 import numpy as np
@@ -29,9 +38,12 @@ from jaxpr_surgery._src import compat, tiling
 
 # One chunk's estimated activations, CPU. The estimate counts every unfused
 # intermediate, about twice what XLA keeps (its temp memory), so this keeps a
-# chunk near a 32 MiB last-level cache. Measured on the benchmark transformers
-# (benchmarks/, AMD EPYC, 32 MiB L3): 0.5-0.7x the time of the unchunked call where
-# the batch's estimate exceeds it, unchanged where it does not.
+# chunk's temporaries near glibc's largest mmap threshold (32 MiB), above which
+# every call page-faults its temporary buffer. Measured on the benchmark
+# transformers (benchmarks/, 2-core AMD EPYC VM, default malloc): 0.5-0.8x the time
+# of the unchunked call where the batch's estimate exceeds it, unchanged where it
+# does not; with malloc keeping freed memory (benchmarks.run --allocator steady)
+# the unchunked call was 0.75-1.0x the chunked one instead.
 CPU_CHUNK_BYTES = 64 << 20
 # A divisor of the batch is preferred (one traced chunk body, no remainder) if it
 # is at least this fraction of the largest chunk that fits.
@@ -44,6 +56,11 @@ _DIVISOR_SLACK = 0.5
 MERGE_FACTOR = 3
 # ... or the smallest divisor up to this factor above (a little over the budget).
 _ABOVE_SLACK = 1.25
+
+# Bytes of the temporary buffer of the program `temporaries_refault` runs: above
+# glibc's largest mmap threshold (32 MiB).
+_PROBE_BYTES = 48 << 20
+_PROBE_CALLS = 4  # timed after a first one
 
 _LOOKED_INTO = (compat.jit_p, *compat.custom_prims) + tuple(
     p for p in (compat.closed_call_p, compat.call_p) if p is not None
@@ -160,6 +177,68 @@ def activation_bytes_of(jaxpr, n_params: int, n_examples: int, n_other: int) -> 
     return activation_bytes(jaxpr, [False] * n_params + [True] * n_examples + [False] * n_other)
 
 
+def _minor_faults():
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    try:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except (OSError, ValueError):
+        return None
+
+
+@functools.cache
+def temporaries_refault() -> bool:
+    """Whether this process page-faults a large XLA:CPU temporary buffer afresh on
+    every call (measured once: a program with a `_PROBE_BYTES` temporary, run
+    ``1 + _PROBE_CALLS`` times; the fewest minor faults of the later calls against
+    its pages).
+
+    True with glibc's default malloc, which returns a freed block above its mmap
+    threshold (32 MiB at most) to the OS; False where the allocator keeps freed
+    memory (glibc with ``MALLOC_MMAP_MAX_=0`` and its friends, jemalloc, tcmalloc).
+    Also True where the OS does not count faults or the probe cannot run, which
+    keeps the chunks."""
+    if _minor_faults() is None:
+        return True
+    n = _PROBE_BYTES // 4
+    try:
+        x = jax.device_put(np.float32(1.0), jax.devices("cpu")[0])
+
+        def f(x):  # the barrier keeps the iota in a buffer of its own
+            return jax.numpy.sum(jax.lax.optimization_barrier(jax.lax.iota(np.float32, n) * x))
+
+        compiled = jax.jit(f).lower(x).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        if temp < _PROBE_BYTES:  # not the program meant: keep the chunks
+            return True
+        jax.block_until_ready(compiled(x))
+        fewest = None
+        for _ in range(_PROBE_CALLS):
+            before = _minor_faults()
+            jax.block_until_ready(compiled(x))
+            n_faults = _minor_faults() - before
+            fewest = n_faults if fewest is None else min(fewest, n_faults)
+    except Exception:  # noqa: BLE001 - any failure keeps the chunks
+        return True
+    # an allocator that keeps memory still lays out the heap differently between
+    # some calls (fresh pages); one that gives it back faults on every call
+    return fewest >= 0.5 * temp / 4096
+
+
+def whole_for_the_allocator(chunk_size, B: int, per_example_bytes: int) -> bool:
+    """Whether `resolve` runs the batch whole only because this process's allocator
+    keeps freed memory (`temporaries_refault` is False): for explain's report."""
+    return (
+        isinstance(chunk_size, str)
+        and tiling.prefer_per_example()
+        and B > 1
+        and per_example_bytes * B > CPU_CHUNK_BYTES
+        and not temporaries_refault()
+    )
+
+
 def resolve(chunk_size, B: int, per_example_bytes, acc_bytes=0) -> int | None:
     """The examples per chunk a call runs with (None: the whole batch at once).
     ``per_example_bytes`` and ``acc_bytes`` (see `auto_chunk`): numbers, or functions
@@ -170,6 +249,8 @@ def resolve(chunk_size, B: int, per_example_bytes, acc_bytes=0) -> int | None:
         nbytes = per_example_bytes() if callable(per_example_bytes) else per_example_bytes
         if B <= 1 or nbytes * B <= CPU_CHUNK_BYTES:  # as auto_chunk, before the cost of
             return None  # the accumulators' shapes (an eval_shape), which it alone needs
+        if not temporaries_refault():  # the whole batch is the fastest (module docstring)
+            return None
         acc = acc_bytes() if callable(acc_bytes) else acc_bytes
         return auto_chunk(B, nbytes, accumulator_bytes=acc)
     if chunk_size is None or chunk_size >= B:

@@ -286,6 +286,13 @@ def explain(
             "Per-example gradients assume independent examples: run js.check_per_example(fn) "
             "to detect batch norm / in-batch negatives."
         ]
+        if chunking.whole_for_the_allocator(chunk_size, B, act):
+            notes.append(
+                'chunk_size="auto" runs the batch whole although its activations pass '
+                f"{_mib(chunking.CPU_CHUNK_BYTES)}: this process's allocator keeps freed "
+                "memory, so large temporaries are not page-faulted on every call and the "
+                "whole batch was the fastest (pass an int chunk_size to bound the memory)."
+            )
         gflops = gmem = None
         if compare_grad:
             gflops, gmem = _grad_cost(f, args, prep)
