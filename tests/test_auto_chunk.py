@@ -214,7 +214,14 @@ def test_default_runs_whole_where_the_allocator_keeps_memory(monkeypatch):
     assert "allocator" in str(report)
 
 
-_PROBE = "from jaxpr_surgery._src import chunking; print(chunking.temporaries_refault())"
+# the probe runs while the user's function is traced (here under jit, as it would be)
+_PROBE = """
+import jax
+from jaxpr_surgery._src import chunking
+out = []
+jax.jit(lambda x: (out.append(chunking.temporaries_refault()), x)[1]).lower(1.0)
+print(out[0])
+"""
 _STEADY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
            "MALLOC_TRIM_THRESHOLD_": "1099511627776"}
 
@@ -224,9 +231,9 @@ _STEADY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
     reason="the probe's two answers are set up with glibc malloc's environment",
 )
 def test_allocator_probe_tells_the_two_allocators_apart():
-    """The probe, in fresh processes: glibc's default malloc maps a buffer above
-    32 MiB afresh on every call (True: keep the chunks); with malloc keeping freed
-    memory, some call reuses it (False)."""
+    """The probe, in fresh processes and inside a trace: glibc's default malloc maps
+    a buffer above 32 MiB afresh on every call (True: keep the chunks); with malloc
+    keeping freed memory, some call reuses it (False)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     base.pop("GLIBC_TUNABLES", None)

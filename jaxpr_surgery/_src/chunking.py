@@ -203,23 +203,28 @@ def temporaries_refault() -> bool:
     if _minor_faults() is None:
         return True
     n = _PROBE_BYTES // 4
+
+    def f(x):  # the barrier keeps the iota in a buffer of its own
+        return jax.numpy.sum(jax.lax.optimization_barrier(jax.lax.iota(np.float32, n) * x))
+
     try:
-        x = jax.device_put(np.float32(1.0), jax.devices("cpu")[0])
-
-        def f(x):  # the barrier keeps the iota in a buffer of its own
-            return jax.numpy.sum(jax.lax.optimization_barrier(jax.lax.iota(np.float32, n) * x))
-
-        compiled = jax.jit(f).lower(x).compile()
+        # usually called while the user's function is traced: the compiled program
+        # runs on a concrete host value, outside that trace
+        compiled = jax.jit(f).lower(jax.ShapeDtypeStruct((), np.float32)).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
         if temp < _PROBE_BYTES:  # not the program meant: keep the chunks
             return True
-        jax.block_until_ready(compiled(x))
-        fewest = None
-        for _ in range(_PROBE_CALLS):
-            before = _minor_faults()
+        with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):
+            x = jax.device_put(np.float32(1.0), jax.devices("cpu")[0])
+            if isinstance(x, jax.core.Tracer):  # staged into the trace after all
+                raise TypeError("the probe's input is traced")
             jax.block_until_ready(compiled(x))
-            n_faults = _minor_faults() - before
-            fewest = n_faults if fewest is None else min(fewest, n_faults)
+            fewest = None
+            for _ in range(_PROBE_CALLS):
+                before = _minor_faults()
+                jax.block_until_ready(compiled(x))
+                n_faults = _minor_faults() - before
+                fewest = n_faults if fewest is None else min(fewest, n_faults)
     except Exception:  # noqa: BLE001 - any failure keeps the chunks
         return True
     # an allocator that keeps memory still lays out the heap differently between
