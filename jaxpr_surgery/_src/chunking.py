@@ -9,8 +9,8 @@ buffer afresh and page-faults every page of it (about 1 microsecond a page on th
 benchmark machine; docs/benchmarks.md sets the suite under that allocator beside
 one that keeps freed memory, where the whole batch is as fast or faster). So
 ``"auto"`` first asks whether this process's allocator does that
-(`temporaries_refault`, measured once by running a program with a 48 MiB
-temporary); where it keeps freed memory instead, the whole batch runs. Otherwise
+(`temporaries_refault`, measured once by allocating, writing and freeing 80 MiB
+twice); where it keeps freed memory instead, the whole batch runs. Otherwise
 it picks the chunk from an estimate of one example's activations, read
 off the per-example jaxpr: the bytes of every intermediate value that depends on
 the example's data (values computed from the parameters alone count once per
@@ -57,10 +57,9 @@ MERGE_FACTOR = 3
 # ... or the smallest divisor up to this factor above (a little over the budget).
 _ABOVE_SLACK = 1.25
 
-# Bytes of the temporary buffer of the program `temporaries_refault` runs: above
-# glibc's largest mmap threshold (32 MiB).
-_PROBE_BYTES = 48 << 20
-_PROBE_CALLS = 4  # timed after a first one
+# Bytes `temporaries_refault` allocates: above glibc's largest mmap threshold
+# (32 MiB) and above what one heap of a thread's own arena holds (64 MiB).
+_PROBE_BYTES = 80 << 20
 
 _LOOKED_INTO = (compat.jit_p, *compat.custom_prims) + tuple(
     p for p in (compat.closed_call_p, compat.call_p) if p is not None
@@ -177,59 +176,61 @@ def activation_bytes_of(jaxpr, n_params: int, n_examples: int, n_other: int) -> 
     return activation_bytes(jaxpr, [False] * n_params + [True] * n_examples + [False] * n_other)
 
 
-def _minor_faults():
+def _minor_faults(who):
     try:
         import resource
     except ImportError:  # not a Unix
         return None
     try:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        return resource.getrusage(getattr(resource, who, resource.RUSAGE_SELF)).ru_minflt
     except (OSError, ValueError):
         return None
 
 
 @functools.cache
 def temporaries_refault() -> bool:
-    """Whether this process page-faults a large XLA:CPU temporary buffer afresh on
-    every call (measured once: a program with a `_PROBE_BYTES` temporary, run
-    ``1 + _PROBE_CALLS`` times; the fewest minor faults of the later calls against
-    its pages).
+    """Whether this process's allocator page-faults a large buffer afresh each time it
+    is allocated again, as XLA:CPU does with a program's temporaries on every call.
 
-    True with glibc's default malloc, which returns a freed block above its mmap
-    threshold (32 MiB at most) to the OS; False where the allocator keeps freed
-    memory (glibc with ``MALLOC_MMAP_MAX_=0`` and its friends, jemalloc, tcmalloc).
-    Also True where the OS does not count faults or the probe cannot run, which
-    keeps the chunks."""
-    if _minor_faults() is None:
+    Measured once: from a fresh thread (XLA's worker threads allocate from arenas of
+    their own), the C library's ``malloc`` gives `_PROBE_BYTES`, which are written
+    and freed, twice; True if the second buffer's writes page-fault at least half of
+    its pages. True with glibc's default malloc, which returns a freed block above its
+    mmap threshold (32 MiB at most) to the OS; False where the allocator keeps freed
+    memory (glibc with ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0`` and a large
+    ``MALLOC_TRIM_THRESHOLD_``, jemalloc, tcmalloc). Also True where the OS does not
+    count faults or the probe cannot run, which keeps the chunks."""
+    import ctypes
+    import threading
+
+    who = "RUSAGE_THREAD"  # Linux; elsewhere the whole process
+    if _minor_faults(who) is None:
         return True
-    n = _PROBE_BYTES // 4
+    out = []
 
-    def f(x):  # the barrier keeps the iota in a buffer of its own
-        return jax.numpy.sum(jax.lax.optimization_barrier(jax.lax.iota(np.float32, n) * x))
+    def probe():
+        try:
+            libc = ctypes.CDLL(None)
+            malloc, free = libc.malloc, libc.free
+            malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+            free.restype, free.argtypes = None, [ctypes.c_void_p]
+            for _ in range(2):
+                ptr = malloc(_PROBE_BYTES)
+                if not ptr:
+                    return
+                before = _minor_faults(who)
+                ctypes.memset(ptr, 1, _PROBE_BYTES)
+                out.append(_minor_faults(who) - before)
+                free(ptr)
+        except Exception:  # noqa: BLE001 - any failure keeps the chunks
+            out.clear()
 
-    try:
-        # usually called while the user's function is traced: the compiled program
-        # runs on a concrete host value, outside that trace
-        compiled = jax.jit(f).lower(jax.ShapeDtypeStruct((), np.float32)).compile()
-        temp = compiled.memory_analysis().temp_size_in_bytes
-        if temp < _PROBE_BYTES:  # not the program meant: keep the chunks
-            return True
-        with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):
-            x = jax.device_put(np.float32(1.0), jax.devices("cpu")[0])
-            if isinstance(x, jax.core.Tracer):  # staged into the trace after all
-                raise TypeError("the probe's input is traced")
-            jax.block_until_ready(compiled(x))
-            fewest = None
-            for _ in range(_PROBE_CALLS):
-                before = _minor_faults()
-                jax.block_until_ready(compiled(x))
-                n_faults = _minor_faults() - before
-                fewest = n_faults if fewest is None else min(fewest, n_faults)
-    except Exception:  # noqa: BLE001 - any failure keeps the chunks
+    t = threading.Thread(target=probe, name="jaxpr_surgery-allocator-probe")
+    t.start()
+    t.join()
+    if len(out) != 2:
         return True
-    # an allocator that keeps memory still lays out the heap differently between
-    # some calls (fresh pages); one that gives it back faults on every call
-    return fewest >= 0.5 * temp / 4096
+    return out[1] >= 0.5 * _PROBE_BYTES / 4096
 
 
 def whole_for_the_allocator(chunk_size, B: int, per_example_bytes: int) -> bool:
