@@ -230,7 +230,9 @@ def temporaries_refault() -> bool:
     t.join()
     if len(out) != 2:
         return True
-    return out[1] >= 0.5 * _PROBE_BYTES / 4096
+    import resource
+
+    return out[1] >= 0.5 * _PROBE_BYTES / resource.getpagesize()
 
 
 def whole_for_the_allocator(chunk_size, B: int, per_example_bytes: int) -> bool:
@@ -239,10 +241,15 @@ def whole_for_the_allocator(chunk_size, B: int, per_example_bytes: int) -> bool:
     return (
         isinstance(chunk_size, str)
         and tiling.prefer_per_example()
-        and B > 1
-        and per_example_bytes * B > CPU_CHUNK_BYTES
+        and _past_budget(B, per_example_bytes)
         and not temporaries_refault()
     )
+
+
+def _past_budget(B: int, per_example_bytes: int) -> bool:
+    """Whether ``"auto"`` on CPU weighs chunks: the batch's estimated activations pass
+    `CPU_CHUNK_BYTES` (as `auto_chunk`'s first test)."""
+    return B > 1 and per_example_bytes * B > CPU_CHUNK_BYTES
 
 
 def resolve(chunk_size, B: int, per_example_bytes, acc_bytes=0) -> int | None:
@@ -253,10 +260,9 @@ def resolve(chunk_size, B: int, per_example_bytes, acc_bytes=0) -> int | None:
         if not tiling.prefer_per_example():
             return None
         nbytes = per_example_bytes() if callable(per_example_bytes) else per_example_bytes
-        if B <= 1 or nbytes * B <= CPU_CHUNK_BYTES:  # as auto_chunk, before the cost of
-            return None  # the accumulators' shapes (an eval_shape), which it alone needs
-        if not temporaries_refault():  # the whole batch is the fastest (module docstring)
-            return None
+        # (before the accumulators' shapes, an eval_shape only auto_chunk needs)
+        if not _past_budget(B, nbytes) or not temporaries_refault():
+            return None  # the batch fits, or memory is kept: whole is the fastest
         acc = acc_bytes() if callable(acc_bytes) else acc_bytes
         return auto_chunk(B, nbytes, accumulator_bytes=acc)
     if chunk_size is None or chunk_size >= B:
