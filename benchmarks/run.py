@@ -76,6 +76,7 @@ import optax
 
 import jaxpr_surgery as js
 from benchmarks import models
+from jaxpr_surgery._src.chunking import _minor_faults as minor_faults  # all threads' faults
 
 SCHEMA_VERSION = 1
 CLIP_NORM = 1.0
@@ -538,12 +539,12 @@ def run_config(model, regime, B, entries, st):
             try:
                 k = row.get("calls_per_sample") or 1
                 t = 0.0
-                f0 = minor_faults()
+                f0 = minor_faults("RUSAGE_SELF")
                 for _ in range(k):
                     t0 = time.perf_counter()
                     jax.block_until_ready(compiled(params, batch))
                     t += time.perf_counter() - t0
-                f1 = minor_faults()
+                f1 = minor_faults("RUSAGE_SELF")
                 samples.append(t / k)
                 if f0 is not None and f1 is not None:
                     faults[row["label"]][0] += f1 - f0
@@ -958,19 +959,6 @@ def _json_default(o):
     if isinstance(o, (np.floating,)):
         return float(o)
     return str(o)
-
-
-def minor_faults():
-    """The process's minor page faults so far (all threads), or None where the OS
-    does not count them."""
-    try:
-        import resource
-    except ImportError:  # not a Unix
-        return None
-    try:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    except (OSError, ValueError):
-        return None
 
 
 def allocator_info():

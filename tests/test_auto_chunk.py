@@ -222,8 +222,6 @@ out = []
 jax.jit(lambda x: (out.append(chunking.temporaries_refault()), x)[1]).lower(1.0)
 print(out[0])
 """
-_STEADY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
-           "MALLOC_TRIM_THRESHOLD_": "1099511627776"}
 
 
 @pytest.mark.skipif(
@@ -242,8 +240,10 @@ def test_allocator_probe_tells_the_two_allocators_apart():
     base["PYTHONPATH"] = root + os.pathsep + base.get("PYTHONPATH", "")
     base["JAX_PLATFORMS"] = "cpu"
     got = {}
-    partial = {k: v for k, v in _STEADY.items() if k != "MALLOC_ARENA_MAX"}
-    for name, extra in (("default", {}), ("steady", _STEADY), ("partial", partial)):
+    from benchmarks.run import STEADY_ALLOCATOR_ENV as steady  # the benchmark's setting
+
+    partial = {k: v for k, v in steady.items() if k != "MALLOC_ARENA_MAX"}
+    for name, extra in (("default", {}), ("steady", steady), ("partial", partial)):
         out = subprocess.run([sys.executable, "-c", _PROBE], env={**base, **extra},
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]

@@ -177,6 +177,9 @@ def activation_bytes_of(jaxpr, n_params: int, n_examples: int, n_other: int) -> 
 
 
 def _minor_faults(who):
+    """Minor page faults so far of the calling thread (``who="RUSAGE_THREAD"``, Linux)
+    or the process (``"RUSAGE_SELF"``, and where there is no per-thread count); None
+    where the OS does not count them."""
     try:
         import resource
     except ImportError:  # not a Unix
