@@ -355,7 +355,8 @@ def render_md(doc, img_paths, md_path, compare=None, steady=None):
              "`optax.microbatching.micro_grad` with `transform_fn`/`metrics_fn` computing the "
              "same statistic, without microbatching (`micro_grad`) and with 4 microbatches "
              "(`micro_grad_mb`, a `fori_loop`); `js_chunk` is `js` with `chunk_size=B/4`, the "
-             "same memory trade as `micro_grad_mb`.")
+             "same memory trade as `micro_grad_mb`; `js_fused` (GPU runs only) is `js` with "
+             "the fused Pallas tile kernel (`JAXPR_SURGERY_TILE_KERNEL=pallas`).")
     L.append("")
     L.append("Reproduce: `python -m benchmarks.run [--quick] [--regimes ...] "
              "[--out benchmarks/results/NAME.json]`, then `python -m benchmarks.plot "

@@ -76,6 +76,7 @@ import optax
 
 import jaxpr_surgery as js
 from benchmarks import models
+from jaxpr_surgery._src import fused
 from jaxpr_surgery._src.chunking import _minor_faults as minor_faults  # all threads' faults
 
 SCHEMA_VERSION = 1
@@ -83,7 +84,7 @@ CLIP_NORM = 1.0
 ALL_STATS = ["mean", "second_moment", "variance", "sign_mean", "sq_norms", "clipped_mean",
              "mean+second_moment"]
 # js_chunk: per_example_stat with chunk_size = B // 4, the memory of micro_grad_mb
-BASELINES = ["js_chunk", "vmap", "micro_grad", "micro_grad_mb"]
+BASELINES = ["js_chunk", "vmap", "micro_grad", "micro_grad_mb", "js_fused"]
 N_MICROBATCHES = 4
 MAX_CALLS_PER_SAMPLE = 50  # a timing sample of a fast method averages up to this many calls
 
@@ -123,6 +124,8 @@ class Regime:
     def entries(self, i_batch: int):
         out = [("grad", "grad")]
         for m in ["js"] + BASELINES:
+            if m == "js_fused" and jax.default_backend() != "gpu":
+                continue  # the kernel is Triton's: GPUs only
             small, large = self.plan.get(m, ([], []))
             out += [(m, s) for s in (small if i_batch == 0 else large)]
         if any(m in ("js_chunk", "micro_grad_mb") for m, _ in out):
@@ -137,6 +140,8 @@ FULL_PLAN = {
     "vmap": (ALL_STATS, ["second_moment", "sq_norms"]),
     "micro_grad": (["second_moment", "sq_norms"], ["second_moment"]),
     "micro_grad_mb": (["second_moment", "sq_norms", "sign_mean"], ["second_moment", "sign_mean"]),
+    # js with JAXPR_SURGERY_TILE_KERNEL=pallas (GPU runs only; fused.py)
+    "js_fused": (["second_moment", "sign_mean", "variance"], ["second_moment", "sign_mean"]),
 }
 EVERYTHING_PLAN = {m: (ALL_STATS, ALL_STATS) for m in ["js"] + BASELINES}
 QUICK_PLAN_FULL = {"js": (ALL_STATS, ALL_STATS),
@@ -374,6 +379,13 @@ def make_method(model: models.Model, method: str, stat: str, B: int,
         return _chunked_grad(loss, B, mb)
     if method == "js_chunk":  # equal memory to micro_grad_mb: the same chunk
         return js.per_example_stat(loss, js_stat(stat), chunk_size=mb)
+    if method == "js_fused":  # js with the fused Pallas tile kernel (GPU only)
+        inner = js.per_example_stat(loss, js_stat(stat), chunk_size=chunk_size)
+
+        def fused_call(p, b):
+            with fused.selected("pallas"):  # read while the call is traced
+                return inner(p, b)
+        return fused_call
     if method == "vmap":
         def per_example_loss(p, ex):
             return loss(p, jax.tree.map(lambda x: x[None], ex))

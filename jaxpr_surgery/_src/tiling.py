@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, fused
 from jaxpr_surgery._src import stats as S
 
 DEFAULT_MEMORY_BUDGET_BYTES = 64 << 20  # per tile of materialised per-example gradients
@@ -134,7 +134,7 @@ MAX_SHIFT_AMPLIFICATION = 32
 
 def reduce_tiles(
     make, B: int, reductions, tile: int, *, means=None, shape, dtype, features=None,
-    carry=None,
+    carry=None, factors=None,
 ):
     """Reductions of ``G [B, *shape]`` with ``G[b0:b0+size] = make(b0, size)``.
 
@@ -167,6 +167,10 @@ def reduce_tiles(
         merge of the chunk's own moments is needed (a pass over every accumulator per
         chunk); api.py re-centres between chunks to keep the shift's bound. Only
         `stats.carries` reductions without a given mean may be carried.
+      factors: optional ``(X [B, K, N, C], DY [B, K, N, F])`` with ``G_b = X_b^T DY_b``
+        (``shape`` ``(K, C, F)``), where the site can give them: sums of the built-in
+        ``phi`` then take the fused kernel where it is selected (fused.py), which
+        never forms a tile of ``G``.
 
     Returns:
       One value per reduction: ``sum_b phi(G_b)``; `Moments` ``(mean, sum_b (G_b-mean)^2)``;
@@ -179,6 +183,27 @@ def reduce_tiles(
     for r, m, i in zip(reductions, means, inits):
         if i is not None and not (S.carries(r) and m is None):
             raise AssertionError(f"reduce_tiles: {r!r} cannot be carried here")
+    if factors is not None:
+        # sums of built-in phi by the fused kernel, where selected; the plain sum
+        # stays with a one-pass centred sum, which gives it for free
+        one_pass = any(isinstance(r, S.Centered) and m is None for r, m in zip(reductions, means))
+        take = [
+            i for i, r in enumerate(reductions)
+            if r in fused.PHIS and means[i] is None and not (one_pass and S.is_plain_sum(r))
+        ]
+        if take and fused.applies([reductions[i] for i in take], dtype, factors):
+            vals = fused.phi_sums(*factors, [reductions[i] for i in take])
+            out = {i: v if inits[i] is None else inits[i] + v for i, v in zip(take, vals)}
+            rest = [i for i in range(len(reductions)) if i not in out]
+            if rest:
+                more = reduce_tiles(
+                    make, B, [reductions[i] for i in rest], tile,
+                    means=[means[i] for i in rest], shape=shape, dtype=dtype,
+                    features=features,
+                    carry=None if carry is None else S.Carry([inits[i] for i in rest], n0),
+                )
+                out.update(zip(rest, more))
+            return [out[i] for i in range(len(reductions))]
     if features is not None and all(
         S.extension(r) is None and isinstance(r, (S.PhiSum, S.Centered, S.SqNorms))
         for r in reductions

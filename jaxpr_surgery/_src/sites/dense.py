@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import dots, kron, tiling
+from jaxpr_surgery._src import dots, fused, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.sites.base import STREAMED, Kernel, Rule, register
 
@@ -385,7 +385,13 @@ class DenseKernel(Kernel):
             dtype=self.acc,
             features=features,
             carry=carry,
+            factors=(x, dy) if tokens is None and self._canonical_tokens() else None,
         )
+
+    def _canonical_tokens(self):
+        """`tokens` is the identity: what `prepare` keeps is canonical ``X`` (not a
+        conv's raw input, whose patches would be formed for the whole batch)."""
+        return type(self).tokens is DenseKernel.tokens
 
     def _centered_rank_one(self, x, d):
         """Centred moments of ``G_b = x_b d_b^T`` (N == 1).
@@ -564,6 +570,11 @@ class DenseKernel(Kernel):
         it = jnp.dtype(self.acc).itemsize
 
         def tiled():
+            if self._canonical_tokens() and fused.applies([reduction], self.acc, ()):
+                return Rule(
+                    STREAMED, "fused per-example products (Pallas kernel)",
+                    float(2 * B * K * N * C * F), 0.0,
+                )
             t, ft, shape = self.tile(B), self.feature_tile(B), (K, C, F)
             return Rule(
                 STREAMED,

@@ -1,0 +1,220 @@
+"""A fused GPU kernel for the tile loop: ``sum_b phi(X_b^T DY_b)`` in one Pallas kernel.
+
+`tiling.reduce_tiles` forms a tile of per-example gradients ``G_b = X_b^T DY_b``
+(a batched matmul writing the tile to memory), then reads it back to apply every
+``phi`` and accumulate. Here each program of the kernel owns one block of the
+weight (``K`` index, ``bc`` rows of ``C``, ``bf`` columns of ``F``) and walks the
+examples of its share of the batch: it accumulates ``G_b``'s block over the
+tokens in registers (``bt`` tokens a step), applies every requested ``phi`` while
+the block is hot, and adds it to its running sums. ``G`` never reaches memory;
+the matmul work is the weight gradient's.
+
+Scope: sums of the built-in elementwise statistics (the gradient itself, its
+square, sign and absolute value: `stats.SUM`, `SQUARE`, `SIGN`, `ABS`, each with
+``phi(0) == 0``, so zero-padded tokens, examples and features add nothing), in
+float32 or float64, outside ``shard_map``. Everything else keeps the XLA tile
+loop. Derivatives of the statistic are taken through the XLA form (a custom JVP),
+so differentiating a statistic never needs the kernel's.
+
+Selection: `mode` reads ``JAXPR_SURGERY_TILE_KERNEL``: ``xla`` (the default),
+``pallas`` (the kernel, lowered by Triton, on a GPU; elsewhere the XLA loop) or
+``interpret`` (the kernel run by Pallas's interpreter on any backend: how the
+CPU tests check its numerics). The kernel is opt-in until it is measured on a GPU
+against the XLA loop (docs/howto/memory.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import stats as S
+
+ENV = "JAXPR_SURGERY_TILE_KERNEL"
+MODES = ("xla", "pallas", "interpret")
+
+# the statistics the kernel applies to a block of G_b, keyed by the reduction object
+PHIS = {
+    S.SUM: lambda g: g,
+    S.SQUARE: lambda g: g * g,
+    S.SIGN: jnp.sign,
+    S.ABS: jnp.abs,
+}
+
+BLOCK = 64  # most rows of C and columns of F a program owns (a power of two)
+MIN_BLOCK = 16  # Triton's smallest dot operand side
+TOKEN_STEP = 32  # most tokens a step of the inner loop contracts
+MIN_PROGRAMS = 264  # about two programs per streaming multiprocessor of an H100 (132)
+
+
+def mode() -> str:
+    """The kernel the tile loop takes (``JAXPR_SURGERY_TILE_KERNEL``; see the module
+    docstring). Raises ``ValueError`` for an unknown value."""
+    m = os.environ.get(ENV, "xla").strip().lower() or "xla"
+    if m not in MODES:
+        raise ValueError(
+            f"{ENV}={os.environ.get(ENV)!r}: the tile kernel must be one of {MODES} "
+            "('xla', the default: XLA's tile loop; 'pallas': the fused Pallas kernel on a "
+            "GPU; 'interpret': the fused kernel interpreted, on any backend)."
+        )
+    return m
+
+
+@contextlib.contextmanager
+def selected(kernel: str):
+    """``JAXPR_SURGERY_TILE_KERNEL`` set to ``kernel`` within the block (read when a
+    call is traced: wrap the tracing, e.g. ``jax.jit(f).lower(...)``)."""
+    old = os.environ.get(ENV)
+    os.environ[ENV] = kernel
+    try:
+        mode()  # an unknown kernel fails here, naming the variable
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
+
+
+def applies(reductions, dtype, operands) -> bool:
+    """Whether `phi_sums` takes ``reductions`` (all built-in sums) of ``G`` in
+    ``dtype`` from ``operands`` here."""
+    m = mode()
+    if m == "xla" or (m == "pallas" and jax.default_backend() != "gpu"):
+        return False
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)):
+        return False
+    if any(compat.vma_of(x) for x in operands):  # inside shard_map: the XLA loop
+        return False
+    return all(r in PHIS for r in reductions)
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    """The power of two at least ``n`` (clamped to ``[lo, hi]``)."""
+    return int(min(hi, max(lo, 1 << max(0, int(n) - 1).bit_length())))
+
+
+def _pad(a, axis, size):
+    extra = size - a.shape[axis]
+    if extra == 0:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(a, widths)
+
+
+def blocks(B, K, N, C, F):
+    """``(splits, examples per split, bc, bf, bt)``: the kernel's grid and blocks for
+    ``X [B, K, N, C]``, ``DY [B, K, N, F]``. The batch is split across programs (each
+    split's sums added afterwards) where the weight's blocks alone are too few to
+    fill the GPU."""
+    bc, bf = _pow2(C, MIN_BLOCK, BLOCK), _pow2(F, MIN_BLOCK, BLOCK)
+    bt = _pow2(N, MIN_BLOCK, TOKEN_STEP)
+    programs = K * -(-C // bc) * -(-F // bf)
+    per_split = -(-B // int(max(1, min(B, -(-MIN_PROGRAMS // programs)))))
+    # a divisor of B a little above, where there is one: no padded examples
+    per_split = next((d for d in range(per_split, per_split * 3 // 2 + 1) if B % d == 0),
+                     per_split)
+    return -(-B // per_split), per_split, bc, bf, bt  # no split of padding alone
+
+
+def _kernel(x_ref, d_ref, *o_refs, phis, per_split, steps, bt, acc):
+    bc, bf = o_refs[0].shape[-2:]
+
+    def example(b, sums):
+        def step(t, g):
+            xs = x_ref[b, 0, _pallas().ds(t * bt, bt), :]  # [bt, bc]
+            ds = d_ref[b, 0, _pallas().ds(t * bt, bt), :]  # [bt, bf]
+            return g + jax.lax.dot_general(
+                xs, ds, (((0,), (0,)), ((), ())), preferred_element_type=acc
+            )
+
+        g = jax.lax.fori_loop(0, steps, step, jnp.zeros((bc, bf), acc))
+        return tuple(s + phi(g) for s, phi in zip(sums, phis))
+
+    zero = jnp.zeros((bc, bf), acc)
+    sums = jax.lax.fori_loop(0, per_split, example, tuple(zero for _ in phis))
+    for o, s in zip(o_refs, sums):
+        o[0, 0] = s
+
+
+def _pallas():
+    from jax.experimental import pallas  # imported on first use: it loads Triton's bindings
+
+    return pallas
+
+
+def _compiler_params(interpret, n_phis):
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as pltr
+
+    return pltr.CompilerParams(num_warps=8 if n_phis > 1 else 4, num_stages=2)
+
+
+def _pallas_sums(x, dy, reductions, interpret):
+    """The kernel's ``[sum_b phi(G_b) for phi]`` of canonical ``x [B, K, N, C]``,
+    ``dy [B, K, N, F]`` (no derivative rule: see `phi_sums`)."""
+    B, K, N, C = x.shape
+    F = dy.shape[-1]
+    acc = x.dtype
+    splits, per_split, bc, bf, bt = blocks(B, K, N, C, F)
+    Np = -(-N // bt) * bt
+    Cp, Fp = -(-C // bc) * bc, -(-F // bf) * bf
+    x = _pad(_pad(_pad(x, 0, splits * per_split), 2, Np), 3, Cp)
+    dy = _pad(_pad(_pad(dy, 0, splits * per_split), 2, Np), 3, Fp)
+    phis = tuple(PHIS[r] for r in reductions)
+    P = _pallas()
+    out = P.pallas_call(
+        functools.partial(
+            _kernel, phis=phis, per_split=per_split, steps=Np // bt, bt=bt, acc=acc
+        ),
+        out_shape=[jax.ShapeDtypeStruct((splits, K, Cp, Fp), acc) for _ in phis],
+        grid=(splits, K, Cp // bc, Fp // bf),
+        in_specs=[
+            P.BlockSpec((per_split, 1, Np, bc), lambda s, k, i, j: (s, k, 0, i)),
+            P.BlockSpec((per_split, 1, Np, bf), lambda s, k, i, j: (s, k, 0, j)),
+        ],
+        out_specs=[
+            P.BlockSpec((1, 1, bc, bf), lambda s, k, i, j: (s, k, i, j)) for _ in phis
+        ],
+        interpret=interpret,
+        compiler_params=_compiler_params(interpret, len(phis)),
+        name="jaxpr_surgery_phi_sums",
+    )(x, dy)
+    return [jnp.sum(o, axis=0)[:, :C, :F] for o in out]
+
+
+def _xla_sums(x, dy, reductions):
+    """The same sums by XLA, one example at a time (the kernel's derivative rule)."""
+
+    def one(b, sums):
+        g = jax.lax.dot_general(x[b], dy[b], (((1,), (1,)), ((0,), (0,))))
+        return [s + PHIS[r](g) for s, r in zip(sums, reductions)]
+
+    zero = jnp.zeros((x.shape[1], x.shape[3], dy.shape[3]), x.dtype)
+    return jax.lax.fori_loop(0, x.shape[0], one, [zero for _ in reductions])
+
+
+def phi_sums(x, dy, reductions):
+    """``[sum_b phi(X_b^T DY_b)]`` (``[K, C, F]`` each) for built-in sums ``reductions``
+    (`applies`), from canonical ``x [B, K, N, C]`` and ``dy [B, K, N, F]``, by the
+    fused kernel."""
+    reductions = tuple(reductions)
+    interpret = mode() == "interpret"
+
+    @jax.custom_jvp
+    def fused(x, dy):
+        return _pallas_sums(x, dy, reductions, interpret)
+
+    fused.defjvp(
+        lambda primals, tangents: jax.jvp(
+            lambda a, b: _xla_sums(a, b, reductions), primals, tangents
+        )
+    )
+    return fused(x, dy)
