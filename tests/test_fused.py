@@ -210,3 +210,28 @@ def test_triton_lowering_for_h100(shape, dtype):
         dy = jax.ShapeDtypeStruct((B, K, N, F), dtype)
         text = _lower_for_h100(lambda a, b: fused._pallas_sums(a, b, tuple(REDS), False), x, dy)
     assert "triton" in text.lower()
+
+
+def test_device_check_passes_and_catches_a_wrong_kernel(monkeypatch):
+    """`check_on_device` (run once before the kernel's first use on a GPU) accepts the
+    kernel and raises, naming the variable, where its sums are off."""
+    fused.check_on_device.cache_clear()
+    fused.check_on_device(interpret=True)
+    inner = fused._pallas_sums
+
+    def off(x, dy, reductions, interpret):
+        out = inner(x, dy, reductions, interpret)
+        return [o * (1 + 1e-3) if r is S.SQUARE else o for o, r in zip(out, reductions)]
+
+    def flipped(x, dy, reductions, interpret):  # one example's sign lost
+        out = inner(x, dy, reductions, interpret)
+        return [o - 1.0 if r is S.SIGN else o for o, r in zip(out, reductions)]
+
+    try:
+        for wrong, name in [(off, "square"), (flipped, "sign")]:
+            monkeypatch.setattr(fused, "_pallas_sums", wrong)
+            fused.check_on_device.cache_clear()
+            with pytest.raises(RuntimeError, match=f"JAXPR_SURGERY_TILE_KERNEL=pallas.*{name}"):
+                fused.check_on_device(interpret=True)
+    finally:
+        fused.check_on_device.cache_clear()

@@ -28,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpr_surgery._src import compat
 from jaxpr_surgery._src import stats as S
@@ -91,7 +93,12 @@ def applies(reductions, dtype, operands) -> bool:
         return False
     if any(compat.vma_of(x) for x in operands):  # inside shard_map: the XLA loop
         return False
-    return all(r in PHIS for r in reductions)
+    return all(builtin(r) for r in reductions)
+
+
+def builtin(reduction) -> bool:
+    """``reduction`` is one of the sums the kernel applies (`PHIS`)."""
+    return isinstance(reduction, S.PhiSum) and reduction in PHIS
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -201,12 +208,57 @@ def _xla_sums(x, dy, reductions):
     return jax.lax.fori_loop(0, x.shape[0], one, [zero for _ in reductions])
 
 
+@functools.cache
+def check_on_device(interpret: bool = False) -> None:
+    """Runs the kernel once on this process's device against a float64 reference, on
+    a problem no block divides (padding everywhere, the batch split); raises
+    ``RuntimeError`` if they differ. The kernel has been tested in Pallas's
+    interpreter and by its Triton lowering, not on every GPU: a miscompilation
+    must fail loudly, not give wrong statistics. It runs in a fresh thread, outside
+    any trace it is called from."""
+    failed = []
+    t = threading.Thread(target=_check, args=(interpret, failed), name="jaxpr_surgery-fused-check")
+    t.start()
+    t.join()
+    if failed:
+        raise failed[0]
+
+
+def _check(interpret, failed):
+    try:
+        r = np.random.default_rng(0)
+        B, K, N, C, F = 5, 2, 37, 20, 70
+        reductions = tuple(PHIS)
+        x = r.standard_normal((B, K, N, C)).astype(np.float32)
+        dy = (r.standard_normal((B, K, N, F)) + 0.5).astype(np.float32)
+        run = jax.jit(lambda a, b: _pallas_sums(a, b, reductions, interpret))
+        got = [np.asarray(v) for v in run(x, dy)]
+        G = np.einsum("bknc,bknf->bkcf", x.astype(np.float64), dy.astype(np.float64))
+        ref = {S.SUM: lambda g: g, S.SQUARE: np.square, S.SIGN: np.sign, S.ABS: np.abs}
+        # sign: an example's coordinate within float32 rounding of zero may flip
+        near_zero = np.sum(np.abs(G) <= 1e-5 * np.max(np.abs(G)), axis=0)
+        for r_, v in zip(reductions, got):
+            want = np.sum(ref[r_](G), axis=0)
+            tol = 2.0 * near_zero if r_ is S.SIGN else 1e-4 * float(np.max(np.abs(want)))
+            if v.shape != want.shape or not np.all(np.abs(v - want) <= tol):
+                raise RuntimeError(
+                    f"{ENV}=pallas: the fused kernel's {r_.name} sums disagree with the "
+                    f"reference on this device ({jax.devices()[0].device_kind}); its Triton "
+                    f"compilation may be wrong here. Unset {ENV} (or set it to 'xla') to use "
+                    "XLA's tile loop, and please report the device and jax version."
+                )
+    except Exception as e:  # noqa: BLE001 - re-raised in the calling thread
+        failed.append(e)
+
+
 def phi_sums(x, dy, reductions):
     """``[sum_b phi(X_b^T DY_b)]`` (``[K, C, F]`` each) for built-in sums ``reductions``
     (`applies`), from canonical ``x [B, K, N, C]`` and ``dy [B, K, N, F]``, by the
-    fused kernel."""
+    fused kernel (checked once on the device first, `check_on_device`)."""
     reductions = tuple(reductions)
     interpret = mode() == "interpret"
+    if not interpret:
+        check_on_device()
 
     @jax.custom_jvp
     def fused(x, dy):

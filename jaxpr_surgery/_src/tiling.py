@@ -189,7 +189,7 @@ def reduce_tiles(
         one_pass = any(isinstance(r, S.Centered) and m is None for r, m in zip(reductions, means))
         take = [
             i for i, r in enumerate(reductions)
-            if r in fused.PHIS and means[i] is None and not (one_pass and S.is_plain_sum(r))
+            if fused.builtin(r) and means[i] is None and not (one_pass and S.is_plain_sum(r))
         ]
         if take and fused.applies([reductions[i] for i in take], dtype, factors):
             vals = fused.phi_sums(*factors, [reductions[i] for i in take])
