@@ -37,7 +37,7 @@ def kernel_calls(monkeypatch):
     inner = fused._pallas_sums
 
     def spy(x, dy, reductions, interpret):
-        calls.append(tuple(r.name for r in reductions))
+        calls.append(tuple(getattr(r, "name", "centred") for r in reductions))
         return inner(x, dy, reductions, interpret)
 
     monkeypatch.setattr(fused, "_pallas_sums", spy)
@@ -51,7 +51,8 @@ def test_interpreted_kernel_matches_oracle(case_name, dtype, kernel_calls):
     case = zoo.get_case(case_name, dtype)
     out = C.run_stat(case, {sid: ref.stat(sid) for sid in STAT_IDS}, chunk_size=None)
     assert kernel_calls, "the fused kernel was not used"
-    assert all(set(c) <= {"square", "sign", "abs", "identity"} for c in kernel_calls)
+    assert all(set(c) <= {"square", "sign", "abs", "identity", "centred"} for c in kernel_calls)
+    assert any("centred" in c for c in kernel_calls)  # the variance
     for sid in STAT_IDS:
         C.check_against_reference(out[sid], case_name, sid, dtype)
 
@@ -73,10 +74,12 @@ def test_interpreted_kernel_in_chunks_matches_oracle(stat_ids, kernel_calls):
 
 def _np_sums(x, dy):
     G = np.einsum("bknc,bknf->bkcf", x, dy)
-    return [G.sum(0), np.square(G).sum(0), np.sign(G).sum(0), np.abs(G).sum(0)]
+    mean = G.mean(0)
+    return [G.sum(0), np.square(G).sum(0), np.sign(G).sum(0), np.abs(G).sum(0),
+            (mean, np.square(G - mean).sum(0))]
 
 
-REDS = [S.SUM, S.SQUARE, S.SIGN, S.ABS]
+REDS = [S.SUM, S.SQUARE, S.SIGN, S.ABS, S.Centered()]
 
 
 @pytest.mark.parametrize(
@@ -96,8 +99,9 @@ def test_kernel_blocks_with_remainders(shape, monkeypatch):
     with zoo.x64():
         got = fused.phi_sums(jnp.asarray(x), jnp.asarray(dy), REDS)
     for g, e, r_ in zip(got, _np_sums(x, dy), REDS):
-        assert g.shape == (K, Cd, F) and g.dtype == jnp.float64
-        np.testing.assert_allclose(np.asarray(g), e, rtol=1e-12, atol=1e-12, err_msg=r_.name)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(e)):
+            assert a.shape == (K, Cd, F) and a.dtype == jnp.float64
+            np.testing.assert_allclose(np.asarray(a), b, rtol=1e-12, atol=1e-12, err_msg=str(r_))
 
 
 def test_kernel_splits_the_batch_when_blocks_are_few(monkeypatch):
@@ -109,6 +113,26 @@ def test_kernel_splits_the_batch_when_blocks_are_few(monkeypatch):
     assert fused.blocks(B=10, K=1, N=8, C=16, F=16)[:2] == (2, 5)  # a divisor
     assert fused.blocks(B=11, K=1, N=8, C=16, F=16)[:2] == (3, 4)  # 12: one padded
     test_kernel_blocks_with_remainders((11, 1, 8, 16, 16), monkeypatch)
+
+
+@pytest.mark.parametrize("B", [100, 33])
+def test_kernel_centred_sums_keep_the_shift_bound(B, monkeypatch):
+    """float32 variance where the mean dwarfs the spread (E[g^2] - E[g]^2 loses every
+    digit): shares of at most 32 examples against their first keep it, merged exactly."""
+    monkeypatch.setenv(fused.ENV, "interpret")
+    K, N, Cd, F = 1, 4, 16, 16
+    r = np.random.default_rng(1)
+    x = (1 + 1e-3 * r.standard_normal((B, K, N, Cd))).astype(np.float32)
+    dy = (1 + 1e-3 * r.standard_normal((B, K, N, F))).astype(np.float32)
+    assert fused.blocks(B, K, N, Cd, F, max_per_split=32)[1] <= 32
+    m = fused.phi_sums(jnp.asarray(x), jnp.asarray(dy), [S.Centered()])[0]
+    G = np.einsum("bknc,bknf->bkcf", x.astype(np.float64), dy.astype(np.float64))
+    want = np.square(G - G.mean(0)).sum(0)
+    G32 = G.astype(np.float32)
+    naive = np.square(G32).sum(0) - np.square(G32.sum(0)) / B
+    assert np.max(np.abs(naive - want) / want) > 1e-2  # the naive form fails here
+    np.testing.assert_allclose(np.asarray(m.m2), want, rtol=2e-4)
+    np.testing.assert_allclose(np.asarray(m.mean), G.mean(0), rtol=1e-6)
 
 
 def test_grad_and_vmap_through_the_kernel(kernel_calls):
@@ -171,8 +195,8 @@ def test_unknown_mode_is_a_clear_error(monkeypatch):
 
 def test_not_fused_where_it_does_not_apply(monkeypatch):
     monkeypatch.setenv(fused.ENV, "interpret")
-    assert fused.applies([S.SQUARE, S.SIGN], jnp.float32, ())
-    assert not fused.applies([S.SQUARE, S.Centered()], jnp.float32, ())
+    assert fused.applies([S.SQUARE, S.SIGN, S.Centered()], jnp.float32, ())
+    assert not fused.applies([S.SQUARE, S.SqNorms()], jnp.float32, ())
     assert not fused.applies([S.SQUARE], jnp.bfloat16, ())
     user = S.PhiSum(jnp.square, multiplicative=True, name="square")  # not the built-in
     assert not fused.applies([user], jnp.float32, ())

@@ -11,10 +11,14 @@ the matmul work is the weight gradient's.
 
 Scope: sums of the built-in elementwise statistics (the gradient itself, its
 square, sign and absolute value: `stats.SUM`, `SQUARE`, `SIGN`, `ABS`, each with
-``phi(0) == 0``, so zero-padded tokens, examples and features add nothing), in
-float32 or float64, outside ``shard_map``. Everything else keeps the XLA tile
-loop. Derivatives of the statistic are taken through the XLA form (a custom JVP),
-so differentiating a statistic never needs the kernel's.
+``phi(0) == 0``, so zero-padded tokens, examples and features add nothing) and
+one-pass centred moments (the variance: sums of ``G_b - K`` and its square
+against a shift ``K``, the first example of each program's share of at most
+`tiling.MAX_SHIFT_AMPLIFICATION` examples, padding masked out; the shares' moments
+merged pairwise by Chan's update), in float32 or float64, outside ``shard_map``.
+Everything else keeps the XLA tile loop. Derivatives of the statistic are taken
+through the XLA form (a custom JVP), so differentiating a statistic never needs
+the kernel's.
 
 Selection: `mode` reads ``JAXPR_SURGERY_TILE_KERNEL``: ``xla`` (the default),
 ``pallas`` (the kernel, lowered by Triton, on a GPU; elsewhere the XLA loop) or
@@ -97,8 +101,11 @@ def applies(reductions, dtype, operands) -> bool:
 
 
 def builtin(reduction) -> bool:
-    """``reduction`` is one of the sums the kernel applies (`PHIS`)."""
-    return isinstance(reduction, S.PhiSum) and reduction in PHIS
+    """``reduction`` is one the kernel computes: a sum of a built-in ``phi`` (`PHIS`)
+    or one-pass centred moments (`stats.Centered`, no mean given)."""
+    return isinstance(reduction, S.Centered) or (
+        isinstance(reduction, S.PhiSum) and reduction in PHIS
+    )
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -115,39 +122,62 @@ def _pad(a, axis, size):
     return jnp.pad(a, widths)
 
 
-def blocks(B, K, N, C, F):
+def blocks(B, K, N, C, F, max_per_split=None):
     """``(splits, examples per split, bc, bf, bt)``: the kernel's grid and blocks for
     ``X [B, K, N, C]``, ``DY [B, K, N, F]``. The batch is split across programs (each
     split's sums added afterwards) where the weight's blocks alone are too few to
-    fill the GPU."""
+    fill the GPU, and where a split would take more than ``max_per_split``."""
     bc, bf = _pow2(C, MIN_BLOCK, BLOCK), _pow2(F, MIN_BLOCK, BLOCK)
     bt = _pow2(N, MIN_BLOCK, TOKEN_STEP)
     programs = K * -(-C // bc) * -(-F // bf)
     per_split = -(-B // int(max(1, min(B, -(-MIN_PROGRAMS // programs)))))
+    if max_per_split is not None:
+        per_split = min(per_split, int(max_per_split))
     # a divisor of B a little above, where there is one: no padded examples
-    per_split = next((d for d in range(per_split, per_split * 3 // 2 + 1) if B % d == 0),
-                     per_split)
+    hi = per_split * 3 // 2 if max_per_split is None else min(per_split * 3 // 2, max_per_split)
+    per_split = next((d for d in range(per_split, hi + 1) if B % d == 0), per_split)
     return -(-B // per_split), per_split, bc, bf, bt  # no split of padding alone
 
 
-def _kernel(x_ref, d_ref, *o_refs, phis, per_split, steps, bt, acc):
+def _kernel(x_ref, d_ref, *o_refs, terms, B, per_split, steps, bt, acc):
+    """One block of the weight, the examples of one split: ``terms`` per output group,
+    a ``phi`` (one output: its sum) or None (centred: the shift, ``S1``, ``S2``)."""
     bc, bf = o_refs[0].shape[-2:]
+    P = _pallas()
+    base = P.program_id(0) * per_split
 
-    def example(b, sums):
+    def G(b):
         def step(t, g):
-            xs = x_ref[b, 0, _pallas().ds(t * bt, bt), :]  # [bt, bc]
-            ds = d_ref[b, 0, _pallas().ds(t * bt, bt), :]  # [bt, bf]
+            xs = x_ref[b, 0, P.ds(t * bt, bt), :]  # [bt, bc]
+            ds = d_ref[b, 0, P.ds(t * bt, bt), :]  # [bt, bf]
             return g + jax.lax.dot_general(
                 xs, ds, (((0,), (0,)), ((), ())), preferred_element_type=acc
             )
 
-        g = jax.lax.fori_loop(0, steps, step, jnp.zeros((bc, bf), acc))
-        return tuple(s + phi(g) for s, phi in zip(sums, phis))
+        return jax.lax.fori_loop(0, steps, step, jnp.zeros((bc, bf), acc))
+
+    # centred sums against the split's first example (a shift: see tiling.py);
+    # padded examples (past the batch) are masked out of them
+    shift = G(0) if any(t is None for t in terms) else None
+
+    def example(b, sums):
+        g = G(b)
+        out = []
+        for t, s in zip(terms, sums):
+            if t is not None:
+                out.append(s + t(g))
+            else:
+                d = jnp.where(base + b < B, g - shift, jnp.zeros_like(g))
+                out.append((s[0] + d, s[1] + d * d))
+        return tuple(out)
 
     zero = jnp.zeros((bc, bf), acc)
-    sums = jax.lax.fori_loop(0, per_split, example, tuple(zero for _ in phis))
-    for o, s in zip(o_refs, sums):
-        o[0, 0] = s
+    init = tuple(zero if t is not None else (zero, zero) for t in terms)
+    sums = jax.lax.fori_loop(0, per_split, example, init)
+    refs = iter(o_refs)
+    for t, s in zip(terms, sums):
+        for v in ((s,) if t is not None else (shift, *s)):
+            next(refs)[0, 0] = v
 
 
 def _pallas():
@@ -165,47 +195,87 @@ def _compiler_params(interpret, n_phis):
 
 
 def _pallas_sums(x, dy, reductions, interpret):
-    """The kernel's ``[sum_b phi(G_b) for phi]`` of canonical ``x [B, K, N, C]``,
-    ``dy [B, K, N, F]`` (no derivative rule: see `phi_sums`)."""
+    """The kernel's values of ``reductions`` (`builtin`) of ``G_b = X_b^T DY_b`` from
+    canonical ``x [B, K, N, C]``, ``dy [B, K, N, F]``: ``sum_b phi(G_b)``, or
+    `stats.Moments` for a centred one (no derivative rule: see `phi_sums`)."""
+    from jaxpr_surgery._src import tiling  # (tiling imports this module)
+
     B, K, N, C = x.shape
     F = dy.shape[-1]
     acc = x.dtype
-    splits, per_split, bc, bf, bt = blocks(B, K, N, C, F)
+    terms = tuple(None if isinstance(r, S.Centered) else PHIS[r] for r in reductions)
+    # one-pass centred sums against one example: at most this many after it
+    cap = tiling.MAX_SHIFT_AMPLIFICATION if None in terms else None
+    splits, per_split, bc, bf, bt = blocks(B, K, N, C, F, max_per_split=cap)
     Np = -(-N // bt) * bt
     Cp, Fp = -(-C // bc) * bc, -(-F // bf) * bf
     x = _pad(_pad(_pad(x, 0, splits * per_split), 2, Np), 3, Cp)
     dy = _pad(_pad(_pad(dy, 0, splits * per_split), 2, Np), 3, Fp)
-    phis = tuple(PHIS[r] for r in reductions)
+    n_out = sum(1 if t is not None else 3 for t in terms)
     P = _pallas()
     out = P.pallas_call(
         functools.partial(
-            _kernel, phis=phis, per_split=per_split, steps=Np // bt, bt=bt, acc=acc
+            _kernel, terms=terms, B=B, per_split=per_split, steps=Np // bt, bt=bt, acc=acc
         ),
-        out_shape=[jax.ShapeDtypeStruct((splits, K, Cp, Fp), acc) for _ in phis],
+        out_shape=[jax.ShapeDtypeStruct((splits, K, Cp, Fp), acc) for _ in range(n_out)],
         grid=(splits, K, Cp // bc, Fp // bf),
         in_specs=[
             P.BlockSpec((per_split, 1, Np, bc), lambda s, k, i, j: (s, k, 0, i)),
             P.BlockSpec((per_split, 1, Np, bf), lambda s, k, i, j: (s, k, 0, j)),
         ],
         out_specs=[
-            P.BlockSpec((1, 1, bc, bf), lambda s, k, i, j: (s, k, i, j)) for _ in phis
+            P.BlockSpec((1, 1, bc, bf), lambda s, k, i, j: (s, k, i, j)) for _ in range(n_out)
         ],
         interpret=interpret,
-        compiler_params=_compiler_params(interpret, len(phis)),
+        compiler_params=_compiler_params(interpret, n_out),
         name="jaxpr_surgery_phi_sums",
     )(x, dy)
-    return [jnp.sum(o, axis=0)[:, :C, :F] for o in out]
+    out = iter([o[:, :, :C, :F] for o in out])
+    counts = [min(per_split, B - s * per_split) for s in range(splits)]
+    vals = []
+    for t in terms:
+        if t is not None:
+            vals.append(jnp.sum(next(out), axis=0))
+        else:
+            vals.append(_merge_splits(next(out), next(out), next(out), counts))
+    return vals
+
+
+def _merge_splits(shift, s1, s2, counts):
+    """`stats.Moments` of the whole batch from each split's sums against its shift
+    (``[splits, ...]``; ``counts`` examples each), merged pairwise (Chan et al.)."""
+    n = jnp.asarray(counts, shift.dtype).reshape((-1,) + (1,) * (shift.ndim - 1))
+    d = s1 / n
+    mean, m2 = shift + d, jnp.maximum(s2 - s1 * d, 0)
+    while mean.shape[0] > 1:
+        h = mean.shape[0] // 2
+        m = S.merge_moments(
+            S.Moments(mean[:h], m2[:h]), n[:h], S.Moments(mean[h : 2 * h], m2[h : 2 * h]),
+            n[h : 2 * h],
+        )
+        mean = jnp.concatenate([m.mean, mean[2 * h :]])
+        m2 = jnp.concatenate([m.m2, m2[2 * h :]])
+        n = jnp.concatenate([n[:h] + n[h : 2 * h], n[2 * h :]])
+    return S.Moments(mean[0], m2[0])
 
 
 def _xla_sums(x, dy, reductions):
-    """The same sums by XLA, one example at a time (the kernel's derivative rule)."""
+    """The same values by XLA, one example at a time, centred sums in two passes (the
+    kernel's derivative rule: only programs that differentiate a statistic run it)."""
+    B = x.shape[0]
+    centred = [isinstance(r, S.Centered) for r in reductions]
+    mean = jnp.einsum("bknc,bknf->kcf", x, dy) / B if any(centred) else None
 
     def one(b, sums):
         g = jax.lax.dot_general(x[b], dy[b], (((1,), (1,)), ((0,), (0,))))
-        return [s + PHIS[r](g) for s, r in zip(sums, reductions)]
+        return [
+            s + (jnp.square(g - mean) if c else PHIS[r](g))
+            for s, r, c in zip(sums, reductions, centred)
+        ]
 
     zero = jnp.zeros((x.shape[1], x.shape[3], dy.shape[3]), x.dtype)
-    return jax.lax.fori_loop(0, x.shape[0], one, [zero for _ in reductions])
+    sums = jax.lax.fori_loop(0, B, one, [zero for _ in reductions])
+    return [S.Moments(mean, v) if c else v for v, c in zip(sums, centred)]
 
 
 @functools.cache
@@ -228,33 +298,40 @@ def _check(interpret, failed):
     try:
         r = np.random.default_rng(0)
         B, K, N, C, F = 5, 2, 37, 20, 70
-        reductions = tuple(PHIS)
+        reductions = (*PHIS, S.Centered())
         x = r.standard_normal((B, K, N, C)).astype(np.float32)
         dy = (r.standard_normal((B, K, N, F)) + 0.5).astype(np.float32)
         run = jax.jit(lambda a, b: _pallas_sums(a, b, reductions, interpret))
-        got = [np.asarray(v) for v in run(x, dy)]
+        got = jax.tree.map(np.asarray, run(x, dy))
         G = np.einsum("bknc,bknf->bkcf", x.astype(np.float64), dy.astype(np.float64))
+        mean = G.mean(0)
         ref = {S.SUM: lambda g: g, S.SQUARE: np.square, S.SIGN: np.sign, S.ABS: np.abs}
         # sign: an example's coordinate within float32 rounding of zero may flip
         near_zero = np.sum(np.abs(G) <= 1e-5 * np.max(np.abs(G)), axis=0)
         for r_, v in zip(reductions, got):
-            want = np.sum(ref[r_](G), axis=0)
-            tol = 2.0 * near_zero if r_ is S.SIGN else 1e-4 * float(np.max(np.abs(want)))
-            if v.shape != want.shape or not np.all(np.abs(v - want) <= tol):
-                raise RuntimeError(
-                    f"{ENV}=pallas: the fused kernel's {r_.name} sums disagree with the "
-                    f"reference on this device ({jax.devices()[0].device_kind}); its Triton "
-                    f"compilation may be wrong here. Unset {ENV} (or set it to 'xla') to use "
-                    "XLA's tile loop, and please report the device and jax version."
-                )
+            if isinstance(r_, S.Centered):
+                pairs = [("mean", v[0], mean), ("m2", v[1], np.sum(np.square(G - mean), 0))]
+            else:
+                pairs = [(r_.name, v, np.sum(ref[r_](G), axis=0))]
+            for name, v_, want in pairs:
+                tol = 2.0 * near_zero if r_ is S.SIGN else 1e-4 * float(np.max(np.abs(want)))
+                if v_.shape != want.shape or not np.all(np.abs(v_ - want) <= tol):
+                    raise RuntimeError(
+                        f"{ENV}=pallas: the fused kernel's {name} disagrees with the "
+                        f"reference on this device ({jax.devices()[0].device_kind}); its "
+                        f"Triton compilation may be wrong here. Unset {ENV} (or set it to "
+                        "'xla') to use XLA's tile loop, and please report the device and "
+                        "jax version."
+                    )
     except Exception as e:  # noqa: BLE001 - re-raised in the calling thread
         failed.append(e)
 
 
 def phi_sums(x, dy, reductions):
-    """``[sum_b phi(X_b^T DY_b)]`` (``[K, C, F]`` each) for built-in sums ``reductions``
-    (`applies`), from canonical ``x [B, K, N, C]`` and ``dy [B, K, N, F]``, by the
-    fused kernel (checked once on the device first, `check_on_device`)."""
+    """The values of ``reductions`` (`builtin`: ``sum_b phi(X_b^T DY_b)``, ``[K, C, F]``,
+    or centred `stats.Moments`) from canonical ``x [B, K, N, C]`` and
+    ``dy [B, K, N, F]``, by the fused kernel (checked once on the device first,
+    `check_on_device`)."""
     reductions = tuple(reductions)
     interpret = mode() == "interpret"
     if not interpret:

@@ -184,16 +184,16 @@ def reduce_tiles(
         if i is not None and not (S.carries(r) and m is None):
             raise AssertionError(f"reduce_tiles: {r!r} cannot be carried here")
     if factors is not None:
-        # sums of built-in phi by the fused kernel, where selected; the plain sum
-        # stays with a one-pass centred sum, which gives it for free
-        one_pass = any(isinstance(r, S.Centered) and m is None for r, m in zip(reductions, means))
-        take = [
-            i for i, r in enumerate(reductions)
-            if fused.builtin(r) and means[i] is None and not (one_pass and S.is_plain_sum(r))
-        ]
+        # built-in sums and one-pass centred moments by the fused kernel, where selected
+        take = [i for i, r in enumerate(reductions) if fused.builtin(r) and means[i] is None]
         if take and fused.applies([reductions[i] for i in take], dtype, factors):
             vals = fused.phi_sums(*factors, [reductions[i] for i in take])
-            out = {i: v if inits[i] is None else inits[i] + v for i, v in zip(take, vals)}
+            out = {
+                i: v if inits[i] is None
+                else S.merge_shifted(inits[i], n0, v, B) if isinstance(v, S.Moments)
+                else inits[i] + v
+                for i, v in zip(take, vals)
+            }
             rest = [i for i in range(len(reductions)) if i not in out]
             if rest:
                 more = reduce_tiles(
