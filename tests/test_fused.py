@@ -57,6 +57,19 @@ def test_interpreted_kernel_matches_oracle(case_name, dtype, kernel_calls):
         C.check_against_reference(out[sid], case_name, sid, dtype)
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case_name", CASES)
+def test_compiled_kernel_on_gpu_matches_oracle(case_name, dtype, monkeypatch):
+    """On a GPU: the Triton-compiled kernel (``pallas``), its device check included."""
+    monkeypatch.setenv(fused.ENV, "pallas")
+    ref = C.reference(case_name)
+    case = zoo.get_case(case_name, dtype)
+    out = C.run_stat(case, {sid: ref.stat(sid) for sid in STAT_IDS}, chunk_size=None)
+    for sid in STAT_IDS:
+        C.check_against_reference(out[sid], case_name, sid, dtype)
+
+
 @pytest.mark.parametrize(
     "stat_ids", [("second_moment",), ("sign_mean",), ("mean", "abs_mean", "variance")]
 )
