@@ -88,8 +88,8 @@ def selected(kernel: str):
 
 
 def applies(reductions, dtype, operands) -> bool:
-    """Whether `phi_sums` takes ``reductions`` (all built-in sums) of ``G`` in
-    ``dtype`` from ``operands`` here."""
+    """Whether `phi_sums` takes ``reductions`` (all `builtin`) of ``G`` in ``dtype``
+    from ``operands`` here."""
     m = mode()
     if m == "xla" or (m == "pallas" and jax.default_backend() != "gpu"):
         return False
@@ -245,8 +245,7 @@ def _merge_splits(shift, s1, s2, counts):
     """`stats.Moments` of the whole batch from each split's sums against its shift
     (``[splits, ...]``; ``counts`` examples each), merged pairwise (Chan et al.)."""
     n = jnp.asarray(counts, shift.dtype).reshape((-1,) + (1,) * (shift.ndim - 1))
-    d = s1 / n
-    mean, m2 = shift + d, jnp.maximum(s2 - s1 * d, 0)
+    mean, m2 = S.shifted_moments(S.Shifted(shift, s1, s2), n)
     while mean.shape[0] > 1:
         h = mean.shape[0] // 2
         m = S.merge_moments(

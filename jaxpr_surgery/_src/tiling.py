@@ -169,8 +169,8 @@ def reduce_tiles(
         `stats.carries` reductions without a given mean may be carried.
       factors: optional ``(X [B, K, N, C], DY [B, K, N, F])`` with ``G_b = X_b^T DY_b``
         (``shape`` ``(K, C, F)``), where the site can give them: sums of the built-in
-        ``phi`` then take the fused kernel where it is selected (fused.py), which
-        never forms a tile of ``G``.
+        ``phi`` and one-pass centred sums then take the fused kernel where it is
+        selected (fused.py), which never forms a tile of ``G``.
 
     Returns:
       One value per reduction: ``sum_b phi(G_b)``; `Moments` ``(mean, sum_b (G_b-mean)^2)``;
