@@ -43,7 +43,9 @@ def materialised(G, r):
     out = []
     for j in range(1, G.ndim):
         n = G.shape[j]
-        U = jnp.moveaxis(G, j, 1).reshape(G.shape[0], n, -1)
+        # explicit sizes: a zero-size axis makes a -1 in reshape ambiguous
+        rest = math.prod(G.shape[1:j] + G.shape[j + 1 :])
+        U = jnp.moveaxis(G, j, 1).reshape(G.shape[0], n, rest)
         if n <= r.max_dim:
             out.append(jnp.einsum("bir,bjr->ij", U, U, precision="highest"))
         else:
@@ -364,6 +366,10 @@ def moments(sites, shape, r, dtype, budget=None):
         return ()
     B = _batch(sites[0])
     sizes = tuple(int(n) for n in shape)
+    if _empty(sites, sizes):
+        # no tokens (T = 0) or a zero-width axis: every per-example gradient is an empty
+        # sum or has no entries, so each axis's moment is zeros
+        return tuple(jnp.zeros(s, dtype) for s in value_shapes(sizes, r))
     per_ex = (
         any(
             not isinstance(F, OneHot) and F.shape[1 + len(f.kaxes)] > 1
@@ -387,6 +393,18 @@ def moments(sites, shape, r, dtype, budget=None):
         tile,
     )
     return tuple(vals[a].astype(dtype) for a in axes)
+
+
+def _empty(sites, sizes):
+    """The leaf has a zero-size axis, or some site's factors hold no entries (no
+    tokens, a zero-width group): the moments are zeros."""
+    if 0 in sizes:
+        return True
+    for f in sites:
+        for _, F in f.groups:
+            if (F.ids if isinstance(F, OneHot) else F).size == 0:
+                return True
+    return False
 
 
 def _batch(f):
