@@ -833,7 +833,8 @@ def kron_moments(max_dim: int = 1024) -> Statistic:
 
     an ``[n_j, n_j]`` matrix when \(n_j \le\) ``max_dim``, otherwise its diagonal,
     a vector ``[n_j]`` (a 50k-row vocabulary axis costs 50k floats, not 50k\(^2\)).
-    A 0-d leaf gives ``()``. Results come back in at least float32.
+    A 0-d leaf gives ``()``; a leaf with a zero-size axis, or whose layer sees no
+    tokens, gives zeros of those shapes. Results come back in at least float32.
 
     At dense, einsum, conv-over-patches and embedding sites (a tied embedding
     included) the moments come from token grams, one sandwich per example, without
