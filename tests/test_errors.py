@@ -181,6 +181,53 @@ def test_empty_stat_tree():
         js.per_example_stat(M.mlp_loss, {})
 
 
+class _Pow(js.stats.Statistic):
+    """A user's statistic whose reductions() builds a new PhiSum (and lambda) per call."""
+
+    def __init__(self, p=4):
+        self.p = p
+
+    def reductions(self):
+        p = self.p
+        return {"p": js.stats.PhiSum(lambda g: g**p, multiplicative=True, name="pow")}
+
+    def finalize(self, values, count):
+        return jax.tree.map(lambda s: s / count, values["p"])
+
+
+def test_same_name_for_different_functions_is_refused(mlp):
+    """Regression: elementwise(cos, name="f") and elementwise(exp, name="f") silently
+    shared one reduction (both gave E[cos g])."""
+    cos = js.stats.elementwise(jnp.cos, name="f")
+    exp = js.stats.elementwise(jnp.exp, name="f")
+    for stat in ({"c": cos, "e": exp}, (cos, [exp])):
+        with pytest.raises(ValueError, match=r"name='f'.*cos.*exp") as err:
+            js.per_example_stat(M.mlp_loss, stat)
+        msg = str(err.value)
+        assert "stat" in msg and "different name" in msg
+    with pytest.raises(ValueError, match=r"\['c'\].*\['e'\]"):
+        js.value_and_per_example_stat(M.mlp_loss, {"c": cos, "e": exp})
+    with pytest.raises(ValueError, match="name='pow'"):
+        js.per_example_stat(M.mlp_loss, (_Pow(4), _Pow(3)))
+    with pytest.raises(ValueError, match="name='f'"):
+        js.explain(M.mlp_loss, {"c": cos, "e": exp})(*mlp[1:])
+
+
+def test_same_name_for_the_same_function_is_shared(mlp):
+    _, params, batch = mlp
+    a, b = js.stats.elementwise(jnp.cos, name="f"), js.stats.elementwise(jnp.cos, name="f")
+    out = js.per_example_stat(M.mlp_loss, (a, b, js.stats.elementwise(jnp.exp)))(params, batch)
+    alone = js.per_example_stat(M.mlp_loss, js.stats.elementwise(jnp.exp))(params, batch)
+    M.assert_tree_close(out[0], out[1])
+    M.assert_tree_close(out[2], alone)
+    # a statistic building the same lambda afresh in each reductions() call
+    p4 = js.per_example_stat(M.mlp_loss, (_Pow(4), _Pow(4)))(params, batch)
+    M.assert_tree_close(p4[0], p4[1])
+    want = jax.tree.map(lambda g: np.mean(np.asarray(g, np.float64) ** 4, 0),
+                        M.per_example_grads(M.mlp_loss, params, batch))
+    M.assert_tree_close(p4[0], want, rtol=1e-4)
+
+
 @pytest.mark.parametrize("clip", [0, 0.0, -1.0, float("nan")])
 @pytest.mark.parametrize("ctor", [js.stats.clipped_mean, js.stats.clipped_sum])
 def test_clip_norm_not_positive(ctor, clip):

@@ -65,21 +65,39 @@ class Options:
 
 
 def _flatten_stats(stat):
-    """(statistics, their treedef, each one's reductions, the unique reductions of all)."""
-    leaves, treedef = jax.tree.flatten(
+    """(statistics, their treedef, each one's reductions, the unique reductions of all).
+
+    Equal reductions are computed once; a user's `stats.PhiSum` is equal to another by
+    its ``name``, so two names given to different functions raise here.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
         stat,
         is_leaf=lambda x: (
             S.is_statistic(x) or (hasattr(x, "reductions") and hasattr(x, "finalize"))
         ),
     )
-    if not leaves:
+    if not flat:
         raise TypeError("stat: expected a statistic or a pytree of statistics, got an empty tree.")
+    leaves = [s for _, s in flat]
     reqs = [S.validate(s) for s in leaves]
-    unique = []
-    for req in reqs:
+    unique, owner = [], []
+    for (path, s), req in zip(flat, reqs):
         for r in req.values():
             if r not in unique:
                 unique.append(r)
+                owner.append((path, s, r))
+                continue
+            opath, os_, o = owner[unique.index(r)]
+            if isinstance(r, S.PhiSum) and not S.same_function(r.phi, o.phi):
+                where = lambda p, st: f"{_path_str(p)} ({st!r})"  # noqa: E731
+                raise ValueError(
+                    f"stat: the statistics at {where(opath, os_)} and {where(path, s)} both "
+                    f"name their elementwise function name={r.name!r}, but the functions "
+                    f"differ ({S.function_name(o.phi)} and {S.function_name(r.phi)}). "
+                    "Reductions of the same name are computed once, so one statistic would "
+                    "silently get the other's values. "
+                    "Give each function a different name (or name=None)."
+                )
     return leaves, treedef, reqs, unique
 
 

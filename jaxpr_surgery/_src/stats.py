@@ -87,7 +87,8 @@ class PhiSum(Reduction):
       multiplicative: declares ``phi(a * b) == phi(a) * phi(b)`` (square, sign,
         abs, powers), which lets rank-one layers use ``phi(x)^T phi(dy)``.
       name: used for equality and in reports; two ``PhiSum`` with the same
-        ``name`` and ``multiplicative`` are computed once.
+        ``name`` and ``multiplicative`` are computed once. Giving one name to two
+        different functions in one request raises a ``ValueError``.
     """
 
     phi: Callable[[jax.Array], jax.Array] | None = None
@@ -108,6 +109,39 @@ class PhiSum(Reduction):
 
     def apply(self, g):
         return g if self.phi is None else self.phi(g)
+
+
+def function_name(f) -> str:
+    """A short readable name of a function for messages (``cos``, ``<lambda>``)."""
+    name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
+    return name if isinstance(name, str) else repr(f)
+
+
+def same_function(f, g) -> bool:
+    """``f`` and ``g`` are the same function: one object, equal objects, or one code
+    with the same environment (a lambda built afresh by each ``reductions()`` call)."""
+    if f is g:
+        return True
+    try:
+        if f == g:
+            return True
+    except Exception:  # noqa: BLE001 - an object whose == raises is not equal
+        return False
+    code_f, code_g = getattr(f, "__code__", None), getattr(g, "__code__", None)
+    if code_f is None or code_f != code_g:
+        return False
+    if getattr(f, "__globals__", None) is not getattr(g, "__globals__", None):
+        return False
+    if f.__defaults__ != g.__defaults__ or f.__kwdefaults__ != g.__kwdefaults__:
+        return False
+    cells_f, cells_g = f.__closure__ or (), g.__closure__ or ()
+    try:
+        return len(cells_f) == len(cells_g) and all(
+            a.cell_contents is b.cell_contents or same_function(a.cell_contents, b.cell_contents)
+            for a, b in zip(cells_f, cells_g)
+        )
+    except ValueError:  # an empty cell
+        return False
 
 
 def is_plain_sum(r) -> bool:
@@ -359,6 +393,13 @@ class _PhiMean(Statistic):
 
     def finalize(self, values, count):
         return _tree_div(values["p"], count)
+
+    def __repr__(self):
+        if self._name != "elementwise":
+            return f"{self._name}()"
+        r = self.reduction
+        return (f"elementwise({function_name(r.phi)}, multiplicative={r.multiplicative}, "
+                f"name={r.name!r})")
 
 
 class _Variance(Statistic):
@@ -724,7 +765,10 @@ def elementwise(
       multiplicative: declare \(\varphi(ab)=\varphi(a)\varphi(b)\) so the
         rank-one fast path \(\varphi(X)^T\varphi(dY)\) applies. Declaring it
         falsely gives wrong numbers; leave it False when unsure.
-      name: optional identity used to share work between equal statistics.
+      name: optional identity used to share work between equal statistics: two
+        ``elementwise`` statistics of one name are computed once. One name must mean
+        one function: giving it to different functions in one request raises a
+        ``ValueError``.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
