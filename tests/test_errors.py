@@ -376,3 +376,89 @@ def test_check_per_example_passes_on_mlp(mlp):
     assert js.check_per_example(loss)(params, batch) is None
     loss_t, params_t, batch_t = M.get("tied")
     assert js.check_per_example(loss_t)(params_t, batch_t) is None
+
+
+@jax.custom_vjp
+def _soft_clip(x):
+    """tanh with a hand-written backward (a custom-gradient op, as in Griffin/Hawk)."""
+    return jnp.tanh(x)
+
+
+def _soft_clip_fwd(x):
+    y = jnp.tanh(x)
+    return y, y
+
+
+def _soft_clip_bwd(y, g):
+    return (g * (1 - y * y),)
+
+
+_soft_clip.defvjp(_soft_clip_fwd, _soft_clip_bwd)
+
+
+@jax.custom_vjp
+def _batch_scaled_grad(x):
+    """Identity whose backward rescales the cotangent by a statistic of the whole batch:
+    the examples interact through the gradient only."""
+    return x
+
+
+def _bsg_fwd(x):
+    return x, None
+
+
+def _bsg_bwd(_, g):
+    return (g / jnp.mean(jnp.abs(g)),)
+
+
+_batch_scaled_grad.defvjp(_bsg_fwd, _bsg_bwd)
+
+
+def _custom_vjp_case():
+    r = np.random.default_rng(9)
+    f32 = lambda *shape: jnp.asarray(r.standard_normal(shape), jnp.float32)  # noqa: E731
+    p = {"w": f32(3, 4), "v": f32(4)}
+    b = {"x": f32(6, 3), "y": f32(6)}
+    return p, b
+
+
+def test_check_per_example_supports_custom_vjp_ops():
+    """Regression: the gradient comparison used forward mode and raised TypeError ("can't
+    apply forward-mode autodiff (jvp) to a custom_vjp function") on models with a
+    custom-gradient op; it compares reverse-mode gradients along a random direction."""
+    p, b = _custom_vjp_case()
+
+    def loss(p, b):
+        return jnp.mean((_soft_clip(b["x"] @ p["w"]) @ p["v"] - b["y"]) ** 2)
+
+    assert js.check_per_example(loss)(p, b) is None
+    assert js.check_per_example(lambda p, b: 3.0 * b["x"].shape[0] * loss(p, b))(p, b) is None
+    with M.x64():
+        p64, b64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), (p, b))
+        assert js.check_per_example(loss)(p64, b64) is None
+
+    def leaky(p, b):  # value per example, gradient scaled by a batch statistic
+        per = (_soft_clip(b["x"] @ p["w"]) @ p["v"] - b["y"]) ** 2
+        s = jnp.std(b["x"] @ p["w"])
+        return jnp.mean(per) + jnp.mean(per) * (s - jax.lax.stop_gradient(s))
+
+    with pytest.raises(ValueError, match="gradients do not"):
+        js.check_per_example(leaky)(p, b)
+
+    def hidden(p, b):  # the interaction lives in a custom backward pass
+        h = _batch_scaled_grad(b["x"] @ p["w"])
+        return jnp.mean((_soft_clip(h) @ p["v"] - b["y"]) ** 2)
+
+    with pytest.raises(ValueError, match="gradients do not"):
+        js.check_per_example(hidden)(p, b)
+
+
+def test_check_per_example_with_aux_and_several_argnums():
+    p, b = _custom_vjp_case()
+
+    def loss(w, v, b):
+        out = jnp.mean((_soft_clip(b["x"] @ w) @ v - b["y"]) ** 2)
+        return out, {"n": jnp.asarray(3)}
+
+    assert js.check_per_example(loss, argnums=(0, 1), batch_argnums=2, has_aux=True)(
+        p["w"], p["v"], b) is None

@@ -702,10 +702,14 @@ def check_per_example(
 
     * the value: ``fn(*args)`` must equal \(\frac1B\sum_b l_b\) (a mean loss) or
       \(\sum_b l_b\) (a sum loss);
-    * the gradient, cheaply: the derivative of ``fn`` along a random direction of the
+    * the gradient: the derivative of ``fn`` along a random direction of the
       differentiated arguments (``argnums``) must equal the mean (or sum) of the
       per-example derivatives. This catches examples that interact only through
-      the gradient, such as a ``stop_gradient``-ed batch statistic.
+      the gradient, such as a ``stop_gradient``-ed batch statistic or a custom
+      backward pass that normalises over the batch. The derivatives are gradients
+      (reverse mode) projected on the direction, so models with ``jax.custom_vjp``
+      ops are checked too; the per-example gradients are formed a few examples at
+      a time (at most 64 MiB of them).
 
     Models whose examples interact (batch norm in training mode, in-batch
     negatives, normalising by the whole batch's token count) fail: their
@@ -761,40 +765,44 @@ def check_per_example(
             if f
         ]
 
-        def along(a):
-            """(value, derivative along the random direction) of fn at ``a``."""
-            base = [x for x, f in zip(dflat, fl) if f]
+        base = [x for x, f in zip(dflat, fl) if f]
 
-            def g(floats):
-                it = iter(floats)
-                d = jax.tree.unflatten(dtree, [next(it) if f else x for x, f in zip(dflat, fl)])
-                a2 = list(a)
-                for k, i in enumerate(dnums):
-                    a2[i] = d[k]
-                return value(a2)
+        def value_at(a, floats):
+            it = iter(floats)
+            d = jax.tree.unflatten(dtree, [next(it) if f else x for x, f in zip(dflat, fl)])
+            a2 = list(a)
+            for k, i in enumerate(dnums):
+                a2[i] = d[k]
+            return value(a2)
 
+        def derivative(a):
+            """fn's derivative along the random direction at ``a``, by reverse mode (a
+            custom_vjp op has no forward mode): the gradient projected on the direction."""
             if not base:
-                return g([]), jnp.zeros(())
-            return jax.jvp(g, (base,), (tang,))
+                return jnp.zeros(())
+            grads = jax.grad(lambda floats: value_at(a, floats))(base)
+            acc = jnp.result_type(jnp.float32, *[x.dtype for x in grads])
+            return sum(jnp.sum(x.astype(acc) * t.astype(acc)) for x, t in zip(grads, tang))
 
-        full, dfull = along(args)
-        per, dper = jax.vmap(lambda ex: along(with_batch(args, [x[None] for x in ex])))(leaves)
+        def one(ex):
+            return with_batch(args, [x[None] for x in ex])
+
+        full = value(args)
+        per = jax.vmap(lambda ex: value(one(ex)))(leaves)
         dt = jnp.result_type(full)
         r = rtol if rtol is not None else (1e-9 if dt == jnp.float64 else 1e-4)
         a_ = atol if atol is not None else (1e-12 if dt == jnp.float64 else 1e-6)
-        full_v, dfull_v = float(full), float(dfull)
-        per, dper = np.asarray(per, np.float64), np.asarray(dper, np.float64)
+        full_v = float(full)
+        per = np.asarray(per, np.float64)
 
         def close(x, y, scale):
             return abs(x - y) <= a_ + r * scale
 
         mean_v, sum_v = per.mean(), per.sum()
         if close(full_v, mean_v, abs(mean_v) + np.abs(per).mean()):
-            kind, dref = "mean", dper.mean()
-            dscale = np.abs(dper).mean()
+            kind, reduce = "mean", np.mean
         elif B > 1 and close(full_v, sum_v, abs(sum_v) + np.abs(per).sum()):
-            kind, dref = "sum", dper.sum()
-            dscale = np.abs(dper).sum()
+            kind, reduce = "sum", np.sum
         else:
             raise ValueError(
                 f"{name}: fn(batch) = {full_v:.8g} but the mean of the per-example losses "
@@ -805,6 +813,14 @@ def check_per_example(
                 "batch of one. Make the loss a mean of independent per-example terms (e.g. batch "
                 "norm in inference mode, per-example normalisation)."
             )
+        dfull_v = float(derivative(args))
+        # the per-example derivatives one example's gradient at a time (a few examples
+        # vectorised while their gradients fit in 64 MiB)
+        grad_bytes = sum(np.size(x) * jnp.dtype(jnp.result_type(x)).itemsize for x in base)
+        per_map = max(1, min(B, (64 << 20) // max(1, grad_bytes)))
+        dper = jax.lax.map(lambda ex: derivative(one(ex)), leaves, batch_size=per_map)
+        dper = np.asarray(dper, np.float64)
+        dref, dscale = reduce(dper), reduce(np.abs(dper))
         if not close(dfull_v, dref, abs(dref) + dscale):
             raise ValueError(
                 f"{name}: the loss values agree ({kind} of per-example losses), but the "
