@@ -298,6 +298,21 @@ def _combine_axis(red, v, n_local, N, axis_name):
     return jax.lax.psum(v, axis_name)
 
 
+def _gather_examples(v, n_local, axis_name):
+    """The whole batch's per-example values ``[N, ...]`` from each device's ``[n_local, ...]``,
+    in the order of the devices along ``axis_name``, the same on every device.
+
+    Written as a psum of each device's values placed in its own slot of zeros (exact: the
+    other devices add zeros), so the result is replicated: inside ``shard_map`` an
+    ``all_gather`` stays varying over the axis and could not leave with ``P()``.
+    """
+    n_dev = jax.lax.psum(1, axis_name)  # static: the size of the axis
+    i = jax.lax.axis_index(axis_name)
+    full = jnp.zeros((n_dev * n_local,) + tuple(v.shape[1:]), v.dtype)
+    full = jax.lax.dynamic_update_slice_in_dim(full, v, i * n_local, 0)
+    return jax.lax.psum(full, axis_name)
+
+
 # --------------------------------------------------------------------------- #
 # The computation
 # --------------------------------------------------------------------------- #
@@ -389,12 +404,24 @@ def _compute(prep, stat, opts: Options, name):
         loss_sum = jax.lax.psum(loss_sum, opts.axis_name)
     loss = loss_sum / N
 
+    # A statistic that reduces per-example values over the batch (quantiles of norms,
+    # diversity) declares ``whole_batch``: across devices it gets the whole batch's;
+    # the others keep each device's own (per-example outputs stay with their device).
+    whole = {}
+
+    def value_for(s, r):
+        j = reductions.index(r)
+        if opts.axis_name is None or not engine.per_example(r):
+            return values[j]
+        if not getattr(s, "whole_batch", False):
+            return values[j]
+        if j not in whole:
+            whole[j] = [_gather_examples(v, B, opts.axis_name) for v in values[j]]
+        return whole[j]
+
     results = []
     for s, req in zip(stat_leaves, reqs):
-        vals = {
-            k: prep.unflatten_diff(values[reductions.index(r)], _STATIC)
-            for k, r in req.items()
-        }
+        vals = {k: prep.unflatten_diff(value_for(s, r), _STATIC) for k, r in req.items()}
         out = s.finalize(vals, N)
         results.append(_cast_like(out, prep) if getattr(s, "gradient_like", False) else out)
     result = jax.tree.unflatten(stat_tree, results)

@@ -307,6 +307,18 @@ class Statistic(abc.ABC):
       `ClippedSum`, a `Moments` for `Centered`, a ``[B]``
       array for `SqNorms`); ``count`` is the number of examples ``B``.
 
+    Attributes:
+      gradient_like: results shaped like the parameters come back in the parameters'
+        dtype (like ``jax.grad``) when True; otherwise in at least float32.
+      whole_batch: ``finalize`` reduces per-example values (`SqNorms`, per-example
+        dots) over the batch, as quantiles or a sum of the norms do. With
+        ``axis_name`` (``pmap``, ``shard_map``) every device's ``finalize`` then gets
+        the whole batch's per-example values: ``[N]`` arrays of all devices'
+        examples, in the order of the devices along the axis, gathered for this
+        statistic only. False (the default) for statistics that return per-example
+        values, which stay ``[B]`` with the device holding the examples. Without
+        ``axis_name`` it changes nothing.
+
     Example -- the per-coordinate mean of ``g^4``:
 
         class FourthMoment(js.stats.Statistic):
@@ -317,9 +329,8 @@ class Statistic(abc.ABC):
                 return jax.tree.map(lambda s: s / count, values["p4"])
     """
 
-    #: Results shaped like the parameters come back in the parameters' dtype
-    #: (like ``jax.grad``) when True; otherwise in at least float32.
     gradient_like: bool = False
+    whole_batch: bool = False
 
     @abc.abstractmethod
     def reductions(self) -> Mapping[str, Reduction]:

@@ -63,6 +63,7 @@ class _Kurtosis(S.Statistic):
 
 class _Diversity(S.Statistic):
     _name = "gradient_diversity"
+    whole_batch = True  # sums the per-example norms over the batch
 
     def reductions(self):
         return {"n": S.SqNorms(), "s": S.SUM}
@@ -77,6 +78,7 @@ class _Diversity(S.Statistic):
 
 class _NormQuantiles(S.Statistic):
     _name = "norm_quantiles"
+    whole_batch = True  # quantiles over the batch of the per-example norms
 
     def __init__(self, q, per_leaf):
         self.q = q  # a float (scalar results) or a tuple of floats
