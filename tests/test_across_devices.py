@@ -177,3 +177,13 @@ def test_shard_map_over_two_mesh_axes():
     for k in stats:
         np.testing.assert_allclose(out[k], one[k], rtol=2e-5, atol=1e-6, err_msg=k)
 
+
+
+def test_vmap_with_an_axis_name(reference):
+    """vmap(..., axis_name=) splits the batch the same way (collectives, one device)."""
+    p, b, one = reference
+    stats = {k: v for k, v in _stats(p).items() if k in ("q_glob", "diversity", "norms")}
+    fn = js.per_example_stat(_loss, stats, axis_name="d")
+    split = jax.tree.map(lambda x: x.reshape((NDEV, -1) + x.shape[1:]), b)
+    out = jax.vmap(fn, in_axes=(None, 0), axis_name="d")(p, split)
+    _check(out, {k: one[k] for k in stats}, _same_on_every_device)
