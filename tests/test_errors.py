@@ -228,6 +228,34 @@ def test_same_name_for_the_same_function_is_shared(mlp):
     M.assert_tree_close(p4[0], want, rtol=1e-4)
 
 
+def test_same_name_judges_functions_by_code_and_environment():
+    """One name for functions rebuilt alike (closures, partials, jit wrappers) is shared;
+    a different captured value, argument or code is a clash."""
+    import functools
+
+    def power(p):
+        return lambda g: g**p
+
+    def scaled(a):
+        return lambda g: g * a
+
+    arr = np.ones(3)
+    same = [(power(4), power(4)), (power(np.float32(2.5)), power(np.float32(2.5))),
+            (functools.partial(jnp.power, x2=2), functools.partial(jnp.power, x2=2)),
+            (jax.jit(power(3)), jax.jit(power(3))), (scaled(arr), scaled(arr))]
+    differ = [(power(4), power(3)), (functools.partial(jnp.power, x2=2),
+                                     functools.partial(jnp.power, x2=3)),
+              (jax.jit(power(3)), jax.jit(power(2))), (scaled(arr), scaled(np.ones(3))),
+              (power(2), scaled(2.0))]
+    for f, g in same:
+        js.per_example_stat(M.mlp_loss, (js.stats.elementwise(f, name="n"),
+                                         js.stats.elementwise(g, name="n")))
+    for f, g in differ:
+        with pytest.raises(ValueError, match="name='n'"):
+            js.per_example_stat(M.mlp_loss, (js.stats.elementwise(f, name="n"),
+                                             js.stats.elementwise(g, name="n")))
+
+
 @pytest.mark.parametrize("clip", [0, 0.0, -1.0, float("nan")])
 @pytest.mark.parametrize("ctor", [js.stats.clipped_mean, js.stats.clipped_sum])
 def test_clip_norm_not_positive(ctor, clip):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -117,31 +118,67 @@ def function_name(f) -> str:
     return name if isinstance(name, str) else repr(f)
 
 
-def same_function(f, g) -> bool:
+def same_function(f, g, _seen=None) -> bool:
     """``f`` and ``g`` are the same function: one object, equal objects, or one code
-    with the same environment (a lambda built afresh by each ``reductions()`` call)."""
-    if f is g:
+    with the same environment (a lambda built afresh by each ``reductions()`` call),
+    also through ``functools.partial`` and wrappers (``__wrapped__``). When in doubt:
+    not the same."""
+    if f is g or _equal(f, g):
         return True
-    try:
-        if f == g:
-            return True
-    except Exception:  # noqa: BLE001 - an object whose == raises is not equal
-        return False
+    seen = set() if _seen is None else _seen
+    if (id(f), id(g)) in seen:  # a closure that refers to itself
+        return True
+    seen.add((id(f), id(g)))
+    if isinstance(f, functools.partial) and isinstance(g, functools.partial):
+        return (
+            same_function(f.func, g.func, seen)
+            and len(f.args) == len(g.args)
+            and all(_same_value(a, b, seen) for a, b in zip(f.args, g.args))
+            and f.keywords.keys() == g.keywords.keys()
+            and all(_same_value(f.keywords[k], g.keywords[k], seen) for k in f.keywords)
+        )
+    wf, wg = getattr(f, "__wrapped__", None), getattr(g, "__wrapped__", None)
+    if wf is not None and wg is not None and type(f) is type(g):
+        return same_function(wf, wg, seen)
     code_f, code_g = getattr(f, "__code__", None), getattr(g, "__code__", None)
     if code_f is None or code_f != code_g:
         return False
     if getattr(f, "__globals__", None) is not getattr(g, "__globals__", None):
         return False
-    if f.__defaults__ != g.__defaults__ or f.__kwdefaults__ != g.__kwdefaults__:
-        return False
-    cells_f, cells_g = f.__closure__ or (), g.__closure__ or ()
+    env_f = (f.__defaults__ or (), tuple((f.__kwdefaults__ or {}).items()),
+             tuple(c.cell_contents if _filled(c) else _EMPTY for c in f.__closure__ or ()))
+    env_g = (g.__defaults__ or (), tuple((g.__kwdefaults__ or {}).items()),
+             tuple(c.cell_contents if _filled(c) else _EMPTY for c in g.__closure__ or ()))
+    return all(
+        len(a) == len(b) and all(_same_value(x, y, seen) for x, y in zip(a, b))
+        for a, b in zip(env_f, env_g)
+    )
+
+
+_EMPTY = object()  # the contents of a closure cell not yet assigned
+
+
+def _filled(cell) -> bool:
     try:
-        return len(cells_f) == len(cells_g) and all(
-            a.cell_contents is b.cell_contents or same_function(a.cell_contents, b.cell_contents)
-            for a, b in zip(cells_f, cells_g)
-        )
-    except ValueError:  # an empty cell
+        cell.cell_contents  # noqa: B018 - raises ValueError when empty
+    except ValueError:
         return False
+    return True
+
+
+def _equal(a, b) -> bool:
+    """``a == b`` as a bool, False where that is not a bool (arrays) or raises."""
+    try:
+        eq = a == b
+        return bool(eq) if isinstance(eq, (bool, np.bool_)) else False
+    except Exception:  # noqa: BLE001 - an object whose == raises is not equal
+        return False
+
+
+def _same_value(a, b, seen) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):  # a keyword default: (name, value)
+        return len(a) == len(b) and all(_same_value(x, y, seen) for x, y in zip(a, b))
+    return a is b or _equal(a, b) or (callable(a) and callable(b) and same_function(a, b, seen))
 
 
 def is_plain_sum(r) -> bool:
