@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import chunking, compat, dots, kron, tiling
+from jaxpr_surgery._src import chunking, compat, dots, explain_table, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared
 from jaxpr_surgery._src.engine import (
@@ -44,6 +44,8 @@ class LeafReport:
     ``"materialised"`` (a ``[B, *leaf]`` per-example tensor of the leaf),
     ``"fallback"`` (exact per-example gradients of the leaf through the whole
     model) or ``"unused"``. ``rule`` is the dearest over the requested statistics.
+    ``hows`` says, per statistic, how its rule runs (``"contraction"``, ``"ghost
+    norm"``, ...); ``detail`` is the same for every statistic in one string.
     """
 
     path: str
@@ -56,6 +58,7 @@ class LeafReport:
     reasons: list  # why a leaf falls back (empty otherwise)
     extra_flops: float | None  # estimated FLOPs of its statistics, beyond the plain gradient
     extra_bytes: float | None  # estimated extra temporary memory (per-example tensors, tiles)
+    hows: dict = dataclasses.field(default_factory=dict)  # statistic's public name -> how
 
     @property
     def fallback(self):
@@ -66,7 +69,8 @@ class LeafReport:
 class Report:
     """Result of `explain`: one `LeafReport` per parameter leaf.
 
-    ``str(report)`` is a table; ``report.leaves`` and ``report.as_dict()`` are
+    ``str(report)`` is a table that fits a 100-column terminal (`Report.format`
+    for another width, or none); ``report.leaves`` and ``report.as_dict()`` are
     machine-readable; ``report.jaxpr()`` prints the per-example jaxpr with every
     site annotated.
     """
@@ -118,50 +122,27 @@ class Report:
         """The per-example jaxpr, each site annotated with its leaf, kind and rules."""
         return self._annotated() if self._annotated is not None else ""
 
+    def format(self, width: int | None = explain_table.DEFAULT_WIDTH) -> str:
+        """The report as text, every line at most ``width`` columns.
+
+        One line per leaf (path, shape, kind, rule, a footnote, predicted extra
+        memory), then footnotes that say once, for every group of leaves that run
+        the same way, each statistic's rule and how it runs, or why a leaf falls
+        back; then the totals and notes. Paths too long for ``width`` lose the
+        prefix every leaf shares (named above the table), then entries from the
+        middle.
+
+        Args:
+          width: the most columns a line may take (at least 40); ``None``
+            abbreviates and wraps nothing (full paths, one line per footnote).
+
+        Returns:
+          The text; ``str(report)`` is ``report.format()``.
+        """
+        return explain_table.render(self, width)
+
     def __str__(self):
-        head = ("leaf", "shape", "kind", "rule", "detail")
-        rows = [
-            (
-                leaf.path,
-                "x".join(map(str, leaf.shape)) or "()",
-                "+".join(leaf.kinds) or "-",
-                leaf.rule,
-                leaf.detail,
-            )
-            for leaf in self.leaves
-        ]
-        widths = [max(len(str(r[k])) for r in rows + [head]) for k in range(4)]
-        lines = [
-            "  ".join(str(h).ljust(w) for h, w in zip(head[:4], widths)) + "  " + head[4],
-            "  ".join("-" * w for w in widths) + "  " + "-" * 6,
-        ]
-        for r in rows:
-            lines.append("  ".join(str(c).ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
-        fb = self.fallback_leaves
-        lines.append("")
-        lines.append(
-            f"B={self.batch_size}; statistics: {', '.join(self.statistics)}; "
-            f"fallback leaves: {len(fb)}"
-        )
-        flops, mem = self.total_extra_flops, self.total_extra_bytes
-        line = f"predicted extra: {flops:.3g} FLOPs, {_mib(mem)} temporary memory"
-        if self.grad_flops:
-            line += f" ({flops / self.grad_flops:.2f}x grad's FLOPs"
-            if self.grad_temp_bytes:
-                line += f", {mem / self.grad_temp_bytes:.2f}x its temporary memory"
-            line += ")"
-        line += f"; tiles sized by memory_budget_bytes={_mib(self.memory_budget_bytes)}"
-        lines.append(line)
-        if self.activation_bytes_per_example is not None:
-            act = _mib(self.activation_bytes_per_example)
-            lines.append(
-                f"batch run in chunks of {self.chunk_size} examples (activations ~{act} per "
-                "example)"
-                if self.chunk_size
-                else f"batch run whole (activations ~{act} per example)"
-            )
-        lines.extend(self.notes)
-        return "\n".join(lines)
+        return self.format()
 
 
 def _mib(b):
@@ -338,6 +319,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
             list(info.reasons),
             float(2 * B * size),
             float(B * size * itemsize),
+            {n: "exact per-example gradients" for n in names},
         )
     if not info.sites:
         return LeafReport(
@@ -351,6 +333,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
             [],
             0.0,
             0.0,
+            {n: "does not affect the loss: zeros" for n in names},
         )
     ks = [kernel_for(s, acc, budget) for s in info.sites]
     multi = len(info.sites) > 1
@@ -454,14 +437,14 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
             float(t * size * itemsize),
         )
 
-    rules, parts, flops, mem = {}, [], 0.0, 0.0
+    rules, hows, parts, flops, mem = {}, {}, [], 0.0, 0.0
     per_red = {r: rule_of(r) for r in reductions}
     for name, req in zip(names, reqs):
         entries = [e for r in req.values() for e in per_red[r]]
         word = _dearest(e[0] for e in entries)
         rules[name] = word
-        hows = ", ".join(dict.fromkeys(e[1] for e in entries))
-        parts.append(f"{name}: {word} ({hows})")
+        hows[name] = ", ".join(dict.fromkeys(e[1] for e in entries))
+        parts.append(f"{name}: {word} ({hows[name]})")
     for entries in per_red.values():
         flops += sum(e[2] for e in entries)
         mem = max([mem] + [e[3] for e in entries])
@@ -478,6 +461,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
         [],
         float(flops),
         float(mem),
+        hows,
     )
 
 
