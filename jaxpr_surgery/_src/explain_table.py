@@ -100,6 +100,7 @@ def _footnote(leaf, statistics):
 
 
 def _footer(report, width):
+    """Batch and statistics; predicted totals; how the batch and tiles run; the notes."""
     fb = report.fallback_leaves
     lines = [
         f"B={report.batch_size}; statistics: {', '.join(report.statistics)}; "
@@ -112,15 +113,17 @@ def _footer(report, width):
         if report.grad_temp_bytes:
             text += f", {mem / report.grad_temp_bytes:.2f}x its temporary memory"
         text += ")"
-    text += f"; tiles sized by memory_budget_bytes={_mib(report.memory_budget_bytes)}"
     lines.append(text)
+    tiles = f"tiles sized by memory_budget_bytes={_mib(report.memory_budget_bytes)}"
     if report.activation_bytes_per_example is not None:
         act = _mib(report.activation_bytes_per_example)
-        lines.append(
-            f"batch run in chunks of {report.chunk_size} examples (activations ~{act} per example)"
+        chunks = (
+            f"batch run in chunks of {report.chunk_size} examples"
             if report.chunk_size
-            else f"batch run whole (activations ~{act} per example)"
+            else "batch run whole"
         )
+        tiles = f"{chunks} (activations ~{act} per example); {tiles}"
+    lines.append(tiles)
     lines.extend(report.notes)
     return [w for text in lines for w in _wrap(text, width, "", "  ")]
 
