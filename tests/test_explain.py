@@ -443,6 +443,30 @@ def test_footnotes_shared_by_leaves_that_run_alike(wide_reports):
     assert len(notes) == len(refs) < len(rep.leaves)  # shared: fewer footnotes than leaves
 
 
-def test_format_rejects_a_tiny_width(wide_reports):
-    with pytest.raises(ValueError, match="width"):
-        wide_reports["lora"].format(20)
+@pytest.mark.parametrize("width", [20, 79, 80.5, "80"])
+def test_format_rejects_a_bad_width(wide_reports, width):
+    with pytest.raises(ValueError, match="width must be an int of at least 80"):
+        wide_reports["lora"].format(width)
+
+
+def test_narrow_columns_are_cut_not_overflowed():
+    """A wide kind and a 6-d shape are cut from the middle so that the paths keep 24
+    columns at width 80; with no limit they are whole."""
+    from jaxpr_surgery._src.explain import LeafReport, Report
+
+    leaf = LeafReport("['params']['block_0']['a_rather_long_parameter_name']", (2, 3, 4, 5, 6, 7),
+                      "float32", ["onehot-embedding", "embedding", "dense", "dense"], "streamed",
+                      {"mean": "streamed"}, "mean: streamed (contraction)", [], 1.0, 1.0,
+                      {"mean": "contraction"})
+    rep = Report([leaf, dataclasses_replace(leaf, path="['params']['block_1']['w']")], 8,
+                 ["mean"], [], [], 1 << 26)
+    for width in (100, 80):
+        text = rep.format(width)
+        assert max(map(len, text.splitlines())) <= width, text
+        assert "onehot-embedding" in rep.format(None) and "dense x2" in rep.format(None)
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)

@@ -133,7 +133,7 @@ class Report:
         middle.
 
         Args:
-          width: the most columns a line may take (at least 40); ``None``
+          width: the most columns a line may take (at least 80); ``None``
             abbreviates and wraps nothing (full paths, one line per footnote).
 
         Returns:

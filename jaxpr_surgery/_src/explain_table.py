@@ -12,20 +12,25 @@ import re
 import textwrap
 
 DEFAULT_WIDTH = 100
+MIN_WIDTH = 80
 _GAP = "  "
 _NBSP = "\xa0"  # joins a number to its unit while wrapping; a space again once wrapped
 _ELLIPSIS = "..."
-_MIN_PATH = 24  # a path column narrower than this is not worth having
+_MIN_PATH = 24  # shape and kind columns are cut before the paths get narrower than this
 _MAX_SHAPE = 16
 _MAX_KIND = 24
+_MIN_CELL = 5  # the narrowest a cut shape or kind gets
 _UNIT = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB|FLOPs)\b")  # kept on one line when wrapped
 _TOKEN = re.compile(r"\[[^\]]*\]|\.[^.\[]+")  # one entry of a jax.tree_util.keystr path
 
 
 def render(report, width: int | None = DEFAULT_WIDTH) -> str:
     """``report`` as text, every line at most ``width`` columns (``None``: no limit)."""
-    if width is not None and width < 40:
-        raise ValueError(f"Report.format: width must be at least 40 columns (or None), got {width}")
+    if width is not None and (not isinstance(width, int) or width < MIN_WIDTH):
+        raise ValueError(
+            f"Report.format: width must be an int of at least {MIN_WIDTH} columns, or None "
+            f"for no limit; got {width!r}"
+        )
     notes, keys = [], {}
     refs = []
     for leaf in report.leaves:
@@ -34,21 +39,32 @@ def render(report, width: int | None = DEFAULT_WIDTH) -> str:
             keys[key] = len(notes) + 1
             notes.append(lines)
         refs.append(f"[{keys[key]}]")
+    head = ("leaf", "shape", "kind", "rule", "how", "extra mem")
     rows = [
         (
             leaf.path,
-            _elide(_shape(leaf.shape), _MAX_SHAPE, width),
-            _elide(_kinds(leaf.kinds), _MAX_KIND, width),
+            _shape(leaf.shape),
+            _kinds(leaf.kinds),
             leaf.rule,
             ref,
             _bytes(leaf.extra_bytes),
         )
         for leaf, ref in zip(report.leaves, refs)
     ]
-    head = ("leaf", "shape", "kind", "rule", "how", "extra mem")
     widths = [max(len(r[k]) for r in rows + [head]) for k in range(len(head))]
-    budget = max(_MIN_PATH, (width or 0) - sum(widths[1:]) - len(_GAP) * (len(head) - 1))
-    if width is not None and max([len(r[0]) for r in rows] + [0]) > budget:
+    budget = None
+    if width is not None:  # cut shapes and kinds first, then fit the paths in what is left
+        room = width - sum(widths[3:]) - len(_GAP) * (len(head) - 1)
+        shape_w, kind_w = min(widths[1], _MAX_SHAPE), min(widths[2], _MAX_KIND)
+        while room - shape_w - kind_w < _MIN_PATH and max(shape_w, kind_w) > _MIN_CELL:
+            if kind_w >= shape_w:
+                kind_w -= 1
+            else:
+                shape_w -= 1
+        rows = [(r[0], _elide(r[1], shape_w), _elide(r[2], kind_w)) + r[3:] for r in rows]
+        widths[1:3] = [max(len(r[k]) for r in rows + [head]) for k in (1, 2)]
+        budget = room - widths[1] - widths[2]
+    if budget is not None and max([len(r[0]) for r in rows] + [0]) > budget:
         empty = ("",) * (len(head) - 1)
         rows = [
             (text,) + (rows[i][1:] if i is not None else empty)
@@ -62,7 +78,8 @@ def render(report, width: int | None = DEFAULT_WIDTH) -> str:
 
     out = [line(head), line(tuple("-" * w for w in widths))]
     out += [line(r).rstrip() for r in rows]
-    out.append("")
+    if notes:
+        out.append("")
     for k, lines in enumerate(notes, 1):
         tag = f"[{k}]"
         for j, text in enumerate(lines):
@@ -170,9 +187,9 @@ def _kinds(kinds):
     return "+".join(k if n == 1 else f"{k} x{n}" for k, n in counts.items()) or "-"
 
 
-def _elide(text, n, width=DEFAULT_WIDTH):
-    """``text`` cut from the middle to ``n`` characters (unchanged with ``width=None``)."""
-    if width is None or len(text) <= n:
+def _elide(text, n):
+    """``text`` cut from the middle to ``n`` characters."""
+    if len(text) <= n:
         return text
     tail = (n - len(_ELLIPSIS)) * 2 // 3
     head = n - len(_ELLIPSIS) - tail
@@ -194,7 +211,7 @@ def _tree(paths, budget):
     out = []
 
     def grow(members, start, depth):
-        indent = "  " * depth
+        indent = "  " * min(depth, (budget - 8) // 2)  # a label keeps at least 8 columns
         groups = {}
         for i in members:
             groups.setdefault(toks[i][start], []).append(i)
@@ -209,7 +226,7 @@ def _tree(paths, budget):
                 end += 1
             while end - start > 1 and len(indent) + len("".join(first[start:end])) > budget:
                 end -= 1
-            label = indent + _elide("".join(first[start:end]), max(budget - len(indent), 8))
+            label = indent + _elide("".join(first[start:end]), budget - len(indent))
             ended = [i for i in group if len(toks[i]) == end]
             out.extend((label, i) for i in ended)
             if not ended:
