@@ -59,9 +59,7 @@ from jaxpr_surgery._src.optim.monitor import (
 )
 from jaxpr_surgery._src.optim.monitor import track_gradient_statistics as track_gradient_statistics
 from jaxpr_surgery._src.optim.requests import PerExampleTransformation as PerExampleTransformation
-from jaxpr_surgery._src.optim.requests import chain as chain
 from jaxpr_surgery._src.optim.requests import example_count as example_count
-from jaxpr_surgery._src.optim.requests import inject_hyperparams as inject_hyperparams
 from jaxpr_surgery._src.optim.requests import stat_request as stat_request
 from jaxpr_surgery._src.optim.requests import update_kwargs as update_kwargs
 from jaxpr_surgery._src.optim.schedules import adam_sqrt_scaling as adam_sqrt_scaling
@@ -74,10 +72,20 @@ from jaxpr_surgery._src.optim.sign import per_example_sign_sgd as per_example_si
 from jaxpr_surgery._src.optim.sign import scale_by_per_example_sign as scale_by_per_example_sign
 from jaxpr_surgery._src.optim.sign import sign_ema as sign_ema
 from jaxpr_surgery._src.optim.sign import sign_sgd as sign_sgd
+from jaxpr_surgery._src.optim.wrappers import chain as chain
+from jaxpr_surgery._src.optim.wrappers import inject_hyperparams as inject_hyperparams
+from jaxpr_surgery._src.optim.wrappers import masked as masked
+from jaxpr_surgery._src.optim.wrappers import multi_transform as multi_transform
+from jaxpr_surgery._src.optim.wrappers import named_chain as named_chain
+from jaxpr_surgery._src.optim.wrappers import partition as partition
 
 __all__ = [
     "PerExampleTransformation",
     "chain",
+    "named_chain",
+    "masked",
+    "partition",
+    "multi_transform",
     "inject_hyperparams",
     "example_count",
     "stat_request",
