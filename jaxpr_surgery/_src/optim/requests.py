@@ -314,7 +314,9 @@ def _same_stat(a, b) -> bool:
         return True
     if type(a) is not type(b):
         return False
-    va, vb = vars(a), vars(b)
+    va, vb = getattr(a, "__dict__", None), getattr(b, "__dict__", None)
+    if va is None or vb is None:
+        return a == b
     return va.keys() == vb.keys() and all(_same_value(va[k], vb[k]) for k in va)
 
 

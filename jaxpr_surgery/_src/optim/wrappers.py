@@ -306,7 +306,9 @@ def _convert_floats(x, dtype):
 
 def _holds_tracer(request) -> bool:
     return any(
-        isinstance(v, jax.core.Tracer) for stat in request.values() for v in vars(stat).values()
+        isinstance(v, jax.core.Tracer)
+        for stat in request.values()
+        for v in getattr(stat, "__dict__", {}).values()
     )
 
 
