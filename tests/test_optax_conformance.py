@@ -405,6 +405,9 @@ def _check_pair(opt_name, wrapper_name, dtype=np.float32):
     _assert_updates_equal(got, want, **({} if dtype == np.float32 else {"rtol": 1e-12}))
 
 
+# ~150 small compiles (~25 s on 2 cores): in the full suite, out of the quick subset
+# (-m "not slow"), which keeps the float64 pairs and the regression tests below.
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapper_name", sorted(WRAPPERS))
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_conformance(opt_name, wrapper_name):
