@@ -147,14 +147,14 @@ def scale_by_shampoo(
     if isinstance(b2, (int, float)) and not 0 <= b2 < 1:
         raise ValueError(f"scale_by_shampoo(b2=...): must be in [0, 1), got {b2!r}.")
     # Arrays (optax.inject_hyperparams injects numbers as arrays) are not checked here.
-    injected = (jax.Array, np.ndarray)
+    injected = (jax.Array, np.ndarray, np.generic)
     if isinstance(eps, bool) or not isinstance(eps, (int, float, *injected)):
         raise ValueError(f"scale_by_shampoo(eps=...): must be a number >= 0, got {eps!r}.")
     if isinstance(eps, (int, float)):
         if not eps >= 0:
             raise ValueError(f"scale_by_shampoo(eps=...): must be a number >= 0, got {eps!r}.")
         eps = float(eps)
-    if isinstance(max_dim, injected):
+    if isinstance(max_dim, (jax.Array, np.ndarray)):
         raise TypeError(
             "scale_by_shampoo(max_dim=...): must be a Python int (it fixes the shapes of the "
             f"state), got {max_dim!r}. optax.inject_hyperparams injects ints as arrays: use "
