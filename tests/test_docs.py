@@ -229,6 +229,9 @@ DOCTEST_MODULES = [
     "jaxpr_surgery._src.optim.requests",
     "jaxpr_surgery._src.optim.schedules",
     "jaxpr_surgery._src.optim.sign",
+    "jaxpr_surgery._src.optim.shampoo",
+    "jaxpr_surgery._src.optim.wrappers",
+    "jaxpr_surgery._src.dots",
 ]
 
 
