@@ -344,7 +344,8 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
     def kron_streams():
         """Token grams serve `KronSum` (every site's token factors line up in leaf axes)."""
         ok = all(
-            kron.leaf_axes(s) is not None and hasattr(k, "kron_meta")
+            (kron.leaf_axes(s) if multi else kron.leaf_map(s)) is not None
+            and hasattr(k, "kron_meta")
             for s, k in zip(info.sites, ks)
         ) and (not multi or len({k.kron_meta()[1] for k in ks}) == 1)
         return ok and (not multi or all(not k.kron_meta()[0][1] for k in ks))  # no block dims
@@ -364,7 +365,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
         if isinstance(r, S.KronSum):
             return [kron_rule(r)]
         if isinstance(r, dots.DotWith):
-            if all(kron.leaf_axes(s) is not None for s in info.sites):
+            if all(kron.leaf_map(s) is not None for s in info.sites):
                 fl = sum(k.rule(S.SUM, B).flops for k in ks)  # one more contraction per site
                 return [(STREAMED, "contraction with the reference", fl, 0.0)]
             t = leaf_tile
@@ -424,7 +425,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
             how = "token grams" + (" of the tied sites" if multi else "")
             how += f" ({t} example{'s' if t > 1 else ''}/tile)"
             return (STREAMED, how, kron.flops(metas, r, B), float(t * it_bytes))
-        if not multi and kron.leaf_axes(info.sites[0]) is not None:
+        if not multi and kron.leaf_map(info.sites[0]) is not None:
             rl = ks[0].rule(r, B)  # a generic site: its own per-example VJP
             return (rl.word, rl.how, rl.flops, rl.bytes)
         t = leaf_tile
