@@ -181,13 +181,16 @@ class Site:
         return any(not op.is_permutation for op in self.chain)
 
     def describe_view(self):
-        """What the site sees of its leaf, for explain (empty: the leaf as it is)."""
+        """What the site sees of its leaf, for explain, where it slices or scales it
+        (empty otherwise: a layout view is no news)."""
+        folded = pre_scales(self) if self.pre else None
+        if not (self.pads or self.scales or folded):
+            return ""
         parts = [op.describe() for op in self.chain if op.kind in ("slice", "transpose")]
         if any(op.kind == "reshape" and op.in_shape != op.out_shape for op in self.chain):
             parts.append("reshaped")
         parts += [sc.describe() for sc in self.scales]
-        folded = pre_scales(self)
-        if self.pre and folded is not None:
+        if folded:
             parts.append(
                 "scaled elementwise by a constant array along "
                 + ", ".join(f"axis {a}" for a in sorted(set().union(*(a for _, _, a in folded))))

@@ -449,6 +449,15 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
     for entries in per_red.values():
         flops += sum(e[2] for e in entries)
         mem = max([mem] + [e[3] for e in entries])
+    # what each site sees of the leaf where that is more than the leaf itself (a
+    # scale, a slice): the fast rule runs on that view
+    views = [(s.kind, s.describe_view()) for s in info.sites]
+    views = [(k, v) for k, v in views if v]
+    if views:
+        parts.append(
+            "view (the rules run on it): "
+            + "; ".join(f"[{k}] {v}" if multi else v for k, v in dict.fromkeys(views))
+        )
     for s in info.sites:
         site_notes[s.path] = {"leaf": path, "kind": s.kind, "rules": rules}
     return LeafReport(
