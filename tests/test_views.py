@@ -382,3 +382,27 @@ def test_a_scale_defined_inside_a_call_returning_the_view_stays_exact():
         for k in got:
             _assert_close(got[k], want[k], 1e-10, k)
 
+
+def test_tied_square_table_gathered_through_a_transpose():
+    """Regression: the ghost cross term of a tied table assumed the embedding gathers
+    the leaf's rows; ``E.T[ids]`` with a square ``E`` gathers its columns, and the
+    per-example norms (and clipping) came out wrong."""
+    r = np.random.default_rng(5)
+    n = 5
+    b = {"tok": jnp.asarray(r.integers(0, n, (B, T))), "tgt": jnp.asarray(r.integers(0, n, (B, T)))}
+
+    def loss(p, b):
+        e = p["E"].T[b["tok"]]
+        logits = jnp.tanh(e) @ p["E"].T
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, b["tgt"][..., None], -1))
+
+    with zoo.x64():
+        p = {"E": jnp.asarray(r.normal(size=(n, n)))}
+        g = _grads(lambda p, b, c: loss(p, b), p, b, None)
+        clip = _clip(g)
+        stats = {"sq_norms": js.stats.sq_norms(), "clipped_mean": js.stats.clipped_mean(clip)}
+        got = js.per_example_stat(loss, stats)(p, b)
+        _assert_close(got["sq_norms"], zoo.oracle_from_grads(g, "sq_norms"), 1e-10, "norms")
+        want = zoo.oracle_from_grads(g, "clipped_mean", clip_norm=clip)
+        _assert_close(got["clipped_mean"], want, 1e-10, "clipped_mean")

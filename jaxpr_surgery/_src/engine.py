@@ -544,7 +544,12 @@ def cross_layout(sa, ka, sb, kb):
     if c["K"] != 1:
         return None
     V, d = ka.V, ka.d
-    # where does canonical (c, f) land in the [V, d] leaf? (numpy: static)
+    # the embedding's table rows are the leaf's rows (not its columns: a square table
+    # gathered as ``table.T[ids]``)? (numpy: static)
+    rows = np.arange(V * d).reshape(V, d)
+    if not np.array_equal(np.asarray(_to_leaf(ka._view(rows), sa)), rows):
+        return None
+    # where does canonical (c, f) land in the [V, d] leaf?
     idx = np.arange(c["C"] * c["F"]).reshape(1, c["C"], c["F"])
     leaf_idx = _to_leaf(kb.to_view(idx), sb)
     if leaf_idx.shape != (V, d):
