@@ -406,3 +406,24 @@ def test_tied_square_table_gathered_through_a_transpose():
         _assert_close(got["sq_norms"], zoo.oracle_from_grads(g, "sq_norms"), 1e-10, "norms")
         want = zoo.oracle_from_grads(g, "clipped_mean", clip_norm=clip)
         _assert_close(got["clipped_mean"], want, 1e-10, "clipped_mean")
+
+
+def test_onehot_table_contracted_on_its_second_axis_with_phi_of_zero_not_zero():
+    """Regression: at a one-hot embedding site whose table is contracted on its second
+    axis (``einsum("btv,dv->btd", one_hot, E)``), a phi with phi(0) != 0 (the
+    materialised per-example table) was mapped to the table's layout twice."""
+    r = np.random.default_rng(6)
+    b = {"tok": jnp.asarray(r.integers(0, V, (B, T)))}
+
+    def loss(p, b):
+        oh = jax.nn.one_hot(b["tok"], V, dtype=p["E"].dtype)
+        return jnp.mean(jnp.sin(jnp.einsum("btv,dv->btd", oh, p["E"])) ** 2)
+
+    with zoo.x64():
+        p = {"E": jnp.asarray(r.normal(size=(DE, V)))}
+        assert js.explain(loss)(p, b).leaves[0].kinds == ["onehot-embedding"]
+        g = _grads(lambda p, b, c: loss(p, b), p, b, None)
+        got = js.per_example_stat(loss, _stats(1.0))(p, b)
+        want = _oracle(g, 1.0)
+        for k in got:
+            _assert_close(got[k], want[k], 1e-10, k)
