@@ -427,3 +427,26 @@ def test_onehot_table_contracted_on_its_second_axis_with_phi_of_zero_not_zero():
         want = _oracle(g, 1.0)
         for k in got:
             _assert_close(got[k], want[k], 1e-10, k)
+
+
+def test_a_helper_returning_the_scaled_weight_keeps_the_fast_rule():
+    """``jax.jit(lambda w, c: w * c)(W, c)``: the helper's input ``c`` is the value passed
+    in, so the scale is the view's; one computed inside the helper is not (see above)."""
+    helper = jax.jit(lambda w, c: w * c)
+
+    def loss(p, b, c):
+        return jnp.mean(jnp.sin(b["x"] @ helper(p["w"], c["mu"])))
+
+    r = np.random.default_rng(7)
+    p = {"w": r.normal(size=(D, F))}
+    b = {"x": r.normal(size=(B, T, D))}
+    c = {"mu": np.float32(0.7)}
+    rep = js.explain(loss)(*(_cast(t, jnp.float32) for t in (p, b, c)))
+    assert rep.leaves[0].kinds == ["dense"] and "times a constant" in rep.leaves[0].detail
+    with zoo.x64():
+        p, b, c = (_cast(t, jnp.float64) for t in (p, b, c))
+        g = _grads(loss, p, b, c)
+        got = js.per_example_stat(loss, _stats(1.0))(p, b, c)
+        want = _oracle(g, 1.0)
+        for k in got:
+            _assert_close(got[k], want[k], 1e-10, k)

@@ -444,6 +444,22 @@ class _Analyzer:
                 return False
         return True
 
+    @staticmethod
+    def outer_scales(tag, jaxpr, eqn):
+        """``tag`` coming out of ``eqn``'s sub-jaxpr with scale operands that are inputs
+        of the sub-jaxpr named by the values passed in (a helper ``f(w, c)`` that
+        returns ``w * c``)."""
+        if not isinstance(tag, PView) or not tag.scales:
+            return tag
+        ins = {v: k for k, v in enumerate(jaxpr.invars)}
+        scales = tuple(
+            dataclasses.replace(sc, operand=eqn.invars[ins[sc.operand]])
+            if sc.operand is not None and not _is_literal(sc.operand) and sc.operand in ins
+            else sc
+            for sc in tag.scales
+        )
+        return dataclasses.replace(tag, scales=scales)
+
     def leave(self, tag, where, path):
         """A tag coming out of the sub-jaxpr of the eqn at ``path``."""
         if isinstance(tag, PView) and not self.scales_visible(tag, path):
@@ -489,6 +505,7 @@ class _Analyzer:
                 return [self.extend_pre(*opaque, eqn)]
             inner = [self.to_boundary(t, "jit") for t in tags]
             outs = self.run(jaxpr, inner, path, scan_lengths)
+            outs = [self.outer_scales(t, jaxpr, eqn) for t in outs]
             if (
                 opaque is not None
                 and isinstance(outs[0], PView)
@@ -508,7 +525,9 @@ class _Analyzer:
             return [self.leave(t, "jit", path) for t in outs]
         if prim is compat.remat_p:
             inner = [self.to_boundary(t, "checkpoint") for t in tags]
-            outs = self.run(compat.remat_params(eqn).jaxpr, inner, path, scan_lengths)
+            body = compat.remat_params(eqn).jaxpr
+            outs = self.run(body, inner, path, scan_lengths)
+            outs = [self.outer_scales(t, body, eqn) for t in outs]
             return [self.leave(t, "checkpoint", path) for t in outs]
         if prim is compat.scan_p:
             return self.scan(eqn, tags, path, scan_lengths)
