@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import chunking, compat, engine, tiling
+from jaxpr_surgery._src import chunking, compat, engine, independence, tiling
 from jaxpr_surgery._src import stats as S
 
 PyTree = Any
@@ -62,6 +62,7 @@ class Options:
     strict: bool
     axis_name: Any
     memory_budget_bytes: int | None = None
+    check: bool = True  # prove from the batch loss's jaxpr that the examples do not interact
 
 
 def _flatten_stats(stat):
@@ -332,6 +333,8 @@ def _compute(prep, stat, opts: Options, name):
         )
 
     closed, out_tree = prep.trace()
+    if opts.check:
+        independence.check(prep, name, prep.data_axes | _axis_names(opts.axis_name))
     n = len(prep.diff_leaves)
     in_tags = (
         [A.PView(i) for i in range(n)]
@@ -430,6 +433,13 @@ def _compute(prep, stat, opts: Options, name):
 
 
 _STATIC = None  # the value of every statistic at a static (non-array) parameter leaf
+
+
+def _axis_names(axis_name):
+    """The mesh/pmap axes the batch is split over, as a set of names."""
+    if axis_name is None:
+        return frozenset()
+    return frozenset(axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,))
 
 
 def _cast_like(result, prep):
@@ -547,6 +557,7 @@ def value_and_per_example_stat(
     strict: bool = False,
     axis_name: Any = None,
     memory_budget_bytes: int | None = None,
+    check: bool = True,
 ) -> Callable[..., tuple[Any, PyTree]]:
     r"""Like `per_example_stat`, also returning the loss (and aux).
 
@@ -576,6 +587,7 @@ def value_and_per_example_stat(
         bool(strict),
         axis_name,
         memory_budget_bytes,
+        bool(check),
     )
     name = "value_and_per_example_stat"
     _flatten_stats(stat)  # validate early
@@ -640,6 +652,7 @@ def per_example_stat(
     strict: bool = False,
     axis_name: Any = None,
     memory_budget_bytes: int | None = None,
+    check: bool = True,
 ) -> Callable[..., PyTree]:
     r"""Transforms a batch loss into a function computing statistics of per-example gradients.
 
@@ -703,6 +716,7 @@ def per_example_stat(
         strict=strict,
         axis_name=axis_name,
         memory_budget_bytes=memory_budget_bytes,
+        check=check,
     )
 
     @functools.wraps(fn)
