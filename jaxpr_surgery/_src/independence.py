@@ -1033,7 +1033,15 @@ def batch_loss_jaxpr(prep):
         out = prep.fn(*prep.rebuild(diff_leaves, ex_leaves, other_leaves, one_example=False))
         return prep.split_out(out)[0]
 
-    return jax.make_jaxpr(loss_of)(prep.diff_leaves, prep.ex_leaves, prep.other_leaves)
+    try:
+        return jax.make_jaxpr(loss_of)(prep.diff_leaves, prep.ex_leaves, prep.other_leaves)
+    except Exception as e:
+        e.add_note(
+            f"jaxpr_surgery: raised tracing fn on the whole batch (B={prep.B}), which the "
+            "cross-example check of the loss does; fn must accept the batch, or pass "
+            "check=False."
+        )
+        raise
 
 
 def verdict(prep, data_axes=frozenset()) -> Verdict:
