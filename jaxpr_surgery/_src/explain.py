@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import chunking, compat, dots, explain_table, kron, tiling
+from jaxpr_surgery._src import chunking, compat, dots, explain_table, independence, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared
 from jaxpr_surgery._src.engine import (
@@ -86,6 +86,9 @@ class Report:
     chunk_size: int | None = None  # examples per chunk the call runs (None: the whole batch)
     activation_bytes_per_example: int | None = None  # the estimate chunk_size="auto" uses
     _annotated: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # whether the batch loss is a mean of per-example terms: "independent",
+    # "cross-example", "undecided" or "not checked" (the notes say where and why)
+    independence: str = independence.SKIPPED
 
     def as_dict(self):
         d = dataclasses.asdict(self)
@@ -179,6 +182,7 @@ def explain(
     memory_budget_bytes: int | None = None,
     chunk_size: int | str | None = "auto",
     compare_grad: bool = False,
+    check: bool = True,
 ):
     r"""Reports, for every parameter leaf, the layer kind detected and the rule that runs.
 
@@ -195,6 +199,9 @@ def explain(
         runs with (``"auto"``: chosen from the estimated activations per example).
       compare_grad: also compile ``jax.grad(fn)`` once and report the predicted
         extra FLOPs and memory as ratios to XLA's estimates for it.
+      check: also trace the batch loss and report whether it is a mean of
+        per-example terms, as `per_example_stat` checks it (``Report.independence``
+        and a note naming the operation where examples interact); never raises.
 
     Returns:
       A function of ``fn``'s arguments returning a `Report`.
@@ -202,8 +209,10 @@ def explain(
     Note:
       A model whose examples interact (batch norm in training mode, in-batch
       negatives) has no per-example gradients: the per-example loss is the
-      model applied to a batch of one. ``explain`` cannot see that from one
-      example's trace; run `check_per_example` to test it.
+      model applied to a batch of one. With ``check=True`` the report says
+      whether the batch loss was proved a mean of per-example terms, where
+      `per_example_stat` would raise, or where the jaxpr cannot decide (run
+      `check_per_example` then).
 
     Examples:
       >>> import jax.numpy as jnp, jaxpr_surgery as js
@@ -263,10 +272,9 @@ def explain(
                     prep, an, i, x, B, names, reqs, reductions, budget, site_notes, recompute
                 )
             )
-        notes = [
-            "Per-example gradients assume independent examples: run js.check_per_example(fn) "
-            "to detect batch norm / in-batch negatives."
-        ]
+        verdict = (independence.verdict(prep, prep.data_axes) if check
+                   else independence.Verdict(independence.SKIPPED, "check=False"))
+        notes = [_independence_note(verdict)]
         if chunking.whole_for_the_allocator(chunk_size, B, act):
             notes.append(
                 'chunk_size="auto" runs the batch whole although its activations pass '
@@ -293,9 +301,25 @@ def explain(
             chunk,
             act,
             annotated,
+            verdict.kind,
         )
 
     return run
+
+
+def _independence_note(v):
+    """One line on whether the examples of the batch loss interact."""
+    if v.kind == independence.INDEPENDENT:
+        return ("Examples independent: the batch loss is a mean of per-example terms "
+                "(proved from its jaxpr).")
+    if v.kind == independence.CROSS:
+        return (f"Cross-example loss: {v.detail}; per_example_stat raises (check=False "
+                "computes the statistics of the batch-of-one losses).")
+    if v.kind == independence.UNDECIDED:
+        return (f"Examples not proved independent: {v.detail}; run js.check_per_example(fn) "
+                "once on a real batch.")
+    return (f"Examples not checked for independence ({v.detail}): run "
+            "js.check_per_example(fn) once on a real batch.")
 
 
 def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes, recompute):
