@@ -371,14 +371,33 @@ def test_gather_across_the_batch_axis_by_data_warns_once():
         js.per_example_stat(_graph_loss, js.stats.mean(), check=False)(p, b)
 
 
-def test_loop_that_changes_finished_examples_is_undecided():
-    """``while jnp.any(...)`` whose body also moves finished examples: extra iterations
-    change them, which a batch of one would not do."""
+def _any_loop(body, use_counter=False):
     def loss(p, b):
-        x = lax.while_loop(lambda c: jnp.any(jnp.sum(c ** 2, -1) > 1.0), lambda c: 0.5 * c,
-                           b["x"][:, 0])
-        return jnp.mean(x @ p["v"] @ p["w"])
+        def cond(c):
+            return jnp.any(jnp.sum(c[0] ** 2, -1) > 1.0)
 
+        x, i = lax.while_loop(cond, lambda c: (body(c[0]), c[1] + 1), (b["x"][:, 0], 0))
+        return jnp.mean(x @ p["v"] @ p["w"]) + (0.01 * i if use_counter else 0.0)
+
+    return loss
+
+
+def _frozen_when_done(c, limit=1.0):
+    return jnp.where(jnp.sum(c ** 2, -1, keepdims=True) > limit, 0.5 * c, c)
+
+
+@pytest.mark.parametrize("loss", [
+    _any_loop(lambda c: 0.5 * c),  # moves finished examples too
+    _any_loop(lambda c: _frozen_when_done(c, 2.0)),  # freezes by another test than the loop's
+    _any_loop(_frozen_when_done, use_counter=True),  # the trip count itself is used
+], ids=["unmasked", "other_predicate", "counter_used"])
+def test_loop_over_a_batch_dependent_trip_count_is_undecided(loss):
+    """``while jnp.any(...)``: a batch of one stops at its own trip count; the batch at
+    the largest. Undecided unless every example is frozen by the loop's own test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert js.explain(_any_loop(_frozen_when_done))(_params(), _batch()).independence == (
+            "independent")
     rep = js.explain(loss, js.stats.mean())(_params(), _batch())
     assert rep.independence == "undecided"
     assert "`while`" in rep.notes[0] and "depends on the examples" in rep.notes[0]

@@ -692,6 +692,16 @@ def per_example_stat(
         per-example gradients for a leaf without a fast rule.
       axis_name: inside ``pmap``/``shard_map`` with the batch split over this
         axis, combine so that every device gets the statistic of all examples.
+      check: first prove, from the jaxpr of the batch loss (one more trace of ``fn``
+        on the whole batch; nothing runs), that the loss is a (weighted) mean of
+        per-example terms. A loss whose examples interact (the batch's token count
+        in a denominator, batch norm in training mode, in-batch negatives, a softmax
+        over the batch) raises `CrossExampleError` naming the operation and its
+        source line; where the jaxpr cannot decide (a gather across the batch axis
+        by data) a `CrossExampleWarning` is emitted once per trace. Only the loss is
+        checked, not ``aux``; a batch of one and ``keep_batch_dim=False`` are not
+        checked. ``False``: compute the statistics of the batch-of-one losses
+        without the check.
 
     Returns:
       A function with the signature of ``fn`` returning ``stat``'s structure
@@ -757,6 +767,9 @@ def check_per_example(
     per-example gradients are not defined, and every statistic computed with
     the batch-of-one convention would silently describe a different model.
     It is a one-off check on concrete values: call it outside ``jit``.
+    `per_example_stat` already refuses the cross-example forms it can prove from
+    the jaxpr at trace time (``check=True``); this numerical check covers what the
+    jaxpr cannot decide.
 
     Returns:
       A function of ``fn``'s arguments that returns ``None`` or raises ``ValueError``.

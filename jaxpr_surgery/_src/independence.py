@@ -768,35 +768,40 @@ def _while(it, eqn, tags):
         # a batched predicate (jax.vmap of a while_loop): each element of the leading axes
         # stops on its own, so every carry follows the predicate's examples
         return [it.join(eqn, c, pred) for c in carry]
+    # a loop that runs until the last example is done: the values of the examples that
+    # a batch of one would have stopped earlier are right if the body leaves them alone
+    masked = _masked_loop(eqn, wp, carry, seen)
     why = "loops a number of times that depends on the examples"
-    if all(isinstance(c, Ex) for c in carry) and _masked_loop(eqn, wp, carry, seen):
-        return carry
-    return [c if isinstance(c, Cross) else Unknown(eqn, why) for c in carry]
+    return [c if isinstance(c, Cross) or (masked and isinstance(c, Ex)) else Unknown(eqn, why)
+            for c in carry]
 
 
 def _masked_loop(eqn, wp, carry, cond_tags):
-    """A loop that runs while any example is unfinished, ``while jnp.any(q)``, and leaves
-    every finished example unchanged: each carry comes out of the body as
-    ``select_n(q', carry, new)`` (``jnp.where(q', new, carry)``) with ``q'`` computed
-    like ``q`` (`_Numbering`). Extra iterations then change no example that a batch of
-    one would have stopped."""
+    """A loop that runs while any example is unfinished, ``while jnp.any(q)`` with ``q``
+    one flag per example, and leaves every finished example unchanged: each carry that
+    depends on the examples comes out of the body as ``select_n(q', carry, new)``
+    (``jnp.where(q', new, carry)``) with ``q'`` computed like ``q`` (`_Numbering`).
+    Extra iterations then change no example that a batch of one would have stopped, and
+    the others see the same iterations as alone (examples stop, they never pause)."""
     out = wp.cond.outvars[0]
     red = next((e for e in wp.cond.eqns if out in e.outvars), None)
     if red is None or red.primitive is not P.reduce_or or _is_literal(red.invars[0]):
         return False
     q = red.invars[0]
-    if len(_shape(q)) != 1 or cond_tags.get(q) != Ex(0) or any(c != Ex(0) for c in carry):
+    if len(_shape(q)) != 1 or cond_tags.get(q) != Ex(0):
+        return False
+    ex = [isinstance(c, Ex) for c in carry]
+    if not any(ex) or any(isinstance(c, Ex) and c != Ex(0) for c in carry):
         return False
     num = _Numbering()
-    n = len(carry)
-    consts = [num.intern(("operand", k)) for k in range(len(eqn.invars))]
-    carry_keys = [num.intern(("carry", k)) for k in range(n)]
+    outer = [num.operand(v) for v in eqn.invars]
+    carry_keys = [num.intern(("carry", k)) for k in range(len(carry))]
     cn = wp.cond_nconsts
-    num.run(wp.cond, consts[:cn] + carry_keys)
+    num.run(wp.cond, outer[:cn] + carry_keys)
     qkey = num.strip(num.env_of(wp.cond)[q])
-    outs = num.run(wp.body, consts[cn : cn + wp.body_nconsts] + carry_keys)
+    outs = num.run(wp.body, outer[cn : cn + wp.body_nconsts] + carry_keys)
     for k, o in enumerate(outs):
-        if o == carry_keys[k]:
+        if not ex[k] or o == carry_keys[k]:
             continue
         node = num.nodes[o]
         if not (node[0] is P.select_n and len(node[2]) == 3 and node[2][1] == carry_keys[k]
@@ -821,6 +826,16 @@ class _Numbering:
             self.nodes.append(node)
         return i
 
+    def operand(self, v):
+        """The number of a loop's operand (a variable or literal of the enclosing jaxpr)."""
+        if _is_literal(v):
+            return self.literal(v)
+        return self.intern(("operand", v))
+
+    def literal(self, v):
+        val = np.asarray(v.val)
+        return self.intern(("literal", str(val.dtype), val.shape, val.tobytes()))
+
     def env_of(self, jaxpr):
         return self.envs[id(jaxpr)]
 
@@ -836,8 +851,7 @@ class _Numbering:
 
         def key(v):
             if _is_literal(v):
-                val = np.asarray(v.val)
-                return self.intern(("literal", str(val.dtype), val.shape, val.tobytes()))
+                return self.literal(v)
             if v not in env:
                 env[v] = self.intern(("free", id(v)))
             return env[v]
