@@ -450,3 +450,26 @@ def _prep(loss, p, b):
     from jaxpr_surgery._src.api import Options, _Prepared
 
     return _Prepared(loss, (p, b), Options(0, 1, True, False, None, False, None), "t")
+
+
+def test_inside_shard_map_each_device_checks_its_examples():
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (tests/conftest.py sets XLA_FLAGS)")
+    from jax.sharding import PartitionSpec as PS
+
+    mesh = jax.make_mesh((2,), ("d",))
+    p = jax.device_put(_params(), jax.sharding.NamedSharding(mesh, PS()))
+    b = jax.device_put(_batch(), jax.sharding.NamedSharding(mesh, PS("d")))
+    want = jax.grad(_per_example_token_mean)(_params(), _batch())
+
+    def run(loss):
+        fn = js.per_example_stat(loss, js.stats.mean(), axis_name="d")
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(PS(), PS("d")),
+                                     out_specs=PS()))(p, b)
+
+    with pytest.raises(js.CrossExampleError, match="`div` at " + HERE):
+        run(token_normalised)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mean = run(_per_example_token_mean)
+    np.testing.assert_allclose(mean["w"], want["w"], rtol=1e-5, atol=1e-7)
