@@ -326,6 +326,35 @@ def test_optax_losses_and_batch_level_aux_are_fine():
     assert aux["accuracy"].shape == (B,)
 
 
+@pytest.mark.parametrize("typed", [True, False], ids=["key", "uint32"])
+def test_dropout_with_one_key_per_example_in_the_batch(typed):
+    """Keys as batch leaves, typed or raw (random_wrap, random_bits per example)."""
+    split = jax.random.split(jax.random.key(0) if typed else jax.random.PRNGKey(0), B)
+    b = {**_batch(), "key": split}
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"][:, 0] @ p["v"])
+        keep = jax.vmap(lambda k, x: jax.random.bernoulli(k, 0.5, x.shape))(b["key"], h)
+        return jnp.mean(jnp.where(keep, h, 0.0) @ p["w"])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert js.explain(loss)(_params(), b).independence == "independent"
+
+
+def test_every_primitive_of_the_rules_exists_in_this_jax():
+    """The rules name primitives by attribute (compat.prims); one that moved in a new jax
+    would silently lose its rule (and warn on every model using it)."""
+    import re
+    from pathlib import Path
+
+    src = Path(ind.__file__).read_text()
+    names = sorted(set(re.findall(r"\bP\.([a-z_0-9]+)", src)))
+    missing = [n for n in names if getattr(ind.P, n) is None]
+    assert not missing, missing
+    assert len(names) > 40
+
+
 def test_batch_of_one_and_one_example_functions_are_not_checked():
     p, b = _params(), _batch(b=1)
     mean = js.per_example_stat(token_normalised, js.stats.mean())(p, b)  # B=1: exact

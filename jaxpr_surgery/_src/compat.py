@@ -447,6 +447,7 @@ def _find_prim(name):
         "jax._src.ad_util",
         "jax._src.ad_checkpoint",
         "jax._src.prng",
+        "jax._src.random.prng",
         "jax._src.pjit",
         "jax._src.lax.ann",
     ):

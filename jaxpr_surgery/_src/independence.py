@@ -947,7 +947,7 @@ _STRUCTURED = _table([
 
 _IDENTITY = (
     compat.copy_p, compat.copy_p2, compat.sharding_constraint_p, *compat.vma_cast_prims,
-    P.stop_gradient, P.name, P.optimization_barrier, P.reshard, P.mesh_cast,
+    P.stop_gradient, P.name, P.optimization_barrier, P.reshard,
 )
 
 _RULES = _table([
