@@ -152,6 +152,18 @@ def test_token_normalised_loss_was_silently_wrong():
             js.per_example_stat(token_normalised, js.stats.mean())(p, b)
 
 
+def test_library_jit_is_placed_at_the_users_call():
+    """Inside a library's jit (jnp.nanmean) equations record no user frame: the message
+    names the function and the user's line calling it."""
+    def loss(p, b):
+        return jnp.nanmean(_nll(p, b))
+
+    with pytest.raises(js.CrossExampleError) as e:
+        js.per_example_stat(loss, js.stats.mean())(_params(), _batch())
+    line = _line_of(loss, "nanmean")
+    assert f"`div` (in nanmean) at {line}" in str(e.value), str(e.value)
+
+
 def test_fully_padded_example_raises_instead_of_nan():
     """A fully padded example made every statistic NaN (0/0 in its batch of one)."""
     p, b = _params(), _batch()
@@ -279,6 +291,11 @@ ORDINARY = {
     "masked_while": _masked_while,
     "dropout_keys": _dropout_keys,
     "conv_pool": _conv_pool,
+    "scatter_at_arange_labels": lambda p, b: jnp.mean(
+        (b["x"][:, 0] @ p["w"]).at[jnp.arange(b["x"].shape[0]), b["y"][:, 0]].add(1.0) ** 2),
+    "tile_tokens": lambda p, b: jnp.mean(jnp.tile(b["x"] @ p["v"], (1, 2, 1)) ** 2),
+    "sort_and_top_k_tokens": lambda p, b: jnp.mean(
+        jnp.sort(b["x"] @ p["v"], axis=1)[:, :2]) + jnp.mean(lax.top_k(b["x"] @ p["v"], 2)[0]),
     "sum_of_products": lambda p, b: jnp.einsum("bd,bd->", b["x"][:, 0] @ p["v"],
                                                b["x"][:, 1]) / b["x"].shape[0],
 }

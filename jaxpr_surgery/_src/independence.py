@@ -518,6 +518,12 @@ def _split(it, eqn, tags):
     return [_whole_axis(it, eqn, t, ok, "splits the batch axis")] * n
 
 
+def _tile(it, eqn, tags):
+    (t,) = tags
+    ok = isinstance(t, Ex) and eqn.params["reps"][t.axis] == 1
+    return [_whole_axis(it, eqn, t, ok, "repeats the batch axis")]
+
+
 def _dot_general(it, eqn, tags):
     tl, tr = tags[:2]
     if any(u is not None for u in tags[2:]):
@@ -674,6 +680,20 @@ def _scatter(it, eqn, tags):
         return [Unknown(eqn, "scatters across the batch axis by data (the examples are "
                              "indexed by values, as in graph batching)")]
 
+    comps = it.components(indices) if not _is_literal(indices) else [None] * len(sdims)
+
+    def operand_axis(j):
+        """The operand axis that indices' axis ``j`` scatters along, one to one: a
+        batching dim, or an index component equal to its position along ``j``
+        (``x.at[jnp.arange(B), labels]``); else None."""
+        if j in ibatch:
+            return obatch[ibatch.index(j)]
+        for c, d in enumerate(comps):
+            k = sdims[c]
+            if d == j and ishape[j] == oshape[k] and (k in inserted or k in obatch):
+                return k
+        return None
+
     if ti is not None and ti.axis == len(ishape) - 1:
         return unknown()
     # where the batch axis lies in the operand, as seen from each operand that has it
@@ -687,21 +707,22 @@ def _scatter(it, eqn, tags):
             if k in sdims or ushape[u] != oshape[k] or ti is not None:
                 return unknown()
         else:
-            j = uscatter.index(u)
-            if j not in ibatch:
+            k = operand_axis(uscatter.index(u))
+            if k is None:
                 return unknown()
-            k = obatch[ibatch.index(j)]
         want.append(dataclasses.replace(tu, axis=k))
     if ti is not None:
-        if ti.axis not in ibatch:
+        k = operand_axis(ti.axis)
+        if k is None:
             return unknown()
-        want.append(dataclasses.replace(ti, axis=obatch[ibatch.index(ti.axis)]))
+        want.append(dataclasses.replace(ti, axis=k))
     if any(w != want[0] for w in want):
         return unknown()
     k = want[0].axis
-    if k in sdims and k not in obatch:
+    scattered = k in sdims or k in obatch
+    if scattered and k not in (operand_axis(j) for j in range(len(ishape) - 1)):
         return unknown()
-    if k not in obatch and k in inserted:
+    if not scattered and k in inserted:
         return unknown()
     return [want[0]]
 
@@ -970,6 +991,7 @@ _RULES = _table([
     ((P.pad,), _pad),
     ((P.concatenate,), _concatenate),
     ((P.split,), _split),
+    ((P.tile,), _tile),
     ((P.dot_general,), _dot_general),
     ((compat.conv_p,), _conv),
     ((P.reduce_window_sum, P.reduce_window_max, P.reduce_window_min, P.reduce_window),
@@ -1009,12 +1031,34 @@ SKIPPED = "not checked"
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _where(eqn):
-    """``prim`` at the innermost user line, and the line in the user's function calling it."""
-    frames = compat.user_frames(eqn, _PACKAGE_DIR)
+def _path_to(jaxpr, target):
+    """The equations from ``jaxpr``'s down to ``target`` (found by identity), or None."""
+    for eqn in jaxpr.eqns:
+        if eqn is target:
+            return [eqn]
+        for sub in compat.subjaxprs(eqn):
+            inner = _path_to(getattr(sub, "jaxpr", sub), target)
+            if inner is not None:
+                return [eqn, *inner]
+    return None
+
+
+def _where(eqn, root):
+    """``prim`` at the innermost user line, and the line in the user's function calling it.
+    Equations traced inside a library's ``jit`` (``jnp.nanmean``) record no user frame:
+    they are placed at the nearest enclosing call that does."""
+    path = _path_to(root, eqn) or [eqn]
+    what = f"`{eqn.primitive}`"
+    for outer in reversed(path):
+        frames = compat.user_frames(outer, _PACKAGE_DIR)
+        if frames:
+            name = outer.params.get("name") if outer is not eqn else None
+            if isinstance(name, str):
+                what += f" (in {name})"
+            break
     if not frames:
-        return f"`{eqn.primitive}`"
-    where = f"`{eqn.primitive}` at {frames[0]}"
+        return what
+    where = f"{what} at {frames[0]}"
     if len(frames) > 1:
         where += f", called from {frames[-1]}"
     return where
@@ -1032,11 +1076,11 @@ class Verdict:
         return self.kind + (f": {self.detail}" if self.detail else "")
 
 
-def _describe(tag):
-    text = f"{_where(tag.eqn)} {tag.why}"
+def _describe(tag, root):
+    text = f"{_where(tag.eqn, root)} {tag.why}"
     via = getattr(tag, "via", None)
     if via is not None:
-        text += f", computed by {_where(via)}"
+        text += f", computed by {_where(via, root)}"
     return text
 
 
@@ -1072,9 +1116,9 @@ def verdict(prep, data_axes=frozenset()) -> Verdict:
     if out is None or isinstance(out, Sum):
         return Verdict(INDEPENDENT, "")
     if isinstance(out, Cross):
-        return Verdict(CROSS, _describe(out))
+        return Verdict(CROSS, _describe(out, closed.jaxpr))
     if isinstance(out, Unknown):
-        return Verdict(UNDECIDED, _describe(out))
+        return Verdict(UNDECIDED, _describe(out, closed.jaxpr))
     # a scalar loss cannot keep the batch axis; anything else is a bug of this module
     return Verdict(UNDECIDED, f"the loss has an unexpected tag {out}")  # pragma: no cover
 
