@@ -301,7 +301,7 @@ def explain(
             chunk,
             act,
             annotated,
-            verdict.kind,
+            independence=verdict.kind,
         )
 
     return run
@@ -309,6 +309,8 @@ def explain(
 
 def _independence_note(v):
     """One line on whether the examples of the batch loss interact."""
+    if v.kind == independence.INDEPENDENT and v.detail:
+        return f"Examples independent ({v.detail})."
     if v.kind == independence.INDEPENDENT:
         return ("Examples independent: the batch loss is a mean of per-example terms "
                 "(proved from its jaxpr).")
