@@ -112,6 +112,16 @@ def _is_literal(v):
     return isinstance(v, compat.Literal)
 
 
+_ELEMENTWISE: dict = {}  # primitive -> whether jax batches it as an elementwise op
+
+
+def _is_elementwise(prim):
+    out = _ELEMENTWISE.get(prim)
+    if out is None:
+        out = _ELEMENTWISE[prim] = compat.elementwise_batching(prim) is not None
+    return out
+
+
 def _cross_sum(eqn, what, s):
     return Cross(eqn, f"{what} a sum over the batch", s.origin)
 
@@ -182,7 +192,7 @@ class _Interp:
         if isinstance(live[0], Cur) and all(t == live[0] for t in live):
             return [live[0]] * n  # any function of one example and constants
         rule = _RULES.get(prim)
-        if rule is None and compat.elementwise_batching(prim) is not None:
+        if rule is None and _is_elementwise(prim):
             rule = _elementwise
         if rule is None:
             return self.unknown(eqn, tags, "has no rule here (a primitive the check does not know)")
@@ -887,8 +897,7 @@ class _Numbering:
             elif compat.subjaxprs(eqn) or len(eqn.outvars) != 1:
                 outs = [self.intern(("opaque", id(eqn), k)) for k in range(len(eqn.outvars))]
             else:
-                elementwise = (_RULES.get(prim) is _elementwise
-                               or compat.elementwise_batching(prim) is not None)
+                elementwise = _RULES.get(prim) is _elementwise or _is_elementwise(prim)
                 args = tuple(self.strip(k) for k in ins) if elementwise else tuple(ins)
                 outs = [self.intern((prim, _freeze(eqn.params), args))]
             env.update(zip(eqn.outvars, outs))
