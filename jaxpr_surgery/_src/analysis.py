@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from jaxpr_surgery._src import compat
+from jaxpr_surgery._src.sites import kind_for, pre_scales
 
 DATA = "data"
 
@@ -161,7 +162,7 @@ class Mixed:
 class Site:
     path: tuple
     eqn: Any
-    kind: str  # dense | embedding | scale-shift | conv | generic
+    kernel: type  # the kernel class serving the site (`sites.base.kind_for`)
     leaf: int
     chain: tuple
     depth: int
@@ -173,6 +174,11 @@ class Site:
     view_shape: tuple  # shape of ``base`` (per scan slice)
     ext_batched: tuple = ()  # whether each ext var depends on the example
     scales: tuple = ()  # `Scale` factors between the leaf's view and ``base``
+
+    @property
+    def kind(self):
+        """The layer kind's display name (``dense``, ``embedding``, ...; for explain)."""
+        return self.kernel.kind
 
     @property
     def pads(self):
@@ -226,22 +232,6 @@ class Analysis:
         if not info.sites:
             return "unused"
         return "single" if len(info.sites) == 1 else "multi"
-
-
-def _absorbable():
-    from jax._src.lax import slicing
-
-    return (
-        compat.broadcast_p,
-        compat.reshape_p,
-        compat.convert_p,
-        compat.squeeze_p,
-        slicing.slice_p,
-        slicing.dynamic_slice_p,
-    )
-
-
-_ABSORBABLE = _absorbable()
 
 
 def _is_literal(v):
@@ -332,60 +322,6 @@ def _scale_step(eqn, pos, tags):
     if not _constant_factor(other, tags[1 - pos]) or math.prod(_shape(other)) != 1:
         return None
     return Scale("mul" if p is compat.mul_p else "div", other)
-
-
-def pre_scales(site_or_tag):
-    """``[(kind, operand, varying view axes)]`` when every parameter-only step after
-    the site's ``base`` multiplies (or divides) the view elementwise by a constant
-    that broadcasts against it (a per-row or per-column multiplier), else None."""
-    pre = site_or_tag.pre
-    if not pre:
-        return []
-    view = site_or_tag.base
-    out = []
-    for e in pre:
-        if len(e.outvars) != 1 or view is None:
-            return None
-        shape = _shape(view)
-        if _shape(e.outvars[0]) != shape:
-            return None
-        if e.primitive is compat.neg_p and e.invars[0] is view:
-            out.append(("neg", None, ()))
-        elif e.primitive in (compat.mul_p, compat.div_p) and len(e.invars) == 2:
-            ps = [k for k, v in enumerate(e.invars) if v is view]
-            if len(ps) != 1 or (e.primitive is compat.div_p and ps[0] != 0):
-                return None
-            other = e.invars[1 - ps[0]]
-            osh = _shape(other)
-            import jax.numpy as jnp
-
-            if not jnp.issubdtype(other.aval.dtype, jnp.floating):
-                return None
-            if osh and (len(osh) != len(shape) or any(a not in (1, b) for a, b in zip(osh, shape))):
-                return None
-            axes = frozenset(k for k, a in enumerate(osh) if a != 1)
-            out.append(("mul" if e.primitive is compat.mul_p else "div", other, axes))
-        else:
-            return None
-        view = e.outvars[0]
-    return out
-
-
-def dense_fold_side(eqn, pos, scales):
-    """Where a dense site folds its view's elementwise constant factors (`pre_scales`):
-    "dy" when they vary along the weight's free (and dot batch) axes only, "x" along
-    its contracted (and dot batch) axes only, else None. No factors: "dy"."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    wc, wb = (lc, lb) if pos == 0 else (rc, rb)
-    varying = set().union(*(a for _, _, a in scales)) if scales else set()
-    wc, wb = {int(i) for i in wc}, {int(i) for i in wb}
-    rank = len(_shape(eqn.invars[pos]))
-    wf = set(range(rank)) - wc - wb
-    if varying <= wf | wb:
-        return "dy"
-    if varying <= wc | wb:
-        return "x"
-    return None
 
 
 class _Analyzer:
@@ -493,36 +429,15 @@ class _Analyzer:
         return [read(v) for v in jaxpr.outvars]
 
     def eqn(self, eqn, tags, path, scan_lengths):
+        """The tags of ``eqn``'s outputs from its inputs' ``tags``; records sites and
+        residual leaves on the way."""
         prim = eqn.primitive
         n_out = len(eqn.outvars)
         params_tags = [t for t in tags if isinstance(t, (PView, Mixed))]
         has_data = any(t == DATA for t in tags)
 
         if prim in _CALL_PRIMS:
-            jaxpr, _ = compat.call_parts(eqn)
-            opaque = self.parameter_only_call(eqn, tags, has_data)
-            if opaque is not None and opaque[0].pre:  # already transformed: one more step
-                return [self.extend_pre(*opaque, eqn)]
-            inner = [self.to_boundary(t, "jit") for t in tags]
-            outs = self.run(jaxpr, inner, path, scan_lengths)
-            outs = [self.outer_scales(t, jaxpr, eqn) for t in outs]
-            if (
-                opaque is not None
-                and isinstance(outs[0], PView)
-                and (outs[0].pre or not self.scales_visible(outs[0], path))
-            ):
-                # transformed inside (a gather by constant positions, ``jnp.take``, a
-                # scale by a value computed there): the whole call is one
-                # parameter-only step, applied again at the site
-                return [self.extend_pre(*opaque, eqn)]
-            # one-hot vectors built inside the call, from ids passed into it
-            for vi, vo in zip(jaxpr.outvars, eqn.outvars):
-                pat = self.patterns.get(vi)
-                if pat and pat[0] == "onehot" and pat[1][0] in jaxpr.invars:
-                    outer_ids = eqn.invars[jaxpr.invars.index(pat[1][0])]
-                    if not _is_literal(outer_ids):
-                        self.patterns[vo] = ("onehot", (outer_ids,) + pat[1][1:])
-            return [self.leave(t, "jit", path) for t in outs]
+            return self.call(eqn, tags, path, scan_lengths, has_data)
         if prim is compat.remat_p:
             inner = [self.to_boundary(t, "checkpoint") for t in tags]
             body = compat.remat_params(eqn).jaxpr
@@ -537,13 +452,12 @@ class _Analyzer:
         if n_out == 0:  # effects only (jax.debug.print, callbacks): no gradient flows
             return []
 
-        if compat.subjaxprs(eqn) or prim in compat.custom_prims:
-            self.residual_all(params_tags, f"used inside {prim}" + _at(eqn))
-            return [DATA] * n_out if has_data else [Mixed(self.union(params_tags))] * n_out
-
         pvars = {v for v, t in zip(eqn.invars, tags) if isinstance(t, (PView, Mixed))}
-        if len(pvars) > 1 or any(isinstance(t, Mixed) for t in params_tags):
-            if len(pvars) > 1:
+        opaque = compat.subjaxprs(eqn) or prim in compat.custom_prims
+        if opaque or len(pvars) > 1 or any(isinstance(t, Mixed) for t in params_tags):
+            if opaque:
+                self.residual_all(params_tags, f"used inside {prim}" + _at(eqn))
+            elif len(pvars) > 1:
                 self.residual_all(
                     params_tags, f"combined with another parameter in {prim}" + _at(eqn)
                 )
@@ -552,81 +466,96 @@ class _Analyzer:
         (pv,) = pvars
         tag = params_tags[0]
         pos = [k for k, v in enumerate(eqn.invars) if v is pv]
-
         if not has_data:
-            # parameter-only op: extend the view or absorb into the site later
-            if tag.is_layout and n_out == 1 and len(pos) == 1:
-                sc = _scale_step(eqn, pos[0], tags)
-                if sc is not None:  # a constant factor: commutes with the layout steps
-                    scales = tag.scales + (sc,)
-                    return [dataclasses.replace(tag, scales=scales, base=eqn.outvars[0])]
-            if tag.is_layout and n_out == 1 and len(pos) == 1 and pos[0] == 0:
-                op = _layout_op(eqn)
-                if op is not None and all(_is_literal(v) or v is pv for v in eqn.invars):
-                    return [dataclasses.replace(tag, chain=tag.chain + (op,), base=eqn.outvars[0])]
-            if n_out != 1:
-                self.residual(tag, f"parameter-only {prim} with several outputs")
-                return [Mixed(frozenset({tag.leaf}))] * n_out
-            base = tag.base if tag.pre else pv
-            return [dataclasses.replace(tag, base=base, pre=tag.pre + (eqn,))]
-
-        # a site: the view meets the data
+            return self.parameter_only(eqn, tags, tag, pv, pos)
         if tag.depth < len(scan_lengths):
             self.residual(tag, "closed over by lax.scan (used in every iteration)" + _at(eqn))
             return [DATA] * n_out
-        kind = self.kind(eqn, tag, pos)
-        extra = []
-        if kind == "dense" and not tag.pre:
-            x = eqn.invars[1 - pos[0]]
-            pat = self.patterns.get(x)
-            if pat and pat[0] == "onehot" and _onehot_dense_ok(eqn, pos[0], pat[1][1]):
-                kind = "onehot-embedding"
-                extra = [pat[1][0]]
+        self.site(eqn, tags, tag, pv, pos, path, scan_lengths)
+        return [DATA] * n_out
+
+    def call(self, eqn, tags, path, scan_lengths, has_data):
+        """A jit / closed_call / call: its body is walked in place."""
+        jaxpr, _ = compat.call_parts(eqn)
+        opaque = self.parameter_only_call(eqn, tags, has_data)
+        if opaque is not None and opaque[0].pre:  # already transformed: one more step
+            return [self.extend_pre(*opaque, eqn)]
+        inner = [self.to_boundary(t, "jit") for t in tags]
+        outs = self.run(jaxpr, inner, path, scan_lengths)
+        outs = [self.outer_scales(t, jaxpr, eqn) for t in outs]
+        if (
+            opaque is not None
+            and isinstance(outs[0], PView)
+            and (outs[0].pre or not self.scales_visible(outs[0], path))
+        ):
+            # transformed inside (a gather by constant positions, ``jnp.take``, a
+            # scale by a value computed there): the whole call is one
+            # parameter-only step, applied again at the site
+            return [self.extend_pre(*opaque, eqn)]
+        self.onehots_out_of(jaxpr, eqn)
+        return [self.leave(t, "jit", path) for t in outs]
+
+    def onehots_out_of(self, jaxpr, eqn):
+        """One-hot vectors built inside the call ``eqn`` (body ``jaxpr``) from ids passed
+        into it are one-hot vectors of the ids outside."""
+        for vi, vo in zip(jaxpr.outvars, eqn.outvars):
+            pat = self.patterns.get(vi)
+            if pat and pat[0] == "onehot" and pat[1][0] in jaxpr.invars:
+                outer_ids = eqn.invars[jaxpr.invars.index(pat[1][0])]
+                if not _is_literal(outer_ids):
+                    self.patterns[vo] = ("onehot", (outer_ids,) + pat[1][1:])
+
+    def parameter_only(self, eqn, tags, tag, pv, pos):
+        """An op on the view ``tag`` (held by ``pv``, operands ``pos``) and constants:
+        a constant factor or a layout step extends the view; anything else is a
+        parameter-only step the site applies again (``pre``)."""
+        n_out = len(eqn.outvars)
+        if tag.is_layout and n_out == 1 and len(pos) == 1:
+            sc = _scale_step(eqn, pos[0], tags)
+            if sc is not None:  # a constant factor: commutes with the layout steps
+                scales = tag.scales + (sc,)
+                return [dataclasses.replace(tag, scales=scales, base=eqn.outvars[0])]
+        if tag.is_layout and n_out == 1 and len(pos) == 1 and pos[0] == 0:
+            op = _layout_op(eqn)
+            if op is not None and all(_is_literal(v) or v is pv for v in eqn.invars):
+                return [dataclasses.replace(tag, chain=tag.chain + (op,), base=eqn.outvars[0])]
+        if n_out != 1:
+            self.residual(tag, f"parameter-only {eqn.primitive} with several outputs")
+            return [Mixed(frozenset({tag.leaf}))] * n_out
+        return [self.extend_pre(tag, pv, eqn)]
+
+    def site(self, eqn, tags, tag, pv, pos, path, scan_lengths):
+        """Records the site ``eqn`` where the view ``tag`` (held by ``pv``, operands
+        ``pos``) meets the data; the registry (`sites.base.kind_for`) picks its kernel."""
+        kernel = kind_for(eqn, tag, pos, self.patterns)
+        extra = tuple(kernel.extra_inputs(eqn, tag, pos, self.patterns))
         base = tag.base if tag.pre else pv
-        pre_out = {e.outvars[0] for e in tag.pre}
-        ext, seen = [], set()
-        for e in (*tag.pre, eqn):
-            for v in e.invars:
-                if _is_literal(v) or v is base or v in pre_out or v in seen:
-                    continue
-                seen.add(v)
-                ext.append(v)
-        for sc in tag.scales:  # the factors' values, read by the kernel (never batched)
-            v = sc.operand
-            if v is not None and not _is_literal(v) and v not in seen:
-                seen.add(v)
-                ext.append(v)
-        for v in extra:  # (last: a one-hot site's ids)
-            if v not in seen:
-                seen.add(v)
-                ext.append(v)
+        ext = _site_inputs(tag, eqn, base, extra)
+        batched = [v for v, t in zip(eqn.invars, tags) if t == DATA]
         site = Site(
             path=path,
             eqn=eqn,
-            kind=kind,
+            kernel=kernel,
             leaf=tag.leaf,
             chain=tag.chain,
             depth=tag.depth,
             base=base,
             pre=tag.pre,
-            ext_vars=tuple(ext),
+            ext_vars=ext,
             param_pos=pos[0],
             scan_lengths=tuple(scan_lengths),
             view_shape=_shape(base),
             ext_batched=tuple(
-                any(v is u and t == DATA for u, t in zip(eqn.invars, tags)) or v in extra
-                for v in ext
+                any(v is u for u in batched) or any(v is u for u in extra) for v in ext
             ),
             scales=tag.scales,
         )
         self.sites[path] = site
         self.leaves[tag.leaf].sites.append(site)
-        return [DATA] * n_out
 
     def track_onehot(self, eqn):
         """Recognises ``one_hot(ids) = convert(eq(broadcast(ids), iota))``."""
         import jax.numpy as jnp
-        from jax._src.lax import lax as _lax
 
         prim, pat = eqn.primitive, self.patterns
         if len(eqn.outvars) != 1:
@@ -635,9 +564,9 @@ class _Analyzer:
         if prim is compat.broadcast_p and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.integer):
             if not _is_literal(eqn.invars[0]):
                 pat[out] = ("bcast", (eqn.invars[0], tuple(eqn.params["broadcast_dimensions"])))
-        elif prim is _lax.iota_p:
+        elif prim is compat.iota_p:
             pat[out] = ("iota", eqn.params["dimension"])
-        elif prim is _lax.eq_p and not any(_is_literal(v) for v in eqn.invars):
+        elif prim is compat.eq_p and not any(_is_literal(v) for v in eqn.invars):
             a, b = (pat.get(v) for v in eqn.invars)
             if a and b and a[0] == "iota" and b[0] == "bcast":
                 a, b = b, a
@@ -672,34 +601,6 @@ class _Analyzer:
         for t in tags:
             self.residual(t, reason)
 
-    @staticmethod
-    def kind(eqn, tag, pos):
-        prim = eqn.primitive
-        if tag.pre:
-            # a per-row / per-column constant multiplier before a dense site folds into
-            # its input or cotangent (dense.py)
-            folded = pre_scales(tag)
-            if (
-                folded is not None
-                and prim is compat.dot_general_p
-                and len(pos) == 1
-                and dense_fold_side(eqn, pos[0], folded) is not None
-            ):
-                return "dense"
-            absorbable = all(e.primitive in _ABSORBABLE for e in tag.pre)
-            if prim in (compat.mul_p, compat.add_p, compat.sub_p) and absorbable:
-                return "scale-shift"
-            return "generic"
-        if prim is compat.dot_general_p and len(pos) == 1:
-            return "dense"
-        if prim is compat.gather_p and pos == [0] and _is_row_gather(eqn):
-            return "embedding"
-        if prim is compat.conv_p and pos == [1]:
-            return "conv"
-        if prim in (compat.mul_p, compat.add_p, compat.sub_p):
-            return "scale-shift"
-        return "generic"
-
     def scan(self, eqn, tags, path, scan_lengths):
         prm = compat.scan_params(eqn)
         nc, ncar = prm.num_consts, prm.num_carry
@@ -728,74 +629,33 @@ class _Analyzer:
         return outs
 
 
+def _site_inputs(tag, eqn, base, extra):
+    """Every input of a site but its view ``base``, once each, in order: the operands of
+    its ``pre`` steps and of ``eqn``, the view's scale factors, then ``extra`` (a kernel's
+    `extra_inputs`, such as a one-hot site's ids)."""
+    pre_out = {e.outvars[0] for e in tag.pre}
+    ext, seen = [], set()
+
+    def add(v):
+        if v not in seen:
+            seen.add(v)
+            ext.append(v)
+
+    for e in (*tag.pre, eqn):
+        for v in e.invars:
+            if not (_is_literal(v) or v is base or v in pre_out):
+                add(v)
+    for sc in tag.scales:  # the factors' values, read by the kernel (never batched)
+        if sc.operand is not None and not _is_literal(sc.operand):
+            add(sc.operand)
+    for v in extra:  # (last)
+        add(v)
+    return tuple(ext)
+
+
 def _at(eqn):
     src = compat.source_line(eqn)
     return f" at {src}" if src else ""
-
-
-def _onehot_dense_ok(eqn, p, axis):
-    """The one-hot axis is the only contracted dim, against a 2-D [V, d] weight (no dot batch)."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    xc, wc = (rc, lc) if p == 0 else (lc, rc)
-    w_shape = _shape(eqn.invars[p])
-    return not lb and tuple(xc) == (axis,) and len(w_shape) == 2 and len(wc) == 1
-
-
-def row_gather_layout(eqn):
-    """``(n_index_components, row_component, row_axis)`` if ``eqn`` gathers whole rows
-    of a table by integer ids, else None.
-
-    Two forms are recognised:
-
-    * ``table[ids]``, ``jnp.take`` and ``jnp.take_along_axis`` along the rows: one
-      collapsed ``row_axis`` indexed by the only index component, every other axis
-      taken whole, and only axes of size 1 before the row axis (``take_along_axis(
-      table[None], ids[..., None], axis=1)`` gathers from a ``[1, V, d]`` view), so
-      that the table is a ``[V, d]`` reshape of the operand; the gathered rows follow
-      the ids' axes in memory (offset axes of size 1 may sit anywhere);
-    * a batched ``dynamic_slice`` of a row of a 2-D table, which is what ``jax.vmap``
-      makes of ``table[i]`` with a scalar ``i`` (``eqx.nn.Embedding``): no collapsed
-      dim, an index pair (row, column) in clip mode, where the column start of a
-      full-width slice is always clamped to 0.
-    """
-    from jax.lax import GatherScatterMode
-
-    dn = eqn.params["dimension_numbers"]
-    operand, idx = eqn.invars
-    shape = _shape(operand)
-    if len(shape) < 2 or not np.issubdtype(idx.aval.dtype, np.integer):
-        return None
-    if getattr(dn, "operand_batching_dims", ()) or getattr(dn, "start_indices_batching_dims", ()):
-        return None
-    sizes = tuple(int(n) for n in eqn.params["slice_sizes"])
-    out_shape = _shape(eqn.outvars[0])
-    out_rank = len(out_shape)
-    smap, collapsed, offs = (tuple(dn.start_index_map), tuple(dn.collapsed_slice_dims),
-                             tuple(dn.offset_dims))
-    ncomp = _shape(idx)[-1] if _shape(idx) else 0
-    if len(collapsed) == 1 and smap == collapsed and ncomp == 1:
-        r = int(collapsed[0])
-        whole = sizes == shape[:r] + (1,) + shape[r + 1 :]
-        if whole and all(n == 1 for n in shape[:r]):
-            ids_axes = [i for i in range(out_rank) if i not in offs and out_shape[i] != 1]
-            row_axes = [i for i in offs if out_shape[i] != 1]
-            if not ids_axes or not row_axes or max(ids_axes) < min(row_axes):
-                return 1, 0, r
-        return None
-    if len(shape) != 2 or sizes != (1, shape[1]):
-        return None
-    if collapsed == () and offs == (out_rank - 2, out_rank - 1) and 0 in smap:
-        mode = eqn.params.get("mode")
-        if smap == (0,) and ncomp == 1:
-            return 1, 0, 0
-        if sorted(smap) == [0, 1] and ncomp == 2 and mode == GatherScatterMode.CLIP:
-            return 2, smap.index(0), 0
-    return None
-
-
-def _is_row_gather(eqn):
-    """``table[ids]``: rows of a 2-D table gathered by integer ids."""
-    return row_gather_layout(eqn) is not None
 
 
 def analyse_jaxpr(jaxpr, in_tags, n_leaves):

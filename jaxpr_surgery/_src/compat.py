@@ -74,6 +74,7 @@ Jaxpr = jex.core.Jaxpr
 Literal = jex.core.Literal
 Var = jex.core.Var
 JaxprEqn = jex.core.JaxprEqn
+Primitive = jex.core.Primitive
 
 
 def is_array_like(v) -> bool:

@@ -533,17 +533,20 @@ def _tiled_materialised(plan, ings, mat, B, reductions):
 
 def cross_layout(sa, ka, sb, kb):
     """For an embedding site and a dense site on the same [V, d] leaf (tying): on which
-    canonical dense axis ("C" or "F") the table rows lie, or None if no ghost cross term."""
-    if ka.kind == "dense" and kb.kind == "embedding":
+    canonical dense axis ("C" or "F") the table rows lie, or None if no ghost cross term.
+
+    An embedding is a kernel that `gathers_rows`, a dense site one with a `dense_layout`
+    (`sites.base.Kernel`)."""
+    if ka.dense_layout() is not None and kb.gathers_rows() is not None:
         sa, ka, sb, kb = sb, kb, sa, ka
-    if not (ka.kind == "embedding" and kb.kind == "dense") or sa.depth or sb.depth:
+    table, c = ka.gathers_rows(), kb.dense_layout()
+    if table is None or c is None or sa.depth or sb.depth:
         return None
     if sa.pads or sb.pads:
         return None
-    c = kb.c
     if c["K"] != 1:
         return None
-    V, d = ka.V, ka.d
+    V, d = table
     # the embedding's table rows are the leaf's rows (not its columns: a square table
     # gathered as ``table.T[ids]``)? (numpy: static)
     rows = np.arange(V * d).reshape(V, d)
@@ -576,7 +579,7 @@ def _cross_fast(sa, ka, inga, sb, kb, ingb):
     rows_on = cross_layout(sa, ka, sb, kb)
     if rows_on is None:
         return None
-    if ka.kind == "dense":
+    if ka.dense_layout() is not None:  # (the other one gathers rows)
         sa, ka, inga, sb, kb, ingb = sb, kb, ingb, sa, ka, inga
     ids, valid, dye = ka.ctx(inga)  # [B, T], [B, T], [B, T, d]
     x, dy = ingb  # [B, 1, N, C], [B, 1, N, F]

@@ -50,9 +50,7 @@ def tile_size(B: int, bytes_per_example: int, budget: int | None, *, batched_ok=
 def leaf_tile(B: int, shape, dtype, budget, kernels) -> int:
     """Examples per tile of a multi-site leaf's summed ``G [B, *shape]``: one per tile
     on CPU when a site has a token axis (its products are 2-D matmuls), else by budget."""
-    per_ex = prefer_per_example() and any(
-        k.kind in ("dense", "conv") and getattr(k, "c", None) and k.c["N"] > 1 for k in kernels
-    )
+    per_ex = prefer_per_example() and any(k.token_matmuls() for k in kernels)
     return tile_size(B, bytes_of(shape, dtype), budget, batched_ok=not per_ex)
 
 

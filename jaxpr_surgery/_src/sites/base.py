@@ -6,6 +6,12 @@ view ``w``, the other inputs, batched over examples on axis 0) and the output
 cotangent ``dy`` ``[B, ...]``, and produces either reduced statistics
 (``direct``) or compact *ingredients* from which norms, clipped sums and
 materialised per-example gradients are computed after the backward pass.
+
+Which kernel serves a site is a registry lookup, the way JAX keeps its rules
+(``jet``, ``checkify``): `SITE_RULES` maps a primitive object to the kernels
+anchored on it (`Kernel.anchors`), and `kind_for` returns the first whose
+`Kernel.matches` accepts the site, else the default (generic) kernel. Adding a
+kind is one module under ``sites/`` whose kernel class is `register`-ed.
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxpr_surgery._src import compat
 from jaxpr_surgery._src import stats as S
 
-KERNELS: dict = {}
+KERNELS: dict = {}  # kind (display name) -> kernel class, every registered kernel
+SITE_RULES: dict = {}  # primitive object -> kernel classes anchored on it, asked in order
+_DEFAULT: list = []  # the kernel of a site no anchored kernel matches (one)
 
 # The rule vocabulary of ``explain`` (docs/explain.md): what a user pays.
 STREAMED = "streamed"  # no per-example tensor of the leaf (contraction, rank-one, ghost, tiled)
@@ -38,19 +47,99 @@ class Rule:
     bytes: float  # estimated extra temporary memory
 
 
-def register(kind):
-    def deco(cls):
-        if kind in KERNELS:
-            raise ValueError(f"A kernel for layer kind {kind!r} is already registered.")
-        KERNELS[kind] = cls
-        cls.kind = kind
-        return cls
+def _own(cls, name):
+    """``cls``'s own class attribute ``name`` (not inherited), or raise naming it."""
+    if name not in vars(cls):
+        raise TypeError(
+            f"register({cls.__name__}): the class must set its own {name!r} (a registered "
+            f"kernel does not inherit it from {cls.__mro__[1].__name__})."
+        )
+    return vars(cls)[name]
 
-    return deco
+
+def _claim_kind(cls):
+    kind = _own(cls, "kind")
+    if not isinstance(kind, str) or not kind:
+        raise TypeError(f"register({cls.__name__}): kind must be a non-empty str, got {kind!r}.")
+    if kind in KERNELS:
+        raise ValueError(
+            f"register({cls.__name__}): a kernel for layer kind {kind!r} is already "
+            f"registered ({KERNELS[kind].__name__})."
+        )
+    KERNELS[kind] = cls
+
+
+def register(cls):
+    """Registers the kernel class ``cls`` at the primitives of ``cls.anchors``.
+
+    The class sets its own ``kind`` (a display name, unique) and ``anchors`` (a
+    non-empty tuple of primitive objects from `compat`) and overrides `matches`;
+    `kind_for` asks the kernels anchored on a site's primitive in order of
+    ``priority`` (higher first; equal: first registered first).
+
+    Raises:
+      ValueError: if the kind is already registered.
+      TypeError: if ``kind`` or ``anchors`` is missing or not of the right type.
+    """
+    anchors = _own(cls, "anchors")
+    if (
+        not isinstance(anchors, tuple)
+        or not anchors
+        or not all(isinstance(p, compat.Primitive) for p in anchors)
+    ):
+        raise TypeError(
+            f"register({cls.__name__}): anchors must be a non-empty tuple of primitive "
+            f"objects (from compat), got {anchors!r}."
+        )
+    if "matches" not in vars(cls):
+        raise TypeError(f"register({cls.__name__}): the class must define matches().")
+    _claim_kind(cls)
+    for p in dict.fromkeys(anchors):
+        rules = SITE_RULES.setdefault(p, [])
+        rules.append(cls)
+        rules.sort(key=lambda k: -k.priority)  # stable: registration order among equals
+    return cls
+
+
+def register_default(cls):
+    """Registers ``cls`` as the kernel of every site no anchored kernel matches (the
+    exact per-example VJP of the site's equation).
+
+    Raises:
+      ValueError: if a default or the kind is already registered.
+    """
+    if _DEFAULT:
+        raise ValueError(
+            f"register_default({cls.__name__}): {_DEFAULT[0].__name__} is already the "
+            "default kernel."
+        )
+    _claim_kind(cls)
+    _DEFAULT.append(cls)
+    return cls
+
+
+def kind_for(eqn, tag, pos, patterns):
+    """The kernel class serving the site ``eqn`` (the site's kind).
+
+    Args:
+      eqn: the equation where the parameter view meets example data.
+      tag: the view (`analysis.PView`: ``pre``, ``base``, ``chain``, ``scales``).
+      pos: the operand indices of ``eqn`` holding the view (a list).
+      patterns: what the analysis recognised of other values, by variable
+        (``("onehot", (ids, axis, n))`` for ``one_hot(ids)``).
+
+    Returns:
+      The first kernel anchored on ``eqn.primitive`` whose `Kernel.matches` is true,
+      else the default kernel (`register_default`).
+    """
+    for cls in SITE_RULES.get(eqn.primitive, ()):
+        if cls.matches(eqn, tag, pos, patterns):
+            return cls
+    return _DEFAULT[0]
 
 
 def kernel_for(site, acc_dtype, budget=None):
-    k = KERNELS[site.kind](site, acc_dtype)
+    k = site.kernel(site, acc_dtype)
     k.budget = budget
     return k
 
@@ -84,7 +173,42 @@ def weighted_sum_materialised(G, c):
 class Kernel:
     """Base class: everything derives from ``materialise`` unless overridden."""
 
-    kind = "?"
+    kind = "?"  # display name of the layer kind (explain); never used for dispatch
+    anchors: tuple = ()  # primitive objects whose sites this kernel may serve
+    priority = 0  # among kernels anchored on one primitive, higher is asked first
+
+    # choosing the kernel (analysis, before any kernel exists) ------------ #
+    @classmethod
+    def matches(cls, eqn, tag, pos, patterns) -> bool:
+        """Whether this kernel serves the site ``eqn`` of one of its `anchors` (the
+        arguments of `kind_for`)."""
+        return False
+
+    @classmethod
+    def extra_inputs(cls, eqn, tag, pos, patterns) -> tuple:
+        """Values depending on the example that the kernel reads besides the operands
+        of ``eqn`` (the ids of a one-hot input): appended last to ``Site.ext_vars``."""
+        return ()
+
+    # what other modules ask of a kernel (never its kind's name) ---------- #
+    def token_matmuls(self) -> bool:
+        """Its per-example products are 2-D matmuls over a token axis (``N > 1``): a
+        leaf it shares is tiled one example at a time on CPU (`tiling.leaf_tile`)."""
+        return False
+
+    def gathers_rows(self):
+        """``(V, d)`` where the site gathers whole rows of the table ``_view`` maps to
+        its view, by ids, with the context (`ctx`) ``(ids [B, T], valid [B, T],
+        dy [B, T, d])``: a tied dense site has a ghost cross term with it
+        (`engine.cross_layout`). Else None."""
+        return None
+
+    def dense_layout(self):
+        """The canonical layout ``c`` (`dense._canon`) where the site is a dense layer
+        whose ingredients are ``(x [B, K, N, C], dy [B, K, N, F])`` and ``to_view`` maps
+        ``[K, C, F]`` to the view: a tied embedding has a ghost cross term with it. Else
+        None."""
+        return None
 
     def __init__(self, site, acc_dtype, budget=None):
         self.site = site
@@ -191,8 +315,6 @@ def view_scale(site, ext, dtype):
     """The product of the site's constant view factors (`analysis.Scale`) as a scalar
     of ``dtype``, or None where it has none. ``ext``: the site's other inputs (the
     factors' values among them), not batched."""
-    from jaxpr_surgery._src import compat
-
     c = None
     for sc in site.scales:
         if sc.kind == "neg":
@@ -205,6 +327,41 @@ def view_scale(site, ext, dtype):
                 f = 1 / f
         c = f if c is None else c * f
     return c
+
+
+def pre_scales(site_or_tag):
+    """``[(kind, operand, varying view axes)]`` when every parameter-only step after
+    the site's ``base`` multiplies (or divides) the view elementwise by a constant
+    that broadcasts against it (a per-row or per-column multiplier), else None."""
+    pre = site_or_tag.pre
+    if not pre:
+        return []
+    view = site_or_tag.base
+    out = []
+    for e in pre:
+        if len(e.outvars) != 1 or view is None:
+            return None
+        shape = tuple(view.aval.shape)
+        if tuple(e.outvars[0].aval.shape) != shape:
+            return None
+        if e.primitive is compat.neg_p and e.invars[0] is view:
+            out.append(("neg", None, ()))
+        elif e.primitive in (compat.mul_p, compat.div_p) and len(e.invars) == 2:
+            ps = [k for k, v in enumerate(e.invars) if v is view]
+            if len(ps) != 1 or (e.primitive is compat.div_p and ps[0] != 0):
+                return None
+            other = e.invars[1 - ps[0]]
+            osh = tuple(other.aval.shape)
+            if not jnp.issubdtype(other.aval.dtype, jnp.floating):
+                return None
+            if osh and (len(osh) != len(shape) or any(a not in (1, b) for a, b in zip(osh, shape))):
+                return None
+            axes = frozenset(k for k, a in enumerate(osh) if a != 1)
+            out.append(("mul" if e.primitive is compat.mul_p else "div", other, axes))
+        else:
+            return None
+        view = e.outvars[0]
+    return out
 
 
 def dn_batch(x):

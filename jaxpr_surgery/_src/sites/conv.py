@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import dots, tiling
+from jaxpr_surgery._src import compat, dots, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.sites.base import Kernel, register
 from jaxpr_surgery._src.sites.dense import DenseKernel
@@ -77,6 +77,9 @@ class PatchConvKernel(DenseKernel):
     def __init__(self, site, acc_dtype):
         Kernel.__init__(self, site, acc_dtype)
         self.c = conv_canon(site)
+
+    def dense_layout(self):
+        return None  # its ingredients hold the conv input, not the patches
 
     def prepare(self, w, ext, ext_batched, dy):
         c = self.c
@@ -183,13 +186,20 @@ class PatchConvKernel(DenseKernel):
         return self.to_view(tiling.sum_tiles(tile_sum, B, self.tile(B))[None])
 
 
-@register("conv")
+@register
 class ConvKernel(Kernel):
     """Dense-over-patches, or the exact per-example VJP for grouped convolutions."""
+
+    kind = "conv"
+    anchors = (compat.conv_p,)
+
+    @classmethod
+    def matches(cls, eqn, tag, pos, patterns):
+        return pos == [1] and not tag.pre  # the parameter is the kernel
 
     def __new__(cls, site, acc_dtype):
         lhs_batched = site.ext_batched[site.ext_vars.index(site.eqn.invars[0])]
         patches = conv_canon(site) is not None and lhs_batched
         k = (PatchConvKernel if patches else GenericKernel)(site, acc_dtype)
-        k.kind = "conv"
+        k.kind = cls.kind  # (a dense or generic kernel, reported as a conv)
         return k

@@ -24,9 +24,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import dots, fused, kron, tiling
+from jaxpr_surgery._src import compat, dots, fused, kron, tiling
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.sites.base import STREAMED, Kernel, Rule, register
+from jaxpr_surgery._src.sites.base import STREAMED, Kernel, Rule, pre_scales, register
+
+
+def dense_fold_side(eqn, pos, scales):
+    """Where a dense site folds its view's elementwise constant factors (`pre_scales`):
+    "dy" when they vary along the weight's free (and dot batch) axes only, "x" along
+    its contracted (and dot batch) axes only, else None. No factors: "dy"."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    wc, wb = (lc, lb) if pos == 0 else (rc, rb)
+    varying = set().union(*(a for _, _, a in scales)) if scales else set()
+    wc, wb = {int(i) for i in wc}, {int(i) for i in wb}
+    rank = len(eqn.invars[pos].aval.shape)
+    wf = set(range(rank)) - wc - wb
+    if varying <= wf | wb:
+        return "dy"
+    if varying <= wc | wb:
+        return "x"
+    return None
 
 
 def _canon(site):
@@ -160,24 +177,36 @@ def _recompute_flagged(exact, x, dy, ghost, limit):
     return fast(x, dy, ghost, limit)
 
 
-@register("dense")
+@register
 class DenseKernel(Kernel):
+    """``dot_general`` with one parameter operand (a view of the weight, possibly
+    multiplied elementwise by a constant per row or column)."""
+
+    kind = "dense"
+    anchors = (compat.dot_general_p,)
+
+    @classmethod
+    def matches(cls, eqn, tag, pos, patterns):
+        if len(pos) != 1:
+            return False
+        if not tag.pre:
+            return True
+        # a per-row / per-column constant multiplier before the site folds into its
+        # input or cotangent (`_fold`)
+        folded = pre_scales(tag)
+        return folded is not None and dense_fold_side(eqn, pos[0], folded) is not None
+
     def __init__(self, site, acc_dtype):
         super().__init__(site, acc_dtype)
         self.c = _canon(site)
         # a constant elementwise factor of the weight (x @ (W * m), m per column or per
         # row): the gradient of W is m * X^T DY, i.e. m folded into DY or X
-        from jaxpr_surgery._src.analysis import dense_fold_side, pre_scales
-
         folds = pre_scales(site) if site.pre else None
         # (static state only: kernels are keyed by it, fingerprint.site_key)
         self.fold_side = dense_fold_side(site.eqn, site.param_pos, folds) if folds else None
 
     def _fold(self, x, dy, ext):
         """``x``, ``dy`` (canonical) with the weight's elementwise factors folded in."""
-        from jaxpr_surgery._src import compat
-        from jaxpr_surgery._src.analysis import pre_scales
-
         m = None
         for kind, v, _ in pre_scales(self.site):
             if kind == "neg":
@@ -198,6 +227,12 @@ class DenseKernel(Kernel):
     def scale(self, ctx, c):
         x, dy = ctx
         return x, dy * c.astype(dy.dtype)
+
+    def token_matmuls(self):
+        return self.c["N"] > 1
+
+    def dense_layout(self):
+        return self.c
 
     def use_ghost(self):
         c = self.c

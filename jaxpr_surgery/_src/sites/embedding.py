@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import kron
+from jaxpr_surgery._src import compat, kron
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.sites.base import MATERIALISED, STREAMED, Kernel, Rule, register
 
@@ -63,13 +63,72 @@ def _phi_zero_is_zero(reduction):
     return bool(np.all(z == 0))
 
 
-@register("embedding")
+def row_gather_layout(eqn):
+    """``(n_index_components, row_component, row_axis)`` if ``eqn`` gathers whole rows
+    of a table by integer ids, else None.
+
+    Two forms are recognised:
+
+    * ``table[ids]``, ``jnp.take`` and ``jnp.take_along_axis`` along the rows: one
+      collapsed ``row_axis`` indexed by the only index component, every other axis
+      taken whole, and only axes of size 1 before the row axis (``take_along_axis(
+      table[None], ids[..., None], axis=1)`` gathers from a ``[1, V, d]`` view), so
+      that the table is a ``[V, d]`` reshape of the operand; the gathered rows follow
+      the ids' axes in memory (offset axes of size 1 may sit anywhere);
+    * a batched ``dynamic_slice`` of a row of a 2-D table, which is what ``jax.vmap``
+      makes of ``table[i]`` with a scalar ``i`` (``eqx.nn.Embedding``): no collapsed
+      dim, an index pair (row, column) in clip mode, where the column start of a
+      full-width slice is always clamped to 0.
+    """
+    from jax.lax import GatherScatterMode
+
+    dn = eqn.params["dimension_numbers"]
+    operand, idx = eqn.invars
+    shape = tuple(operand.aval.shape)
+    if len(shape) < 2 or not np.issubdtype(idx.aval.dtype, np.integer):
+        return None
+    if getattr(dn, "operand_batching_dims", ()) or getattr(dn, "start_indices_batching_dims", ()):
+        return None
+    sizes = tuple(int(n) for n in eqn.params["slice_sizes"])
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    out_rank = len(out_shape)
+    smap, collapsed, offs = (tuple(dn.start_index_map), tuple(dn.collapsed_slice_dims),
+                             tuple(dn.offset_dims))
+    ncomp = idx.aval.shape[-1] if idx.aval.shape else 0
+    if len(collapsed) == 1 and smap == collapsed and ncomp == 1:
+        r = int(collapsed[0])
+        whole = sizes == shape[:r] + (1,) + shape[r + 1 :]
+        if whole and all(n == 1 for n in shape[:r]):
+            ids_axes = [i for i in range(out_rank) if i not in offs and out_shape[i] != 1]
+            row_axes = [i for i in offs if out_shape[i] != 1]
+            if not ids_axes or not row_axes or max(ids_axes) < min(row_axes):
+                return 1, 0, r
+        return None
+    if len(shape) != 2 or sizes != (1, shape[1]):
+        return None
+    if collapsed == () and offs == (out_rank - 2, out_rank - 1) and 0 in smap:
+        mode = eqn.params.get("mode")
+        if smap == (0,) and ncomp == 1:
+            return 1, 0, 0
+        if sorted(smap) == [0, 1] and ncomp == 2 and mode == GatherScatterMode.CLIP:
+            return 2, smap.index(0), 0
+    return None
+
+
+@register
 class EmbeddingKernel(Kernel):
+    """Rows of a table gathered by integer ids (`row_gather_layout`)."""
+
+    kind = "embedding"
+    anchors = (compat.gather_p,)
+
+    @classmethod
+    def matches(cls, eqn, tag, pos, patterns):
+        return pos == [0] and not tag.pre and row_gather_layout(eqn) is not None
+
     def __init__(self, site, acc_dtype):
         super().__init__(site, acc_dtype)
         eqn = site.eqn
-        from jaxpr_surgery._src.analysis import row_gather_layout
-
         self.ncomp, self.row_comp, self.row_axis = row_gather_layout(eqn)
         shape = tuple(int(s) for s in eqn.invars[0].aval.shape)
         self.V = shape[self.row_axis]
@@ -91,6 +150,9 @@ class EmbeddingKernel(Kernel):
     def scale(self, ctx, c):
         ids, valid, dy = ctx
         return ids, valid, dy * c.astype(dy.dtype)
+
+    def gathers_rows(self):
+        return self.V, self.d
 
     def prepare(self, w, ext, ext_batched, dy):
         from jax.lax import GatherScatterMode
@@ -259,12 +321,45 @@ class EmbeddingKernel(Kernel):
         )
 
 
-@register("onehot-embedding")
+def _onehot_dense_ok(eqn, p, axis):
+    """The one-hot axis is the only contracted dim, against a 2-D [V, d] weight (no dot batch)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    xc, wc = (rc, lc) if p == 0 else (lc, rc)
+    w_shape = tuple(eqn.invars[p].aval.shape)
+    return not lb and tuple(xc) == (axis,) and len(w_shape) == 2 and len(wc) == 1
+
+
+def _onehot_of(eqn, pos, patterns):
+    """``(ids, axis, n)`` when the data operand of the dense site ``eqn`` is a recognised
+    ``one_hot(ids)``, else None."""
+    pat = patterns.get(eqn.invars[1 - pos[0]])
+    return pat[1] if pat and pat[0] == "onehot" else None
+
+
+@register
 class OneHotEmbeddingKernel(EmbeddingKernel):
     """``one_hot(ids) @ table``: a dense site computed as an embedding (rows = one-hot axis).
 
     Out-of-range ids give an all-zero one-hot row, i.e. no gradient (drop semantics).
     """
+
+    kind = "onehot-embedding"
+    anchors = (compat.dot_general_p,)
+    priority = 1  # a special form of a dense site: asked before the dense kernel
+
+    @classmethod
+    def matches(cls, eqn, tag, pos, patterns):
+        if len(pos) != 1 or tag.pre:
+            return False
+        oh = _onehot_of(eqn, pos, patterns)
+        return oh is not None and _onehot_dense_ok(eqn, pos[0], oh[1])
+
+    @classmethod
+    def extra_inputs(cls, eqn, tag, pos, patterns):
+        return (_onehot_of(eqn, pos, patterns)[0],)  # the ids (read by `prepare`)
+
+    def gathers_rows(self):
+        return None  # rows on a one-hot axis of a view: no ghost cross term with a dense site
 
     def __init__(self, site, acc_dtype):
         from jaxpr_surgery._src.sites.dense import _canon

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 
 from jaxpr_surgery._src import compat
-from jaxpr_surgery._src.sites.base import Kernel, register
+from jaxpr_surgery._src.sites.base import Kernel, register, register_default
 
 
 def composite(site):
@@ -46,8 +46,13 @@ def per_example_vjp(site, w, ext, ext_batched, dy):
     return jax.vmap(one, in_axes=in_axes)(tuple(ext), dys)
 
 
-@register("generic")
+@register_default
 class GenericKernel(Kernel):
+    """The exact per-example VJP of the site's equation: any site no other kernel
+    serves."""
+
+    kind = "generic"
+
     def prepare(self, w, ext, ext_batched, dy):
         return per_example_vjp(self.site, w, ext, ext_batched, dy).astype(self.acc)
 
@@ -58,6 +63,26 @@ class GenericKernel(Kernel):
         return jax.ShapeDtypeStruct((B,) + tuple(self.site.view_shape), self.acc)
 
 
-@register("scale-shift")
+# parameter-only steps a scale-shift site absorbs before it meets the data
+_ABSORBABLE = (
+    compat.broadcast_p,
+    compat.reshape_p,
+    compat.convert_p,
+    compat.squeeze_p,
+    compat.slice_p,
+    compat.dynamic_slice_p,
+)
+
+
+@register
 class ScaleShiftKernel(GenericKernel):
-    pass
+    """A gain, bias or positional embedding: the parameter (broadcast, reshaped,
+    sliced) multiplied by or added to the data; the generic per-example VJP, named
+    apart for explain."""
+
+    kind = "scale-shift"
+    anchors = (compat.mul_p, compat.add_p, compat.sub_p)
+
+    @classmethod
+    def matches(cls, eqn, tag, pos, patterns):
+        return all(e.primitive in _ABSORBABLE for e in tag.pre)
