@@ -288,76 +288,95 @@ def _example_terms(sites, axes_wanted, max_dim, sizes, dtype):
             grams[key] = _gram(sites[s].groups[gi][1], sites[t].groups[gi][1], nk, dtype)
         return grams[key]
 
-    ns = len(sites)
     for ax in axes_wanted:
         n_ax = sizes[ax]
         full = n_ax <= max_dim
-        if ax in kaxes:  # cross-block grams: [a, A, rest k, n, m] per group
-            kp = kaxes.index(ax)
-            acc = None
-            for s in range(ns):
-                for t in range(ns):
-                    prod = None
-                    for gi in range(2):
-                        Fa = _flat(sites[s].groups[gi][1], nk)
-                        Fb = _flat(sites[t].groups[gi][1], nk)
-                        Fa = jnp.moveaxis(Fa, kp, 0).reshape((n_ax, -1) + Fa.shape[nk:])
-                        Fb = jnp.moveaxis(Fb, kp, 0).reshape((n_ax, -1) + Fb.shape[nk:])
-                        g = (
-                            jnp.einsum("aknx,Akmx->aAknm", Fa, Fb)
-                            if full
-                            else jnp.einsum("aknx,akmx->aknm", Fa, Fb)
-                        )
-                        prod = g if prod is None else prod * g
-                    v = jnp.sum(prod, axis=(-3, -2, -1))
-                    acc = v if acc is None else acc + v
-            out[ax] = [acc]
+        if ax in kaxes:
+            out[ax] = [_block_axis_term(sites, nk, kaxes.index(ax), n_ax, full)]
             continue
         gi = next(i for i, a in enumerate(gaxes) if ax in a)
-        hi = 1 - gi
         pos = gaxes[gi].index(ax)
-        terms = []
         if full:
-            for s in range(ns):
-                L = _dense(sites[s].groups[gi][1], nk)
-                T = None
-                for t in range(ns):
-                    W = gram(hi, s, t)
-                    Ft = _dense(sites[t].groups[gi][1], nk)
-                    Tt = jnp.einsum("...nm,...mx->...nx", W, _flat(Ft, nk)).reshape(
-                        W.shape[:-1] + Ft.shape[nk + 1 :]
-                    )
-                    T = Tt if T is None else T + Tt
-                terms.append((_moved_rows(L, nk, pos), _moved_rows(T, nk, pos)))
+            out[ax] = _group_axis_pairs(sites, nk, gi, pos, gram)
         else:
-            vec = jnp.zeros((n_ax,), dtype)
-            dense_T = {}
-            for s in range(ns):
-                Fs = sites[s].groups[gi][1]
-                for t in range(ns):
-                    Ft = sites[t].groups[gi][1]
-                    W = gram(hi, s, t)
-                    os_, ot = isinstance(Fs, OneHot), isinstance(Ft, OneHot)
-                    if not os_ and not ot:
-                        Tt = jnp.einsum("...nm,...mx->...nx", W, _flat(Ft, nk)).reshape(
-                            W.shape[:-1] + Ft.shape[nk + 1 :]
-                        )
-                        dense_T[s] = Tt if s not in dense_T else dense_T[s] + Tt
-                    elif os_ and ot:
-                        eq = (Fs.ids[:, None] == Ft.ids[None, :]).astype(dtype)
-                        vec = vec.at[Fs.ids].add(jnp.sum(W * eq, axis=1))
-                    elif os_:  # sum_m W[n, m] Ft[m, id_n], at row id_n
-                        vals = jnp.einsum("nm,mn->n", W, jnp.take(Ft, Fs.ids, axis=1))
-                        vec = vec.at[Fs.ids].add(vals)
-                    else:  # sum_n W[n, m] Fs[n, id_m], at row id_m
-                        vals = jnp.einsum("nm,nm->m", W, jnp.take(Fs, Ft.ids, axis=1))
-                        vec = vec.at[Ft.ids].add(vals)
-            for s, T in dense_T.items():
-                L = sites[s].groups[gi][1]
-                vec = vec + jnp.sum(_moved_rows(L, nk, pos) * _moved_rows(T, nk, pos), axis=1)
-            terms.append(vec)
-        out[ax] = terms
+            out[ax] = [_group_axis_diagonal(sites, nk, gi, pos, n_ax, gram, dtype)]
     return out
+
+
+def _block_axis_term(sites, nk, kp, n_ax, full):
+    """The moment of block axis ``kp`` (a dot batch dim of the factors), ``[n, n]`` or
+    its diagonal ``[n]``: cross-block grams ``[a, A, rest k, n, m]`` per group,
+    multiplied over the two groups and summed over every pair of sites."""
+    acc = None
+    for fs in sites:
+        for ft in sites:
+            prod = None
+            for gi in range(2):
+                Fa = _flat(fs.groups[gi][1], nk)
+                Fb = _flat(ft.groups[gi][1], nk)
+                Fa = jnp.moveaxis(Fa, kp, 0).reshape((n_ax, -1) + Fa.shape[nk:])
+                Fb = jnp.moveaxis(Fb, kp, 0).reshape((n_ax, -1) + Fb.shape[nk:])
+                g = (
+                    jnp.einsum("aknx,Akmx->aAknm", Fa, Fb)
+                    if full
+                    else jnp.einsum("aknx,akmx->aknm", Fa, Fb)
+                )
+                prod = g if prod is None else prod * g
+            v = jnp.sum(prod, axis=(-3, -2, -1))
+            acc = v if acc is None else acc + v
+    return acc
+
+
+def _group_axis_pairs(sites, nk, gi, pos, gram):
+    """The full moment of axis ``pos`` of group ``gi`` as pairs ``(L, T)``, one per
+    site: ``L`` its factor's rows along the axis, ``T`` the other group's grams applied
+    to every site's factor."""
+    hi = 1 - gi
+    terms = []
+    for s in range(len(sites)):
+        L = _dense(sites[s].groups[gi][1], nk)
+        T = None
+        for t in range(len(sites)):
+            W = gram(hi, s, t)
+            Ft = _dense(sites[t].groups[gi][1], nk)
+            Tt = jnp.einsum("...nm,...mx->...nx", W, _flat(Ft, nk)).reshape(
+                W.shape[:-1] + Ft.shape[nk + 1 :]
+            )
+            T = Tt if T is None else T + Tt
+        terms.append((_moved_rows(L, nk, pos), _moved_rows(T, nk, pos)))
+    return terms
+
+
+def _group_axis_diagonal(sites, nk, gi, pos, n_ax, gram, dtype):
+    """The diagonal ``[n]`` of the moment of axis ``pos`` of group ``gi`` (an axis
+    longer than ``max_dim``); one-hot factors add at their ids' rows."""
+    hi = 1 - gi
+    vec = jnp.zeros((n_ax,), dtype)
+    dense_T = {}
+    for s in range(len(sites)):
+        Fs = sites[s].groups[gi][1]
+        for t in range(len(sites)):
+            Ft = sites[t].groups[gi][1]
+            W = gram(hi, s, t)
+            os_, ot = isinstance(Fs, OneHot), isinstance(Ft, OneHot)
+            if not os_ and not ot:
+                Tt = jnp.einsum("...nm,...mx->...nx", W, _flat(Ft, nk)).reshape(
+                    W.shape[:-1] + Ft.shape[nk + 1 :]
+                )
+                dense_T[s] = Tt if s not in dense_T else dense_T[s] + Tt
+            elif os_ and ot:
+                eq = (Fs.ids[:, None] == Ft.ids[None, :]).astype(dtype)
+                vec = vec.at[Fs.ids].add(jnp.sum(W * eq, axis=1))
+            elif os_:  # sum_m W[n, m] Ft[m, id_n], at row id_n
+                vals = jnp.einsum("nm,mn->n", W, jnp.take(Ft, Fs.ids, axis=1))
+                vec = vec.at[Fs.ids].add(vals)
+            else:  # sum_n W[n, m] Fs[n, id_m], at row id_m
+                vals = jnp.einsum("nm,nm->m", W, jnp.take(Fs, Ft.ids, axis=1))
+                vec = vec.at[Ft.ids].add(vals)
+    for s, T in dense_T.items():
+        L = sites[s].groups[gi][1]
+        vec = vec + jnp.sum(_moved_rows(L, nk, pos) * _moved_rows(T, nk, pos), axis=1)
+    return vec
 
 
 def _tile_value(sites, axes_wanted, max_dim, sizes, dtype, size):

@@ -144,9 +144,51 @@ def scale_by_shampoo(
       Gupta, Koren & Singer, Shampoo: Preconditioned Stochastic Tensor Optimization
       <https://arxiv.org/abs/1802.09568>, 2018
     """
+    eps = _checked_hyperparams(b2, eps, max_dim, precondition_every)
+    stat = _stats.kron_moments(max_dim)  # validates max_dim
+
+    def init_fn(params):
+        return _init_state(params, max_dim)
+
+    def update_fn(updates, state, params=None, *, kron_moments=None, **extra_args):
+        del params, extra_args
+        if per_example:
+            if kron_moments is None:
+                raise ValueError(
+                    "scale_by_shampoo(per_example=True).update: missing the keyword extra arg "
+                    "kron_moments= (the statistic js.stats.kron_moments(max_dim) of the "
+                    "batch; js.optim.stat_request(opt) requests it)."
+                )
+            new = require_like(kron_moments, updates, "kron_moments", "scale_by_shampoo", True)
+        else:
+            new = jax.tree.map(lambda g: _outer_stats(g, max_dim, _acc_dtype(g)), updates)
+        g_leaves, treedef = jax.tree.flatten(updates)
+        s_leaves = treedef.flatten_up_to(state.stats)
+        r_leaves = treedef.flatten_up_to(state.roots)
+        n_leaves = treedef.flatten_up_to(new)
+        count = optax.safe_increment(state.count)
+        refresh = (state.count % precondition_every) == 0
+        outs = [
+            _leaf_update(g, s, r, tuple(m), b2, eps, max_dim, count, refresh)
+            for g, s, r, m in zip(g_leaves, s_leaves, r_leaves, n_leaves)
+        ]
+        out_g, out_s, out_r = zip(*outs) if outs else ((), (), ())
+        return treedef.unflatten(out_g), ScaleByShampooState(
+            count, treedef.unflatten(out_s), treedef.unflatten(out_r)
+        )
+
+    request = {"mean": _stats.mean()}
+    if per_example:
+        request["kron_moments"] = stat
+    return PerExampleTransformation(init_fn, update_fn, request)
+
+
+def _checked_hyperparams(b2, eps, max_dim, precondition_every):
+    """Raises on a bad hyperparameter of `scale_by_shampoo` (arrays injected by
+    ``optax.inject_hyperparams`` pass unchecked); returns ``eps``, a Python float where
+    it is a number."""
     if isinstance(b2, (int, float)) and not 0 <= b2 < 1:
         raise ValueError(f"scale_by_shampoo(b2=...): must be in [0, 1), got {b2!r}.")
-    # Arrays (optax.inject_hyperparams injects numbers as arrays) are not checked here.
     injected = (jax.Array, np.ndarray, np.generic)
     if isinstance(eps, bool) or not isinstance(eps, (int, float, *injected)):
         raise ValueError(f"scale_by_shampoo(eps=...): must be a number >= 0, got {eps!r}.")
@@ -170,79 +212,55 @@ def scale_by_shampoo(
             "scale_by_shampoo(precondition_every=...): must be a positive int, got "
             f"{precondition_every!r}."
         )
-    stat = _stats.kron_moments(max_dim)  # validates max_dim
+    return eps
 
-    def acc_dtype(p):
-        return jnp.result_type(jnp.float32, p.dtype)
 
-    def init_fn(params):
-        def leaf(p):
-            dt = acc_dtype(p)
-            return tuple(jnp.zeros((n, n) if n <= max_dim else (n,), dt) for n in jnp.shape(p))
+def _acc_dtype(p):
+    return jnp.result_type(jnp.float32, p.dtype)
 
-        stats = jax.tree.map(leaf, params)
-        roots = jax.tree.map(
-            lambda p: tuple(
-                jnp.eye(n, dtype=acc_dtype(p)) if n <= max_dim else jnp.ones((n,), acc_dtype(p))
-                for n in jnp.shape(p)
-            ),
-            params,
-        )
-        return ScaleByShampooState(jnp.zeros([], jnp.int32), stats, roots)
 
-    def update_fn(updates, state, params=None, *, kron_moments=None, **extra_args):
-        del params, extra_args
-        if per_example:
-            if kron_moments is None:
-                raise ValueError(
-                    "scale_by_shampoo(per_example=True).update: missing the keyword extra arg "
-                    "kron_moments= (the statistic js.stats.kron_moments(max_dim) of the "
-                    "batch; js.optim.stat_request(opt) requests it)."
-                )
-            new = require_like(kron_moments, updates, "kron_moments", "scale_by_shampoo", True)
-        else:
-            new = jax.tree.map(lambda g: _outer_stats(g, max_dim, acc_dtype(g)), updates)
-        g_leaves, treedef = jax.tree.flatten(updates)
-        s_leaves = treedef.flatten_up_to(state.stats)
-        r_leaves = treedef.flatten_up_to(state.roots)
-        n_leaves = treedef.flatten_up_to(new)
-        count = optax.safe_increment(state.count)
-        refresh = (state.count % precondition_every) == 0
-        out_g, out_s, out_r = [], [], []
-        for g, s, r, m in zip(g_leaves, s_leaves, r_leaves, n_leaves):
-            m = tuple(m)
-            if len(m) != len(s) or any(jnp.shape(a) != jnp.shape(b) for a, b in zip(m, s)):
-                raise ValueError(
-                    f"scale_by_shampoo.update: kron_moments of a leaf of shape {jnp.shape(g)} "
-                    f"has shapes {[jnp.shape(a) for a in m]}, expected "
-                    f"{[jnp.shape(b) for b in s]}: compute it with "
-                    f"js.stats.kron_moments(max_dim={max_dim})."
-                )
-            if not s:  # 0-d leaf
-                out_g.append(g)
-                out_s.append(s)
-                out_r.append(r)
-                continue
-            dt = s[0].dtype
-            s = tuple(b2 * a + (1 - b2) * x.astype(dt) for a, x in zip(s, m))
-            k = len(s)
-            corr = 1 - b2 ** count.astype(dt)
+def _init_state(params, max_dim):
+    """Zero statistics and identity roots per axis (vectors for axes over ``max_dim``)."""
 
-            def roots(s=s, k=k, corr=corr):
-                return tuple(_inv_root(a / corr, 2 * k, eps) for a in s)
+    def stats(p):
+        dt = _acc_dtype(p)
+        return tuple(jnp.zeros((n, n) if n <= max_dim else (n,), dt) for n in jnp.shape(p))
 
-            r = jax.lax.cond(refresh, roots, lambda r=r: tuple(r))
-            out_g.append(_apply(g, r, dt).astype(g.dtype))
-            out_s.append(s)
-            out_r.append(r)
-        return treedef.unflatten(out_g), ScaleByShampooState(
-            count, treedef.unflatten(out_s), treedef.unflatten(out_r)
+    def roots(p):
+        dt = _acc_dtype(p)
+        return tuple(
+            jnp.eye(n, dtype=dt) if n <= max_dim else jnp.ones((n,), dt) for n in jnp.shape(p)
         )
 
-    request = {"mean": _stats.mean()}
-    if per_example:
-        request["kron_moments"] = stat
-    return PerExampleTransformation(init_fn, update_fn, request)
+    return ScaleByShampooState(
+        jnp.zeros([], jnp.int32), jax.tree.map(stats, params), jax.tree.map(roots, params)
+    )
+
+
+def _leaf_update(g, s, r, m, b2, eps, max_dim, count, refresh):
+    """``(update, statistics, roots)`` of one leaf: the EMA of its statistics ``s`` with
+    the batch's ``m``, the inverse roots recomputed when ``refresh``, and ``g``
+    preconditioned by them."""
+    if len(m) != len(s) or any(jnp.shape(a) != jnp.shape(b) for a, b in zip(m, s)):
+        raise ValueError(
+            f"scale_by_shampoo.update: kron_moments of a leaf of shape {jnp.shape(g)} "
+            f"has shapes {[jnp.shape(a) for a in m]}, expected "
+            f"{[jnp.shape(b) for b in s]}: compute it with "
+            f"js.stats.kron_moments(max_dim={max_dim})."
+        )
+    if not s:  # 0-d leaf
+        return g, s, r
+    dt = s[0].dtype
+    s = tuple(b2 * a + (1 - b2) * x.astype(dt) for a, x in zip(s, m))
+    k = len(s)
+    corr = 1 - b2 ** count.astype(dt)
+
+    def fresh():
+        return tuple(_inv_root(a / corr, 2 * k, eps) for a in s)
+
+    kept = tuple(r)
+    r = jax.lax.cond(refresh, fresh, lambda: kept)
+    return _apply(g, r, dt).astype(g.dtype), s, r
 
 
 def shampoo(
