@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import zoo
 
 import jaxpr_surgery as js
 from jaxpr_surgery._src import compat
@@ -436,3 +437,72 @@ def test_a_new_kind_is_one_registration(registry):
     got = js.per_example_stat(loss, js.stats.second_moment())(p, b)["s"]
     g = jax.vmap(jax.grad(lambda p, x: loss(p, x[None])), in_axes=(None, 0))(p, b)["s"]
     np.testing.assert_allclose(got, jnp.mean(g**2, axis=0), rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- #
+# 4. What other modules ask of kernels (capabilities, not kind names)
+# --------------------------------------------------------------------------- #
+def _tied(p, b):
+    h = jnp.tanh(p["emb"][b["ids"]])  # [B, T, d]
+    return jnp.mean(jnp.sum(jnp.sin(h @ p["emb"].T), axis=(1, 2)))
+
+
+def _tied_onehot(p, b):
+    oh = jax.nn.one_hot(b["ids"], p["emb"].shape[0])
+    h = jnp.tanh(oh @ p["emb"])
+    return jnp.mean(jnp.sum(jnp.sin(h @ p["emb"].T), axis=(1, 2)))
+
+
+@pytest.mark.parametrize("loss, cross", [(_tied, True), (_tied_onehot, False)])
+def test_tied_table_ghost_cross_term(loss, cross):
+    """A gathered embedding and a dense site on one table have a ghost cross term; a
+    one-hot embedding does not (its rows lie on a one-hot axis of a view)."""
+    rng = np.random.default_rng(1)
+    with zoo.x64():
+        p = {"emb": jnp.asarray(rng.normal(size=(7, 3)) / 2)}
+        b = {"ids": jnp.asarray(rng.integers(0, 7, size=(4, 5)))}
+        rep = js.explain(loss, js.stats.sq_norms())(p, b)
+        assert ("ghost cross terms" in rep.leaves[0].detail) is cross, str(rep)
+        got = js.per_example_stat(loss, js.stats.sq_norms())(p, b)
+        g = jax.vmap(
+            jax.grad(lambda p, x: loss(p, jax.tree.map(lambda v: v[None], x))), in_axes=(None, 0)
+        )(p, b)["emb"]
+        np.testing.assert_allclose(got, jnp.sum(g**2, axis=(1, 2)), rtol=1e-10)
+
+
+def _two_dense(p, b):
+    return jnp.mean(jnp.sum(jnp.tanh(jnp.tanh(b @ p["w"]) @ p["w"]), axis=tuple(range(1, b.ndim))))
+
+
+def _two_gathers(p, b):
+    h = p["w"][b[:, :, 0]] * p["w"][b[:, :, 1]]
+    return jnp.mean(jnp.sum(jnp.tanh(h), axis=(1, 2)))
+
+
+@pytest.mark.parametrize(
+    "loss, shape, per_example",
+    [
+        (_two_dense, (5, 6, 4), True),  # token axis: 2-D matmuls, one example a tile
+        (_two_dense, (5, 4), False),  # no token axis: tiles by budget
+        (_two_gathers, (5, 3, 2), False),  # gathers: tiles by budget
+    ],
+)
+def test_shared_leaf_tiles_one_example_where_a_site_has_token_matmuls(
+    loss, shape, per_example, monkeypatch
+):
+    from jaxpr_surgery._src import tiling
+
+    monkeypatch.setattr(tiling, "prefer_per_example", lambda: True)  # as on CPU
+    rng = np.random.default_rng(2)
+    p = {"w": jnp.asarray(rng.normal(size=(4, 4)) / 2, jnp.float32)}
+    if loss is _two_gathers:
+        b = jnp.asarray(rng.integers(0, 4, size=shape))
+    else:
+        b = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    rep = js.explain(loss, js.stats.second_moment())(p, b)
+    how = rep.leaves[0].detail
+    assert "tiled products of the shared leaf" in how, str(rep)
+    assert ("(1 example/tile" in how) is per_example, str(rep)
+    got = js.per_example_stat(loss, js.stats.second_moment())(p, b)["w"]
+    g = jax.vmap(jax.grad(lambda p, x: loss(p, x[None])), in_axes=(None, 0))(p, b)["w"]
+    np.testing.assert_allclose(got, jnp.mean(g**2, axis=0), rtol=2e-5, atol=1e-7)

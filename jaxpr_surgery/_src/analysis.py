@@ -12,9 +12,11 @@ Every variable gets a *tag*:
 * `Mixed` -- depends on several leaves (LoRA ``A @ B``) or on a leaf
   through a construct we do not see into; those leaves are *residual*.
 
-The first equation where a `PView` meets ``DATA`` is a **site**. A leaf
-whose uses are all sites gets fast rules; any other use makes it residual
-(exact per-example gradients through a per-example copy of the leaf).
+The first equation where a `PView` meets ``DATA`` is a **site**; the site
+registry (`sites.base.kind_for`, keyed by primitive objects) names the kernel
+that serves it. A leaf whose uses are all sites gets fast rules; any other use
+makes it residual (exact per-example gradients through a per-example copy of
+the leaf).
 """
 
 from __future__ import annotations
