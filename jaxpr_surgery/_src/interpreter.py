@@ -72,11 +72,14 @@ class Evaluator:
         self.site_fn = site_fn  # (site, kernel, w, ext, ext_batched, sink) -> outs
         self.B = B
         self.cache = cache  # fingerprint.TraceCache: runs of equations traced once
+        # variables computed from the jaxpr's constants alone (`constant_eqn`)
+        self.consts = set()
 
     def run(self, jaxpr, consts, vals, flags, sinks, path=()):
         env = {}
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = (c, False)
+            self.consts.add(v)
         for v, x, f in zip(jaxpr.invars, vals, flags):
             env[v] = (x, f)
 
@@ -212,8 +215,9 @@ class Evaluator:
 
     def block(self, jaxpr, start, stop, env, sinks, path, outs):
         """Evaluates ``jaxpr.eqns[start:stop]`` as one cached ``jax.jit``; False
-        (nothing done) where the span has no exact structural key."""
-        eqns = jaxpr.eqns[start:stop]
+        (nothing done) where the span has no exact structural key. Its equations on
+        constants alone run before it, outside (`constant_eqn`), and their values
+        are inputs."""
         inputs, seen, defined = [], set(), set()
 
         def need(v):
@@ -221,8 +225,16 @@ class Evaluator:
                 seen.add(v)
                 inputs.append(v)
 
-        for k, eqn in enumerate(eqns):
-            site = self.an.sites.get(path + (start + k,))
+        eqns = []
+        for k in range(start, stop):
+            eqn = jaxpr.eqns[k]
+            if not self._special(path + (k,), eqn) and self.constant_eqn(eqn):
+                self.bind_constant(eqn, env)
+                for v in eqn.outvars:
+                    need(v)
+                continue
+            eqns.append(eqn)
+            site = self.an.sites.get(path + (k,))
             if site is not None:  # a site reads its parameter view and inputs directly
                 need(site.base)
                 for v in site.ext_vars:
@@ -309,12 +321,47 @@ class Evaluator:
             or eqn.primitive is compat.scan_p
         )
 
+    def constant_eqn(self, eqn) -> bool:
+        """``eqn`` computes from the jaxpr's constants and literals alone.
+
+        Such an equation is bound where it stands, never inside the jits and vmaps of
+        `segment` and `block`: XLA folds constant expressions (a Flax BatchNorm's
+        ``rsqrt(var + eps)`` on its float32 running statistics), and it rounds the
+        same expression differently where the constant reaches it as an argument of a
+        nested call (one float32 ulp: 1e-7 relative on every gradient of a float64
+        model). Bound here, it lowers as in ``jax.jit(jax.grad(loss))``."""
+        return (
+            bool(eqn.outvars)
+            and not eqn.effects
+            and all(isinstance(v, compat.Literal) or v in self.consts for v in eqn.invars)
+        )
+
+    def bind_constant(self, eqn, env):
+        """Binds a `constant_eqn` into ``env`` (unbatched), unless a block bound it
+        already (its value is then one of the block's inputs)."""
+        if all(v in env for v in eqn.outvars):
+            return
+        outs = compat.bind_eqn(eqn, [_read(env, v)[0] for v in eqn.invars])
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = (o, False)
+        self.consts.update(eqn.outvars)
+
     def segment(self, eqns, env, read):
         """Ordinary equations under one ``jax.vmap`` over the examples. Whether a value
         is batched follows statically (batched iff an input is), as for one equation.
+        Equations on constants alone are bound first, outside it (`constant_eqn`).
 
         The vmapped run is a ``jax.jit`` cached by the run's structure
         (`fingerprint.eqns_key`): the same layer repeated is traced once."""
+        rest = []
+        for eqn in eqns:
+            if self.constant_eqn(eqn):
+                self.bind_constant(eqn, env)
+            else:
+                rest.append(eqn)
+        eqns = rest
+        if not eqns:
+            return
         flag, inputs, defined = {}, [], set()
         for eqn in eqns:
             fl = False
@@ -364,10 +411,19 @@ class Evaluator:
     def _sub_sinks(self, sinks, p):
         return {k: v for k, v in sinks.items() if k[: len(p)] == p and len(k) > len(p)}
 
+    def _inherit_consts(self, outer_vars, inner_vars):
+        """Inner variables bound to the outer jaxpr's constants are constants too
+        (`constant_eqn`): a remat's or scan's body computes from them where the
+        user's program does."""
+        for vo, vi in zip(outer_vars, inner_vars):
+            if isinstance(vo, compat.Literal) or vo in self.consts:
+                self.consts.add(vi)
+
     def remat(self, eqn, vals, flags, sinks, p):
         sub_sinks = self._sub_sinks(sinks, p)
         out_flags = []
         prm = compat.remat_params(eqn)
+        self._inherit_consts(eqn.invars, prm.jaxpr.invars)
 
         def f(vals, sub_sinks):
             outs, ofl = self.run(prm.jaxpr, (), vals, flags, sub_sinks, p)
@@ -381,6 +437,7 @@ class Evaluator:
     def scan(self, eqn, vals, flags, sinks, p):
         prm = compat.scan_params(eqn)
         nc, ncar, L = prm.num_consts, prm.num_carry, prm.length
+        self._inherit_consts(eqn.invars[:nc], prm.jaxpr.invars[:nc])
         consts, cf = vals[:nc], flags[:nc]
         init = [
             x if f else _bcast(x, self.B)
