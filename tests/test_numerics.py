@@ -149,3 +149,137 @@ def test_float32_constants_in_a_float64_model(remat):
         clip = _median_norm(case)
         got = jax.jit(js.per_example_stat(case.loss_fn, _all_stats(clip)))(case.params, case.batch)
         _check_all(case, got, clip)
+
+
+# --------------------------------------------------------------------------- #
+# Float32 squared norms past the float32 range
+# --------------------------------------------------------------------------- #
+HUGE = 3e19  # one example's loss weight: its gradient norm ~1e20, its squared norm ~1e40
+
+
+def _exploding_case(remat=False, B=4, T=3, V=7, D=5):
+    """A float32 LM-like loss whose per-example terms carry a weight ``s_b`` (a batch
+    input), ``HUGE`` for example 1: that example's gradient is ``HUGE`` times an ordinary
+    one on every leaf, representable in float32 while its squared norm is not.
+
+    Leaf kinds: a table used by an embedding and by the tied output layer (two sites),
+    a token-axis dense layer, a layernorm gain (scale-shift), a bias, and a pair of
+    factors ``u @ v`` (residual: exact per-example gradients)."""
+    r = np.random.default_rng(2)
+    n = lambda *s: jnp.asarray(r.standard_normal(s) * 0.5, jnp.float32)  # noqa: E731
+    params = {"embed": n(V, D), "w": n(D, D), "b": n(D), "g": 1.0 + n(D), "u": n(D, 2),
+              "v": n(2, D)}
+
+    def block(h, p):
+        h = jnp.tanh(h @ p["w"] + p["b"])
+        mu = jnp.mean(h, -1, keepdims=True)
+        h = (h - mu) * jax.lax.rsqrt(jnp.mean(jnp.square(h - mu), -1, keepdims=True) + 1e-5)
+        return h * p["g"] + h @ (p["u"] @ p["v"])
+
+    if remat:
+        block = jax.checkpoint(block)
+
+    def loss(p, b):
+        h = block(p["embed"][b["ids"]], p)
+        logits = h @ p["embed"].T
+        logp = jax.nn.log_softmax(logits)
+        nll = -jnp.take_along_axis(logp, b["targets"][..., None], -1)[..., 0]
+        return jnp.mean(b["s"] * jnp.mean(nll, -1))
+
+    s = np.ones(B, np.float32)
+    s[1] = HUGE
+    batch = {"ids": jnp.asarray(r.integers(0, V, (B, T))),
+             "targets": jnp.asarray(r.integers(0, V, (B, T))), "s": jnp.asarray(s)}
+    return zoo.ZooCase("exploding", loss, params, batch)
+
+
+def _sq_norms64(case):
+    return zoo.oracle(case, "sq_norms")  # float64 from the float32 per-example gradients
+
+
+def test_the_exploding_case_overflows_float32():
+    case = _exploding_case()
+    sq = _sq_norms64(case)
+    assert np.all(np.isfinite(sq)) and sq[1] > 1e39 > float(np.finfo(np.float32).max)
+    g = zoo.per_example_grads(case)
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(g))
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_norms_and_clipping_past_float32_squares(remat, chunk):
+    """``norms`` stays finite (the norm is representable), the example's clipped gradient
+    counts C g / |g| instead of nothing, cosines and norm quantiles see the true norm;
+    ``sq_norms`` is the honest float32 value of the square: inf."""
+    case = _exploding_case(remat)
+    sq = _sq_norms64(case)
+    C = float(np.sqrt(np.median(sq)))
+    g = zoo.per_example_grads(case)
+    ref = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64).mean(0) / HUGE,
+                                             jnp.float32), g)
+    stats = {
+        "norms": js.stats.norms(),
+        "norms_leaf": js.stats.norms(per_leaf=True),
+        "sq_norms": js.stats.sq_norms(),
+        "clipped_sum": js.stats.clipped_sum(C),
+        "clipped_mean": js.stats.clipped_mean(C),
+        "cos": js.stats.per_example_cosines(ref),
+        "q": js.stats.norm_quantiles((0.0, 1.0), per_leaf=False),
+    }
+    got = jax.jit(js.per_example_stat(case.loss_fn, stats, chunk_size=chunk))(
+        case.params, case.batch)
+    np.testing.assert_allclose(got["norms"], np.sqrt(sq), rtol=2e-5)
+    want_leaf = zoo.oracle(case, "norms", per_leaf=True)
+    for a, w in zip(jax.tree.leaves(got["norms_leaf"]), jax.tree.leaves(want_leaf)):
+        np.testing.assert_allclose(a, w, rtol=2e-5)
+    assert np.isinf(got["sq_norms"][1])
+    np.testing.assert_allclose(np.delete(got["sq_norms"], 1), np.delete(sq, 1), rtol=2e-5)
+    for name in ("clipped_sum", "clipped_mean"):
+        want = zoo.oracle(case, name, clip_norm=C)
+        atol = 5e-5 * C / (4 if name == "clipped_mean" else 1)  # |terms| <= C
+        for a, w in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, w, rtol=0, atol=atol)
+    # cosines against the float64 oracle
+    g64 = [np.asarray(x, np.float64).reshape(x.shape[0], -1) for x in jax.tree.leaves(g)]
+    r64 = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(ref)]
+    dots = sum(x @ y for x, y in zip(g64, r64))
+    cos = dots / (np.sqrt(sq) * np.sqrt(sum(y @ y for y in r64)))
+    assert abs(cos[1]) > 0.1
+    np.testing.assert_allclose(got["cos"], cos, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got["q"], [np.sqrt(sq).min(), np.sqrt(sq).max()], rtol=2e-5)
+
+
+def _weighted_zoo_case(name, B_huge=1):
+    """Zoo case ``name`` (float32) whose per-example loss carries a weight, ``HUGE`` for
+    example ``B_huge``: each example's loss is ``loss_fn(params, example) * s``."""
+    case = zoo.get_case(name, "float32")
+    B = jax.tree.leaves(case.batch)[0].shape[0]
+    s = np.ones(B, np.float32)
+    s[B_huge] = HUGE
+
+    def loss(p, b):  # one example (batch of one) per call: l_b = loss_fn(p, ex_b) s_b
+        return case.loss_fn(p, b["inner"]) * b["s"][0]
+
+    return zoo.ZooCase(name + "_weighted", loss, case.params,
+                       {"inner": case.batch, "s": jnp.asarray(s)})
+
+
+@pytest.mark.parametrize(
+    "name", ["cnn", "transformer_scan_remat", "rnn", "onehot_embedding", "mlp_bf16"])
+def test_norms_past_float32_squares_across_layer_kinds(name):
+    """Convolutions, layers in lax.scan (remat), a recurrence, one-hot embeddings and
+    bfloat16 parameters: norms finite, clipping keeps the example, squares honest."""
+    case = _weighted_zoo_case(name)
+    sq = _sq_norms64(case)
+    assert sq[1] > float(np.finfo(np.float32).max)
+    C = float(np.sqrt(np.median(sq)))
+    stats = {"norms": js.stats.norms(), "sq_norms": js.stats.sq_norms(),
+             "clipped_sum": js.stats.clipped_sum(C)}
+    got = jax.jit(js.per_example_stat(case.loss_fn, stats))(case.params, case.batch)
+    rtol = 2e-2 if name in zoo.LOW_PRECISION else 1e-4
+    np.testing.assert_allclose(got["norms"], np.sqrt(sq), rtol=rtol)
+    assert np.isinf(got["sq_norms"][1])
+    np.testing.assert_allclose(np.delete(got["sq_norms"], 1), np.delete(sq, 1), rtol=2 * rtol)
+    want = zoo.oracle(case, "clipped_sum", clip_norm=C)
+    for a, w in zip(jax.tree.leaves(got["clipped_sum"]), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), w, rtol=0, atol=rtol * C)

@@ -271,7 +271,7 @@ def _combine_axis(red, v, n_local, N, axis_name):
     ext = S.extension(red)
     if ext is not None:
         return ext.combine_axis(red, v, n_local, N, axis_name)
-    if isinstance(red, S.SqNorms):
+    if S.is_norms(red):
         return v
     if isinstance(red, S.Centered):
         mean = jax.lax.psum(v.mean * n_local, axis_name) / N

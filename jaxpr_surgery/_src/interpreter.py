@@ -553,6 +553,7 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
     remat 0.58x -> 0.77x for norms, so the engine sets it only for losses without
     ``jax.checkpoint``.
     """
+    from jaxpr_surgery._src.sites.base import direct_norms
     from jaxpr_surgery._src.sites.generic import composite
 
     def build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key):
@@ -570,10 +571,14 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
             # barrier), and the data cotangents once they are done (dy and them)
             sx, sdy = jax.lax.optimization_barrier((ext, dy)) if finish else (ext, dy)
             ctx = kernel.prepare(w, sx, ext_batched, sdy)
-            if sink is None:
-                out = kernel.direct_all(ctx, direct)
-            else:
-                out = carried(kernel, ctx, direct, sink, jax.tree.leaves(dy)[0].shape[0])
+            B = jax.tree.leaves(dy)[0].shape[0]
+
+            def compute(req):
+                if sink is None:
+                    return kernel.direct_all(ctx, req)
+                return carried(kernel, ctx, req, sink, B)
+
+            out = direct_norms(kernel, ctx, direct, compute)
             if want_ing:
                 out["ing"] = kernel.ingredients(ctx)
             out = jax.tree.map(lambda o, d: o.astype(d), out, sink_dtypes)

@@ -70,11 +70,98 @@ def reduce_materialised(G, reduction):
     if isinstance(reduction, S.PhiSum):
         return jnp.sum(reduction.apply(G), axis=0)
     if isinstance(reduction, S.SqNorms):
-        return jnp.sum(jnp.square(G), axis=axes)
+        return jnp.sum(jnp.square(G), axis=axes)  # no cancellation: inf on overflow
+    if isinstance(reduction, S.Norms):
+        return materialised_norms(G)
     if isinstance(reduction, S.Centered):
         m = jnp.mean(G, axis=0)
         return S.Moments(m, jnp.sum(jnp.square(G - m), axis=0))
     raise TypeError(f"reduction {reduction!r} cannot be computed directly")
+
+
+def unit_exponent(a):
+    """``[B]`` int32 ``e``: ``a_b / 2^e_b`` (``a [B, ...]``) has its largest magnitude
+    in ``[1, 2)`` (0 for an all-zero or non-finite example). Any integer near that
+    serves: scaling by ``2^-e`` is exact. No derivative."""
+    m = jnp.max(jnp.abs(jax.lax.stop_gradient(a)).reshape(a.shape[0], -1), axis=1)
+    ok = jnp.isfinite(m) & (m > 0)
+    # within [-126, 126]: 2^-e and 2^e are normal numbers, one exact factor each
+    return jnp.clip(jnp.floor(jnp.log2(jnp.where(ok, m, 1))), -126, 126).astype(jnp.int32)
+
+
+def scale_examples(a, e):
+    """``a [B, ...]`` with example ``b`` times ``2^-e_b`` (exact; ``e`` from
+    `unit_exponent`)."""
+    return a * S.pow2(-e, a.dtype).reshape((-1,) + (1,) * (a.ndim - 1))
+
+
+def scaled_norms(G):
+    """``[B]`` norms of ``G [B, ...]`` taken on each example scaled to unit size (no
+    square overflows where the norm is representable): one more read of ``G``."""
+    e = unit_exponent(G)
+    q = jnp.sum(jnp.square(scale_examples(G, e)), axis=tuple(range(1, G.ndim)))
+    return S.sqrt0(q) * S.pow2(e, G.dtype)
+
+
+def rescued_norms(sq, rescue):
+    """``sqrt(sq)``, and ``rescue()`` (norms computed on scaled examples) where a
+    square overflowed or came out NaN from overflowing terms. The rescue runs only
+    then (a branch: no cost in the usual case; under ``vmap`` both run)."""
+
+    def rescued():
+        return jnp.where(jnp.isfinite(sq), S.sqrt0(sq), rescue())
+
+    return jax.lax.cond(jnp.all(jnp.isfinite(sq)), lambda: S.sqrt0(sq), rescued)
+
+
+def materialised_norms(G):
+    """``[B]`` norms of ``G [B, ...]``, finite wherever representable: its squares
+    summed, rescued by `scaled_norms` where they overflow (`rescued_norms`)."""
+    return rescued_norms(jnp.sum(jnp.square(G), axis=tuple(range(1, G.ndim))),
+                         lambda: scaled_norms(G))
+
+
+def honest_sq(sq, norms):
+    """Squared norms where they came out NaN or inf from overflowing terms (a ghost
+    norm's products, cross terms of opposite signs): the square of the rescued norm,
+    ``inf`` only where that square is past the dtype's range."""
+    return jnp.where(jnp.isfinite(sq), sq, jnp.square(norms))
+
+
+def direct_norms(kernel, ctx, reductions, compute, depth=0):
+    """``compute(reductions)`` for a site, its per-example (squared) norms safe from
+    overflow: from the kernel's `scaled_sq_norms` where it has them (no branch), else
+    from one `SqNorms` serving every `Norms` and `SqNorms` request, the norms from
+    `Kernel.norms_from` (rescued where the squares overflow) and the squares made
+    `honest_sq`. Kernels themselves never see `Norms`. ``depth``: ``ctx`` and the
+    values are stacked over that many enclosing scans."""
+    keys = [k for k, r in reductions.items() if S.is_norms(r)]
+    if not keys:
+        return compute(reductions)
+    req = {k: r for k, r in reductions.items() if not S.is_norms(r)}
+    if kernel.has_scaled_sq_norms():
+        out = dict(compute(req))
+        q, e = stacked(kernel.scaled_sq_norms, depth)(ctx)
+        norms = S.times_pow2(S.sqrt0(q), e)
+        for k in keys:  # the squares: inf only where past the dtype's range
+            sq = isinstance(reductions[k], S.SqNorms)
+            out[k] = S.times_pow2(S.times_pow2(q, e), e) if sq else norms
+        return out
+    sq_key = ("sq", len(req))
+    req[sq_key] = S.SqNorms()
+    out = dict(compute(req))
+    sq = out.pop(sq_key)
+    norms = kernel.norms_from(ctx, sq, depth)
+    for k in keys:
+        out[k] = norms if isinstance(reductions[k], S.Norms) else honest_sq(sq, norms)
+    return out
+
+
+def stacked(fn, depth):
+    """``fn`` mapped over ``depth`` leading axes (the layers of enclosing scans)."""
+    for _ in range(depth):
+        fn = jax.vmap(fn)
+    return fn
 
 
 def weighted_sum_materialised(G, c):
@@ -154,6 +241,28 @@ class Kernel:
 
     def sq_norms(self, ing):
         return reduce_materialised(self.materialise(ing), S.SqNorms())
+
+    # per-example norms safe from overflow (sites.base.direct_norms) ----------- #
+    def has_scaled_sq_norms(self):
+        """Whether `scaled_sq_norms` serves this site (its norms then need no rescue)."""
+        return False
+
+    def scaled_sq_norms(self, ing):
+        """``(q, e)`` with ``||G_b||^2 = q_b 4^e_b``, computed on the example scaled to
+        unit size by a power of two, where that costs little (`has_scaled_sq_norms`)."""
+        raise NotImplementedError
+
+    def norms_from(self, ing, sq, depth=0):
+        """``[B]`` norms of ``G_b`` from this site's squared norms ``sq`` (of ``ing``:
+        ingredients or context): their square roots, and where a square overflowed,
+        `rescue_norms` (a branch, `rescued_norms`). ``depth``: both stacked over
+        enclosing scans."""
+        return rescued_norms(sq, lambda: stacked(self.rescue_norms, depth)(ing))
+
+    def rescue_norms(self, ing):
+        """Exact norms of scaled examples, for `norms_from`'s rare branch; kernels whose
+        ``G`` is large override it with a memory-light loop."""
+        return scaled_norms(self.materialise(ing))
 
     def weighted_sum(self, ing, c):
         return weighted_sum_materialised(self.materialise(ing), c)

@@ -26,7 +26,14 @@ import numpy as np
 
 from jaxpr_surgery._src import dots, fused, kron, tiling
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.sites.base import STREAMED, Kernel, Rule, register
+from jaxpr_surgery._src.sites.base import (
+    STREAMED,
+    Kernel,
+    Rule,
+    register,
+    scale_examples,
+    unit_exponent,
+)
 
 
 def _canon(site):
@@ -562,6 +569,30 @@ class DenseKernel(Kernel):
     def weighted_sum(self, ing, c):
         x, dy = ing
         return self.contract(x, dy, c)
+
+    def has_scaled_sq_norms(self):
+        return self.c["N"] == 1
+
+    def scaled_sq_norms(self, ing):
+        """Rank-one: ``||G_b||^2 = sum_k |x_bk|^2 |dy_bk|^2``, each factor's sum taken on
+        the example scaled to unit size (two more reductions over ``x`` and ``dy``,
+        which are the size of the layer's input and output)."""
+        x, dy = ing
+        x0, d0 = self.tokens(x)[:, :, 0], dy[:, :, 0]
+        ex, ed = unit_exponent(x0), unit_exponent(d0)
+        sx = jnp.sum(jnp.square(scale_examples(x0, ex)), -1)
+        sd = jnp.sum(jnp.square(scale_examples(d0, ed)), -1)
+        return jnp.sum(sx * sd, -1), ex + ed
+
+    def rescue_norms(self, ing):
+        """Exact norms of ``G_b``, one example (or feature block) at a time, scaled as
+        they accumulate: a small loop to compile (the ghost form, its flagged
+        recomputation and the tile loop would double the norms' program)."""
+        x, dy = ing
+        B = x.shape[0]
+        ft = self.feature_tile(B)
+        blocks = ft and (ft[0], ft[1], (self.c["K"], self.c["C"], self.c["F"])[ft[0]])
+        return tiling.example_norms(lambda b, cut: self._tile_G(x, dy, b, 1, cut), B, blocks)
 
     # reporting -------------------------------------------------------------- #
     def rule(self, reduction, B):

@@ -19,7 +19,15 @@ import numpy as np
 
 from jaxpr_surgery._src import kron
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.sites.base import MATERIALISED, STREAMED, Kernel, Rule, register
+from jaxpr_surgery._src.sites.base import (
+    MATERIALISED,
+    STREAMED,
+    Kernel,
+    Rule,
+    register,
+    scale_examples,
+    unit_exponent,
+)
 
 
 def canonical_ids(ids, V):
@@ -208,6 +216,16 @@ class EmbeddingKernel(Kernel):
     def weighted_sum(self, ing, c):
         ids, valid, dy = self._unpack(ing)
         return self._scatter(ids, dy * c.astype(dy.dtype)[:, None, None])
+
+    def has_scaled_sq_norms(self):
+        return True
+
+    def scaled_sq_norms(self, ctx):
+        """Squared norms of the example's rows scaled to unit size (``dy``: the size of
+        the layer's output; one more reduction and product over it)."""
+        ids, valid, dy = ctx
+        e = unit_exponent(dy)
+        return self.sq_norms((ids, valid, scale_examples(dy, e))), e
 
     def rule(self, reduction, B):
         T = int(np.prod(self.site.eqn.outvars[0].aval.shape)) // self.d

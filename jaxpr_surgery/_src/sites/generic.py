@@ -9,9 +9,10 @@ which is cheap when the parameter is small (gains, biases, kernels).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat
-from jaxpr_surgery._src.sites.base import Kernel, register
+from jaxpr_surgery._src.sites.base import Kernel, register, scale_examples, unit_exponent
 
 
 def composite(site):
@@ -56,6 +57,16 @@ class GenericKernel(Kernel):
 
     def ingredient_avals(self, B):
         return jax.ShapeDtypeStruct((B,) + tuple(self.site.view_shape), self.acc)
+
+    def has_scaled_sq_norms(self):
+        return True
+
+    def scaled_sq_norms(self, G):
+        """Squares of ``G`` scaled to unit size per example: one more read of ``G``,
+        which is small where it is materialised (gains, biases), no branch to compile."""
+        e = unit_exponent(G)
+        q = jnp.sum(jnp.square(scale_examples(G, e)), axis=tuple(range(1, G.ndim)))
+        return q, e
 
 
 @register("scale-shift")
