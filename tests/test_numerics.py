@@ -283,3 +283,40 @@ def test_norms_past_float32_squares_across_layer_kinds(name):
     want = zoo.oracle(case, "clipped_sum", clip_norm=C)
     for a, w in zip(jax.tree.leaves(got["clipped_sum"]), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a, np.float64), w, rtol=0, atol=rtol * C)
+
+
+# --------------------------------------------------------------------------- #
+# Clipping by a second backward pass (remat) in a float64 model with float32 steps
+# --------------------------------------------------------------------------- #
+def _float32_step_case(B=5, d=6):
+    """A float64 MLP under ``jax.checkpoint`` whose hidden activations pass through
+    float32 (as recurrentgemma's RG-LRU scan accumulates in float32 whatever the model's
+    dtype): their cotangents are rounded to float32 in the backward pass, and a clipped
+    sum that seeds that pass with ``c_b`` instead of 1 rounds ``c_b`` times them."""
+    r = np.random.default_rng(3)
+    n = lambda *s: jnp.asarray(r.standard_normal(s) * 0.6, jnp.float64)  # noqa: E731
+    params = [{"w": n(d, d), "b": n(d)} for _ in range(2)]
+
+    @jax.checkpoint
+    def layer(h, p):
+        h = jnp.tanh(h @ p["w"] + p["b"])
+        return jnp.exp(0.5 * h.astype(jnp.float32)).astype(jnp.float64)
+
+    def loss(ps, b):
+        h = b["x"]
+        for p in ps:
+            h = layer(h, p)
+        return jnp.mean(jnp.sum((h - b["y"]) ** 2, -1))
+
+    return zoo.ZooCase("float32_step", loss, params, {"x": n(B, d), "y": n(B, d)})
+
+
+def test_clipping_by_recompute_with_float32_steps():
+    """Every statistic to 1e-12 of vmap(grad), clipped sums included: the second pass
+    is seeded like the first and applies the clip factors where the parameters meet
+    the data (in float64), not at the loss (where float32 steps would round them)."""
+    with zoo.x64():
+        case = _float32_step_case()
+        clip = _median_norm(case)
+        got = jax.jit(js.per_example_stat(case.loss_fn, _all_stats(clip)))(case.params, case.batch)
+        _check_all(case, got, clip)

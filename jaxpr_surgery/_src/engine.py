@@ -19,7 +19,14 @@ import numpy as np
 from jaxpr_surgery._src import compat, dots, kron, tiling
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.interpreter import CARRY_COUNT, Evaluator, make_site_fn
+from jaxpr_surgery._src.interpreter import (
+    CARRY_COUNT,
+    SUMS,
+    WEIGHTS,
+    Evaluator,
+    make_site_fn,
+    make_weighted_site_fn,
+)
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
     acc_dtype_for,
@@ -154,8 +161,9 @@ def clips_by_recompute(jaxpr) -> bool:
     A clipped sum ``sum_b c_b g_b`` needs every example's norm before any weight,
     so in one pass each site keeps its ``x`` and ``dy`` until the norms are known:
     the activations of every layer at once, which remat exists to avoid. With remat
-    in the loss the norms come from the first pass and the sum from the VJP of the
-    per-example losses with cotangent ``c`` (grad's memory, one more backward)."""
+    in the loss the norms come from the first pass and the sum from a second forward
+    and backward pass in which each site weights its per-example gradients by ``c``
+    (`_reweighted_sums`; grad's memory, one more forward and backward)."""
     return uses_remat(jaxpr)
 
 
@@ -411,18 +419,14 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
         # norm past 2^64 whose square overflows still clips to C g / |g|)
         dt = jnp.result_type(*norms_leaf)
         norm = S.combine_norms(jnp.stack([x.astype(dt) for x in norms_leaf]))
+        clips = [j for j, r in enumerate(plan.reductions) if isinstance(r, S.ClippedSum)]
+        cs = [_clip_factor(plan.reductions[j].clip_norm, norm) for j in clips]
         if plan.clip_recompute:
-            reweighted = _reweighted_grads(plan, diff_leaves, ex_leaves, other_leaves)
-        for j, r in enumerate(plan.reductions):
-            if isinstance(r, S.ClippedSum):
-                c = _clip_factor(r.clip_norm, norm)
-                if plan.clip_recompute:
-                    g = reweighted(c.astype(loss_b.dtype))
-                    for i in range(n):
-                        values[j][i] = g[i].astype(acc_dtype_for(plan.leaf_avals[i].dtype))
-                else:
-                    for i in range(n):
-                        values[j][i] = deferred[i](c)
+            sums = _reweighted_sums(
+                plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, cache, cs)
+        for k, (j, c) in enumerate(zip(clips, cs)):
+            for i in range(n):
+                values[j][i] = sums[k][i] if plan.clip_recompute else deferred[i](c)
     for j, r in enumerate(plan.reductions):
         if per_example(r):
             continue
@@ -435,27 +439,59 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
     return values, loss_b, aux
 
 
-def _reweighted_grads(plan, diff_leaves, ex_leaves, other_leaves):
-    """``c -> [sum_b c_b g_b per leaf]``: the VJP of the per-example losses (remat and
-    all, as the user wrote them), traced once for all clipped sums of the plan."""
-    closed = plan.closed
+def _reweighted_sums(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, cache, cs):
+    """``[sum_b c_b g_b per leaf]`` for each weight vector ``c`` of ``cs``: a second
+    forward and backward pass of the per-example losses (remat and all), seeded with
+    ones like the first, in which every site forms its weighted sum from its ``x`` and
+    ``dy`` (interpreter.make_weighted_site_fn) and residual leaves weight their
+    per-example copies' gradients. One pass serves all clipped sums of the plan."""
+    an = plan.analysis
     n = len(diff_leaves)
-    pull = []
+    leaf_axes = [compat.vma_of(x) for x in diff_leaves]
 
-    def losses(leaves):
-        def one(ex):
-            return compat.eval_jaxpr(closed.jaxpr, closed.consts, *leaves, *ex, *other_leaves)[0]
+    def sink(s):
+        k = plan.kernels[s.path]
+        lead = tuple(s.scan_lengths)
+        axes = data_axes | leaf_axes[s.leaf]
+        vary = lambda x: compat.make_varying(x, axes)  # noqa: E731
+        return {
+            WEIGHTS: [vary(jnp.broadcast_to(c.astype(k.acc), lead + (B,))) for c in cs],
+            SUMS: [vary(jnp.zeros(lead + tuple(s.view_shape), k.acc)) for _ in cs],
+        }
 
-        return jax.vmap(one)(list(ex_leaves))
+    sinks = {p: sink(s) for p, s in an.sites.items()}
+    copies = {
+        i: compat.make_varying(
+            jnp.broadcast_to(diff_leaves[i], (B,) + tuple(jnp.shape(diff_leaves[i]))), data_axes)
+        for i, m in enumerate(plan.modes) if m == "residual"
+    }
+    ev = Evaluator(an, plan.kernels, make_weighted_site_fn(cache), B, cache)
 
-    def apply(c):
-        if not pull:
-            pull.append(jax.vjp(losses, list(diff_leaves))[1])
-        (g,) = pull[0](c)
-        assert len(g) == n
-        return g
+    def forward(sinks, copies):
+        vals = [copies.get(i, diff_leaves[i]) for i in range(n)]
+        flags = [i in copies for i in range(n)]
+        vals += list(ex_leaves) + list(other_leaves)
+        flags += [True] * len(ex_leaves) + [False] * len(other_leaves)
+        outs, ofl = ev.run(plan.closed.jaxpr, plan.closed.consts, vals, flags, sinks)
+        return jnp.sum(outs[0] if ofl[0] else jnp.broadcast_to(outs[0], (B,)))
 
-    return apply
+    total, pull = jax.vjp(forward, sinks, copies)
+    sink_cts, copy_cts = pull(compat.make_varying(jnp.ones((), total.dtype), compat.vma_of(total)))
+    out = []
+    for k, c in enumerate(cs):
+        per_leaf = []
+        for i, aval in enumerate(plan.leaf_avals):
+            acc = acc_dtype_for(aval.dtype)
+            if plan.modes[i] == "residual":
+                v = weighted_sum_materialised(copy_cts[i].astype(acc), c)
+            elif plan.modes[i] == "unused":
+                v = jnp.zeros(aval.shape, acc)
+            else:
+                v = sum(_to_leaf(sink_cts[s.path][SUMS][k], s).astype(acc)
+                        for s in an.leaves[i].sites)
+            per_leaf.append(v)
+        out.append(per_leaf)
+    return out
 
 
 def _clip_factor(C, norm):

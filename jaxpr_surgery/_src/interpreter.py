@@ -610,3 +610,69 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
 
     site_fn.key_of = key_of
     return site_fn
+
+
+WEIGHTS, SUMS = "c", "sums"  # a weighted site's sink: its weights in, its sums out
+
+
+def make_weighted_site_fn(cache):
+    """Builds the site call of a clipped sum's second pass (`engine.run` with remat).
+
+    The sink holds, per clipped sum, the examples' weights ``c`` (``[B]``) under
+    `WEIGHTS` and zeros in the site's view under `SUMS`; the backward pass, seeded with
+    ones like the first, forms ``sum_b c_b G_b`` from the site's ``x`` and ``dy`` (the
+    kernel's `weighted_sum`, in its accumulation dtype) and returns it as the cotangent
+    of the zeros. So the weights meet the per-example gradients where the parameters
+    meet the data, as in one pass, never at the loss: a float32 step of a float64
+    model (an RNN scan accumulated in float32) rounds the same cotangents as the
+    first pass, and a bfloat16 loss never rounds the weights. Only the weights are kept
+    from the forward pass."""
+    from jaxpr_surgery._src.sites.generic import composite
+
+    def build(site, kernel, ext_batched, out_dtypes):
+        f = composite(site)
+        F = jax.vmap(f, in_axes=(None,) + tuple(0 if b else None for b in ext_batched))
+
+        def fwd_impl(w, ext):
+            return F(w, *ext)
+
+        def bwd_impl(w, ext, dy, weights):
+            _, pull = jax.vjp(F, w, *ext)
+            ing = kernel.ingredients(kernel.prepare(w, ext, ext_batched, dy))
+            sums = [kernel.weighted_sum(ing, c).astype(d) for c, d in zip(weights, out_dtypes)]
+            cts = pull(dy)
+            return cts[0], tuple(cts[1:]), sums
+
+        fwd_j, bwd_j = jax.jit(fwd_impl), jax.jit(bwd_impl)
+
+        @jax.custom_vjp
+        def call(w, ext, sink):
+            return fwd_j(w, ext)
+
+        def fwd(w, ext, sink):
+            return fwd_j(w, ext), (w, ext, sink[WEIGHTS])
+
+        def bwd(res, dy):
+            w, ext, weights = res
+            ct_w, ct_ext, sums = bwd_j(w, ext, dy, weights)
+            zeros = [compat.make_varying(jnp.zeros_like(c), compat.vma_of(c)) for c in weights]
+            return ct_w, ct_ext, {WEIGHTS: zeros, SUMS: sums}
+
+        call.defvjp(fwd, bwd)
+        return call
+
+    def key_of(site, kernel, sink):
+        sk = cache.site_key(site, kernel)
+        return fp.keyed(lambda: sk and (
+            "weighted-site", sk, jax.tree.structure(sink),
+            tuple((tuple(x.shape), x.dtype) for x in jax.tree.leaves(sink)),
+        ))
+
+    def site_fn(site, kernel, w, ext, ext_batched, sink):
+        key = key_of(site, kernel, sink)
+        out_dtypes = [s.dtype for s in sink[SUMS]]
+        call = cache.value(key, lambda: build(site, kernel, ext_batched, out_dtypes))
+        return call(w, ext, sink)
+
+    site_fn.key_of = key_of
+    return site_fn

@@ -146,9 +146,9 @@ def is_norms(r) -> bool:
 
 
 def sqrt0(sq):
-    """``sqrt(sq)`` whose derivative at 0 is 0, not NaN (double where)."""
+    """``sqrt(sq)`` whose derivative at 0 is 0, not NaN (double where); NaN stays NaN."""
     pos = sq > 0
-    return jnp.where(pos, jnp.sqrt(jnp.where(pos, sq, 1)), 0)
+    return jnp.where(pos, jnp.sqrt(jnp.where(pos, sq, 1)), sq * 0)
 
 
 def pow2(e, dtype):
