@@ -31,9 +31,10 @@ from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
     acc_dtype_for,
     direct_norms,
+    example_norm,
+    flagged_norms,
     honest_sq,
     reduce_materialised,
-    rescued_norms,
     weighted_sum_materialised,
 )
 
@@ -658,19 +659,24 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
     aval = plan.leaf_avals[i]
     acc = acc_dtype_for(aval.dtype)
 
-    def mat(b0, size, cut=None):
-        total = None
-        for s, k, ing in sorted(ings, key=lambda ski: ski[1].adds_in_place):
-            ing = _slice_b(ing, s.depth, b0, size)
-            if s.depth:
-                g = jnp.moveaxis(_stacked(k.materialise, s.depth)(ing), s.depth, 0)
-                v = _to_leaf(g, s).astype(acc)
-                if cut is not None:
-                    v = jax.lax.dynamic_slice_in_dim(v, cut[1], cut[2], cut[0] + 1)
-                total = v if total is None else total + v
-            else:
-                total = k.add_to_leaf(ing, total, lambda g, s=s: _to_leaf(g, s), cut)
-        return total
+    def leaf_mat(ings):
+        def mat(b0, size, cut=None):
+            total = None
+            for s, k, ing in sorted(ings, key=lambda ski: ski[1].adds_in_place):
+                ing = _slice_b(ing, s.depth, b0, size)
+                if s.depth:
+                    g = jnp.moveaxis(_stacked(k.materialise, s.depth)(ing), s.depth, 0)
+                    v = _to_leaf(g, s).astype(acc)
+                    if cut is not None:
+                        v = jax.lax.dynamic_slice_in_dim(v, cut[1], cut[2], cut[0] + 1)
+                    total = v if total is None else total + v
+                else:
+                    total = k.add_to_leaf(ing, total, lambda g, s=s: _to_leaf(g, s), cut)
+            return total
+
+        return mat
+
+    mat = leaf_mat(ings)
 
     @functools.cache  # one trace for a statistic and the clipping norms alike
     def sq_norms():
@@ -736,16 +742,20 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
     # (only norms ask; the layout check is numpy work)
     ghost_ok = plan.needs_norms and ghost_cross_ok([s for s, _, _ in ings], [k for _, k, _ in ings])
     ft = leaf_feature_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings])
-    rescued = {}  # id(sq) -> (sq, norms): one branch per leaf
+    rescued = {}  # id(sq) -> (sq, norms): one per leaf
 
     def leaf_norms(sq):
-        """The leaf's norms from its squared norms ``sq``; where they overflowed, from
-        its examples' summed gradients one at a time (`tiling.example_norms`)."""
+        """The leaf's norms from its squared norms ``sq``; where a square overflowed,
+        from the example's summed gradient alone (`flagged_norms`)."""
         if id(sq) not in rescued:
             blocks = ft and (ft[0], ft[1], aval.shape[ft[0]])
-            rescue = lambda: tiling.example_norms(  # noqa: E731
-                lambda b, cut: mat(b, 1, cut), B, blocks)
-            rescued[id(sq)] = (sq, rescued_norms(sq, rescue))
+
+            def exact(arrays, b):  # the ingredients as arguments (a custom_jvp's)
+                m = leaf_mat([(s, k, a) for (s, k, _), a in zip(ings, arrays)])
+                return example_norm(lambda cut: m(b, 1, cut), blocks)
+
+            norms = flagged_norms(sq, exact, [ing for _, _, ing in ings])
+            rescued[id(sq)] = (sq, norms)
         return rescued[id(sq)][1]
 
     facs = leaf_factors(ings) if any(isinstance(r, S.KronSum) for r in plan.reductions) else None

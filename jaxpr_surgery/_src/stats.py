@@ -160,25 +160,29 @@ def pow2(e, dtype):
     return jax.lax.bitcast_convert_type((e + (info.maxexp - 1)) << info.nmant, dtype)
 
 
-def times_pow2(x, e):
-    """``x * 2^e`` exactly (two factors, each a normal number: ``2^e`` alone may not be)."""
-    h = jnp.right_shift(e, 1)  # floor(e / 2) (arithmetic shift: few ops, unlike //)
-    return x * pow2(h, x.dtype) * pow2(e - h, x.dtype)
-
-
 def combine_norms(norms, axis=0):
     """``sqrt(sum n^2)`` over ``axis`` of per-part norms (leaves, scanned layers, model
-    shards), without overflow where the squares would (float32 norms past ``2^64``)."""
+    shards), scaled by the largest part so that no square overflows (float32 norms
+    past ``2^64``); the scale is a power of two, so the result is that of the plain
+    formula wherever the plain one does not overflow."""
     norms = jnp.asarray(norms)
-    sq = jnp.sum(jnp.square(norms), axis=axis)
-    m = jnp.max(norms, axis=axis)
+    m = jnp.max(jax.lax.stop_gradient(norms), axis=axis, keepdims=True)
+    e = exponent(m)  # sqrt(sum (n/2^e)^2) 2^e: the same function, whatever e
+    r = sqrt0(jnp.sum(jnp.square(norms * pow2(-e, norms.dtype)), axis=axis))
+    return r * jnp.squeeze(pow2(e, norms.dtype), axis)
 
-    def scaled():  # sqrt(sum (n/m)^2) m: the same function, whatever m (no derivative)
-        ms = jax.lax.stop_gradient(jnp.where(m > 0, m, 1))
-        r = sqrt0(jnp.sum(jnp.square(norms / jnp.expand_dims(ms, axis)), axis=axis))
-        return jnp.where(jnp.isfinite(sq), sqrt0(sq), ms * r)
 
-    return jax.lax.cond(jnp.all(jnp.isfinite(sq)), lambda: sqrt0(sq), scaled)
+def exponent(m):
+    """The binary exponent of ``|m|`` from its bits (``2^e <= |m| < 2^(e+1)`` for normal
+    numbers), clipped to ``[-126, 126]`` so that ``2^e`` and ``2^-e`` are normal; 0 for
+    zero, subnormal, inf and NaN values. Exact and a few integer ops (no log2)."""
+    info = jnp.finfo(m.dtype)
+    ints = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[info.bits]
+    bits = jax.lax.bitcast_convert_type(jnp.abs(m), ints)
+    biased = (bits >> info.nmant).astype(jnp.int32)  # sign bit cleared by abs
+    top = 2 * info.maxexp - 1  # all ones: inf and NaN
+    e = jnp.where((biased > 0) & (biased < top), biased - (info.maxexp - 1), 0)
+    return jnp.clip(e, -126, 126)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -374,46 +374,5 @@ def sum_tiles(f, B: int, tile: int):
     return acc
 
 
-def example_norms(make, B: int, blocks=None):
-    """``[B]``: ``||G_b||`` one example at a time, ``G_b = make(b, cut)`` (shaped
-    ``[1, *shape]``); ``blocks = (axis, size, n)``: in blocks of ``size`` along ``axis``
-    of ``n`` (``cut = (axis, f0, size)``; the last block, which ``dynamic_slice``
-    shifts back to fit, counts only its new part), else ``cut = None``.
-
-    Sums of squares against a running scale (the largest magnitude so far, as in
-    LAPACK's ``nrm2``): no square overflows where the norm is representable. Exact
-    and memory-light but one example at a time, for a branch that rarely runs
-    (`sites.base.rescued_norms`), where it keeps the program small to compile."""
-
-    def add(state, g, keep=True):
-        scale, ssq = state
-        m = jnp.max(jnp.where(keep, jnp.abs(g), 0))
-        new = jnp.maximum(scale, m)
-        safe = jnp.where(new > 0, new, 1)
-        ssq = ssq * jnp.square(scale / safe) + jnp.sum(jnp.where(keep, jnp.square(g / safe), 0))
-        return new, ssq
-
-    def one(b):
-        if blocks is None:
-            g = make(b, None)
-            scale, ssq = add((jnp.zeros((), g.dtype), jnp.zeros((), g.dtype)), g)
-        else:
-            axis, size, n = blocks
-
-            def block(k, state):
-                f0 = k * size
-                g = make(b, (axis, f0, size))
-                idx = jnp.minimum(f0, n - size) + jnp.arange(size)  # where the slice landed
-                keep = (idx >= f0).reshape((size,) + (1,) * (g.ndim - axis - 2))
-                return add(state, g, keep)
-
-            dt = jax.eval_shape(lambda: make(b, (axis, 0, size))).dtype
-            zero = jnp.zeros((), dt)
-            scale, ssq = jax.lax.fori_loop(0, -(-n // size), block, (zero, zero))
-        return scale * jnp.sqrt(ssq)
-
-    return jax.lax.map(one, jnp.arange(B))
-
-
 def bytes_of(shape, dtype) -> int:
     return int(math.prod(shape)) * jnp.dtype(dtype).itemsize

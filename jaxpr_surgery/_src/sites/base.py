@@ -79,60 +79,117 @@ def reduce_materialised(G, reduction):
     raise TypeError(f"reduction {reduction!r} cannot be computed directly")
 
 
-def unit_exponent(a):
-    """``[B]`` int32 ``e``: ``a_b / 2^e_b`` (``a [B, ...]``) has its largest magnitude
-    in ``[1, 2)`` (0 for an all-zero or non-finite example). Any integer near that
-    serves: scaling by ``2^-e`` is exact. No derivative."""
+def example_scale(a):
+    """``[B]``: each example's largest magnitude in ``a [B, ...]`` (1 where that is 0
+    or not finite), to divide it by before squaring. No derivative: the norm
+    ``s sqrt(sum (a/s)^2)`` is the same function whatever ``s``."""
     m = jnp.max(jnp.abs(jax.lax.stop_gradient(a)).reshape(a.shape[0], -1), axis=1)
-    ok = jnp.isfinite(m) & (m > 0)
-    # within [-126, 126]: 2^-e and 2^e are normal numbers, one exact factor each
-    return jnp.clip(jnp.floor(jnp.log2(jnp.where(ok, m, 1))), -126, 126).astype(jnp.int32)
+    return jnp.where((m > 0) & jnp.isfinite(m), m, 1)
 
 
-def scale_examples(a, e):
-    """``a [B, ...]`` with example ``b`` times ``2^-e_b`` (exact; ``e`` from
-    `unit_exponent`)."""
-    return a * S.pow2(-e, a.dtype).reshape((-1,) + (1,) * (a.ndim - 1))
+def scale_examples(a, s):
+    """``a [B, ...]`` with example ``b`` divided by ``s_b``."""
+    return a / s.reshape((-1,) + (1,) * (a.ndim - 1))
 
 
-def scaled_norms(G):
-    """``[B]`` norms of ``G [B, ...]`` taken on each example scaled to unit size (no
-    square overflows where the norm is representable): one more read of ``G``."""
-    e = unit_exponent(G)
-    q = jnp.sum(jnp.square(scale_examples(G, e)), axis=tuple(range(1, G.ndim)))
-    return S.sqrt0(q) * S.pow2(e, G.dtype)
+def recompute_flagged(exact, args, values, bad):
+    """``values [B]`` with ``exact(args, b)`` in place of the examples where ``bad``.
+
+    The value comes from one loop over the flagged examples alone (flagged first in
+    ``order``): no trip in the usual case and no branch to trace or lower. A loop
+    with a traced trip count has no reverse-mode derivative, so derivatives (of any
+    order) come from recomputing every example in a loop with static bounds, taken
+    where flagged: paid only by programs that differentiate the statistic. No branch
+    there either: under ``vmap`` a branch on traced flags becomes a select whose
+    operands pass through ``stop_gradient``, which reverse mode cannot transpose
+    inside this rule. ``exact`` must read traced values only from ``args``.
+    """
+
+    @jax.custom_jvp
+    def fast(args, values, bad):
+        order = jnp.argsort(jnp.logical_not(bad), stable=True)
+
+        def one(i, v):
+            b = order[i]
+            return v.at[b].set(exact(args, b))
+
+        return jax.lax.fori_loop(0, jnp.sum(bad, dtype=jnp.int32), one, values)
+
+    def differentiable(args, values, bad):
+        def one(b, v):
+            return v.at[b].set(jnp.where(bad[b], exact(args, b), v[b]))
+
+        return jax.lax.fori_loop(0, values.shape[0], one, values)
+
+    fast.defjvp(lambda primals, tangents: jax.jvp(differentiable, primals, tangents))
+    return fast(args, values, bad)
 
 
-def rescued_norms(sq, rescue):
-    """``sqrt(sq)``, and ``rescue()`` (norms computed on scaled examples) where a
-    square overflowed or came out NaN from overflowing terms. The rescue runs only
-    then (a branch: no cost in the usual case; under ``vmap`` both run)."""
+def example_norm(make, blocks=None):
+    """``||G||`` of one example, ``G = make(cut)`` (shaped ``[1, *shape]``), exact and
+    without a square past the range: against a running scale (the largest magnitude
+    so far, as LAPACK's ``nrm2``). ``blocks = (axis, size, n)``: in blocks of ``size``
+    along ``axis`` of ``n`` (``cut = (axis, f0, size)``; the last block, which
+    ``dynamic_slice`` shifts back to fit, counts only its new part), else ``cut =
+    None``."""
 
-    def rescued():
-        return jnp.where(jnp.isfinite(sq), S.sqrt0(sq), rescue())
+    def add(state, g, keep=True):
+        scale, ssq = state
+        m = jnp.max(jnp.where(keep, jnp.abs(g), 0))
+        new = jnp.maximum(scale, m)
+        safe = jnp.where(new > 0, new, 1)
+        ssq = ssq * jnp.square(scale / safe) + jnp.sum(jnp.where(keep, jnp.square(g / safe), 0))
+        return new, ssq
 
-    return jax.lax.cond(jnp.all(jnp.isfinite(sq)), lambda: S.sqrt0(sq), rescued)
+    if blocks is None:
+        g = make(None)
+        m = jnp.max(jnp.abs(g))
+        return m * jnp.sqrt(jnp.sum(jnp.square(g / jnp.where(m > 0, m, 1))))
+    axis, size, n = blocks
+
+    def block(k, state):
+        f0 = k * size
+        g = make((axis, f0, size))
+        idx = jnp.minimum(f0, n - size) + jnp.arange(size)  # where the slice landed
+        keep = (idx >= f0).reshape((size,) + (1,) * (g.ndim - axis - 2))
+        return add(state, g, keep)
+
+    zero = jnp.zeros((), jax.eval_shape(lambda: make((axis, 0, size))).dtype)
+    scale, ssq = jax.lax.fori_loop(0, -(-n // size), block, (zero, zero))
+    return scale * jnp.sqrt(ssq)
+
+
+def flagged_norms(sq, exact_norm, args):
+    """``sqrt(sq)`` (``[B]`` squared norms), with ``exact_norm(args, b)`` for the examples
+    whose square is not finite: overflowed (float32 norms past ``2^64``), or NaN from
+    overflowing terms. A loop over those alone (`recompute_flagged`): nothing runs,
+    and no branch is traced, in the usual case."""
+    return recompute_flagged(exact_norm, args, S.sqrt0(sq), jnp.logical_not(jnp.isfinite(sq)))
 
 
 def materialised_norms(G):
     """``[B]`` norms of ``G [B, ...]``, finite wherever representable: its squares
-    summed, rescued by `scaled_norms` where they overflow (`rescued_norms`)."""
-    return rescued_norms(jnp.sum(jnp.square(G), axis=tuple(range(1, G.ndim))),
-                         lambda: scaled_norms(G))
+    summed, the examples whose square overflows one at a time (`flagged_norms`)."""
+
+    def exact(G, b):
+        return example_norm(lambda cut: jax.lax.dynamic_slice_in_dim(G, b, 1, 0))
+
+    return flagged_norms(jnp.sum(jnp.square(G), axis=tuple(range(1, G.ndim))), exact, G)
 
 
 def honest_sq(sq, norms):
     """Squared norms where they came out NaN or inf from overflowing terms (a ghost
-    norm's products, cross terms of opposite signs): the square of the rescued norm,
+    norm's products, cross terms of opposite signs): the square of the exact norm,
     ``inf`` only where that square is past the dtype's range."""
     return jnp.where(jnp.isfinite(sq), sq, jnp.square(norms))
 
 
 def direct_norms(kernel, ctx, reductions, compute, depth=0):
     """``compute(reductions)`` for a site, its per-example (squared) norms safe from
-    overflow: from the kernel's `scaled_sq_norms` where it has them (no branch), else
-    from one `SqNorms` serving every `Norms` and `SqNorms` request, the norms from
-    `Kernel.norms_from` (rescued where the squares overflow) and the squares made
+    overflow: from the kernel's `scaled_sq_norms` where it has them (no branch), or its
+    `sq_and_norms`, else from one `SqNorms` serving every `Norms` and `SqNorms` request,
+    the norms from
+    `Kernel.norms_from` (exact where the squares overflow) and the squares made
     `honest_sq`. Kernels themselves never see `Norms`. ``depth``: ``ctx`` and the
     values are stacked over that many enclosing scans."""
     keys = [k for k, r in reductions.items() if S.is_norms(r)]
@@ -141,17 +198,20 @@ def direct_norms(kernel, ctx, reductions, compute, depth=0):
     req = {k: r for k, r in reductions.items() if not S.is_norms(r)}
     if kernel.has_scaled_sq_norms():
         out = dict(compute(req))
-        q, e = stacked(kernel.scaled_sq_norms, depth)(ctx)
-        norms = S.times_pow2(S.sqrt0(q), e)
+        q, s = stacked(kernel.scaled_sq_norms, depth)(ctx)
+        norms = S.sqrt0(q) * s
         for k in keys:  # the squares: inf only where past the dtype's range
-            sq = isinstance(reductions[k], S.SqNorms)
-            out[k] = S.times_pow2(S.times_pow2(q, e), e) if sq else norms
+            out[k] = q * s * s if isinstance(reductions[k], S.SqNorms) else norms
         return out
-    sq_key = ("sq", len(req))
-    req[sq_key] = S.SqNorms()
-    out = dict(compute(req))
-    sq = out.pop(sq_key)
-    norms = kernel.norms_from(ctx, sq, depth)
+    if kernel.has_sq_and_norms():
+        out = dict(compute(req))
+        sq, norms = stacked(kernel.sq_and_norms, depth)(ctx)
+    else:
+        sq_key = ("sq", len(req))
+        req[sq_key] = S.SqNorms()
+        out = dict(compute(req))
+        sq = out.pop(sq_key)
+        norms = kernel.norms_from(ctx, sq, depth)
     for k in keys:
         out[k] = norms if isinstance(reductions[k], S.Norms) else honest_sq(sq, norms)
     return out
@@ -244,25 +304,35 @@ class Kernel:
 
     # per-example norms safe from overflow (sites.base.direct_norms) ----------- #
     def has_scaled_sq_norms(self):
-        """Whether `scaled_sq_norms` serves this site (its norms then need no rescue)."""
+        """Whether `scaled_sq_norms` serves this site (its norms then need no recomputation)."""
         return False
 
     def scaled_sq_norms(self, ing):
-        """``(q, e)`` with ``||G_b||^2 = q_b 4^e_b``, computed on the example scaled to
-        unit size by a power of two, where that costs little (`has_scaled_sq_norms`)."""
+        """``(q, s)`` with ``||G_b||^2 = q_b s_b^2``, ``q`` computed on the example
+        divided by ``s`` (about its size), where that costs little
+        (`has_scaled_sq_norms`): no square overflows where the norm is representable."""
+        raise NotImplementedError
+
+    def has_sq_and_norms(self):
+        """Whether `sq_and_norms` serves this site (one computation for both)."""
+        return False
+
+    def sq_and_norms(self, ing):
+        """``(sq, norms)``: squared norms, and norms exact where the squares overflow."""
         raise NotImplementedError
 
     def norms_from(self, ing, sq, depth=0):
         """``[B]`` norms of ``G_b`` from this site's squared norms ``sq`` (of ``ing``:
-        ingredients or context): their square roots, and where a square overflowed,
-        `rescue_norms` (a branch, `rescued_norms`). ``depth``: both stacked over
-        enclosing scans."""
-        return rescued_norms(sq, lambda: stacked(self.rescue_norms, depth)(ing))
+        ingredients or context): their square roots, and `example_norm` for the
+        examples whose square overflowed (`flagged_norms`). ``depth``: both stacked
+        over enclosing scans."""
+        return stacked(lambda ing, sq: flagged_norms(sq, self.example_norm, ing), depth)(ing, sq)
 
-    def rescue_norms(self, ing):
-        """Exact norms of scaled examples, for `norms_from`'s rare branch; kernels whose
-        ``G`` is large override it with a memory-light loop."""
-        return scaled_norms(self.materialise(ing))
+    def example_norm(self, ing, b):
+        """The exact norm of example ``b``'s ``G`` (`base.example_norm`), for
+        `norms_from`; kernels whose ``G`` is large override it to form it in blocks."""
+        G = self.materialise(ing)
+        return example_norm(lambda cut: jax.lax.dynamic_slice_in_dim(G, b, 1, 0))
 
     def weighted_sum(self, ing, c):
         return weighted_sum_materialised(self.materialise(ing), c)

@@ -24,9 +24,9 @@ from jaxpr_surgery._src.sites.base import (
     STREAMED,
     Kernel,
     Rule,
+    example_scale,
     register,
     scale_examples,
-    unit_exponent,
 )
 
 
@@ -224,8 +224,8 @@ class EmbeddingKernel(Kernel):
         """Squared norms of the example's rows scaled to unit size (``dy``: the size of
         the layer's output; one more reduction and product over it)."""
         ids, valid, dy = ctx
-        e = unit_exponent(dy)
-        return self.sq_norms((ids, valid, scale_examples(dy, e))), e
+        s = example_scale(dy)
+        return self.sq_norms((ids, valid, scale_examples(dy, s))), s
 
     def rule(self, reduction, B):
         T = int(np.prod(self.site.eqn.outvars[0].aval.shape)) // self.d

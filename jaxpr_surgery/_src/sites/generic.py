@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat
-from jaxpr_surgery._src.sites.base import Kernel, register, scale_examples, unit_exponent
+from jaxpr_surgery._src.sites.base import Kernel, example_scale, register, scale_examples
 
 
 def composite(site):
@@ -64,9 +64,8 @@ class GenericKernel(Kernel):
     def scaled_sq_norms(self, G):
         """Squares of ``G`` scaled to unit size per example: one more read of ``G``,
         which is small where it is materialised (gains, biases), no branch to compile."""
-        e = unit_exponent(G)
-        q = jnp.sum(jnp.square(scale_examples(G, e)), axis=tuple(range(1, G.ndim)))
-        return q, e
+        s = example_scale(G)
+        return jnp.sum(jnp.square(scale_examples(G, s)), axis=tuple(range(1, G.ndim))), s
 
 
 @register("scale-shift")
