@@ -6,7 +6,7 @@ Usage::
     python -m benchmarks.plot benchmarks/results/a.json b.json # merged (results concatenated)
     python -m benchmarks.plot --md docs/benchmarks.md --img-dir docs/img
 
-Targets are re-evaluated from the merged rows with ``benchmarks.run.evaluate_targets``.
+Targets are re-evaluated from the merged rows with ``benchmarks.targets.evaluate_targets``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import os
 import sys
 from collections import defaultdict
 
-from benchmarks.run import ALL_STATS, evaluate_targets
+from benchmarks.methods import ALL_STATS
+from benchmarks.targets import evaluate_targets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
