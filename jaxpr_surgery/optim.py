@@ -13,19 +13,25 @@ under those names, so a training step is one statistic call and one update:
     import jaxpr_surgery as js
 
     opt = js.optim.micro_adam(learning_rate=1e-3)
-    request = js.optim.stat_request(opt)  # {"mean": ..., "second_moment": ...}
 
     @jax.jit
     def step(params, state, batch):
+        request = js.optim.stat_request(opt, state)  # {"mean": ..., "second_moment": ...}
         loss, stats = js.value_and_per_example_stat(loss_fn, request)(params, batch)
         updates, state = opt.update(stats["mean"], state, params,
                                     **js.optim.update_kwargs(stats))
         return optax.apply_updates(params, updates), state, loss
 
 ``update_kwargs(stats, key=k)`` adds further extra args (the DP noise key).
-Chain with `chain` rather than `optax.chain`, which forgets the
-parts' requests: ``js.optim.chain(js.optim.track_gradient_statistics(),
+The state lets the request follow hyperparameters that a statistic depends on
+(a clip norm scheduled with `inject_hyperparams`); other optimizers ignore it.
+optax's wrappers forget the request of what they wrap, and ``optax.masked``
+does not mask statistics: use `chain`, `named_chain`, `masked`,
+`partition` / `multi_transform` and `inject_hyperparams` from here, e.g.
+``js.optim.chain(js.optim.track_gradient_statistics(),
 optax.clip_by_global_norm(1.0), js.optim.micro_adam_var(1e-3))``.
+`stat_request` refuses an optax wrapper hiding a request, and
+``optax.MultiSteps`` around an optimizer that needs more than the mean.
 ``stat_request("dp_sgd", clip_norm=1.0)`` also accepts optimizer names.
 
 Families (Roulet & Agarwala, arXiv 2510.00236):
@@ -39,7 +45,9 @@ Families (Roulet & Agarwala, arXiv 2510.00236):
 * differential privacy: `dp_sgd`, `dp_adam`, `dp_aggregate`;
 * monitoring: `track_gradient_statistics`;
 * schedules: `sqrt_batch_size_scaling`, `adam_sqrt_scaling` (Malladi et al.'s
-  full rule); `inject_hyperparams` keeps a request through optax's.
+  full rule);
+* optax's wrappers keeping requests: `chain`, `named_chain`, `masked`,
+  `partition`, `multi_transform`, `inject_hyperparams`.
 """
 
 from jaxpr_surgery._src.optim.adam import ScaleByMicroAdamState as ScaleByMicroAdamState
@@ -59,9 +67,7 @@ from jaxpr_surgery._src.optim.monitor import (
 )
 from jaxpr_surgery._src.optim.monitor import track_gradient_statistics as track_gradient_statistics
 from jaxpr_surgery._src.optim.requests import PerExampleTransformation as PerExampleTransformation
-from jaxpr_surgery._src.optim.requests import chain as chain
 from jaxpr_surgery._src.optim.requests import example_count as example_count
-from jaxpr_surgery._src.optim.requests import inject_hyperparams as inject_hyperparams
 from jaxpr_surgery._src.optim.requests import stat_request as stat_request
 from jaxpr_surgery._src.optim.requests import update_kwargs as update_kwargs
 from jaxpr_surgery._src.optim.schedules import adam_sqrt_scaling as adam_sqrt_scaling
@@ -74,10 +80,20 @@ from jaxpr_surgery._src.optim.sign import per_example_sign_sgd as per_example_si
 from jaxpr_surgery._src.optim.sign import scale_by_per_example_sign as scale_by_per_example_sign
 from jaxpr_surgery._src.optim.sign import sign_ema as sign_ema
 from jaxpr_surgery._src.optim.sign import sign_sgd as sign_sgd
+from jaxpr_surgery._src.optim.wrappers import chain as chain
+from jaxpr_surgery._src.optim.wrappers import inject_hyperparams as inject_hyperparams
+from jaxpr_surgery._src.optim.wrappers import masked as masked
+from jaxpr_surgery._src.optim.wrappers import multi_transform as multi_transform
+from jaxpr_surgery._src.optim.wrappers import named_chain as named_chain
+from jaxpr_surgery._src.optim.wrappers import partition as partition
 
 __all__ = [
     "PerExampleTransformation",
     "chain",
+    "named_chain",
+    "masked",
+    "partition",
+    "multi_transform",
     "inject_hyperparams",
     "example_count",
     "stat_request",

@@ -220,6 +220,7 @@ DOCTEST_MODULES = [
     "jaxpr_surgery.stats",
     "jaxpr_surgery.optim",
     "jaxpr_surgery._src.api",
+    "jaxpr_surgery._src.check",
     "jaxpr_surgery._src.explain",
     "jaxpr_surgery._src.stats",
     "jaxpr_surgery._src.stats_research",
@@ -229,6 +230,9 @@ DOCTEST_MODULES = [
     "jaxpr_surgery._src.optim.requests",
     "jaxpr_surgery._src.optim.schedules",
     "jaxpr_surgery._src.optim.sign",
+    "jaxpr_surgery._src.optim.shampoo",
+    "jaxpr_surgery._src.optim.wrappers",
+    "jaxpr_surgery._src.dots",
 ]
 
 

@@ -181,6 +181,81 @@ def test_empty_stat_tree():
         js.per_example_stat(M.mlp_loss, {})
 
 
+class _Pow(js.stats.Statistic):
+    """A user's statistic whose reductions() builds a new PhiSum (and lambda) per call."""
+
+    def __init__(self, p=4):
+        self.p = p
+
+    def reductions(self):
+        p = self.p
+        return {"p": js.stats.PhiSum(lambda g: g**p, multiplicative=True, name="pow")}
+
+    def finalize(self, values, count):
+        return jax.tree.map(lambda s: s / count, values["p"])
+
+
+def test_same_name_for_different_functions_is_refused(mlp):
+    """Regression: elementwise(cos, name="f") and elementwise(exp, name="f") silently
+    shared one reduction (both gave E[cos g])."""
+    cos = js.stats.elementwise(jnp.cos, name="f")
+    exp = js.stats.elementwise(jnp.exp, name="f")
+    for stat in ({"c": cos, "e": exp}, (cos, [exp])):
+        with pytest.raises(ValueError, match=r"name='f'.*cos.*exp") as err:
+            js.per_example_stat(M.mlp_loss, stat)
+        msg = str(err.value)
+        assert "stat" in msg and "different name" in msg
+    with pytest.raises(ValueError, match=r"\['c'\].*\['e'\]"):
+        js.value_and_per_example_stat(M.mlp_loss, {"c": cos, "e": exp})
+    with pytest.raises(ValueError, match="name='pow'"):
+        js.per_example_stat(M.mlp_loss, (_Pow(4), _Pow(3)))
+    with pytest.raises(ValueError, match="name='f'"):
+        js.explain(M.mlp_loss, {"c": cos, "e": exp})(*mlp[1:])
+
+
+def test_same_name_for_the_same_function_is_shared(mlp):
+    _, params, batch = mlp
+    a, b = js.stats.elementwise(jnp.cos, name="f"), js.stats.elementwise(jnp.cos, name="f")
+    out = js.per_example_stat(M.mlp_loss, (a, b, js.stats.elementwise(jnp.exp)))(params, batch)
+    alone = js.per_example_stat(M.mlp_loss, js.stats.elementwise(jnp.exp))(params, batch)
+    M.assert_tree_close(out[0], out[1])
+    M.assert_tree_close(out[2], alone)
+    # a statistic building the same lambda afresh in each reductions() call
+    p4 = js.per_example_stat(M.mlp_loss, (_Pow(4), _Pow(4)))(params, batch)
+    M.assert_tree_close(p4[0], p4[1])
+    want = jax.tree.map(lambda g: np.mean(np.asarray(g, np.float64) ** 4, 0),
+                        M.per_example_grads(M.mlp_loss, params, batch))
+    M.assert_tree_close(p4[0], want, rtol=1e-4)
+
+
+def test_same_name_judges_functions_by_code_and_environment():
+    """One name for functions rebuilt alike (closures, partials, jit wrappers) is shared;
+    a different captured value, argument or code is a clash."""
+    import functools
+
+    def power(p):
+        return lambda g: g**p
+
+    def scaled(a):
+        return lambda g: g * a
+
+    arr = np.ones(3)
+    same = [(power(4), power(4)), (power(np.float32(2.5)), power(np.float32(2.5))),
+            (functools.partial(jnp.power, x2=2), functools.partial(jnp.power, x2=2)),
+            (jax.jit(power(3)), jax.jit(power(3))), (scaled(arr), scaled(arr))]
+    differ = [(power(4), power(3)), (functools.partial(jnp.power, x2=2),
+                                     functools.partial(jnp.power, x2=3)),
+              (jax.jit(power(3)), jax.jit(power(2))), (scaled(arr), scaled(np.ones(3))),
+              (power(2), scaled(2.0))]
+    for f, g in same:
+        js.per_example_stat(M.mlp_loss, (js.stats.elementwise(f, name="n"),
+                                         js.stats.elementwise(g, name="n")))
+    for f, g in differ:
+        with pytest.raises(ValueError, match="name='n'"):
+            js.per_example_stat(M.mlp_loss, (js.stats.elementwise(f, name="n"),
+                                             js.stats.elementwise(g, name="n")))
+
+
 @pytest.mark.parametrize("clip", [0, 0.0, -1.0, float("nan")])
 @pytest.mark.parametrize("ctor", [js.stats.clipped_mean, js.stats.clipped_sum])
 def test_clip_norm_not_positive(ctor, clip):
@@ -206,6 +281,7 @@ def test_chunk_size_invalid(mlp, chunk):
 # strict=True
 # --------------------------------------------------------------------------- #
 def _cond_loss(p, b):
+    # the branch depends on a sum over the batch (examples interact: check=False below)
     h = jnp.tanh(b["x"] @ p["w_dense"])
     h = lax.cond(jnp.sum(b["x"]) > 0, lambda h, w: jnp.tanh(h @ w), lambda h, w: h @ w,
                  h, p["w_cond"])
@@ -222,7 +298,8 @@ def _cond_case():
 def test_strict_raises_naming_the_leaf_inside_cond():
     p, b = _cond_case()
     with pytest.raises(NotImplementedError, match=r"\['w_cond'\]") as e:
-        js.per_example_stat(_cond_loss, js.stats.second_moment(), strict=True)(p, b)
+        js.per_example_stat(_cond_loss, js.stats.second_moment(), strict=True,
+                            check=False)(p, b)
     assert "['w_dense']" not in str(e.value), "w_dense has a fast rule and must not be named"
     assert "cond" in str(e.value)
 
@@ -231,7 +308,7 @@ def test_non_strict_falls_back_exactly_inside_cond():
     p, b = _cond_case()
     stat = {k: M.STATS[k]() for k in ("mean", "second_moment", "variance", "sq_norms",
                                       "clipped_mean")}
-    out = jax.jit(js.per_example_stat(_cond_loss, stat))(p, b)
+    out = jax.jit(js.per_example_stat(_cond_loss, stat, check=False))(p, b)
     ora = M.oracle(_cond_loss, p, b)
     for k in stat:
         M.assert_stat_close(k, out[k], ora[k])
@@ -329,3 +406,89 @@ def test_check_per_example_passes_on_mlp(mlp):
     assert js.check_per_example(loss)(params, batch) is None
     loss_t, params_t, batch_t = M.get("tied")
     assert js.check_per_example(loss_t)(params_t, batch_t) is None
+
+
+@jax.custom_vjp
+def _soft_clip(x):
+    """tanh with a hand-written backward (a custom-gradient op, as in Griffin/Hawk)."""
+    return jnp.tanh(x)
+
+
+def _soft_clip_fwd(x):
+    y = jnp.tanh(x)
+    return y, y
+
+
+def _soft_clip_bwd(y, g):
+    return (g * (1 - y * y),)
+
+
+_soft_clip.defvjp(_soft_clip_fwd, _soft_clip_bwd)
+
+
+@jax.custom_vjp
+def _batch_scaled_grad(x):
+    """Identity whose backward rescales the cotangent by a statistic of the whole batch:
+    the examples interact through the gradient only."""
+    return x
+
+
+def _bsg_fwd(x):
+    return x, None
+
+
+def _bsg_bwd(_, g):
+    return (g / jnp.mean(jnp.abs(g)),)
+
+
+_batch_scaled_grad.defvjp(_bsg_fwd, _bsg_bwd)
+
+
+def _custom_vjp_case():
+    r = np.random.default_rng(9)
+    f32 = lambda *shape: jnp.asarray(r.standard_normal(shape), jnp.float32)  # noqa: E731
+    p = {"w": f32(3, 4), "v": f32(4)}
+    b = {"x": f32(6, 3), "y": f32(6)}
+    return p, b
+
+
+def test_check_per_example_supports_custom_vjp_ops():
+    """Regression: the gradient comparison used forward mode and raised TypeError ("can't
+    apply forward-mode autodiff (jvp) to a custom_vjp function") on models with a
+    custom-gradient op; it compares reverse-mode gradients along a random direction."""
+    p, b = _custom_vjp_case()
+
+    def loss(p, b):
+        return jnp.mean((_soft_clip(b["x"] @ p["w"]) @ p["v"] - b["y"]) ** 2)
+
+    assert js.check_per_example(loss)(p, b) is None
+    assert js.check_per_example(lambda p, b: 3.0 * b["x"].shape[0] * loss(p, b))(p, b) is None
+    with M.x64():
+        p64, b64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), (p, b))
+        assert js.check_per_example(loss)(p64, b64) is None
+
+    def leaky(p, b):  # value per example, gradient scaled by a batch statistic
+        per = (_soft_clip(b["x"] @ p["w"]) @ p["v"] - b["y"]) ** 2
+        s = jnp.std(b["x"] @ p["w"])
+        return jnp.mean(per) + jnp.mean(per) * (s - jax.lax.stop_gradient(s))
+
+    with pytest.raises(ValueError, match="gradients do not"):
+        js.check_per_example(leaky)(p, b)
+
+    def hidden(p, b):  # the interaction lives in a custom backward pass
+        h = _batch_scaled_grad(b["x"] @ p["w"])
+        return jnp.mean((_soft_clip(h) @ p["v"] - b["y"]) ** 2)
+
+    with pytest.raises(ValueError, match="gradients do not"):
+        js.check_per_example(hidden)(p, b)
+
+
+def test_check_per_example_with_aux_and_several_argnums():
+    p, b = _custom_vjp_case()
+
+    def loss(w, v, b):
+        out = jnp.mean((_soft_clip(b["x"] @ w) @ v - b["y"]) ** 2)
+        return out, {"n": jnp.asarray(3)}
+
+    assert js.check_per_example(loss, argnums=(0, 1), batch_argnums=2, has_aux=True)(
+        p["w"], p["v"], b) is None

@@ -98,7 +98,8 @@ def test_as_dict_is_json_serialisable(reports, name):
     assert [leaf["path"] for leaf in back["leaves"]] == [leaf.path for leaf in rep.leaves]
     assert back["batch_size"] == M.B
     for leaf in back["leaves"]:
-        assert {"path", "shape", "kinds", "rule", "rules", "detail", "reasons"} <= set(leaf)
+        assert {"path", "shape", "kinds", "rule", "rules", "hows", "detail", "reasons"} <= set(leaf)
+        assert set(leaf["hows"]) == set(leaf["rules"])
         assert leaf["rule"] in ("streamed", "materialised", "fallback", "unused")
     assert back["total_extra_bytes"] >= 0 and back["total_extra_flops"] >= 0
 
@@ -270,3 +271,202 @@ def test_explain_says_how_the_engine_sums_a_shared_leaf(other, monkeypatch):
     leaf = js.explain(loss, stat)(W, b).leaves[0]
     mean_part = next(p for p in leaf.detail.split("; ") if p.startswith("mean:"))
     assert ("tiled products of the shared leaf" in mean_part) == engine_rides, (seen, leaf.detail)
+
+
+# --------------------------------------------------------------------------- #
+# The text form fits a terminal; every fact stays in it
+# --------------------------------------------------------------------------- #
+def _long_path_model(layers=2):
+    """A Flax/HF-style tree: ``['params']['language_model_transformer']['decoder_layers_0']
+    ['self_attention_block']['query_projection']['kernel']`` and the like (up to 118
+    characters), a tied embedding, biases and gains."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    r = np.random.default_rng(4)
+    V, T, D = 13, 5, 8
+
+    def n(*s):
+        return jnp.asarray(r.normal(size=s) * 0.3, jnp.float32)
+
+    def layer():
+        return {
+            "self_attention_block": {"query_projection": {"kernel": n(D, D), "bias": n(D)},
+                                     "output_projection": {"kernel": n(D, D)}},
+            "feed_forward_network": {"intermediate_dense": {"kernel": n(D, 2 * D)},
+                                     "output_dense": {"kernel": n(2 * D, D)}},
+            "input_layer_norm": {"scale": 1 + n(D)},
+        }
+
+    params = {"params": {"language_model_transformer": {
+        "word_embeddings": {"embedding": n(V, D)},
+        **{f"decoder_layers_{i}": layer() for i in range(layers)}}}}
+
+    def loss(p, b):
+        m = p["params"]["language_model_transformer"]
+        h = m["word_embeddings"]["embedding"][b["ids"]]
+        for i in range(layers):
+            lay = m[f"decoder_layers_{i}"]
+            att, ff = lay["self_attention_block"], lay["feed_forward_network"]
+            a = h * lay["input_layer_norm"]["scale"]
+            q = a @ att["query_projection"]["kernel"] + att["query_projection"]["bias"]
+            h = h + jnp.tanh(q) @ att["output_projection"]["kernel"]
+            h = h + jnp.tanh(h @ ff["intermediate_dense"]["kernel"]) @ ff["output_dense"]["kernel"]
+        logp = jax.nn.log_softmax(h @ m["word_embeddings"]["embedding"].T)
+        return -jnp.mean(jnp.take_along_axis(logp, b["y"][..., None], -1))
+
+    batch = {"ids": jnp.asarray(r.integers(0, V, (3, T))),
+             "y": jnp.asarray(r.integers(0, V, (3, T)))}
+    return loss, params, batch
+
+
+_SEVERAL = {
+    "mean": js.stats.mean, "second_moment": js.stats.second_moment,
+    "variance": js.stats.variance, "norms": js.stats.norms,
+    "clipped_mean": lambda: js.stats.clipped_mean(1.0),
+    "gradient_noise_scale": js.stats.gradient_noise_scale, "sign_mean": js.stats.sign_mean,
+    "cos": lambda: js.stats.elementwise(jax.numpy.cos, name="cos"),
+    "kron_moments": js.stats.kron_moments,
+}
+
+
+@pytest.fixture(scope="module")
+def wide_reports():
+    """The zoo's transformer and a long-path model, with every statistic above (the old
+    table was several hundred columns wide on both)."""
+    import zoo
+
+    stats = {k: make() for k, make in _SEVERAL.items()}
+    case = zoo.get_case("transformer")
+    loss, params, batch = _long_path_model()
+    return {
+        "transformer": js.explain(case.loss_fn, stats, compare_grad=True)(case.params,
+                                                                           case.batch),
+        "long_paths": js.explain(loss, stats)(params, batch),
+        "lora": js.explain(M.get("lora")[0])(*M.get("lora")[1:]),
+    }
+
+
+def _table(text):
+    """``(rows, footnotes)`` of a rendered report: rows ``(path cell, cells)`` and the
+    footnote texts by number (continuation lines joined)."""
+    lines = text.splitlines()
+    sep = next(k for k, ln in enumerate(lines) if ln.startswith("---"))
+    first = len(lines[sep].split("  ")[0])
+    rows = []
+    k = sep + 1
+    while lines[k]:
+        rows.append((lines[k][:first].rstrip(), lines[k][first:].split()))
+        k += 1
+    notes, k = {}, k + 1
+    while lines[k]:
+        if lines[k].startswith("["):
+            num, _, rest = lines[k].partition("] ")
+            cur = int(num[1:])
+            notes[cur] = rest
+        else:
+            notes[cur] += "\n" + lines[k].strip()
+        k += 1
+    return rows, notes
+
+
+def _full_paths(rows):
+    """The leaf rows' whole paths: a tree line continues the path of the line above it
+    that is indented two columns less."""
+    out, stack = [], []
+    for cell, cells in rows:
+        depth = (len(cell) - len(cell.lstrip(" "))) // 2
+        stack = stack[:depth] + [cell.strip()]
+        if cells:
+            out.append(("".join(stack), cells))
+    return out
+
+
+@pytest.mark.parametrize("name", ["transformer", "long_paths", "lora"])
+@pytest.mark.parametrize("width", [100, 80])
+def test_str_fits_a_terminal(wide_reports, name, width):
+    rep = wide_reports[name]
+    assert max(map(len, str(rep).splitlines())) <= 100, str(rep)
+    text = rep.format(width)
+    assert max(map(len, text.splitlines())) <= width, text
+    if width == 100:
+        assert str(rep) == text
+    rows, notes = _table(text)
+    data = [(cell, cells) for cell, cells in rows if cells]
+    assert len(data) == len(rep.leaves), text
+    for leaf, (_, cells) in zip(rep.leaves, data):  # leaves in the report's order
+        assert leaf.rule in cells and cells[cells.index(leaf.rule) + 1][1:-1].isdigit(), text
+    if name == "long_paths" and width == 100:
+        # too long for one line: printed as a tree whose lines add up to the whole paths
+        assert [p for p, _ in _full_paths(rows)] == [leaf.path for leaf in rep.leaves], text
+        assert "..." not in text.split("\n\n")[0], text  # no entry cut at 100 columns
+    if name == "transformer":  # short paths: one line per leaf, the whole path
+        assert [cell for cell, _ in rows] == [leaf.path for leaf in rep.leaves], text
+
+
+@pytest.mark.parametrize("name", ["transformer", "long_paths", "lora"])
+def test_footnotes_keep_every_rule_and_reason(wide_reports, name):
+    """Each leaf's footnote names, for every statistic, its rule and how it runs (the
+    leaf's ``detail``), or every reason a leaf falls back; ``width=None`` prints the
+    whole paths on one line each."""
+    rep = wide_reports[name]
+    text = rep.format(None)
+    rows, notes = _table(text)
+    assert [cell for cell, _ in rows] == [leaf.path for leaf in rep.leaves], text
+    for leaf, (_, cells) in zip(rep.leaves, rows):
+        note = notes[int(cells[cells.index(leaf.rule) + 1][1:-1])]
+        if leaf.fallback:
+            assert note.startswith("fallback") and leaf.reasons, note
+            assert all(r in note for r in leaf.reasons), (note, leaf.reasons)
+            continue
+        assert set(leaf.hows) == set(leaf.rules) == set(rep.statistics)
+        for stat, word in leaf.rules.items():
+            assert f"{word} ({leaf.hows[stat]})" in note, (leaf.path, stat, note)
+            assert f"{stat}: {word} ({leaf.hows[stat]})" in leaf.detail
+        groups = {(leaf.rules[s], leaf.hows[s]) for s in leaf.rules}
+        if len(groups) > 1:  # statistics that run differently are named
+            for stat in leaf.rules:
+                assert stat in note, (stat, note)
+    # at 80 columns the footnotes are wrapped, not cut: the same words
+    _, narrow = _table(rep.format(80))
+    assert {k: v.split() for k, v in narrow.items()} == {k: v.split() for k, v in notes.items()}
+
+
+def test_footnotes_shared_by_leaves_that_run_alike(wide_reports):
+    rep = wide_reports["long_paths"]
+    rows, notes = _table(rep.format())
+    refs = {}
+    for leaf, (_, cells) in zip(rep.leaves, [r for r in rows if r[1]]):
+        refs.setdefault(cells[cells.index(leaf.rule) + 1], set()).add(
+            tuple(sorted((s, leaf.rules[s], leaf.hows[s]) for s in leaf.rules)))
+    assert all(len(v) == 1 for v in refs.values()), refs  # one footnote, one recipe
+    assert len(notes) == len(refs) < len(rep.leaves)  # shared: fewer footnotes than leaves
+
+
+@pytest.mark.parametrize("width", [20, 79, 80.5, "80"])
+def test_format_rejects_a_bad_width(wide_reports, width):
+    with pytest.raises(ValueError, match="width must be an int of at least 80"):
+        wide_reports["lora"].format(width)
+
+
+def test_narrow_columns_are_cut_not_overflowed():
+    """A wide kind and a 6-d shape are cut from the middle so that the paths keep 24
+    columns at width 80; with no limit they are whole."""
+    from jaxpr_surgery._src.explain import LeafReport, Report
+
+    leaf = LeafReport("['params']['block_0']['a_rather_long_parameter_name']", (2, 3, 4, 5, 6, 7),
+                      "float32", ["onehot-embedding", "embedding", "dense", "dense"], "streamed",
+                      {"mean": "streamed"}, "mean: streamed (contraction)", [], 1.0, 1.0,
+                      {"mean": "contraction"})
+    rep = Report([leaf, dataclasses_replace(leaf, path="['params']['block_1']['w']")], 8,
+                 ["mean"], [], [], 1 << 26)
+    for width in (100, 80):
+        text = rep.format(width)
+        assert max(map(len, text.splitlines())) <= width, text
+        assert "onehot-embedding" in rep.format(None) and "dense x2" in rep.format(None)
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)

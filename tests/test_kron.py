@@ -26,7 +26,7 @@ def kron_np(g, max_dim):
     out = []
     for j in range(1, g.ndim):
         n = g.shape[j]
-        u = np.moveaxis(g, j, 1).reshape(B, n, -1)
+        u = np.moveaxis(g, j, 1).reshape(B, n, int(np.prod(g.shape[1:j] + g.shape[j + 1 :])))
         if n <= max_dim:
             out.append(np.einsum("bir,bjr->ij", u, u) / B)
         else:
@@ -232,6 +232,61 @@ def test_zero_d_and_vector_leaves():
         loss = lambda p, b: jnp.mean((b["x"] * p["s"] + p["v"]) ** 2)  # noqa: E731
         got = _check_model(loss, p, b, 1024)
         assert got["s"] == ()
+
+
+def _empty_models():
+    """Models with an empty axis: no tokens (T = 0), a zero-width weight, a zero-width
+    weight reached only through the exact fallback (inside lax.scan), beside an ordinary
+    leaf whose moments must stay right."""
+    r = _r(8)
+    B, T, C, F = 5, 3, 4, 6
+
+    def dense(p, b):
+        h = jnp.tanh(b["x"] @ p["w"])
+        return jnp.mean(jnp.sum(h @ p["v"], axis=(1, 2))) + jnp.mean(b["z"] @ p["u"])
+
+    def emb(p, b):
+        return jnp.mean(jnp.sum(jnp.tanh(p["emb"][b["ids"]]), axis=(1, 2))) + jnp.mean(
+            jnp.tanh(b["z"] @ p["u"]))
+
+    def scanned(p, b):
+        def body(c, w):
+            return c, jnp.sum(jnp.tanh(b["z"] @ w))
+        return jnp.mean(jax.lax.scan(body, 0.0, p["ws"])[1]) + jnp.mean(jnp.tanh(b["z"] @ p["u"]))
+
+    def arr(*s):
+        return jnp.asarray(r.normal(size=s))
+
+    z = arr(B, C)
+    yield "T=0", dense, {"w": arr(C, F), "v": arr(F, 2), "u": arr(C)}, {"x": arr(B, 0, C), "z": z}
+    yield "zero width", dense, {"w": arr(C, 0), "v": arr(0, 2), "u": arr(C)}, {
+        "x": arr(B, T, C), "z": z}
+    yield "zero in", dense, {"w": arr(0, F), "v": arr(F, 2), "u": arr(C)}, {
+        "x": arr(B, T, 0), "z": z}
+    yield "embedding T=0", emb, {"emb": arr(7, 3), "u": arr(C, 2)}, {
+        "ids": jnp.zeros((B, 0), jnp.int32), "z": z}
+    yield "embedding zero width", emb, {"emb": arr(7, 0), "u": arr(C, 2)}, {
+        "ids": jnp.asarray(r.integers(0, 7, (B, T))), "z": z}
+    yield "fallback zero width", scanned, {"ws": arr(2, C, 0), "u": arr(C, 2)}, {"z": z}
+
+
+@pytest.mark.parametrize("max_dim", [1024, 2])
+def test_empty_axes_give_zeros_of_the_right_shapes(max_dim):
+    """Regression: a zero-size axis (T = 0, a zero-width weight) raised ZeroDivisionError
+    (a reshape with -1 over zero entries); every axis's moment is zeros there."""
+    with zoo.x64():
+        for what, loss, p, b in _empty_models():
+            for kw in ({}, {"chunk_size": 2}):
+                got = js.per_example_stat(loss, js.stats.kron_moments(max_dim), **kw)(p, b)
+                g = jax.vmap(jax.grad(lambda p, ex, loss=loss: loss(
+                    p, jax.tree.map(lambda a: a[None], ex))), (None, 0))(p, b)
+                want = oracle(g, max_dim)
+                gl, wl = jax.tree.leaves(got), jax.tree.leaves(want)
+                assert len(gl) == len(wl), what
+                for x, e in zip(gl, wl):
+                    assert x.shape == e.shape, (what, x.shape, e.shape)
+                    np.testing.assert_allclose(x, e, rtol=1e-10, atol=1e-12, err_msg=what)
+                assert np.any(np.asarray(got["u"][0]) != 0), what
 
 
 def test_tiles_with_remainders_chunks_and_tiny_budgets():

@@ -85,6 +85,8 @@ def _oracle_stats(per_ex, keys, clip_norm=None):
             )
         elif k == "batch_size":
             out[k] = jnp.asarray(n)
+        elif k == "clip_norm":  # the clip norm the clipping used
+            out[k] = jnp.asarray(clip_norm)
         else:
             raise AssertionError(f"no oracle for {k!r}")
     return out
@@ -444,6 +446,7 @@ def test_requests_mean_what_update_expects():
         "variance",
         "sign_mean",
         "clipped_sum",
+        "clip_norm",
         "batch_size",
     }
     direct = _oracle_stats(per_ex, request, clip_norm=CLIP)
@@ -479,7 +482,7 @@ def test_stat_request_by_name_and_object():
 
 def test_chain_merges_and_detects_conflicts():
     opt = jso.chain(jso.dp_sgd(0.1, 1.0, 1.0), jso.micro_adam_var(0.1))
-    assert set(opt.stat_request) == {"mean", "clipped_sum", "batch_size", "variance"}
+    assert set(opt.stat_request) == {"mean", "clipped_sum", "clip_norm", "batch_size", "variance"}
     jso.chain(jso.dp_sgd(0.1, 1.0, 1.0), jso.dp_adam(0.1, 1.0, 0.5))  # same clip: fine
     with pytest.raises(ValueError, match="clipped_sum"):
         jso.chain(jso.dp_sgd(0.1, 1.0, 1.0), jso.dp_adam(0.1, 2.0, 1.0))
@@ -575,7 +578,9 @@ def test_sqrt_batch_size_scaling():
 # --------------------------------------------------------------------------- #
 # Docstring examples
 # --------------------------------------------------------------------------- #
-@pytest.mark.parametrize("module", ["requests", "adam", "sign", "dp", "monitor", "schedules"])
+@pytest.mark.parametrize(
+    "module", ["requests", "wrappers", "adam", "sign", "dp", "monitor", "schedules", "shampoo"]
+)
 def test_docstring_examples(module):
     mod = getattr(_optim_pkg, module)
     result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE, verbose=False)

@@ -71,4 +71,37 @@ def test_kurtosis_of_gaussian_and_cancellation():
 def test_norm_quantiles_bad_levels():
     with pytest.raises(ValueError, match="levels"):
         js.stats.norm_quantiles((0.5, 1.5))
+    for bad in (-0.1, float("nan"), (), (0.5, float("nan"))):
+        with pytest.raises(ValueError, match="levels must lie in"):
+            js.stats.norm_quantiles(bad)
+    for bad in ("0.5", True, [[0.5]], [0.5, "a"], None):
+        with pytest.raises(TypeError, match=r"norm_quantiles\(q=...\)"):
+            js.stats.norm_quantiles(bad)
+    assert js.stats.norm_quantiles(np.float32(0.5)).q == 0.5
     assert jnp.all(js.stats.norm_quantiles((0.5,)).q == (0.5,))
+
+
+def test_norm_quantiles_scalar_level_gives_scalars():
+    """Regression: a scalar level raised TypeError ('float' object is not iterable); like
+    jnp.quantile it gives a scalar per leaf (and a scalar of the global norms)."""
+    with zoo.x64():
+        r = np.random.default_rng(3)
+        p = {"w": jnp.asarray(r.normal(size=(3, 2))), "b": jnp.asarray(r.normal(size=2))}
+        b = {"x": jnp.asarray(r.normal(size=(5, 3))), "y": jnp.asarray(r.normal(size=(5, 2)))}
+        loss = lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["w"] + p["b"]) - b["y"]) ** 2)  # noqa: E731
+        g = jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))),
+                     (None, 0))(p, b)
+        per_leaf = {k: np.sqrt(np.sum(np.asarray(v).reshape(5, -1) ** 2, 1)) for k, v in g.items()}
+        glob = np.sqrt(sum(n**2 for n in per_leaf.values()))
+        for q in (0.5, np.float32(0.25), jnp.asarray(0.9), 1):
+            both = (js.stats.norm_quantiles(q), js.stats.norm_quantiles(q, per_leaf=False))
+            leafwise, whole = js.per_example_stat(loss, both)(p, b)
+            for k in p:
+                assert leafwise[k].shape == ()
+                np.testing.assert_allclose(leafwise[k], np.quantile(per_leaf[k], float(q)),
+                                           rtol=1e-12)
+            assert whole.shape == ()
+            np.testing.assert_allclose(whole, np.quantile(glob, float(q)), rtol=1e-12)
+        # a one-level sequence keeps its axis
+        assert js.per_example_stat(loss, js.stats.norm_quantiles([0.5], per_leaf=False))(
+            p, b).shape == (1,)

@@ -127,7 +127,10 @@ def test_near_identical_layers_keep_their_own_statistics(dtype, chunk):
         params, batch = _twins_case(dtype)
         names = ("mean", "second_moment", "variance", "sign_mean", "sq_norms", "clipped_mean")
         stats, want = _oracle(_grads(_twins, params, batch), names)
-        got = jax.jit(js.per_example_stat(_twins, stats, chunk_size=chunk))(params, batch)
+        # x0 = x[:, 0] is added along T: the model runs on one example only, not on the
+        # whole batch (which the cross-example check traces): check=False
+        got = jax.jit(js.per_example_stat(_twins, stats, chunk_size=chunk, check=False))(
+            params, batch)
         tol = dict(rtol=2e-4, atol=2e-6) if dtype == jnp.float32 else dict(rtol=1e-10, atol=1e-13)
         for k, (a, w) in enumerate(zip(got, want)):
             if k == 3 and dtype == jnp.float32:

@@ -4,9 +4,11 @@ Every variable gets a *tag*:
 
 * ``None`` -- constant: depends on neither parameters nor example data;
 * ``DATA`` -- depends on the example;
-* `PView` -- depends on exactly one parameter leaf and no data: an
-  injective layout view of the leaf (``chain``), optionally followed by
-  parameter-only ops (``pre``) such as broadcasts that the site absorbs;
+* `PView` -- depends on exactly one parameter leaf and no data: a view of
+  the leaf (``chain``: injective layout steps and slices), scaled by constant
+  factors (``scales``: ``W / 16``, ``-W``, a multiplier passed as an argument),
+  optionally followed by parameter-only ops (``pre``) such as broadcasts that
+  the site absorbs;
 * `Mixed` -- depends on several leaves (LoRA ``A @ B``) or on a leaf
   through a construct we do not see into; those leaves are *residual*.
 
@@ -30,22 +32,75 @@ DATA = "data"
 
 @dataclasses.dataclass(frozen=True)
 class LayoutOp:
-    """One injective layout step of a view chain (or a scan slicing)."""
+    """One step of a view chain: an injective layout step, a static slice, or a scan
+    slicing.
 
-    kind: str  # "reshape" | "transpose" | "identity" | "scan"
+    A slice (``W[:k]``, ``W[:, a:b:s]``, ``lax.dynamic_slice`` at constant starts)
+    keeps the elements ``start + stride * i`` of every axis; the leaf's per-example
+    gradient is the view's, padded with zeros (`inverse` with ``fill``).
+    """
+
+    kind: str  # "reshape" | "transpose" | "identity" | "scan" | "slice"
     in_shape: tuple
     out_shape: tuple
     perm: tuple | None = None
+    start: tuple | None = None  # slice: the first index kept on every axis
+    stride: tuple | None = None  # slice: the step on every axis
 
-    def inverse(self, value):
-        """Maps a value shaped ``lead + out_shape`` back to ``lead + in_shape``."""
+    def inverse(self, value, fill=0):
+        """Maps a value shaped ``lead + out_shape`` back to ``lead + in_shape``.
+
+        ``fill``: what a slice puts where the leaf has no view (a reduction's value of
+        a zero gradient: 0 for sums and moments, ``B phi(0)`` for a sum of ``phi``)."""
+        if self.kind == "slice":
+            import jax
+            import jax.numpy as jnp
+
+            value = jnp.asarray(value)
+            lead = value.ndim - len(self.out_shape)
+            cfg = [(0, 0, 0)] * lead + [
+                (s, n - s - ((m - 1) * st + 1), st - 1) if m else (s, n - s, 0)
+                for s, st, n, m in zip(self.start, self.stride, self.in_shape, self.out_shape)
+            ]
+            return jax.lax.pad(value, jnp.asarray(fill, value.dtype), cfg)
         perm = None if self.perm is None else np.argsort(self.perm)
         return self._map(value, self.out_shape, self.in_shape, perm)
 
     def forward(self, value):
         """Maps a value shaped ``lead + in_shape`` to ``lead + out_shape`` (undoes
         `inverse`)."""
+        if self.kind == "slice":
+            import jax
+
+            lead = value.ndim - len(self.in_shape)
+            limit = tuple(s + (m - 1) * st + 1 if m else s for s, st, m in zip(
+                self.start, self.stride, self.out_shape))
+            return jax.lax.slice(
+                value, (0,) * lead + tuple(self.start), tuple(value.shape[:lead]) + limit,
+                (1,) * lead + tuple(self.stride),
+            )
         return self._map(value, self.in_shape, self.out_shape, self.perm)
+
+    @property
+    def is_permutation(self):
+        """The step moves elements without dropping any (all but a slice)."""
+        return self.kind != "slice"
+
+    def describe(self):
+        """A short text of the step, for explain (``[0:8, 2:6]``, ``transpose (1, 0)``)."""
+        if self.kind == "slice":
+            parts = []
+            for s, st, n, m in zip(self.start, self.stride, self.in_shape, self.out_shape):
+                if m == n:
+                    parts.append(":")
+                else:
+                    parts.append(f"{s}:{s + (m - 1) * st + 1}" + (f":{st}" if st != 1 else ""))
+            return f"slice [{', '.join(parts)}]"
+        if self.kind == "transpose":
+            return f"transpose {tuple(int(i) for i in self.perm)}"
+        if self.kind == "reshape":
+            return f"reshape {tuple(self.in_shape)} -> {tuple(self.out_shape)}"
+        return self.kind
 
     def _map(self, value, src, dst, perm):
         """``lead + src`` -> ``lead + dst`` by this step's kind (``perm``: the
@@ -62,12 +117,35 @@ class LayoutOp:
 
 
 @dataclasses.dataclass(frozen=True)
+class Scale:
+    """A constant factor of a view (``W * c``, ``W / c``, ``-W``): every site's
+    gradient is linear in its output cotangent, so the view's per-example gradient is
+    ``c`` times the scaled view's.
+
+    ``kind``: "mul", "div" or "neg"; ``operand``: the factor, a Literal or a Var of one
+    element that depends on neither the parameters nor the example (None for "neg").
+    """
+
+    kind: str
+    operand: Any = None
+
+    def describe(self):
+        if self.kind == "neg":
+            return "negated"
+        if _is_literal(self.operand):
+            v = np.asarray(self.operand.val).reshape(())
+            return f"{'times' if self.kind == 'mul' else 'divided by'} {v.item():g}"
+        return f"{'times' if self.kind == 'mul' else 'divided by'} a constant"
+
+
+@dataclasses.dataclass(frozen=True)
 class PView:
     leaf: int
     chain: tuple = ()
     depth: int = 0
     base: Any = None  # the Var holding the layout view (only meaningful with ``pre``)
     pre: tuple = ()  # parameter-only eqns applied after ``base`` (same scope)
+    scales: tuple = ()  # `Scale` factors of the view (commute with the chain's steps)
 
     @property
     def is_layout(self):
@@ -94,6 +172,30 @@ class Site:
     scan_lengths: tuple  # lengths of the enclosing scans, outermost first
     view_shape: tuple  # shape of ``base`` (per scan slice)
     ext_batched: tuple = ()  # whether each ext var depends on the example
+    scales: tuple = ()  # `Scale` factors between the leaf's view and ``base``
+
+    @property
+    def pads(self):
+        """The view drops elements of the leaf (a slice in the chain): a reduction's
+        value there is that of a zero gradient."""
+        return any(not op.is_permutation for op in self.chain)
+
+    def describe_view(self):
+        """What the site sees of its leaf, for explain, where it slices or scales it
+        (empty otherwise: a layout view is no news)."""
+        folded = pre_scales(self) if self.pre else None
+        if not (self.pads or self.scales or folded):
+            return ""
+        parts = [op.describe() for op in self.chain if op.kind in ("slice", "transpose")]
+        if any(op.kind == "reshape" and op.in_shape != op.out_shape for op in self.chain):
+            parts.append("reshaped")
+        parts += [sc.describe() for sc in self.scales]
+        if folded:
+            parts.append(
+                "scaled elementwise by a constant array along "
+                + ", ".join(f"axis {a}" for a in sorted(set().union(*(a for _, _, a in folded))))
+            )
+        return ", ".join(parts)
 
 
 @dataclasses.dataclass
@@ -112,6 +214,10 @@ class Analysis:
     sites: dict  # path -> Site (active sites only, after residual pruning)
     scopes: set  # eqn paths that contain an active site below them
     primitives: set  # every primitive seen (for the tripwire)
+    # eqn path of a call / remat / scan -> outer variables its sites read (a view's
+    # scale defined outside, e.g. ``jnp.einsum(..., W * c)``): the interpreter binds
+    # them in the inner scope
+    forwards: dict = dataclasses.field(default_factory=dict)
 
     def rule(self, i):
         info = self.leaves[i]
@@ -181,6 +287,104 @@ def _layout_op(eqn):
         return LayoutOp("reshape", i_shape, o_shape)
     if p is compat.transpose_p:
         return LayoutOp("transpose", i_shape, o_shape, tuple(eqn.params["permutation"]))
+    if p is compat.slice_p:
+        start = tuple(int(i) for i in eqn.params["start_indices"])
+        stride = tuple(int(i) for i in (eqn.params["strides"] or (1,) * len(i_shape)))
+        return _slice_op(i_shape, o_shape, start, stride)
+    if p is compat.dynamic_slice_p and all(_is_literal(v) for v in ins[1:]):
+        # constant starts, clamped as lax.dynamic_slice clamps them
+        start = tuple(
+            min(max(int(np.asarray(v.val)), 0), n - m)
+            for v, n, m in zip(ins[1:], i_shape, o_shape)
+        )
+        return _slice_op(i_shape, o_shape, start, (1,) * len(i_shape))
+    return None
+
+
+def _slice_op(i_shape, o_shape, start, stride):
+    if i_shape == o_shape:
+        return LayoutOp("identity", i_shape, o_shape)
+    return LayoutOp("slice", i_shape, o_shape, start=start, stride=stride)
+
+
+def _constant_factor(v, tag):
+    """``v`` (an operand of a parameter-only mul/div) is a floating constant that
+    depends on neither the parameters nor the example."""
+    import jax.numpy as jnp
+
+    return tag is None and jnp.issubdtype(v.aval.dtype, jnp.floating)
+
+
+def _scale_step(eqn, pos, tags):
+    """The `Scale` of a parameter-only ``eqn`` that multiplies the view (operand
+    ``pos``) by a one-element constant, or None."""
+    p = eqn.primitive
+    out = _shape(eqn.outvars[0])
+    if out != _shape(eqn.invars[pos]):
+        return None
+    if p is compat.neg_p:
+        return Scale("neg")
+    if p not in (compat.mul_p, compat.div_p) or len(eqn.invars) != 2:
+        return None
+    if p is compat.div_p and pos != 0:
+        return None  # c / W is not linear in W
+    other = eqn.invars[1 - pos]
+    if not _constant_factor(other, tags[1 - pos]) or math.prod(_shape(other)) != 1:
+        return None
+    return Scale("mul" if p is compat.mul_p else "div", other)
+
+
+def pre_scales(site_or_tag):
+    """``[(kind, operand, varying view axes)]`` when every parameter-only step after
+    the site's ``base`` multiplies (or divides) the view elementwise by a constant
+    that broadcasts against it (a per-row or per-column multiplier), else None."""
+    pre = site_or_tag.pre
+    if not pre:
+        return []
+    view = site_or_tag.base
+    out = []
+    for e in pre:
+        if len(e.outvars) != 1 or view is None:
+            return None
+        shape = _shape(view)
+        if _shape(e.outvars[0]) != shape:
+            return None
+        if e.primitive is compat.neg_p and e.invars[0] is view:
+            out.append(("neg", None, ()))
+        elif e.primitive in (compat.mul_p, compat.div_p) and len(e.invars) == 2:
+            ps = [k for k, v in enumerate(e.invars) if v is view]
+            if len(ps) != 1 or (e.primitive is compat.div_p and ps[0] != 0):
+                return None
+            other = e.invars[1 - ps[0]]
+            osh = _shape(other)
+            import jax.numpy as jnp
+
+            if not jnp.issubdtype(other.aval.dtype, jnp.floating):
+                return None
+            if osh and (len(osh) != len(shape) or any(a not in (1, b) for a, b in zip(osh, shape))):
+                return None
+            axes = frozenset(k for k, a in enumerate(osh) if a != 1)
+            out.append(("mul" if e.primitive is compat.mul_p else "div", other, axes))
+        else:
+            return None
+        view = e.outvars[0]
+    return out
+
+
+def dense_fold_side(eqn, pos, scales):
+    """Where a dense site folds its view's elementwise constant factors (`pre_scales`):
+    "dy" when they vary along the weight's free (and dot batch) axes only, "x" along
+    its contracted (and dot batch) axes only, else None. No factors: "dy"."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    wc, wb = (lc, lb) if pos == 0 else (rc, rb)
+    varying = set().union(*(a for _, _, a in scales)) if scales else set()
+    wc, wb = {int(i) for i in wc}, {int(i) for i in wb}
+    rank = len(_shape(eqn.invars[pos]))
+    wf = set(range(rank)) - wc - wb
+    if varying <= wf | wb:
+        return "dy"
+    if varying <= wc | wb:
+        return "x"
     return None
 
 
@@ -190,6 +394,7 @@ class _Analyzer:
         self.sites = {}
         self.primitives = set()
         self.patterns = {}  # Var -> ("bcast"|"iota"|"eq"|"onehot", info): one-hot detection
+        self.scope_of = {}  # Var -> path of the jaxpr run that defines it (scale operands)
 
     # -- helpers ---------------------------------------------------------- #
     def residual(self, tag, reason):
@@ -228,6 +433,40 @@ class _Analyzer:
             return Mixed(frozenset({tag.leaf}))
         return tag
 
+    def scales_visible(self, tag, path):
+        """The scale operands of ``tag`` (coming out of the sub-jaxpr of the eqn at
+        ``path``) are defined outside it."""
+        for sc in getattr(tag, "scales", ()):
+            v = sc.operand
+            if v is None or _is_literal(v):
+                continue
+            if len(self.scope_of.get(v, path)) >= len(path):
+                return False
+        return True
+
+    @staticmethod
+    def outer_scales(tag, jaxpr, eqn):
+        """``tag`` coming out of ``eqn``'s sub-jaxpr with scale operands that are inputs
+        of the sub-jaxpr named by the values passed in (a helper ``f(w, c)`` that
+        returns ``w * c``)."""
+        if not isinstance(tag, PView) or not tag.scales:
+            return tag
+        ins = {v: k for k, v in enumerate(jaxpr.invars)}
+        scales = tuple(
+            dataclasses.replace(sc, operand=eqn.invars[ins[sc.operand]])
+            if sc.operand is not None and not _is_literal(sc.operand) and sc.operand in ins
+            else sc
+            for sc in tag.scales
+        )
+        return dataclasses.replace(tag, scales=scales)
+
+    def leave(self, tag, where, path):
+        """A tag coming out of the sub-jaxpr of the eqn at ``path``."""
+        if isinstance(tag, PView) and not self.scales_visible(tag, path):
+            self.residual(tag, f"scaled inside the {where} by a value defined there")
+            return Mixed(frozenset({tag.leaf}))
+        return self.to_boundary(tag, where)
+
     # -- main walk -------------------------------------------------------- #
     def run(self, jaxpr, in_tags, path, scan_lengths):
         env = {}
@@ -237,8 +476,10 @@ class _Analyzer:
 
         for v, t in zip(jaxpr.invars, in_tags):
             env[v] = t
+            self.scope_of[v] = path
         for v in jaxpr.constvars:
             env[v] = None
+            self.scope_of[v] = path
 
         for i, eqn in enumerate(jaxpr.eqns):
             self.primitives.add(eqn.primitive)
@@ -248,6 +489,7 @@ class _Analyzer:
             out_tags = self.eqn(eqn, tags, p, scan_lengths)
             for v, t in zip(eqn.outvars, out_tags):
                 env[v] = t
+                self.scope_of[v] = path
         return [read(v) for v in jaxpr.outvars]
 
     def eqn(self, eqn, tags, path, scan_lengths):
@@ -263,9 +505,15 @@ class _Analyzer:
                 return [self.extend_pre(*opaque, eqn)]
             inner = [self.to_boundary(t, "jit") for t in tags]
             outs = self.run(jaxpr, inner, path, scan_lengths)
-            if opaque is not None and isinstance(outs[0], PView) and outs[0].pre:
-                # transformed inside (a gather by constant positions, ``jnp.take``): the
-                # whole call is one parameter-only step, applied again at the site
+            outs = [self.outer_scales(t, jaxpr, eqn) for t in outs]
+            if (
+                opaque is not None
+                and isinstance(outs[0], PView)
+                and (outs[0].pre or not self.scales_visible(outs[0], path))
+            ):
+                # transformed inside (a gather by constant positions, ``jnp.take``, a
+                # scale by a value computed there): the whole call is one
+                # parameter-only step, applied again at the site
                 return [self.extend_pre(*opaque, eqn)]
             # one-hot vectors built inside the call, from ids passed into it
             for vi, vo in zip(jaxpr.outvars, eqn.outvars):
@@ -274,11 +522,13 @@ class _Analyzer:
                     outer_ids = eqn.invars[jaxpr.invars.index(pat[1][0])]
                     if not _is_literal(outer_ids):
                         self.patterns[vo] = ("onehot", (outer_ids,) + pat[1][1:])
-            return [self.to_boundary(t, "jit") for t in outs]
+            return [self.leave(t, "jit", path) for t in outs]
         if prim is compat.remat_p:
             inner = [self.to_boundary(t, "checkpoint") for t in tags]
-            outs = self.run(compat.remat_params(eqn).jaxpr, inner, path, scan_lengths)
-            return [self.to_boundary(t, "checkpoint") for t in outs]
+            body = compat.remat_params(eqn).jaxpr
+            outs = self.run(body, inner, path, scan_lengths)
+            outs = [self.outer_scales(t, body, eqn) for t in outs]
+            return [self.leave(t, "checkpoint", path) for t in outs]
         if prim is compat.scan_p:
             return self.scan(eqn, tags, path, scan_lengths)
 
@@ -305,6 +555,11 @@ class _Analyzer:
 
         if not has_data:
             # parameter-only op: extend the view or absorb into the site later
+            if tag.is_layout and n_out == 1 and len(pos) == 1:
+                sc = _scale_step(eqn, pos[0], tags)
+                if sc is not None:  # a constant factor: commutes with the layout steps
+                    scales = tag.scales + (sc,)
+                    return [dataclasses.replace(tag, scales=scales, base=eqn.outvars[0])]
             if tag.is_layout and n_out == 1 and len(pos) == 1 and pos[0] == 0:
                 op = _layout_op(eqn)
                 if op is not None and all(_is_literal(v) or v is pv for v in eqn.invars):
@@ -321,7 +576,7 @@ class _Analyzer:
             return [DATA] * n_out
         kind = self.kind(eqn, tag, pos)
         extra = []
-        if kind == "dense":
+        if kind == "dense" and not tag.pre:
             x = eqn.invars[1 - pos[0]]
             pat = self.patterns.get(x)
             if pat and pat[0] == "onehot" and _onehot_dense_ok(eqn, pos[0], pat[1][1]):
@@ -336,7 +591,12 @@ class _Analyzer:
                     continue
                 seen.add(v)
                 ext.append(v)
-        for v in extra:
+        for sc in tag.scales:  # the factors' values, read by the kernel (never batched)
+            v = sc.operand
+            if v is not None and not _is_literal(v) and v not in seen:
+                seen.add(v)
+                ext.append(v)
+        for v in extra:  # (last: a one-hot site's ids)
             if v not in seen:
                 seen.add(v)
                 ext.append(v)
@@ -357,6 +617,7 @@ class _Analyzer:
                 any(v is u and t == DATA for u, t in zip(eqn.invars, tags)) or v in extra
                 for v in ext
             ),
+            scales=tag.scales,
         )
         self.sites[path] = site
         self.leaves[tag.leaf].sites.append(site)
@@ -415,6 +676,16 @@ class _Analyzer:
     def kind(eqn, tag, pos):
         prim = eqn.primitive
         if tag.pre:
+            # a per-row / per-column constant multiplier before a dense site folds into
+            # its input or cotangent (dense.py)
+            folded = pre_scales(tag)
+            if (
+                folded is not None
+                and prim is compat.dot_general_p
+                and len(pos) == 1
+                and dense_fold_side(eqn, pos[0], folded) is not None
+            ):
+                return "dense"
             absorbable = all(e.primitive in _ABSORBABLE for e in tag.pre)
             if prim in (compat.mul_p, compat.add_p, compat.sub_p) and absorbable:
                 return "scale-shift"
@@ -471,37 +742,54 @@ def _onehot_dense_ok(eqn, p, axis):
 
 
 def row_gather_layout(eqn):
-    """``(n_index_components, row_component)`` if ``eqn`` gathers whole rows of a 2-D
-    table by integer ids, else None.
+    """``(n_index_components, row_component, row_axis)`` if ``eqn`` gathers whole rows
+    of a table by integer ids, else None.
 
-    Two forms are recognised: ``table[ids]`` / ``jnp.take`` (the row dim collapsed,
-    one index component) and a batched ``dynamic_slice`` of a row, which is what
-    ``jax.vmap`` makes of ``table[i]`` with a scalar ``i`` (``eqx.nn.Embedding``):
-    no collapsed dim, an index pair (row, column) in clip mode, where the column
-    start of a full-width slice is always clamped to 0.
+    Two forms are recognised:
+
+    * ``table[ids]``, ``jnp.take`` and ``jnp.take_along_axis`` along the rows: one
+      collapsed ``row_axis`` indexed by the only index component, every other axis
+      taken whole, and only axes of size 1 before the row axis (``take_along_axis(
+      table[None], ids[..., None], axis=1)`` gathers from a ``[1, V, d]`` view), so
+      that the table is a ``[V, d]`` reshape of the operand; the gathered rows follow
+      the ids' axes in memory (offset axes of size 1 may sit anywhere);
+    * a batched ``dynamic_slice`` of a row of a 2-D table, which is what ``jax.vmap``
+      makes of ``table[i]`` with a scalar ``i`` (``eqx.nn.Embedding``): no collapsed
+      dim, an index pair (row, column) in clip mode, where the column start of a
+      full-width slice is always clamped to 0.
     """
     from jax.lax import GatherScatterMode
 
     dn = eqn.params["dimension_numbers"]
     operand, idx = eqn.invars
-    if len(_shape(operand)) != 2 or not np.issubdtype(idx.aval.dtype, np.integer):
+    shape = _shape(operand)
+    if len(shape) < 2 or not np.issubdtype(idx.aval.dtype, np.integer):
         return None
     if getattr(dn, "operand_batching_dims", ()) or getattr(dn, "start_indices_batching_dims", ()):
         return None
-    if tuple(eqn.params["slice_sizes"]) != (1, _shape(operand)[1]):
-        return None
-    out_rank = len(_shape(eqn.outvars[0]))
+    sizes = tuple(int(n) for n in eqn.params["slice_sizes"])
+    out_shape = _shape(eqn.outvars[0])
+    out_rank = len(out_shape)
     smap, collapsed, offs = (tuple(dn.start_index_map), tuple(dn.collapsed_slice_dims),
                              tuple(dn.offset_dims))
     ncomp = _shape(idx)[-1] if _shape(idx) else 0
-    if collapsed == (0,) and smap == (0,) and ncomp == 1 and offs == (out_rank - 1,):
-        return 1, 0
+    if len(collapsed) == 1 and smap == collapsed and ncomp == 1:
+        r = int(collapsed[0])
+        whole = sizes == shape[:r] + (1,) + shape[r + 1 :]
+        if whole and all(n == 1 for n in shape[:r]):
+            ids_axes = [i for i in range(out_rank) if i not in offs and out_shape[i] != 1]
+            row_axes = [i for i in offs if out_shape[i] != 1]
+            if not ids_axes or not row_axes or max(ids_axes) < min(row_axes):
+                return 1, 0, r
+        return None
+    if len(shape) != 2 or sizes != (1, shape[1]):
+        return None
     if collapsed == () and offs == (out_rank - 2, out_rank - 1) and 0 in smap:
         mode = eqn.params.get("mode")
         if smap == (0,) and ncomp == 1:
-            return 1, 0
+            return 1, 0, 0
         if sorted(smap) == [0, 1] and ncomp == 2 and mode == GatherScatterMode.CLIP:
-            return 2, smap.index(0)
+            return 2, smap.index(0), 0
     return None
 
 
@@ -526,4 +814,17 @@ def analyse_jaxpr(jaxpr, in_tags, n_leaves):
     for p in sites:
         for k in range(1, len(p)):
             scopes.add(p[:k])
-    return Analysis(a.leaves, sites, scopes, a.primitives)
+    # a scale defined in an outer scope reaches the site through every eqn between
+    forwards = {}
+    for p, s in sites.items():
+        for sc in s.scales:
+            v = sc.operand
+            if v is None or _is_literal(v):
+                continue
+            for k in range(len(a.scope_of[v]) + 1, len(p)):
+                fw = forwards.setdefault(p[:k], [])
+                if v not in fw:
+                    fw.append(v)
+    return Analysis(
+        a.leaves, sites, scopes, a.primitives, {k: tuple(v) for k, v in forwards.items()}
+    )

@@ -1,5 +1,5 @@
-"""Public entry points: ``per_example_stat``, ``value_and_per_example_stat`` and
-``check_per_example``."""
+"""Public entry points: ``per_example_stat`` and ``value_and_per_example_stat``
+(``check_per_example`` lives in ``check.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import chunking, compat, engine, tiling
+from jaxpr_surgery._src import chunking, compat, engine, independence, tiling
 from jaxpr_surgery._src import stats as S
 
 PyTree = Any
@@ -62,24 +62,43 @@ class Options:
     strict: bool
     axis_name: Any
     memory_budget_bytes: int | None = None
+    check: bool = True  # prove from the batch loss's jaxpr that the examples do not interact
 
 
 def _flatten_stats(stat):
-    """(statistics, their treedef, each one's reductions, the unique reductions of all)."""
-    leaves, treedef = jax.tree.flatten(
+    """(statistics, their treedef, each one's reductions, the unique reductions of all).
+
+    Equal reductions are computed once; a user's `stats.PhiSum` is equal to another by
+    its ``name``, so two names given to different functions raise here.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
         stat,
         is_leaf=lambda x: (
             S.is_statistic(x) or (hasattr(x, "reductions") and hasattr(x, "finalize"))
         ),
     )
-    if not leaves:
+    if not flat:
         raise TypeError("stat: expected a statistic or a pytree of statistics, got an empty tree.")
+    leaves = [s for _, s in flat]
     reqs = [S.validate(s) for s in leaves]
-    unique = []
-    for req in reqs:
+    unique, owner = [], []
+    for (path, s), req in zip(flat, reqs):
         for r in req.values():
             if r not in unique:
                 unique.append(r)
+                owner.append((path, s, r))
+                continue
+            opath, os_, o = owner[unique.index(r)]
+            if isinstance(r, S.PhiSum) and not S.same_function(r.phi, o.phi):
+                where = lambda p, st: f"{_path_str(p)} ({st!r})"  # noqa: E731
+                raise ValueError(
+                    f"stat: the statistics at {where(opath, os_)} and {where(path, s)} both "
+                    f"name their elementwise function name={r.name!r}, but the functions "
+                    f"differ ({S.function_name(o.phi)} and {S.function_name(r.phi)}). "
+                    "Reductions of the same name are computed once, so one statistic would "
+                    "silently get the other's values. "
+                    "Give each function a different name (or name=None)."
+                )
     return leaves, treedef, reqs, unique
 
 
@@ -280,6 +299,21 @@ def _combine_axis(red, v, n_local, N, axis_name):
     return jax.lax.psum(v, axis_name)
 
 
+def _gather_examples(v, n_local, axis_name):
+    """The whole batch's per-example values ``[N, ...]`` from each device's ``[n_local, ...]``,
+    in the order of the devices along ``axis_name``, the same on every device.
+
+    Written as a psum of each device's values placed in its own slot of zeros (exact: the
+    other devices add zeros), so the result is replicated: inside ``shard_map`` an
+    ``all_gather`` stays varying over the axis and could not leave with ``P()``.
+    """
+    n_dev = jax.lax.psum(1, axis_name)  # static: the size of the axis
+    i = jax.lax.axis_index(axis_name)
+    full = jnp.zeros((n_dev * n_local,) + tuple(v.shape[1:]), v.dtype)
+    full = jax.lax.dynamic_update_slice_in_dim(full, v, i * n_local, 0)
+    return jax.lax.psum(full, axis_name)
+
+
 # --------------------------------------------------------------------------- #
 # The computation
 # --------------------------------------------------------------------------- #
@@ -299,6 +333,8 @@ def _compute(prep, stat, opts: Options, name):
         )
 
     closed, out_tree = prep.trace()
+    if opts.check:
+        independence.check(prep, name, prep.data_axes | _axis_names(opts.axis_name))
     n = len(prep.diff_leaves)
     in_tags = (
         [A.PView(i) for i in range(n)]
@@ -371,12 +407,24 @@ def _compute(prep, stat, opts: Options, name):
         loss_sum = jax.lax.psum(loss_sum, opts.axis_name)
     loss = loss_sum / N
 
+    # A statistic that reduces per-example values over the batch (quantiles of norms,
+    # diversity) declares ``whole_batch``: across devices it gets the whole batch's;
+    # the others keep each device's own (per-example outputs stay with their device).
+    whole = {}
+
+    def value_for(s, r):
+        j = reductions.index(r)
+        if opts.axis_name is None or not engine.per_example(r):
+            return values[j]
+        if not getattr(s, "whole_batch", False):
+            return values[j]
+        if j not in whole:
+            whole[j] = [_gather_examples(v, B, opts.axis_name) for v in values[j]]
+        return whole[j]
+
     results = []
     for s, req in zip(stat_leaves, reqs):
-        vals = {
-            k: prep.unflatten_diff(values[reductions.index(r)], _STATIC)
-            for k, r in req.items()
-        }
+        vals = {k: prep.unflatten_diff(value_for(s, r), _STATIC) for k, r in req.items()}
         out = s.finalize(vals, N)
         results.append(_cast_like(out, prep) if getattr(s, "gradient_like", False) else out)
     result = jax.tree.unflatten(stat_tree, results)
@@ -385,6 +433,13 @@ def _compute(prep, stat, opts: Options, name):
 
 
 _STATIC = None  # the value of every statistic at a static (non-array) parameter leaf
+
+
+def _axis_names(axis_name):
+    """The mesh/pmap axes the batch is split over, as a set of names."""
+    if axis_name is None:
+        return frozenset()
+    return frozenset(axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,))
 
 
 def _cast_like(result, prep):
@@ -502,6 +557,7 @@ def value_and_per_example_stat(
     strict: bool = False,
     axis_name: Any = None,
     memory_budget_bytes: int | None = None,
+    check: bool = True,
 ) -> Callable[..., tuple[Any, PyTree]]:
     r"""Like `per_example_stat`, also returning the loss (and aux).
 
@@ -531,6 +587,7 @@ def value_and_per_example_stat(
         bool(strict),
         axis_name,
         memory_budget_bytes,
+        bool(check),
     )
     name = "value_and_per_example_stat"
     _flatten_stats(stat)  # validate early
@@ -595,6 +652,7 @@ def per_example_stat(
     strict: bool = False,
     axis_name: Any = None,
     memory_budget_bytes: int | None = None,
+    check: bool = True,
 ) -> Callable[..., PyTree]:
     r"""Transforms a batch loss into a function computing statistics of per-example gradients.
 
@@ -634,6 +692,16 @@ def per_example_stat(
         per-example gradients for a leaf without a fast rule.
       axis_name: inside ``pmap``/``shard_map`` with the batch split over this
         axis, combine so that every device gets the statistic of all examples.
+      check: first prove, from the jaxpr of the batch loss (one more trace of ``fn``
+        on the whole batch; nothing runs), that the loss is a (weighted) mean of
+        per-example terms. A loss whose examples interact (the batch's token count
+        in a denominator, batch norm in training mode, in-batch negatives, a softmax
+        over the batch) raises `CrossExampleError` naming the operation and its
+        source line; where the jaxpr cannot decide (a gather across the batch axis
+        by data) a `CrossExampleWarning` is emitted once per trace. Only the loss is
+        checked, not ``aux``; a batch of one and ``keep_batch_dim=False`` are not
+        checked. ``False``: compute the statistics of the batch-of-one losses
+        without the check.
 
     Returns:
       A function with the signature of ``fn`` returning ``stat``'s structure
@@ -658,6 +726,7 @@ def per_example_stat(
         strict=strict,
         axis_name=axis_name,
         memory_budget_bytes=memory_budget_bytes,
+        check=check,
     )
 
     @functools.wraps(fn)
@@ -665,136 +734,3 @@ def per_example_stat(
         return vfn(*args, **kwargs)[1]
 
     return wrapped
-
-
-def check_per_example(
-    fn: Callable[..., Any],
-    *,
-    argnums: int | Sequence[int] = 0,
-    batch_argnums: int | Sequence[int] = 1,
-    has_aux: bool = False,
-    rtol: float | None = None,
-    atol: float | None = None,
-    seed: int = 0,
-) -> Callable[..., None]:
-    r"""Checks that ``fn`` is a mean (or sum) of independent per-example losses; raises if not.
-
-    Two comparisons, both against the per-example losses
-    \(l_b = \mathrm{fn}(\ldots, \mathrm{batch}[b{:}b{+}1])\):
-
-    * the value: ``fn(*args)`` must equal \(\frac1B\sum_b l_b\) (a mean loss) or
-      \(\sum_b l_b\) (a sum loss);
-    * the gradient, cheaply: the derivative of ``fn`` along a random direction of the
-      differentiated arguments (``argnums``) must equal the mean (or sum) of the
-      per-example derivatives. This catches examples that interact only through
-      the gradient, such as a ``stop_gradient``-ed batch statistic.
-
-    Models whose examples interact (batch norm in training mode, in-batch
-    negatives, normalising by the whole batch's token count) fail: their
-    per-example gradients are not defined, and every statistic computed with
-    the batch-of-one convention would silently describe a different model.
-    It is a one-off check on concrete values: call it outside ``jit``.
-
-    Returns:
-      A function of ``fn``'s arguments that returns ``None`` or raises ``ValueError``.
-    """
-
-    def check(*args):
-        name = "check_per_example"
-        nargs = len(args)
-        nums = _norm_nums(batch_argnums, "batch_argnums", nargs)
-        dnums = _norm_nums(argnums, "argnums", nargs)
-        leaves_all = jax.tree.leaves(args)
-        if any(isinstance(x, jax.core.Tracer) for x in leaves_all):
-            raise TypeError(
-                f"{name}: called on traced values (inside jit, vmap or grad). It is a one-off "
-                "check on concrete values: call it once outside jit, e.g. on the first batch."
-            )
-        batch = tuple(args[i] for i in nums)
-        leaves, tree = jax.tree.flatten(batch)
-        sizes = {int(np.shape(x)[0]) for x in leaves if np.ndim(x) > 0}
-        if not leaves or len(sizes) != 1 or any(np.ndim(x) == 0 for x in leaves):
-            raise ValueError(
-                f"{name}: every batch leaf needs the same leading example axis; got "
-                f"shapes {[np.shape(x) for x in leaves]}."
-            )
-        (B,) = sizes
-        if B == 0:
-            raise ValueError(f"{name}: the batch is empty (0 examples); nothing to check.")
-
-        def value(a):
-            out = fn(*a)
-            return out[0] if has_aux else out
-
-        def with_batch(a, ex_leaves):
-            a = list(a)
-            for k, i in enumerate(nums):
-                a[i] = jax.tree.unflatten(tree, ex_leaves)[k]
-            return a
-
-        # a random direction in the float leaves of the differentiated arguments
-        diff = tuple(args[i] for i in dnums)
-        dflat, dtree = jax.tree.flatten(diff)
-        fl = [_is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in dflat]
-        rng = np.random.default_rng(seed)
-        tang = [
-            jnp.asarray(rng.standard_normal(np.shape(x)), jnp.result_type(x))
-            for x, f in zip(dflat, fl)
-            if f
-        ]
-
-        def along(a):
-            """(value, derivative along the random direction) of fn at ``a``."""
-            base = [x for x, f in zip(dflat, fl) if f]
-
-            def g(floats):
-                it = iter(floats)
-                d = jax.tree.unflatten(dtree, [next(it) if f else x for x, f in zip(dflat, fl)])
-                a2 = list(a)
-                for k, i in enumerate(dnums):
-                    a2[i] = d[k]
-                return value(a2)
-
-            if not base:
-                return g([]), jnp.zeros(())
-            return jax.jvp(g, (base,), (tang,))
-
-        full, dfull = along(args)
-        per, dper = jax.vmap(lambda ex: along(with_batch(args, [x[None] for x in ex])))(leaves)
-        dt = jnp.result_type(full)
-        r = rtol if rtol is not None else (1e-9 if dt == jnp.float64 else 1e-4)
-        a_ = atol if atol is not None else (1e-12 if dt == jnp.float64 else 1e-6)
-        full_v, dfull_v = float(full), float(dfull)
-        per, dper = np.asarray(per, np.float64), np.asarray(dper, np.float64)
-
-        def close(x, y, scale):
-            return abs(x - y) <= a_ + r * scale
-
-        mean_v, sum_v = per.mean(), per.sum()
-        if close(full_v, mean_v, abs(mean_v) + np.abs(per).mean()):
-            kind, dref = "mean", dper.mean()
-            dscale = np.abs(dper).mean()
-        elif B > 1 and close(full_v, sum_v, abs(sum_v) + np.abs(per).sum()):
-            kind, dref = "sum", dper.sum()
-            dscale = np.abs(dper).sum()
-        else:
-            raise ValueError(
-                f"{name}: fn(batch) = {full_v:.8g} but the mean of the per-example losses "
-                f"fn(batch[b:b+1]) is {mean_v:.8g} (their sum {sum_v:.8g}): the examples of "
-                "this model interact (batch norm, in-batch negatives, normalising by the batch's "
-                "token count, ...). Per-example gradients of such a model are not defined; "
-                "statistics computed by jaxpr_surgery would describe each example alone in a "
-                "batch of one. Make the loss a mean of independent per-example terms (e.g. batch "
-                "norm in inference mode, per-example normalisation)."
-            )
-        if not close(dfull_v, dref, abs(dref) + dscale):
-            raise ValueError(
-                f"{name}: the loss values agree ({kind} of per-example losses), but the "
-                f"gradients do not: along a random direction of argnums={argnums}, fn's "
-                f"derivative is {dfull_v:.8g} and the {kind} of the per-example derivatives is "
-                f"{dref:.8g}. The examples interact through the gradient only (e.g. a "
-                "stop_gradient-ed batch statistic, or a batch-dependent weight); per-example "
-                "gradients of such a model describe a different function."
-            )
-
-    return check

@@ -101,6 +101,12 @@ gather_p = _slicing.gather_p
 mul_p = _lax.mul_p
 add_p = _lax.add_p
 sub_p = _lax.sub_p
+div_p = _lax.div_p
+neg_p = _lax.neg_p
+slice_p = _slicing.slice_p
+dynamic_slice_p = _slicing.dynamic_slice_p
+iota_p = _lax.iota_p
+eq_p = _lax.eq_p
 convert_p = _lax.convert_element_type_p
 reshape_p = _lax.reshape_p
 transpose_p = _lax.transpose_p
@@ -422,3 +428,121 @@ def in_auto_mode(fn, args, mesh, axes):
 
     with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
         return jax.sharding.auto_axes(fn, axes=axes, out_sharding=PartitionSpec())(*args)
+
+
+# --------------------------------------------------------------------------- #
+# The cross-example check (independence.py): primitives by object, params of the
+# control-flow primitives, and how jax batches a primitive (which tells elementwise ops)
+# --------------------------------------------------------------------------- #
+def _find_prim(name):
+    """The primitive ``<name>_p`` of jax's lax, slicing, loops, ... modules, or None."""
+    import importlib
+
+    for mod in (
+        "jax._src.lax.lax",
+        "jax._src.lax.slicing",
+        "jax._src.lax.control_flow.loops",
+        "jax._src.lax.windowed_reductions",
+        "jax._src.lax.parallel",
+        "jax._src.ad_util",
+        "jax._src.ad_checkpoint",
+        "jax._src.prng",
+        "jax._src.random.prng",
+        "jax._src.pjit",
+        "jax._src.lax.ann",
+    ):
+        try:
+            p = getattr(importlib.import_module(mod), f"{name}_p", None)
+        except ImportError:  # pragma: no cover - module moved in this jax
+            continue
+        if p is not None:
+            return p
+    return None
+
+
+class _Prims:
+    """Primitive objects by name (None where this jax has no such primitive)."""
+
+    def __getattr__(self, name):
+        p = _find_prim(name)
+        setattr(self, name, p)
+        return p
+
+
+prims = _Prims()
+
+
+def elementwise_batching(prim) -> str | None:
+    """``"broadcast"`` for n-ary elementwise primitives (jax batches them with its
+    broadcasting batcher), ``"vectorized"`` for those applied independently along leading
+    axes (unary elementwise ops, ``random_bits``: jax's vectorized batcher), else None."""
+    from jax._src.interpreters import batching
+
+    table = getattr(batching, "fancy_primitive_batchers", None)
+    if not isinstance(table, dict):  # pragma: no cover - older layout
+        table = getattr(batching, "primitive_batchers", {})
+    rule = table.get(prim) if isinstance(table, dict) else None
+    func = getattr(rule, "func", None)
+    if func is not None and func is getattr(batching, "broadcast_batcher", ()):
+        return "broadcast"
+    if func is not None and func is getattr(batching, "vectorized_batcher", ()):
+        return "vectorized"
+    return None
+
+
+def custom_call_parts(eqn):
+    """``(Jaxpr, consts)`` of the primal function of a custom_jvp / custom_vjp call."""
+    for key in ("call_jaxpr", "fun_jaxpr"):
+        j = eqn.params.get(key)
+        if j is not None:
+            return closed_parts(j)
+    raise _unsupported(eqn, "no 'call_jaxpr' or 'fun_jaxpr'")
+
+
+@dataclasses.dataclass(frozen=True)
+class WhileParams:
+    """Operands of a ``while`` eqn: ``cond_consts + body_consts + carry``."""
+
+    cond: Any  # open Jaxpr
+    cond_consts: tuple
+    cond_nconsts: int
+    body: Any
+    body_consts: tuple
+    body_nconsts: int
+
+
+def while_params(eqn) -> WhileParams:
+    prm = eqn.params
+    if not {"cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"} <= set(prm):
+        raise _unsupported(eqn, "no cond_jaxpr/body_jaxpr/cond_nconsts/body_nconsts")
+    cj, cc = closed_parts(prm["cond_jaxpr"])
+    bj, bc = closed_parts(prm["body_jaxpr"])
+    return WhileParams(cj, cc, int(prm["cond_nconsts"]), bj, bc, int(prm["body_nconsts"]))
+
+
+def cond_branches(eqn) -> list:
+    """The open jaxprs of a ``cond`` eqn's branches (operands: index, then their inputs)."""
+    if "branches" not in eqn.params:
+        raise _unsupported(eqn, "no 'branches'")
+    return [closed_parts(b)[0] for b in eqn.params["branches"]]
+
+
+def user_frames(eqn, stop_dir: str) -> list:
+    """``file:line (function)`` of the user's frames that emitted ``eqn``, innermost first
+    (file names without their directory), up to the first frame under ``stop_dir`` (the
+    package's own code that called the user's function)."""
+    try:
+        import os
+
+        from jax._src import source_info_util
+
+        out = []
+        for frame in source_info_util.user_frames(eqn.source_info.traceback):
+            if os.path.abspath(frame.file_name).startswith(stop_dir):
+                break
+            out.append(
+                f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"
+            )
+        return out
+    except Exception:  # noqa: BLE001 - no source info in this jax
+        return []

@@ -125,7 +125,7 @@ def make_plan(
         # Kronecker moments of a layer inside lax.scan, or of a view that reshapes
         # its leaf, need the leaf's per-example gradient: ingredients, then tiles
         kron_ok = not plan.has_kron or (
-            rule == "single" and kron.leaf_axes(analysis.leaves[i].sites[0]) is not None
+            rule == "single" and kron.leaf_map(analysis.leaves[i].sites[0]) is not None
         )
         if rule == "single" and not plan.has_dot and kron_ok:
             plan.modes.append("direct")
@@ -207,7 +207,7 @@ def _traced_ingredient_avals(site, kernel, B):
     dy = tuple(SDS((B,) + tuple(v.aval.shape), v.aval.dtype) for v in site.eqn.outvars)
 
     def f(w, ext, dy):
-        return kernel.ingredients(kernel.prepare(w, ext, site.ext_batched, dy))
+        return kernel.ingredients(kernel.prepare_site(w, ext, site.ext_batched, dy))
 
     return jax.eval_shape(f, w, ext, dy)
 
@@ -218,9 +218,11 @@ def _stacked(fn, depth):
     return fn
 
 
-def _to_leaf(value, site):
+def _to_leaf(value, site, fill=0):
+    """A value in the site's view (stacked over enclosing scans) in leaf space.
+    ``fill``: the value where a slice of the leaf has no view (a zero gradient's)."""
     for op in reversed(site.chain):
-        value = op.inverse(value)
+        value = op.inverse(value, fill) if op.kind == "slice" else op.inverse(value)
     return value
 
 
@@ -327,7 +329,9 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
     done = set()  # (j, i): values that continue ``carry`` already
     if carry is not None:
         for p, s in an.sites.items():
-            if plan.modes[s.leaf] == "direct":
+            # (a sliced view's values are merged: outside the slice they are those of
+            # this chunk's zero gradients, `_direct_to_leaf`)
+            if plan.modes[s.leaf] == "direct" and not s.pads:
                 sinks[p] = _carry_sink(plan, s, sinks[p], carry, data_axes | leaf_axes[s.leaf])
                 done.update((j, s.leaf) for j, r in enumerate(plan.reductions) if S.carries(r))
     residual = [i for i, m in enumerate(plan.modes) if m == "residual"]
@@ -534,6 +538,11 @@ def _direct_to_leaf(site, r, v, B):
         return S.combine_norms(v.reshape((-1, B))) if site.depth else v
     if isinstance(r, S.Centered):
         return _moments_to_leaf(v, site)
+    if isinstance(r, S.PhiSum) and r.phi is not None and site.pads:
+        # where the view slices the leaf away, every example's gradient is 0: B phi(0)
+        # (a user's phi may have phi(0) != 0, cos)
+        zero = jnp.zeros((1,), v.dtype)
+        return _to_leaf(v, site, B * r.apply(zero).astype(v.dtype)[0])
     return _to_leaf(v, site)
 
 
@@ -573,11 +582,18 @@ def cross_layout(sa, ka, sb, kb):
         sa, ka, sb, kb = sb, kb, sa, ka
     if not (ka.kind == "embedding" and kb.kind == "dense") or sa.depth or sb.depth:
         return None
+    if sa.pads or sb.pads:
+        return None
     c = kb.c
     if c["K"] != 1:
         return None
     V, d = ka.V, ka.d
-    # where does canonical (c, f) land in the [V, d] leaf? (numpy: static)
+    # the embedding's table rows are the leaf's rows (not its columns: a square table
+    # gathered as ``table.T[ids]``)? (numpy: static)
+    rows = np.arange(V * d).reshape(V, d)
+    if not np.array_equal(np.asarray(_to_leaf(ka._view(rows), sa)), rows):
+        return None
+    # where does canonical (c, f) land in the [V, d] leaf?
     idx = np.arange(c["C"] * c["F"]).reshape(1, c["C"], c["F"])
     leaf_idx = _to_leaf(kb.to_view(idx), sb)
     if leaf_idx.shape != (V, d):
@@ -700,7 +716,7 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
     if len(ings) == 1:
         # one site: all reductions in one call, so they share its tile loop
         s, k, ing = ings[0]
-        kron_ok = kron.leaf_axes(s) is not None
+        kron_ok = kron.leaf_map(s) is not None
         req = {
             rkey(j): r
             for j, r in enumerate(plan.reductions)
@@ -885,11 +901,11 @@ def _leaf_dots(plan, i, ings, r, B, mat):
     inputs where its view permutes the leaf; else tiles of the leaf's per-example gradients."""
     ref = plan.refs[r][i]
     acc = acc_dtype_for(plan.leaf_avals[i].dtype)
-    axes = [kron.leaf_axes(s) for s, _, _ in ings]
-    if all(a is not None for a in axes):
+    if all(kron.leaf_map(s) is not None for s, _, _ in ings):
+        # the reference in each site's view (transposed, sliced the same way)
         total = None
-        for (_, k, ing), m in zip(ings, axes):
-            v = k.dots(k.ctx(ing), jnp.transpose(ref, m).astype(acc))
+        for s, k, ing in ings:
+            v = k.dots(k.ctx(ing), _from_leaf(jnp.asarray(ref), s).astype(acc))
             total = v if total is None else total + v
         return total
     return _tiled_materialised(plan, ings, mat, B, [dots.BoundDot(ref)])[0]

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import chunking, compat, dots, kron, tiling
+from jaxpr_surgery._src import chunking, compat, dots, explain_table, independence, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared
 from jaxpr_surgery._src.engine import (
@@ -44,6 +44,8 @@ class LeafReport:
     ``"materialised"`` (a ``[B, *leaf]`` per-example tensor of the leaf),
     ``"fallback"`` (exact per-example gradients of the leaf through the whole
     model) or ``"unused"``. ``rule`` is the dearest over the requested statistics.
+    ``hows`` says, per statistic, how its rule runs (``"contraction"``, ``"ghost
+    norm"``, ...); ``detail`` is the same for every statistic in one string.
     """
 
     path: str
@@ -56,6 +58,7 @@ class LeafReport:
     reasons: list  # why a leaf falls back (empty otherwise)
     extra_flops: float | None  # estimated FLOPs of its statistics, beyond the plain gradient
     extra_bytes: float | None  # estimated extra temporary memory (per-example tensors, tiles)
+    hows: dict = dataclasses.field(default_factory=dict)  # statistic's public name -> how
 
     @property
     def fallback(self):
@@ -66,7 +69,8 @@ class LeafReport:
 class Report:
     """Result of `explain`: one `LeafReport` per parameter leaf.
 
-    ``str(report)`` is a table; ``report.leaves`` and ``report.as_dict()`` are
+    ``str(report)`` is a table that fits a 100-column terminal (`Report.format`
+    for another width, or none); ``report.leaves`` and ``report.as_dict()`` are
     machine-readable; ``report.jaxpr()`` prints the per-example jaxpr with every
     site annotated.
     """
@@ -82,6 +86,9 @@ class Report:
     chunk_size: int | None = None  # examples per chunk the call runs (None: the whole batch)
     activation_bytes_per_example: int | None = None  # the estimate chunk_size="auto" uses
     _annotated: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # whether the batch loss is a mean of per-example terms: "independent",
+    # "cross-example", "undecided" or "not checked" (the notes say where and why)
+    independence: str = independence.SKIPPED
 
     def as_dict(self):
         d = dataclasses.asdict(self)
@@ -118,50 +125,27 @@ class Report:
         """The per-example jaxpr, each site annotated with its leaf, kind and rules."""
         return self._annotated() if self._annotated is not None else ""
 
+    def format(self, width: int | None = explain_table.DEFAULT_WIDTH) -> str:
+        """The report as text, every line at most ``width`` columns.
+
+        One line per leaf (path, shape, kind, rule, a footnote, predicted extra
+        memory), then footnotes that say once, for every group of leaves that run
+        the same way, each statistic's rule and how it runs, or why a leaf falls
+        back; then the totals and notes. Paths too long for ``width`` lose the
+        prefix every leaf shares (named above the table), then entries from the
+        middle.
+
+        Args:
+          width: the most columns a line may take (at least 80); ``None``
+            abbreviates and wraps nothing (full paths, one line per footnote).
+
+        Returns:
+          The text; ``str(report)`` is ``report.format()``.
+        """
+        return explain_table.render(self, width)
+
     def __str__(self):
-        head = ("leaf", "shape", "kind", "rule", "detail")
-        rows = [
-            (
-                leaf.path,
-                "x".join(map(str, leaf.shape)) or "()",
-                "+".join(leaf.kinds) or "-",
-                leaf.rule,
-                leaf.detail,
-            )
-            for leaf in self.leaves
-        ]
-        widths = [max(len(str(r[k])) for r in rows + [head]) for k in range(4)]
-        lines = [
-            "  ".join(str(h).ljust(w) for h, w in zip(head[:4], widths)) + "  " + head[4],
-            "  ".join("-" * w for w in widths) + "  " + "-" * 6,
-        ]
-        for r in rows:
-            lines.append("  ".join(str(c).ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
-        fb = self.fallback_leaves
-        lines.append("")
-        lines.append(
-            f"B={self.batch_size}; statistics: {', '.join(self.statistics)}; "
-            f"fallback leaves: {len(fb)}"
-        )
-        flops, mem = self.total_extra_flops, self.total_extra_bytes
-        line = f"predicted extra: {flops:.3g} FLOPs, {_mib(mem)} temporary memory"
-        if self.grad_flops:
-            line += f" ({flops / self.grad_flops:.2f}x grad's FLOPs"
-            if self.grad_temp_bytes:
-                line += f", {mem / self.grad_temp_bytes:.2f}x its temporary memory"
-            line += ")"
-        line += f"; tiles sized by memory_budget_bytes={_mib(self.memory_budget_bytes)}"
-        lines.append(line)
-        if self.activation_bytes_per_example is not None:
-            act = _mib(self.activation_bytes_per_example)
-            lines.append(
-                f"batch run in chunks of {self.chunk_size} examples (activations ~{act} per "
-                "example)"
-                if self.chunk_size
-                else f"batch run whole (activations ~{act} per example)"
-            )
-        lines.extend(self.notes)
-        return "\n".join(lines)
+        return self.format()
 
 
 def _mib(b):
@@ -198,6 +182,7 @@ def explain(
     memory_budget_bytes: int | None = None,
     chunk_size: int | str | None = "auto",
     compare_grad: bool = False,
+    check: bool = True,
 ):
     r"""Reports, for every parameter leaf, the layer kind detected and the rule that runs.
 
@@ -214,6 +199,9 @@ def explain(
         runs with (``"auto"``: chosen from the estimated activations per example).
       compare_grad: also compile ``jax.grad(fn)`` once and report the predicted
         extra FLOPs and memory as ratios to XLA's estimates for it.
+      check: also trace the batch loss and report whether it is a mean of
+        per-example terms, as `per_example_stat` checks it (``Report.independence``
+        and a note naming the operation where examples interact); never raises.
 
     Returns:
       A function of ``fn``'s arguments returning a `Report`.
@@ -221,8 +209,10 @@ def explain(
     Note:
       A model whose examples interact (batch norm in training mode, in-batch
       negatives) has no per-example gradients: the per-example loss is the
-      model applied to a batch of one. ``explain`` cannot see that from one
-      example's trace; run `check_per_example` to test it.
+      model applied to a batch of one. With ``check=True`` the report says
+      whether the batch loss was proved a mean of per-example terms, where
+      `per_example_stat` would raise, or where the jaxpr cannot decide (run
+      `check_per_example` then).
 
     Examples:
       >>> import jax.numpy as jnp, jaxpr_surgery as js
@@ -282,10 +272,9 @@ def explain(
                     prep, an, i, x, B, names, reqs, reductions, budget, site_notes, recompute
                 )
             )
-        notes = [
-            "Per-example gradients assume independent examples: run js.check_per_example(fn) "
-            "to detect batch norm / in-batch negatives."
-        ]
+        verdict = (independence.verdict(prep, prep.data_axes) if check
+                   else independence.Verdict(independence.SKIPPED, "check=False"))
+        notes = [_independence_note(verdict)]
         if chunking.whole_for_the_allocator(chunk_size, B, act):
             notes.append(
                 'chunk_size="auto" runs the batch whole although its activations pass '
@@ -312,9 +301,27 @@ def explain(
             chunk,
             act,
             annotated,
+            independence=verdict.kind,
         )
 
     return run
+
+
+def _independence_note(v):
+    """One line on whether the examples of the batch loss interact."""
+    if v.kind == independence.INDEPENDENT and v.detail:
+        return f"Examples independent ({v.detail})."
+    if v.kind == independence.INDEPENDENT:
+        return ("Examples independent: the batch loss is a mean of per-example terms "
+                "(proved from its jaxpr).")
+    if v.kind == independence.CROSS:
+        return (f"Cross-example loss: {v.detail}; per_example_stat raises (check=False "
+                "computes the statistics of the batch-of-one losses).")
+    if v.kind == independence.UNDECIDED:
+        return (f"Examples not proved independent: {v.detail}; run js.check_per_example(fn) "
+                "once on a real batch.")
+    return (f"Examples not checked for independence ({v.detail}): run "
+            "js.check_per_example(fn) once on a real batch.")
 
 
 def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes, recompute):
@@ -338,6 +345,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
             list(info.reasons),
             float(2 * B * size),
             float(B * size * itemsize),
+            {n: "exact per-example gradients" for n in names},
         )
     if not info.sites:
         return LeafReport(
@@ -351,6 +359,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
             [],
             0.0,
             0.0,
+            {n: "does not affect the loss: zeros" for n in names},
         )
     ks = [kernel_for(s, acc, budget) for s in info.sites]
     multi = len(info.sites) > 1
@@ -361,7 +370,8 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
     def kron_streams():
         """Token grams serve `KronSum` (every site's token factors line up in leaf axes)."""
         ok = all(
-            kron.leaf_axes(s) is not None and hasattr(k, "kron_meta")
+            (kron.leaf_axes(s) if multi else kron.leaf_map(s)) is not None
+            and hasattr(k, "kron_meta")
             for s, k in zip(info.sites, ks)
         ) and (not multi or len({k.kron_meta()[1] for k in ks}) == 1)
         return ok and (not multi or all(not k.kron_meta()[0][1] for k in ks))  # no block dims
@@ -381,7 +391,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
         if isinstance(r, S.KronSum):
             return [kron_rule(r)]
         if isinstance(r, dots.DotWith):
-            if all(kron.leaf_axes(s) is not None for s in info.sites):
+            if all(kron.leaf_map(s) is not None for s in info.sites):
                 fl = sum(k.rule(S.SUM, B).flops for k in ks)  # one more contraction per site
                 return [(STREAMED, "contraction with the reference", fl, 0.0)]
             t = leaf_tile
@@ -441,7 +451,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
             how = "token grams" + (" of the tied sites" if multi else "")
             how += f" ({t} example{'s' if t > 1 else ''}/tile)"
             return (STREAMED, how, kron.flops(metas, r, B), float(t * it_bytes))
-        if not multi and kron.leaf_axes(info.sites[0]) is not None:
+        if not multi and kron.leaf_map(info.sites[0]) is not None:
             rl = ks[0].rule(r, B)  # a generic site: its own per-example VJP
             return (rl.word, rl.how, rl.flops, rl.bytes)
         t = leaf_tile
@@ -454,17 +464,26 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
             float(t * size * itemsize),
         )
 
-    rules, parts, flops, mem = {}, [], 0.0, 0.0
+    rules, hows, parts, flops, mem = {}, {}, [], 0.0, 0.0
     per_red = {r: rule_of(r) for r in reductions}
     for name, req in zip(names, reqs):
         entries = [e for r in req.values() for e in per_red[r]]
         word = _dearest(e[0] for e in entries)
         rules[name] = word
-        hows = ", ".join(dict.fromkeys(e[1] for e in entries))
-        parts.append(f"{name}: {word} ({hows})")
+        hows[name] = ", ".join(dict.fromkeys(e[1] for e in entries))
+        parts.append(f"{name}: {word} ({hows[name]})")
     for entries in per_red.values():
         flops += sum(e[2] for e in entries)
         mem = max([mem] + [e[3] for e in entries])
+    # what each site sees of the leaf where that is more than the leaf itself (a
+    # scale, a slice): the fast rule runs on that view
+    views = [(s.kind, s.describe_view()) for s in info.sites]
+    views = [(k, v) for k, v in views if v]
+    if views:
+        parts.append(
+            "view (the rules run on it): "
+            + "; ".join(f"[{k}] {v}" if multi else v for k, v in dict.fromkeys(views))
+        )
     for s in info.sites:
         site_notes[s.path] = {"leaf": path, "kind": s.kind, "rules": rules}
     return LeafReport(
@@ -478,6 +497,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
         [],
         float(flops),
         float(mem),
+        hows,
     )
 
 

@@ -108,6 +108,9 @@ def site_key(site, kernel) -> tuple:
     for i, v in enumerate(site.ext_vars):
         namer.bind(v, ("x", i))
     comp = eqns_key((*site.pre, site.eqn), namer)
+    # the view's constant factors: literals by value, others by their input position
+    scales = tuple((sc.kind, None if sc.operand is None else namer.ref(sc.operand))
+                   for sc in site.scales)
     state = {k: v for k, v in vars(kernel).items() if k != "site"}
     return (
         type(kernel),
@@ -123,6 +126,7 @@ def site_key(site, kernel) -> tuple:
         tuple(aval_key(v.aval) for v in site.ext_vars),
         comp,
         tuple(namer.ref(v) for v in site.eqn.outvars),
+        scales,
     )
 
 

@@ -75,8 +75,10 @@ class Evaluator:
         # variables computed from the jaxpr's constants alone (`constant_eqn`)
         self.consts = set()
 
-    def run(self, jaxpr, consts, vals, flags, sinks, path=()):
-        env = {}
+    def run(self, jaxpr, consts, vals, flags, sinks, path=(), outer=()):
+        """``outer``: ``(var, (value, batched))`` of the enclosing scopes that sites in
+        this one read (`analysis.Analysis.forwards`)."""
+        env = dict(outer)
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = (c, False)
             self.consts.add(v)
@@ -117,15 +119,16 @@ class Evaluator:
                 continue
             ins = [read(v) for v in eqn.invars]
             iv, fl = [a for a, _ in ins], [b for _, b in ins]
+            outer = [(v, env[v]) for v in self.an.forwards.get(p, ())]
             if p in self.an.sites:
                 outs, ofl = self.site(p, env, read, sinks)
             elif eqn.primitive in _CALL_PRIMS:
                 sub, sub_consts = compat.call_parts(eqn)
-                outs, ofl = self.run(sub, sub_consts, iv, fl, sinks, p)
+                outs, ofl = self.run(sub, sub_consts, iv, fl, sinks, p, outer)
             elif eqn.primitive is compat.remat_p:
-                outs, ofl = self.remat(eqn, iv, fl, sinks, p)
+                outs, ofl = self.remat(eqn, iv, fl, sinks, p, outer)
             else:
-                outs, ofl = self.scan(eqn, iv, fl, sinks, p)
+                outs, ofl = self.scan(eqn, iv, fl, sinks, p, outer)
             for v, o, f in zip(eqn.outvars, outs, ofl):
                 env[v] = (o, f)
             i += 1
@@ -241,6 +244,8 @@ class Evaluator:
                     need(v)
             for v in eqn.invars:
                 need(v)
+            for v in self.an.forwards.get(path + (start + k,), ()):  # read by sites inside
+                need(v)
             defined.update(eqn.outvars)
         in_flags = tuple(env[v][1] for v in inputs)
         n = len(path)
@@ -303,6 +308,7 @@ class Evaluator:
         for k, eqn in enumerate(jaxpr.eqns):
             site = self.an.sites.get(path + (k,))
             extra = (site.base, *site.ext_vars) if site is not None else ()
+            extra += self.an.forwards.get(path + (k,), ())
             for v in (*eqn.invars, *extra):
                 if not isinstance(v, compat.Literal):
                     last[v] = k
@@ -419,22 +425,25 @@ class Evaluator:
             if isinstance(vo, compat.Literal) or vo in self.consts:
                 self.consts.add(vi)
 
-    def remat(self, eqn, vals, flags, sinks, p):
+    def remat(self, eqn, vals, flags, sinks, p, outer=()):
         sub_sinks = self._sub_sinks(sinks, p)
         out_flags = []
         prm = compat.remat_params(eqn)
         self._inherit_consts(eqn.invars, prm.jaxpr.invars)
+        outer_vars = [v for v, _ in outer]
+        outer_flags = [f for _, (_, f) in outer]
 
-        def f(vals, sub_sinks):
-            outs, ofl = self.run(prm.jaxpr, (), vals, flags, sub_sinks, p)
+        def f(vals, sub_sinks, outer_vals):
+            inner = [(v, (x, fl)) for v, x, fl in zip(outer_vars, outer_vals, outer_flags)]
+            outs, ofl = self.run(prm.jaxpr, (), vals, flags, sub_sinks, p, inner)
             out_flags[:] = ofl
             return outs
 
         ck = jax.checkpoint(f, prevent_cse=prm.prevent_cse, policy=prm.policy)
-        outs = ck(list(vals), sub_sinks)
+        outs = ck(list(vals), sub_sinks, [x for _, (x, _) in outer])
         return outs, list(out_flags)
 
-    def scan(self, eqn, vals, flags, sinks, p):
+    def scan(self, eqn, vals, flags, sinks, p, outer=()):
         prm = compat.scan_params(eqn)
         nc, ncar, L = prm.num_consts, prm.num_carry, prm.length
         self._inherit_consts(eqn.invars[:nc], prm.jaxpr.invars[:nc])
@@ -459,6 +468,7 @@ class Evaluator:
                 list(cf) + [True] * ncar + list(xf),
                 s,
                 p,
+                outer,
             )
             new_carry = [o if f else _bcast(o, self.B) for o, f in zip(outs[:ncar], ofl[:ncar])]
             new_carry = [c.astype(o.dtype) for c, o in zip(new_carry, carry)]
@@ -570,7 +580,7 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
             # the statistics start once the cotangent is there (x and dy through one
             # barrier), and the data cotangents once they are done (dy and them)
             sx, sdy = jax.lax.optimization_barrier((ext, dy)) if finish else (ext, dy)
-            ctx = kernel.prepare(w, sx, ext_batched, sdy)
+            ctx = kernel.prepare_site(w, sx, ext_batched, sdy)
             B = jax.tree.leaves(dy)[0].shape[0]
 
             def compute(req):
@@ -638,7 +648,7 @@ def make_weighted_site_fn(cache):
 
         def bwd_impl(w, ext, dy, weights):
             _, pull = jax.vjp(F, w, *ext)
-            ing = kernel.ingredients(kernel.prepare(w, ext, ext_batched, dy))
+            ing = kernel.ingredients(kernel.prepare_site(w, ext, ext_batched, dy))
             sums = [kernel.weighted_sum(ing, c).astype(d) for c, d in zip(weights, out_dtypes)]
             cts = pull(dy)
             return cts[0], tuple(cts[1:]), sums

@@ -43,7 +43,9 @@ def materialised(G, r):
     out = []
     for j in range(1, G.ndim):
         n = G.shape[j]
-        U = jnp.moveaxis(G, j, 1).reshape(G.shape[0], n, -1)
+        # explicit sizes: a zero-size axis makes a -1 in reshape ambiguous
+        rest = math.prod(G.shape[1:j] + G.shape[j + 1 :])
+        U = jnp.moveaxis(G, j, 1).reshape(G.shape[0], n, rest)
         if n <= r.max_dim:
             out.append(jnp.einsum("bir,bjr->ij", U, U, precision="highest"))
         else:
@@ -82,10 +84,23 @@ class _Ops:
 
     @staticmethod
     def to_leaf(r, v, site):
-        axes = leaf_axes(site)
+        """The view's moments on the leaf's axes; an axis the view slices gets its
+        moments (or their diagonal) at the kept indices, zeros elsewhere (a zero
+        gradient there; the other axes' moments sum over the kept elements alone)."""
+        lm = leaf_map(site)
+        shape = site.chain[0].in_shape if site.chain else tuple(site.view_shape)
         out = [None] * len(v)
-        for i, m in enumerate(axes):
-            out[m] = v[i]
+        for i, (m, start, stride) in enumerate(lm):
+            n, N = site.view_shape[i], shape[m]
+            x = v[i]
+            if n != N:
+                idx = start + stride * jnp.arange(n)
+                if N > r.max_dim:
+                    d = jnp.diagonal(x) if x.ndim == 2 else x
+                    x = jnp.zeros((N,), x.dtype).at[idx].set(d)
+                else:
+                    x = jnp.zeros((N, N), x.dtype).at[idx[:, None], idx[None, :]].set(x)
+            out[m] = x
         return tuple(out)
 
 
@@ -108,6 +123,37 @@ def leaf_axes(site):
             continue
         return None
     return tuple(m) if m is not None else tuple(range(len(site.view_shape)))
+
+
+def leaf_map(site):
+    """For each axis of the site's view, ``(leaf axis, start, stride)``: the view's
+    index ``i`` on it is the leaf's ``start + stride * i`` (a permutation of the leaf's
+    axes, with slices); None when the view is more than that (a reshape, a slice of
+    stacked layers)."""
+    if site.depth:
+        return None
+    m = None
+    for op in site.chain:
+        if m is None:
+            m = [(a, 0, 1) for a in range(len(op.in_shape))]
+        if op.kind == "identity" or (op.kind == "reshape" and op.in_shape == op.out_shape):
+            continue
+        if op.kind == "transpose":
+            m = [m[int(p)] for p in op.perm]
+            continue
+        if op.kind == "slice":
+            m = [(a, s0 + st0 * s, st0 * st) for (a, s0, st0), s, st in zip(m, op.start, op.stride)]
+            continue
+        return None
+    if m is None:
+        return tuple((a, 0, 1) for a in range(len(site.view_shape)))
+    return tuple(m)
+
+
+def view_leaf_axes(site):
+    """For each axis of the site's view, the leaf axis it lies on (`leaf_map`), or None."""
+    lm = leaf_map(site)
+    return None if lm is None else tuple(a for a, _, _ in lm)
 
 
 # --------------------------------------------------------------------------- #
@@ -364,6 +410,10 @@ def moments(sites, shape, r, dtype, budget=None):
         return ()
     B = _batch(sites[0])
     sizes = tuple(int(n) for n in shape)
+    if _empty(sites, sizes):
+        # no tokens (T = 0) or a zero-width axis: every per-example gradient is an empty
+        # sum or has no entries, so each axis's moment is zeros
+        return tuple(jnp.zeros(s, dtype) for s in value_shapes(sizes, r))
     per_ex = (
         any(
             not isinstance(F, OneHot) and F.shape[1 + len(f.kaxes)] > 1
@@ -387,6 +437,18 @@ def moments(sites, shape, r, dtype, budget=None):
         tile,
     )
     return tuple(vals[a].astype(dtype) for a in axes)
+
+
+def _empty(sites, sizes):
+    """The leaf has a zero-size axis, or some site's factors hold no entries (no
+    tokens, a zero-width group): the moments are zeros."""
+    if 0 in sizes:
+        return True
+    for f in sites:
+        for _, F in f.groups:
+            if (F.ids if isinstance(F, OneHot) else F).size == 0:
+                return True
+    return False
 
 
 def _batch(f):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -90,7 +91,8 @@ class PhiSum(Reduction):
       multiplicative: declares ``phi(a * b) == phi(a) * phi(b)`` (square, sign,
         abs, powers), which lets rank-one layers use ``phi(x)^T phi(dy)``.
       name: used for equality and in reports; two ``PhiSum`` with the same
-        ``name`` and ``multiplicative`` are computed once.
+        ``name`` and ``multiplicative`` are computed once. Giving one name to two
+        different functions in one request raises a ``ValueError``.
     """
 
     phi: Callable[[jax.Array], jax.Array] | None = None
@@ -111,6 +113,75 @@ class PhiSum(Reduction):
 
     def apply(self, g):
         return g if self.phi is None else self.phi(g)
+
+
+def function_name(f) -> str:
+    """A short readable name of a function for messages (``cos``, ``<lambda>``)."""
+    name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
+    return name if isinstance(name, str) else repr(f)
+
+
+def same_function(f, g, _seen=None) -> bool:
+    """``f`` and ``g`` are the same function: one object, equal objects, or one code
+    with the same environment (a lambda built afresh by each ``reductions()`` call),
+    also through ``functools.partial`` and wrappers (``__wrapped__``). When in doubt:
+    not the same."""
+    if f is g or _equal(f, g):
+        return True
+    seen = set() if _seen is None else _seen
+    if (id(f), id(g)) in seen:  # a closure that refers to itself
+        return True
+    seen.add((id(f), id(g)))
+    if isinstance(f, functools.partial) and isinstance(g, functools.partial):
+        return (
+            same_function(f.func, g.func, seen)
+            and len(f.args) == len(g.args)
+            and all(_same_value(a, b, seen) for a, b in zip(f.args, g.args))
+            and f.keywords.keys() == g.keywords.keys()
+            and all(_same_value(f.keywords[k], g.keywords[k], seen) for k in f.keywords)
+        )
+    wf, wg = getattr(f, "__wrapped__", None), getattr(g, "__wrapped__", None)
+    if wf is not None and wg is not None and type(f) is type(g):
+        return same_function(wf, wg, seen)
+    code_f, code_g = getattr(f, "__code__", None), getattr(g, "__code__", None)
+    if code_f is None or code_f != code_g:
+        return False
+    if getattr(f, "__globals__", None) is not getattr(g, "__globals__", None):
+        return False
+    env_f = (f.__defaults__ or (), tuple((f.__kwdefaults__ or {}).items()),
+             tuple(c.cell_contents if _filled(c) else _EMPTY for c in f.__closure__ or ()))
+    env_g = (g.__defaults__ or (), tuple((g.__kwdefaults__ or {}).items()),
+             tuple(c.cell_contents if _filled(c) else _EMPTY for c in g.__closure__ or ()))
+    return all(
+        len(a) == len(b) and all(_same_value(x, y, seen) for x, y in zip(a, b))
+        for a, b in zip(env_f, env_g)
+    )
+
+
+_EMPTY = object()  # the contents of a closure cell not yet assigned
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - raises ValueError when empty
+    except ValueError:
+        return False
+    return True
+
+
+def _equal(a, b) -> bool:
+    """``a == b`` as a bool, False where that is not a bool (arrays) or raises."""
+    try:
+        eq = a == b
+        return bool(eq) if isinstance(eq, (bool, np.bool_)) else False
+    except Exception:  # noqa: BLE001 - an object whose == raises is not equal
+        return False
+
+
+def _same_value(a, b, seen) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):  # a keyword default: (name, value)
+        return len(a) == len(b) and all(_same_value(x, y, seen) for x, y in zip(a, b))
+    return a is b or _equal(a, b) or (callable(a) and callable(b) and same_function(a, b, seen))
 
 
 def is_plain_sum(r) -> bool:
@@ -333,6 +404,18 @@ class Statistic(abc.ABC):
       `ClippedSum`, a `Moments` for `Centered`, a ``[B]``
       array for `SqNorms`); ``count`` is the number of examples ``B``.
 
+    Attributes:
+      gradient_like: results shaped like the parameters come back in the parameters'
+        dtype (like ``jax.grad``) when True; otherwise in at least float32.
+      whole_batch: ``finalize`` reduces per-example values (`SqNorms`, per-example
+        dots) over the batch, as quantiles or a sum of the norms do. With
+        ``axis_name`` (``pmap``, ``shard_map``) every device's ``finalize`` then gets
+        the whole batch's per-example values: ``[N]`` arrays of all devices'
+        examples, in the order of the devices along the axis, gathered for this
+        statistic only. False (the default) for statistics that return per-example
+        values, which stay ``[B]`` with the device holding the examples. Without
+        ``axis_name`` it changes nothing.
+
     Example -- the per-coordinate mean of ``g^4``:
 
         class FourthMoment(js.stats.Statistic):
@@ -343,9 +426,8 @@ class Statistic(abc.ABC):
                 return jax.tree.map(lambda s: s / count, values["p4"])
     """
 
-    #: Results shaped like the parameters come back in the parameters' dtype
-    #: (like ``jax.grad``) when True; otherwise in at least float32.
     gradient_like: bool = False
+    whole_batch: bool = False
 
     @abc.abstractmethod
     def reductions(self) -> Mapping[str, Reduction]:
@@ -419,6 +501,13 @@ class _PhiMean(Statistic):
 
     def finalize(self, values, count):
         return _tree_div(values["p"], count)
+
+    def __repr__(self):
+        if self._name != "elementwise":
+            return f"{self._name}()"
+        r = self.reduction
+        return (f"elementwise({function_name(r.phi)}, multiplicative={r.multiplicative}, "
+                f"name={r.name!r})")
 
 
 class _Variance(Statistic):
@@ -793,7 +882,10 @@ def elementwise(
       multiplicative: declare \(\varphi(ab)=\varphi(a)\varphi(b)\) so the
         rank-one fast path \(\varphi(X)^T\varphi(dY)\) applies. Declaring it
         falsely gives wrong numbers; leave it False when unsure.
-      name: optional identity used to share work between equal statistics.
+      name: optional identity used to share work between equal statistics: two
+        ``elementwise`` statistics of one name are computed once. One name must mean
+        one function: giving it to different functions in one request raises a
+        ``ValueError``.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
@@ -902,7 +994,8 @@ def kron_moments(max_dim: int = 1024) -> Statistic:
 
     an ``[n_j, n_j]`` matrix when \(n_j \le\) ``max_dim``, otherwise its diagonal,
     a vector ``[n_j]`` (a 50k-row vocabulary axis costs 50k floats, not 50k\(^2\)).
-    A 0-d leaf gives ``()``. Results come back in at least float32.
+    A 0-d leaf gives ``()``; a leaf with a zero-size axis, or whose layer sees no
+    tokens, gives zeros of those shapes. Results come back in at least float32.
 
     At dense, einsum, conv-over-patches and embedding sites (a tied embedding
     included) the moments come from token grams, one sandwich per example, without

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpr_surgery._src import stats as S
 
@@ -62,6 +63,7 @@ class _Kurtosis(S.Statistic):
 
 class _Diversity(S.Statistic):
     _name = "gradient_diversity"
+    whole_batch = True  # sums the per-example norms over the batch
 
     def reductions(self):
         return {"n": S.SqNorms(), "s": S.SUM}
@@ -76,9 +78,10 @@ class _Diversity(S.Statistic):
 
 class _NormQuantiles(S.Statistic):
     _name = "norm_quantiles"
+    whole_batch = True  # quantiles over the batch of the per-example norms
 
     def __init__(self, q, per_leaf):
-        self.q = tuple(float(x) for x in q)
+        self.q = q  # a float (scalar results) or a tuple of floats
         self.per_leaf = per_leaf
 
     def reductions(self):
@@ -148,13 +151,21 @@ def gradient_diversity() -> S.Statistic:
     return _Diversity()
 
 
-def norm_quantiles(q: Sequence[float] = (0.1, 0.5, 0.9), per_leaf: bool = True) -> S.Statistic:
+def norm_quantiles(
+    q: float | Sequence[float] = (0.1, 0.5, 0.9), per_leaf: bool = True
+) -> S.Statistic:
     r"""Quantiles of the per-example gradient norms \(\|g_b\|\) over the batch.
 
+    Quantiles interpolate linearly, as ``jnp.quantile``. With ``axis_name`` (``pmap``,
+    ``shard_map``) they are quantiles of the whole batch: every device gets the same
+    value.
+
     Args:
-      q: quantile levels in ``[0, 1]``.
-      per_leaf: a pytree like params of ``[len(q)]`` arrays (per-layer norms), or
-        one ``[len(q)]`` array of the global norms.
+      q: a quantile level in ``[0, 1]``, or a sequence of them. Like ``jnp.quantile``,
+        a scalar level gives a scalar (shape ``()``) result per leaf, a sequence an
+        array ``[len(q)]``.
+      per_leaf: a pytree like params of per-leaf results (the norms of each leaf's
+        gradient), or one result of the global norms over all leaves.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
@@ -164,8 +175,31 @@ def norm_quantiles(q: Sequence[float] = (0.1, 0.5, 0.9), per_leaf: bool = True) 
       >>> st = js.stats.norm_quantiles((0.0, 0.5, 1.0), per_leaf=False)
       >>> print(np.asarray(js.per_example_stat(loss, st)(jnp.zeros(2), batch)).round(4))
       [2.     4.     8.4853]
+      >>> med = js.stats.norm_quantiles(0.5, per_leaf=False)
+      >>> print(np.asarray(js.per_example_stat(loss, med)(jnp.zeros(2), batch)).round(4))
+      4.0
     """
-    q = tuple(q)
-    if not q or any(not (0.0 <= float(x) <= 1.0) for x in q):
+    return _NormQuantiles(_levels(q), bool(per_leaf))
+
+
+def _levels(q):
+    """``q`` as a float (a scalar level) or a tuple of floats; raises on anything else."""
+    bad = (
+        "norm_quantiles(q=...): expected a level in [0, 1] or a sequence of them "
+        "(e.g. 0.5 or (0.1, 0.5, 0.9)), got {!r}."
+    )
+    if isinstance(q, jax.core.Tracer):
+        raise TypeError(bad.format(q) + " The levels must be concrete (not traced): build "
+                        "the statistic outside jit.")
+    try:
+        arr = np.asarray(q)
+    except Exception as e:  # noqa: BLE001 - ragged or unconvertible: reported below
+        raise TypeError(bad.format(q)) from e
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.number) or arr.ndim > 1:
+        raise TypeError(bad.format(q))
+    if np.iscomplexobj(arr):
+        raise TypeError(bad.format(q))
+    levels = arr.astype(np.float64)
+    if levels.size == 0 or not np.all((levels >= 0.0) & (levels <= 1.0)):  # NaN fails too
         raise ValueError(f"norm_quantiles(q=...): levels must lie in [0, 1], got {q!r}.")
-    return _NormQuantiles(q, bool(per_leaf))
+    return float(levels) if arr.ndim == 0 else tuple(float(x) for x in levels)

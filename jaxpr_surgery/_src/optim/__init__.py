@@ -1,7 +1,8 @@
 """Optimizers that consume per-example gradient statistics (see ``jaxpr_surgery.optim``).
 
 One module per concept: ``requests`` (the transformation type, statistic
-requests, ``chain``), ``sign``, ``adam``, ``shampoo``, ``dp``, ``monitor``, ``schedules``.
+requests), ``wrappers`` (optax's wrappers keeping requests), ``sign``, ``adam``,
+``shampoo``, ``dp``, ``monitor``, ``schedules``.
 Importing the package imports every module, so that every optimizer name is
 registered for ``stat_request(name)``.
 """
@@ -13,3 +14,4 @@ from jaxpr_surgery._src.optim import requests as requests
 from jaxpr_surgery._src.optim import schedules as schedules
 from jaxpr_surgery._src.optim import shampoo as shampoo
 from jaxpr_surgery._src.optim import sign as sign
+from jaxpr_surgery._src.optim import wrappers as wrappers

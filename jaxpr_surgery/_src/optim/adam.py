@@ -29,10 +29,11 @@ import optax
 from jaxpr_surgery._src.optim.requests import (
     PerExampleTransformation,
     build_request,
-    chain,
     register_request,
     require,
+    require_like,
 )
+from jaxpr_surgery._src.optim.wrappers import chain
 
 __all__ = [
     "ScaleByMicroAdamState",
@@ -207,7 +208,7 @@ def scale_by_micro_adam(
 
     def update_fn(updates, state, params=None, *, second_moment=None, **extra_args):
         del params, extra_args
-        second_moment = require(second_moment, "second_moment", "scale_by_micro_adam")
+        second_moment = require_like(second_moment, updates, "second_moment", "scale_by_micro_adam")
         return step(updates, state, second_moment)
 
     return PerExampleTransformation(init_fn, update_fn, build_request("second_moment"))
@@ -263,7 +264,7 @@ def scale_by_micro_adam_var(
 
     def update_fn(updates, state, params=None, *, variance=None, **extra_args):
         del params, extra_args
-        variance = require(variance, "variance", "scale_by_micro_adam_var")
+        variance = require_like(variance, updates, "variance", "scale_by_micro_adam_var")
         return step(updates, state, variance)
 
     return PerExampleTransformation(init_fn, update_fn, build_request("variance"))
@@ -335,13 +336,13 @@ def scale_by_micro_adam_msq(
         updates, state, params=None, *, variance=None, batch_size=None, mean=None, **extra_args
     ):
         del params, extra_args
-        variance = require(variance, "variance", owner)
+        variance = require_like(variance, updates, "variance", owner)
         batch_size = require(batch_size, "batch_size", owner)
         if not isinstance(batch_size, jax.core.Tracer) and int(batch_size) < 2:
             raise ValueError(
                 f"{owner}: batch_size={int(batch_size)}; the per-example variance needs B >= 2."
             )
-        mean = updates if mean is None else mean
+        mean = updates if mean is None else require_like(mean, updates, "mean", owner)
 
         def msq(m, var):
             b = jnp.asarray(batch_size).astype(var.dtype)

@@ -22,15 +22,19 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxpr_surgery._src.optim.requests import (
     PerExampleTransformation,
     build_request,
-    chain,
+    refuse_masked,
     register_request,
+    register_static_hyperparams,
     require,
+    require_like,
 )
+from jaxpr_surgery._src.optim.wrappers import chain
 
 __all__ = ["dp_aggregate", "dp_sgd", "dp_adam"]
 
@@ -49,7 +53,10 @@ def _check(clip_norm, noise_multiplier, batch_size, owner):
                 "infinite noise. Use a finite clip_norm, or noise_multiplier=0 for "
                 "non-private training."
             )
-    if batch_size is not None and not (isinstance(batch_size, int) and batch_size > 0):
+    injected = isinstance(batch_size, (jax.Array, np.ndarray))  # by inject_hyperparams
+    if batch_size is not None and not injected and not (
+        isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size > 0
+    ):
         raise ValueError(
             f"{owner}(batch_size=...): must be a positive int or None, got {batch_size!r}."
         )
@@ -69,6 +76,45 @@ def _noise_like(key, tree, std):
     return jax.tree.map(one, tree, keys)
 
 
+#: Relative difference tolerated between the clip norm the clipping used and the
+#: optimizer's (two computations of one scheduled value in different dtypes).
+CLIP_NORM_RTOL = 1e-4
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _clip_norm_check(used, configured, owner):
+    """``None`` if the clip norm ``used`` by the clipping is ``configured``, or
+    a traced boolean that says so; raises where that can be decided now."""
+    if used is None:
+        if _is_number(configured):
+            return None  # statistics computed by hand for a fixed clip norm
+        raise ValueError(
+            f"{owner}: the clip norm is an injected or traced value ({configured!r}), so "
+            "update() needs the keyword-only extra argument `clip_norm`, the clip norm "
+            "its clipped_sum was clipped with: compute the statistics of "
+            "js.optim.stat_request(opt, state) from the current state inside the step "
+            "(they include it) and pass **js.optim.update_kwargs(stats)."
+        )
+    traced = isinstance(used, jax.core.Tracer) or isinstance(configured, jax.core.Tracer)
+    if not traced:
+        u, c = float(jnp.asarray(used)), float(jnp.asarray(configured))
+        if not (u == c or abs(u - c) <= CLIP_NORM_RTOL * abs(c)):
+            raise ValueError(
+                f"{owner}: clipped_sum was clipped at clip_norm={u:g}, but this optimizer's "
+                f"clip norm is {c:g} at this step: the noise would not match the clipping "
+                "(the privacy guarantee would not be the configured one). Build the request "
+                "inside the training step from the current state, "
+                "js.optim.stat_request(opt, state), not once before training."
+            )
+        return None
+    used = jnp.asarray(used, jnp.float32)
+    configured = jnp.asarray(configured, jnp.float32)
+    return (used == configured) | (jnp.abs(used - configured) <= CLIP_NORM_RTOL * configured)
+
+
 def dp_aggregate(
     clip_norm: float,
     noise_multiplier: float,
@@ -85,8 +131,15 @@ def dp_aggregate(
     keyword-only extra args ``clipped_sum`` (statistic
     `jaxpr_surgery.stats.clipped_sum` with the same ``clip_norm``),
     ``batch_size`` (\(B\), statistic `example_count`; not needed when
-    fixed here) and ``key`` (a fresh PRNG key; not needed when
-    ``noise_multiplier == 0``).
+    fixed here), ``key`` (a fresh PRNG key; not needed when
+    ``noise_multiplier == 0``) and ``clip_norm``, the clip norm the clipped
+    sum was clipped with (in the request; optional with a fixed ``clip_norm``
+    here, required when it is injected or traced). A clip norm that differs
+    from this transform's raises, or, when traced, makes the update NaN: noise
+    scaled for another bound than the clipping's would silently weaken the
+    privacy guarantee. Under `inject_hyperparams` the clip norm can be
+    scheduled; build the request from the current state,
+    ``stat_request(opt, state)``.
 
     Args:
       clip_norm: \(C\), the per-example global-norm bound (``inf``: no
@@ -97,7 +150,7 @@ def dp_aggregate(
 
     Returns:
       A stateless `PerExampleTransformation` requesting
-      ``mean, clipped_sum, batch_size`` (no ``batch_size`` when fixed).
+      ``mean, clipped_sum, batch_size, clip_norm`` (no ``batch_size`` when fixed).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -118,6 +171,7 @@ def dp_aggregate(
     _check(clip_norm, noise_multiplier, batch_size, owner)
     no_noise = isinstance(noise_multiplier, (int, float)) and noise_multiplier == 0
     fixed_batch_size = batch_size
+    configured_clip_norm = clip_norm
 
     def update_fn(
         updates,
@@ -127,18 +181,30 @@ def dp_aggregate(
         clipped_sum=None,
         batch_size=None,
         key=None,
+        clip_norm=None,
         **extra_args,
     ):
-        del updates, params, extra_args
-        clipped_sum = require(clipped_sum, "clipped_sum", owner)
+        del params, extra_args
+        refuse_masked(
+            updates,
+            owner,
+            "the clipped sum is clipped by each example's norm over every parameter, so it "
+            "cannot be restricted to a subset, and masked groups would draw their noise from "
+            "one key. Differentiate only the parameters to train privately (their own "
+            "argument, argnums=...) and apply the DP optimizer to them whole.",
+        )
+        clipped_sum = require_like(clipped_sum, updates, "clipped_sum", owner)
+        ok = _clip_norm_check(clip_norm, configured_clip_norm, owner)
         if fixed_batch_size is not None:
             batch_size = fixed_batch_size
         batch_size = require(batch_size, "batch_size", owner)
         if not no_noise:
             key = require(key, "key", owner)
-            noise = _noise_like(key, clipped_sum, noise_multiplier * clip_norm)
+            noise = _noise_like(key, clipped_sum, noise_multiplier * configured_clip_norm)
             clipped_sum = jax.tree.map(jnp.add, clipped_sum, noise)
         out = jax.tree.map(lambda s: s / jnp.asarray(batch_size).astype(s.dtype), clipped_sum)
+        if ok is not None:  # traced: a mismatch poisons the update instead of hiding
+            out = jax.tree.map(lambda u: jnp.where(ok, u, jnp.nan).astype(u.dtype), out)
         return out, state
 
     keys = ("clipped_sum",) if fixed_batch_size is not None else ("clipped_sum", "batch_size")
@@ -164,8 +230,11 @@ def dp_sgd(
     \]
 
     ``update`` takes the extra args of `dp_aggregate`: ``clipped_sum``,
-    ``batch_size`` and ``key``. With ``noise_multiplier=0`` and
-    ``clip_norm=inf`` this is plain SGD.
+    ``batch_size``, ``clip_norm`` and ``key``. With ``noise_multiplier=0`` and
+    ``clip_norm=inf`` this is plain SGD. To schedule the clip norm, use
+    ``js.optim.inject_hyperparams(js.optim.dp_sgd)`` and build the request
+    inside the step with ``stat_request(opt, state)``: clipping and noise then
+    use the same clip norm at every step.
 
     Args:
       learning_rate: a float or an optax schedule.
@@ -176,7 +245,8 @@ def dp_sgd(
       nesterov: use Nesterov momentum (with ``momentum``).
 
     Returns:
-      A `PerExampleTransformation` requesting ``mean, clipped_sum, batch_size``.
+      A `PerExampleTransformation` requesting ``mean, clipped_sum, batch_size,
+      clip_norm``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -237,14 +307,15 @@ def dp_adam(
       eps_root: added to the denominator inside the square root.
 
     Returns:
-      A `PerExampleTransformation` requesting ``mean, clipped_sum, batch_size``.
+      A `PerExampleTransformation` requesting ``mean, clipped_sum, batch_size,
+      clip_norm``.
 
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxpr_surgery.optim as jso
       >>> opt = jso.dp_adam(learning_rate=1e-3, clip_norm=1.0, noise_multiplier=1.1)
       >>> sorted(jso.stat_request(opt))
-      ['batch_size', 'clipped_sum', 'mean']
+      ['batch_size', 'clip_norm', 'clipped_sum', 'mean']
 
     References:
       Abadi et al., Deep Learning with Differential Privacy
@@ -258,5 +329,7 @@ def dp_adam(
 
 
 register_request("dp_aggregate", ("clipped_sum", "batch_size"))
+for _factory in (dp_aggregate, dp_sgd, dp_adam):
+    register_static_hyperparams(_factory, ("batch_size",))
 register_request("dp_sgd", ("clipped_sum", "batch_size"))
 register_request("dp_adam", ("clipped_sum", "batch_size"))

@@ -27,6 +27,7 @@ from jaxpr_surgery._src.optim.requests import (
     build_request,
     register_request,
     require,
+    require_like,
 )
 
 __all__ = ["TrackGradientStatisticsState", "track_gradient_statistics"]
@@ -165,9 +166,9 @@ def track_gradient_statistics(
         updates, state, params=None, *, variance=None, batch_size=None, mean=None, **extra_args
     ):
         del params, extra_args
-        variance = require(variance, "variance", owner)
+        variance = require_like(variance, updates, "variance", owner)
         B = jnp.asarray(require(batch_size, "batch_size", owner), jnp.float32)
-        mean = updates if mean is None else mean
+        mean = updates if mean is None else require_like(mean, updates, "mean", owner)
         first = state.count == 0
 
         def ema(old, new):

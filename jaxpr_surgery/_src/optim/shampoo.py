@@ -20,10 +20,17 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxpr_surgery._src import stats as _stats
-from jaxpr_surgery._src.optim.requests import PerExampleTransformation, chain, register_request
+from jaxpr_surgery._src.optim.requests import (
+    PerExampleTransformation,
+    register_request,
+    register_static_hyperparams,
+    require_like,
+)
+from jaxpr_surgery._src.optim.wrappers import chain
 
 __all__ = ["ScaleByShampooState", "scale_by_shampoo", "shampoo"]
 
@@ -60,7 +67,12 @@ def _outer_stats(g, max_dim, dtype):
 
 def _inv_root(a, p, eps):
     """``(a + eps I)^(-1/p)`` of a symmetric PSD matrix, or elementwise of a vector."""
-    floor = eps if eps > 0 else jnp.finfo(a.dtype).tiny
+    tiny = jnp.finfo(a.dtype).tiny
+    if isinstance(eps, float):
+        floor = eps if eps > 0 else tiny
+    else:  # injected (an array, maybe traced)
+        eps = jnp.asarray(eps).astype(a.dtype)
+        floor = jnp.where(eps > 0, eps, tiny)
     if a.ndim == 1:
         return jnp.maximum(a + eps, floor) ** (-1.0 / p)
     w, v = jnp.linalg.eigh(a + eps * jnp.eye(a.shape[0], dtype=a.dtype))
@@ -134,8 +146,21 @@ def scale_by_shampoo(
     """
     if isinstance(b2, (int, float)) and not 0 <= b2 < 1:
         raise ValueError(f"scale_by_shampoo(b2=...): must be in [0, 1), got {b2!r}.")
-    if not isinstance(eps, (int, float)) or not eps >= 0:
+    # Arrays (optax.inject_hyperparams injects numbers as arrays) are not checked here.
+    injected = (jax.Array, np.ndarray, np.generic)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, *injected)):
         raise ValueError(f"scale_by_shampoo(eps=...): must be a number >= 0, got {eps!r}.")
+    if isinstance(eps, (int, float)):
+        if not eps >= 0:
+            raise ValueError(f"scale_by_shampoo(eps=...): must be a number >= 0, got {eps!r}.")
+        eps = float(eps)
+    if isinstance(max_dim, (jax.Array, np.ndarray)):
+        raise TypeError(
+            "scale_by_shampoo(max_dim=...): must be a Python int (it fixes the shapes of the "
+            f"state), got {max_dim!r}. optax.inject_hyperparams injects ints as arrays: use "
+            "js.optim.inject_hyperparams, which keeps max_dim static, or pass "
+            "static_args=('max_dim', 'precondition_every')."
+        )
     if (
         isinstance(precondition_every, bool)
         or not isinstance(precondition_every, int)
@@ -146,7 +171,6 @@ def scale_by_shampoo(
             f"{precondition_every!r}."
         )
     stat = _stats.kron_moments(max_dim)  # validates max_dim
-    eps = float(eps)
 
     def acc_dtype(p):
         return jnp.result_type(jnp.float32, p.dtype)
@@ -175,7 +199,7 @@ def scale_by_shampoo(
                     "kron_moments= (the statistic js.stats.kron_moments(max_dim) of the "
                     "batch; js.optim.stat_request(opt) requests it)."
                 )
-            new = kron_moments
+            new = require_like(kron_moments, updates, "kron_moments", "scale_by_shampoo", True)
         else:
             new = jax.tree.map(lambda g: _outer_stats(g, max_dim, acc_dtype(g)), updates)
         g_leaves, treedef = jax.tree.flatten(updates)
@@ -256,3 +280,5 @@ def shampoo(
 
 register_request("shampoo", ("kron_moments",))
 register_request("scale_by_shampoo", ("kron_moments",))
+register_static_hyperparams(shampoo, ("max_dim", "precondition_every"))
+register_static_hyperparams(scale_by_shampoo, ("max_dim", "precondition_every"))

@@ -26,10 +26,10 @@ import optax
 from jaxpr_surgery._src.optim.requests import (
     PerExampleTransformation,
     build_request,
-    chain,
     register_request,
-    require,
+    require_like,
 )
+from jaxpr_surgery._src.optim.wrappers import chain
 
 __all__ = [
     "scale_by_per_example_sign",
@@ -76,8 +76,8 @@ def scale_by_per_example_sign() -> PerExampleTransformation:
     """
 
     def update_fn(updates, state, params=None, *, sign_mean=None, **extra_args):
-        del updates, params, extra_args
-        sign_mean = require(sign_mean, "sign_mean", "scale_by_per_example_sign")
+        del params, extra_args
+        sign_mean = require_like(sign_mean, updates, "sign_mean", "scale_by_per_example_sign")
         return sign_mean, state
 
     return PerExampleTransformation(optax.init_empty_state, update_fn, build_request("sign_mean"))

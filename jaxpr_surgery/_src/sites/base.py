@@ -242,6 +242,19 @@ class Kernel:
     def prepare(self, w, ext, ext_batched, dy):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def prepare_site(self, w, ext, ext_batched, dy):
+        """`prepare`, then the view's constant factor (``W / 16``: the site's
+        ``Site.scales``) folded into the context by `scale`, so that everything computed
+        from it is of the leaf's view rather than of the scaled operand."""
+        ctx = self.prepare(w, ext, ext_batched, dy)
+        c = view_scale(self.site, ext, self.acc)
+        return ctx if c is None else self.scale(ctx, c)
+
+    def scale(self, ctx, c):
+        """The context of the gradient times the scalar ``c``. Every rule is linear in
+        the output cotangent; kernels scale theirs (here: a materialised ``G``)."""
+        return ctx * c
+
     def direct(self, ctx, reduction):
         return reduce_materialised(self.materialise(ctx), reduction)
 
@@ -351,6 +364,26 @@ class Kernel:
         return Rule(
             MATERIALISED, "per-example VJP", float(2 * B * (out + view)), float(B * view * itemsize)
         )
+
+
+def view_scale(site, ext, dtype):
+    """The product of the site's constant view factors (`analysis.Scale`) as a scalar
+    of ``dtype``, or None where it has none. ``ext``: the site's other inputs (the
+    factors' values among them), not batched."""
+    from jaxpr_surgery._src import compat
+
+    c = None
+    for sc in site.scales:
+        if sc.kind == "neg":
+            f = jnp.asarray(-1, dtype)
+        else:
+            v = sc.operand
+            f = v.val if isinstance(v, compat.Literal) else ext[site.ext_vars.index(v)]
+            f = jnp.reshape(jnp.asarray(f).astype(dtype), ())
+            if sc.kind == "div":
+                f = 1 / f
+        c = f if c is None else c * f
+    return c
 
 
 def dn_batch(x):

@@ -137,6 +137,39 @@ class DenseKernel(Kernel):
     def __init__(self, site, acc_dtype):
         super().__init__(site, acc_dtype)
         self.c = _canon(site)
+        # a constant elementwise factor of the weight (x @ (W * m), m per column or per
+        # row): the gradient of W is m * X^T DY, i.e. m folded into DY or X
+        from jaxpr_surgery._src.analysis import dense_fold_side, pre_scales
+
+        folds = pre_scales(site) if site.pre else None
+        # (static state only: kernels are keyed by it, fingerprint.site_key)
+        self.fold_side = dense_fold_side(site.eqn, site.param_pos, folds) if folds else None
+
+    def _fold(self, x, dy, ext):
+        """``x``, ``dy`` (canonical) with the weight's elementwise factors folded in."""
+        from jaxpr_surgery._src import compat
+        from jaxpr_surgery._src.analysis import pre_scales
+
+        m = None
+        for kind, v, _ in pre_scales(self.site):
+            if kind == "neg":
+                f = jnp.asarray(-1, self.acc)
+            else:
+                f = v.val if isinstance(v, compat.Literal) else ext[self.site.ext_vars.index(v)]
+                f = jnp.asarray(f).astype(self.acc)
+                if kind == "div":
+                    f = 1 / f
+            m = f if m is None else m * f
+        c = self.c
+        m = jnp.broadcast_to(m, tuple(self.site.view_shape))
+        m = jnp.transpose(m, c["canon_w"]).reshape(c["K"], c["C"], c["F"])
+        if self.fold_side == "dy":  # constant along C
+            return x, dy * m[:, 0, :][None, :, None, :]
+        return x * m[:, :, 0][None, :, None, :], dy
+
+    def scale(self, ctx, c):
+        x, dy = ctx
+        return x, dy * c.astype(dy.dtype)
 
     def use_ghost(self):
         c = self.c
@@ -152,6 +185,8 @@ class DenseKernel(Kernel):
         x = x.reshape(B, c["K"], c["N"], c["C"]).astype(self.acc)
         dy = jnp.transpose(dy, (0,) + tuple(1 + i for i in c["dy_perm"]))
         dy = dy.reshape(B, c["K"], c["N"], c["F"]).astype(self.acc)
+        if self.fold_side is not None:
+            return self._fold(x, dy, ext)
         return x, dy
 
     def ingredient_avals(self, B):
@@ -223,7 +258,7 @@ class DenseKernel(Kernel):
         c = self.c
         nk, nc = len(c["kdims"]), len(c["cdims"])
         cw = c["canon_w"]
-        m = kron.leaf_axes(self.site)
+        m = kron.view_leaf_axes(self.site)
         struct = kron.leaf_structure(cw[:nk], (cw[nk : nk + nc], cw[nk + nc :]), m)
         return (c["N"], c["kdims"], c["cdims"], c["fdims"]), struct
 

@@ -76,11 +76,29 @@ class EmbeddingKernel(Kernel):
     def __init__(self, site, acc_dtype):
         super().__init__(site, acc_dtype)
         eqn = site.eqn
-        self.V, self.d = (int(s) for s in eqn.invars[0].aval.shape)
-        self.mode = eqn.params["mode"]
         from jaxpr_surgery._src.analysis import row_gather_layout
 
-        self.ncomp, self.row_comp = row_gather_layout(eqn)
+        self.ncomp, self.row_comp, self.row_axis = row_gather_layout(eqn)
+        shape = tuple(int(s) for s in eqn.invars[0].aval.shape)
+        self.V = shape[self.row_axis]
+        self.d = int(np.prod(shape)) // self.V if self.V else int(np.prod(shape[1:]))
+        self.mode = eqn.params["mode"]
+
+    def _view(self, v):
+        """A value in the table's layout ``[..., V, d]`` in the view's (the gathered
+        operand, ``[1, V, d]`` for ``take_along_axis(table[None], ...)``): a reshape."""
+        view = tuple(self.site.view_shape)
+        if len(view) == 2:
+            return v
+        return v.reshape(v.shape[:-2] + view)
+
+    def _table_2d(self):
+        """The view is the table itself (no axes of size 1 around it)."""
+        return len(self.site.view_shape) == 2
+
+    def scale(self, ctx, c):
+        ids, valid, dy = ctx
+        return ids, valid, dy * c.astype(dy.dtype)
 
     def prepare(self, w, ext, ext_batched, dy):
         from jax.lax import GatherScatterMode
@@ -124,16 +142,19 @@ class EmbeddingKernel(Kernel):
         B = ids.shape[0]
         if isinstance(reduction, S.PhiSum):
             if reduction.phi is None:
-                return self._scatter(ids, dy)
+                return self._view(self._scatter(ids, dy))
             if _phi_zero_is_zero(reduction):
                 s, first = self._segments(ids, valid, dy)
-                return self._scatter(ids, jnp.where(first[..., None], reduction.apply(s), 0))
+                return self._view(
+                    self._scatter(ids, jnp.where(first[..., None], reduction.apply(s), 0))
+                )
             return super().direct(ctx, reduction)
         if isinstance(reduction, S.SqNorms):
             return self.sq_norms(ctx)
         if isinstance(reduction, S.KronSum):
             return kron.moments(
-                [self.kron_factors(ctx)], (self.V, self.d), reduction, self.acc, self.budget
+                [self.kron_factors(ctx)], tuple(self.site.view_shape), reduction, self.acc,
+                self.budget,
             )
         if isinstance(reduction, S.Centered):
             s, first = self._segments(ids, valid, dy)
@@ -141,25 +162,34 @@ class EmbeddingKernel(Kernel):
             n_row = self._scatter(ids, first.astype(dy.dtype))
             dev = jnp.where(first[..., None], jnp.square(s - mean[ids]), 0)
             m2 = self._scatter(ids, dev) + (B - n_row)[:, None] * jnp.square(mean)
-            return S.Moments(mean, m2)
+            return S.Moments(self._view(mean), self._view(m2))
         return super().direct(ctx, reduction)
+
+    def _row_axes(self):
+        """The view's axes: the row axis, and the others (a row's ``d`` values)."""
+        rest = tuple(i for i in range(len(self.site.view_shape)) if i != self.row_axis)
+        return (self.row_axis,), rest
 
     def kron_factors(self, ctx):
         """Token factors (kron.py): the one-hot rows of the ids and the rows of ``dy``
         (out-of-range tokens carry a zero ``dy``, so they add nothing)."""
         ids, valid, dy = ctx
-        return kron.Factors((), (((0,), kron.OneHot(ids, self.V)), ((1,), dy)))
+        rows, rest = self._row_axes()
+        view = tuple(self.site.view_shape)
+        dy = dy.reshape(dy.shape[:2] + tuple(view[i] for i in rest))
+        return kron.Factors((), ((rows, kron.OneHot(ids, self.V)), (rest, dy)))
 
     def dots(self, ctx, ref):
         """``[B]``: ``sum_t ref[id_t] . dy_t`` (out-of-range tokens carry a zero ``dy``)."""
         ids, valid, dy = ctx
-        return jnp.einsum("btd,btd->b", jnp.take(ref, ids, axis=0).astype(dy.dtype), dy)
+        table = ref.reshape(self.V, self.d)
+        return jnp.einsum("btd,btd->b", jnp.take(table, ids, axis=0).astype(dy.dtype), dy)
 
     def kron_meta(self):
         """``((n_tokens, kdims, pdims, qdims), structure in leaf axes)`` for explain."""
         T = int(np.prod(self.site.eqn.outvars[0].aval.shape)) // self.d
-        m = kron.leaf_axes(self.site)
-        return (T, (), (self.V,), (self.d,)), kron.leaf_structure((), ((0,), (1,)), m)
+        m = kron.view_leaf_axes(self.site)
+        return (T, (), (self.V,), (self.d,)), kron.leaf_structure((), self._row_axes(), m)
 
     def ingredients(self, ctx):
         ids, valid, dy = ctx
@@ -178,18 +208,22 @@ class EmbeddingKernel(Kernel):
 
     def materialise(self, ing):
         ids, valid, dy = self._unpack(ing) if len(ing) == 2 else ing
-        return jax.vmap(lambda i, r: self._scatter(i[None], r[None]))(ids, dy)
+        return self._view(jax.vmap(lambda i, r: self._scatter(i[None], r[None]))(ids, dy))
 
     adds_in_place = True
 
+    def _in_place(self):
+        """`add_to_leaf` scatters into the leaf's own layout: the table is the leaf."""
+        return not (self.site.chain or self.site.depth) and self._table_2d()
+
     def leaf_cut_axes(self):
-        return () if self.site.chain or self.site.depth else (0, 1)
+        return (0, 1) if self._in_place() else ()
 
     def add_to_leaf(self, ing, total, to_leaf, cut=None):
         """Scatter-adds the rows into ``total`` (another site's tile of a tied table)
         where the table is the leaf itself: no zero table per tile, no extra add. A
         ``cut`` of rows keeps the ids inside it (shifted); of columns, slices ``dy``."""
-        if self.site.chain or self.site.depth:
+        if not self._in_place():
             return super().add_to_leaf(ing, total, to_leaf, cut)
         ids, valid, dy = self._unpack(ing)
         dy = dy.astype(self.acc)
@@ -215,7 +249,7 @@ class EmbeddingKernel(Kernel):
 
     def weighted_sum(self, ing, c):
         ids, valid, dy = self._unpack(ing)
-        return self._scatter(ids, dy * c.astype(dy.dtype)[:, None, None])
+        return self._view(self._scatter(ids, dy * c.astype(dy.dtype)[:, None, None]))
 
     def has_scaled_sq_norms(self):
         return True
@@ -289,7 +323,7 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
     def kron_meta(self):
         c = self.c
         cw = c["canon_w"]
-        m = kron.leaf_axes(self.site)
+        m = kron.view_leaf_axes(self.site)
         meta = (c["N"], (), (self.V,), c["fdims"])
         return meta, kron.leaf_structure((), (cw[:1], cw[1:]), m)
 
@@ -298,20 +332,13 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
         table = jnp.transpose(ref, c["canon_w"]).reshape(c["C"], c["F"])
         return super().dots(ctx, table)
 
+    # (direct, materialise and weighted_sum map the table to the view by `_view`)
+    def _table_2d(self):
+        return False
+
     def direct(self, ctx, reduction):
         if isinstance(reduction, S.KronSum):  # one contracted axis, no dot batch (analysis)
             return kron.moments(
                 [self.kron_factors(ctx)], self.site.view_shape, reduction, self.acc, self.budget
             )
-        out = super().direct(ctx, reduction)
-        if isinstance(reduction, S.SqNorms):
-            return out
-        if isinstance(out, S.Moments):
-            return S.Moments(self._view(out.mean), self._view(out.m2))
-        return self._view(out)
-
-    def materialise(self, ing):
-        return self._view(super().materialise(ing))
-
-    def weighted_sum(self, ing, c):
-        return self._view(super().weighted_sum(ing, c))
+        return super().direct(ctx, reduction)

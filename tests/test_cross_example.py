@@ -1,0 +1,521 @@
+"""Cross-example losses are refused by default (issue 36): `per_example_stat` proves from the
+jaxpr of the batch loss, at trace time, that it is a mean of per-example terms.
+
+* Every cross-example form raises `js.CrossExampleError` (a ValueError) naming the operation
+  and a source line of this file, eagerly and under jit, through both entry points;
+  ``check=False`` computes the batch-of-one statistics anyway.
+* No alarm (no error, no warning) on the ordinary forms of a loss.
+* Where the jaxpr cannot decide (a gather or scatter across the batch axis by data, as in
+  jraph-style graph batching) a `js.CrossExampleWarning`, once per trace.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxpr_surgery as js
+from jaxpr_surgery._src import independence as ind
+
+B, T, D, V = 4, 5, 3, 6
+HERE = "test_cross_example.py:"
+
+
+def _params(dtype=jnp.float32):
+    r = np.random.default_rng(0)
+    return {"w": jnp.asarray(r.normal(size=(D, V)) / 2, dtype),
+            "v": jnp.asarray(r.normal(size=(D, D)) / 2, dtype)}
+
+
+def _batch(dtype=jnp.float32, b=B):
+    r = np.random.default_rng(1)
+    lengths = np.array([5, 2, 4, 1, 3, 5, 2, 4])[:b]
+    return {"x": jnp.asarray(r.normal(size=(b, T, D)), dtype),
+            "y": jnp.asarray(r.integers(0, V, (b, T)), jnp.int32),
+            "mask": jnp.asarray(np.arange(T) < lengths[:, None], dtype)}
+
+
+def _nll(p, b):  # [B, T]
+    lp = jax.nn.log_softmax(jnp.tanh(b["x"] @ p["v"]) @ p["w"])
+    return -jnp.take_along_axis(lp, b["y"][..., None], -1)[..., 0]
+
+
+# --------------------------------------------------------------------------- #
+# Cross-example forms: each raises, naming the operation and its line here
+# --------------------------------------------------------------------------- #
+def token_normalised(p, b):
+    return jnp.sum(_nll(p, b) * b["mask"]) / jnp.sum(b["mask"])
+
+
+def token_normalised_guarded(p, b):
+    return jnp.sum(_nll(p, b) * b["mask"]) / jnp.maximum(jnp.sum(b["mask"]), 1.0)
+
+
+def batch_norm(p, b):  # hand-written, training mode
+    h = b["x"] @ p["v"]
+    mu = jnp.mean(h, axis=(0, 1))
+    var = jnp.mean((h - mu) ** 2, axis=(0, 1))
+    return jnp.mean(((h - mu) / jnp.sqrt(var + 1e-5)) @ p["w"])
+
+
+def in_batch_negatives(p, b):  # contrastive: every other example is a negative
+    q, k = b["x"][:, 0] @ p["v"], b["x"][:, 1] @ p["v"]
+    logits = q @ k.T
+    return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(logits, axis=-1)))
+
+
+def softmax_over_batch(p, b):
+    return jnp.sum(jax.nn.softmax(jnp.mean(_nll(p, b), 1), axis=0) * jnp.arange(B))
+
+
+def logsumexp_over_examples(p, b):
+    return jax.nn.logsumexp(jnp.mean(_nll(p, b), 1)) - jnp.log(B)
+
+
+def divided_by_own_mean(p, b):
+    per_example = jnp.mean(_nll(p, b), 1)
+    return jnp.mean(per_example) / lax.stop_gradient(jnp.mean(per_example))
+
+
+CROSS = {
+    token_normalised: ("div", "divides by a sum over the batch"),
+    token_normalised_guarded: ("max", "applies max to a sum over the batch"),
+    batch_norm: ("sub", "combines per-example values with a sum over the batch"),
+    in_batch_negatives: ("dot_general", "pairs different examples"),
+    softmax_over_batch: ("reduce_max", "reduces over the batch axis"),
+    logsumexp_over_examples: ("reduce_max", "reduces over the batch axis"),
+    divided_by_own_mean: ("div", "divides by a sum over the batch"),
+}
+
+
+def _line_of(fn, needle):
+    """``test_cross_example.py:<line>`` of the first line of ``fn`` containing ``needle``."""
+    import inspect
+
+    lines, start = inspect.getsourcelines(fn)
+    k = next(i for i, ln in enumerate(lines) if needle in ln)
+    return f"{HERE}{start + k}"
+
+
+@pytest.mark.parametrize("loss", list(CROSS), ids=lambda f: f.__name__)
+def test_cross_example_losses_raise_naming_the_operation(loss):
+    op, why = CROSS[loss]
+    p, b = _params(), _batch()
+    with pytest.raises(js.CrossExampleError) as e:
+        js.per_example_stat(loss, js.stats.mean())(p, b)
+    msg = str(e.value)
+    assert isinstance(e.value, ValueError)
+    assert f"`{op}` at {HERE}" in msg and why in msg, msg
+    assert f"({loss.__name__})" in msg, msg
+    assert "normalise per example" in msg and "check=False" in msg, msg
+    # under jit, through the other entry point: the same error at trace time
+    with pytest.raises(js.CrossExampleError, match=op):
+        jax.jit(js.value_and_per_example_stat(loss, js.stats.second_moment()))(p, b)
+
+
+def test_message_names_the_line_of_the_division_and_of_the_batch_sum():
+    p, b = _params(), _batch()
+    with pytest.raises(js.CrossExampleError) as e:
+        js.per_example_stat(token_normalised, js.stats.mean())(p, b)
+    line = _line_of(token_normalised, "jnp.sum(b[\"mask\"])")
+    assert f"`div` at {line} (token_normalised)" in str(e.value)
+    assert f"computed by `reduce_sum` at {line}" in str(e.value)
+
+
+@pytest.mark.parametrize("loss", list(CROSS), ids=lambda f: f.__name__)
+def test_check_false_computes_the_batch_of_one_statistics(loss):
+    p, b = _params(), _batch()
+    out = jax.jit(js.value_and_per_example_stat(loss, js.stats.mean(), check=False))(p, b)
+    (value, mean) = out
+    per = jax.vmap(jax.grad(lambda p, e: loss(p, jax.tree.map(lambda a: a[None], e))),
+                   (None, 0))(p, b)
+    for got, g in zip(jax.tree.leaves(mean), jax.tree.leaves(per)):
+        np.testing.assert_allclose(got, g.mean(0), rtol=2e-5, atol=1e-6)
+    assert np.isfinite(float(value))
+
+
+def test_token_normalised_loss_was_silently_wrong():
+    """The issue: statistics of the token-normalised loss are not those of its gradient
+    (mean() differs from jax.grad), so it must not pass unnoticed."""
+    with jax.enable_x64(True):
+        p, b = _params(jnp.float64), _batch(jnp.float64)
+        mean = js.per_example_stat(token_normalised, js.stats.mean(), check=False)(p, b)
+        grad = jax.grad(token_normalised)(p, b)
+        rel = float(jnp.linalg.norm(mean["w"] - grad["w"]) / jnp.linalg.norm(grad["w"]))
+        assert rel > 0.1
+        with pytest.raises(js.CrossExampleError):
+            js.per_example_stat(token_normalised, js.stats.mean())(p, b)
+
+
+def test_library_jit_is_placed_at_the_users_call():
+    """Inside a library's jit (jnp.nanmean) equations record no user frame: the message
+    names the function and the user's line calling it."""
+    def loss(p, b):
+        return jnp.nanmean(_nll(p, b))
+
+    with pytest.raises(js.CrossExampleError) as e:
+        js.per_example_stat(loss, js.stats.mean())(_params(), _batch())
+    line = _line_of(loss, "nanmean")
+    assert f"`div` (in nanmean) at {line}" in str(e.value), str(e.value)
+
+
+def test_fully_padded_example_raises_instead_of_nan():
+    """A fully padded example made every statistic NaN (0/0 in its batch of one)."""
+    p, b = _params(), _batch()
+    b = {**b, "mask": b["mask"].at[2].set(0.0)}
+    assert np.isnan(np.asarray(
+        js.per_example_stat(token_normalised, js.stats.mean(), check=False)(p, b)["w"])).all()
+    with pytest.raises(js.CrossExampleError, match="div"):
+        js.per_example_stat(token_normalised, js.stats.mean())(p, b)
+
+
+def test_flax_batch_norm_in_training_mode_raises():
+    nn = pytest.importorskip("flax.linen")
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(D)(x)
+            h = nn.BatchNorm(use_running_average=False)(h)
+            return nn.Dense(V)(h)
+
+    net = Net()
+    b = _batch()
+    variables = net.init(jax.random.key(0), b["x"])
+
+    def loss(params, batch):
+        logits, _ = net.apply({"params": params, "batch_stats": variables["batch_stats"]},
+                              batch["x"], mutable=["batch_stats"])
+        return jnp.mean(logits ** 2)
+
+    with pytest.raises(js.CrossExampleError) as e:
+        jax.jit(js.per_example_stat(loss, js.stats.mean()))(variables["params"], b)
+    assert "normalization.py" in str(e.value)  # flax's line, called from the loss here
+    assert f"called from {HERE}" in str(e.value) and ".loss)" in str(e.value)
+
+
+# --------------------------------------------------------------------------- #
+# No alarm on ordinary losses
+# --------------------------------------------------------------------------- #
+def _per_example_token_mean(p, b):
+    tokens = jnp.sum(_nll(p, b) * b["mask"], 1)
+    return jnp.mean(tokens / jnp.maximum(jnp.sum(b["mask"], 1), 1.0))
+
+
+def _attention(p, b):
+    h = b["x"] @ p["v"]  # [B, T, D]
+    s = jnp.einsum("btd,bsd->bts", h, h) / np.sqrt(D)
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    keep = causal[None] & (b["mask"][:, None, :] > 0)
+    a = jax.nn.softmax(jnp.where(keep, s, -1e9), axis=-1)
+    pos = jnp.broadcast_to(jnp.arange(T), (b["x"].shape[0], T))  # position ids from iota
+    out = jnp.einsum("bts,bsd->btd", a, h) + 0.1 * pos[..., None]
+    return jnp.mean((out @ p["w"]) ** 2)
+
+
+def _flattened(p, b):
+    n = b["x"].shape[0]
+    h = jnp.tanh(b["x"].reshape(n * T, D) @ p["v"]).reshape(n, T, D)
+    return jnp.sum(jnp.sum(h @ p["w"], axis=(1, 2)) ** 2) / n
+
+
+def _arange_labels(p, b):
+    logp = jax.nn.log_softmax(b["x"][:, 0] @ p["w"])
+    return -jnp.mean(logp[jnp.arange(b["x"].shape[0]), b["y"][:, 0]])
+
+
+def _map_over_examples(p, b):
+    return jnp.mean(lax.map(lambda e: jnp.sum(jnp.tanh(e["x"] @ p["v"]) @ p["w"]), b))
+
+
+def _scan_over_time(p, b):
+    def step(h, x):
+        h = jnp.tanh(h @ p["v"] + x)
+        return h, h @ p["w"]
+
+    _, ys = lax.scan(step, jnp.zeros((b["x"].shape[0], D)), jnp.swapaxes(b["x"], 0, 1))
+    return jnp.mean(ys ** 2)
+
+
+def _vmapped_while(p, b):  # a per-example trip count (jax batches the predicate)
+    def shrink(x):
+        return lax.while_loop(lambda c: jnp.sum(c ** 2) > 1.0, lambda c: 0.5 * c, x)
+
+    return jnp.mean(jax.vmap(shrink)(b["x"][:, 0] @ p["v"]) @ p["w"])
+
+
+def _masked_while(p, b):  # the same by hand: while any, each example frozen when done
+    def body(c):
+        big = jnp.sum(c ** 2, axis=-1, keepdims=True) > 1.0
+        return jnp.where(big, 0.5 * c, c)
+
+    x = lax.while_loop(lambda c: jnp.any(jnp.sum(c ** 2, axis=-1) > 1.0), body, b["x"][:, 0])
+    return jnp.mean(x @ p["v"] @ p["w"])
+
+
+def _dropout_keys(p, b):
+    keys = jax.random.split(jax.random.key(0), b["x"].shape[0])  # one key per example
+
+    def one(k, x):
+        return jnp.where(jax.random.bernoulli(k, 0.8, x.shape), x, 0.0)
+
+    return jnp.mean(jax.vmap(one)(keys, jnp.tanh(b["x"] @ p["v"])) @ p["w"])
+
+
+def _conv_pool(p, b):
+    x = b["x"][:, None]  # [B, 1, T, D]
+    y = lax.conv_general_dilated(x, p["v"][None, None, :2, :], (1, 1), "SAME")
+    y = lax.reduce_window(y, -jnp.inf, lax.max, (1, 1, 2, 1), (1, 1, 1, 1), "VALID")
+    return jnp.mean(y)
+
+
+ORDINARY = {
+    "mean_over_B_T": lambda p, b: jnp.mean(_nll(p, b)),
+    "sum_over_B": lambda p, b: jnp.sum(_nll(p, b)) / b["x"].shape[0],
+    "mask_inside_example": lambda p, b: jnp.mean(_nll(p, b) * b["mask"]),
+    "per_example_token_mean": _per_example_token_mean,
+    "flattened_and_back": _flattened,
+    "attention_masks_and_position_ids": _attention,
+    "param_only_regulariser": lambda p, b: jnp.mean(_nll(p, b)) + 1e-2 * jnp.sum(p["w"] ** 2),
+    "one_hot": lambda p, b: -jnp.mean(jnp.sum(
+        jax.nn.one_hot(b["y"], V) * jax.nn.log_softmax(b["x"] @ p["w"]), -1)),
+    "arange_labels": _arange_labels,
+    "map_over_examples": _map_over_examples,
+    "scan_over_time": _scan_over_time,
+    "vmapped_while": _vmapped_while,
+    "masked_while": _masked_while,
+    "dropout_keys": _dropout_keys,
+    "conv_pool": _conv_pool,
+    "scatter_at_arange_labels": lambda p, b: jnp.mean(
+        (b["x"][:, 0] @ p["w"]).at[jnp.arange(b["x"].shape[0]), b["y"][:, 0]].add(1.0) ** 2),
+    "tile_tokens": lambda p, b: jnp.mean(jnp.tile(b["x"] @ p["v"], (1, 2, 1)) ** 2),
+    "sort_and_top_k_tokens": lambda p, b: jnp.mean(
+        jnp.sort(b["x"] @ p["v"], axis=1)[:, :2]) + jnp.mean(lax.top_k(b["x"] @ p["v"], 2)[0]),
+    "sum_of_products": lambda p, b: jnp.einsum("bd,bd->", b["x"][:, 0] @ p["v"],
+                                               b["x"][:, 1]) / b["x"].shape[0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ORDINARY))
+def test_no_alarm_on_ordinary_losses(name):
+    p, b = _params(), _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rep = js.explain(ORDINARY[name], js.stats.mean())(p, b)
+    assert rep.independence == "independent", rep.notes
+
+
+@pytest.mark.parametrize("name", ["mask_inside_example", "per_example_token_mean", "masked_while",
+                                  "map_over_examples"])
+def test_ordinary_losses_match_grad(name):
+    loss = ORDINARY[name]
+    with jax.enable_x64(True):
+        p, b = _params(jnp.float64), _batch(jnp.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mean = jax.jit(js.per_example_stat(loss, js.stats.mean()))(p, b)
+        grad = jax.grad(loss)(p, b)
+        for k in p:
+            np.testing.assert_allclose(mean[k], grad[k], rtol=1e-10, atol=1e-12)
+
+
+def test_optax_losses_and_batch_level_aux_are_fine():
+    optax = pytest.importorskip("optax")
+    p, b = _params(), _batch()
+
+    def loss(p, b):
+        logits = jnp.tanh(b["x"] @ p["v"]) @ p["w"]
+        acc = jnp.mean(jnp.argmax(logits, -1) == b["y"])  # a batch-level metric: aux
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+        return nll, {"accuracy": acc, "tokens": jnp.sum(b["mask"]) / jnp.sum(b["mask"])}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (value, aux), mean = js.value_and_per_example_stat(loss, js.stats.mean(),
+                                                           has_aux=True)(p, b)
+    grad = jax.grad(lambda p, b: loss(p, b)[0])(p, b)
+    np.testing.assert_allclose(mean["w"], grad["w"], rtol=1e-5, atol=1e-7)
+    assert aux["accuracy"].shape == (B,)
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["key", "uint32"])
+def test_dropout_with_one_key_per_example_in_the_batch(typed):
+    """Keys as batch leaves, typed or raw (random_wrap, random_bits per example)."""
+    split = jax.random.split(jax.random.key(0) if typed else jax.random.PRNGKey(0), B)
+    b = {**_batch(), "key": split}
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"][:, 0] @ p["v"])
+        keep = jax.vmap(lambda k, x: jax.random.bernoulli(k, 0.5, x.shape))(b["key"], h)
+        return jnp.mean(jnp.where(keep, h, 0.0) @ p["w"])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert js.explain(loss)(_params(), b).independence == "independent"
+
+
+def test_every_primitive_of_the_rules_exists_in_this_jax():
+    """The rules name primitives by attribute (compat.prims); one that moved in a new jax
+    would silently lose its rule (and warn on every model using it)."""
+    import re
+    from pathlib import Path
+
+    src = Path(ind.__file__).read_text()
+    names = sorted(set(re.findall(r"\bP\.([a-z_0-9]+)", src)))
+    missing = [n for n in names if getattr(ind.P, n) is None]
+    assert not missing, missing
+    assert len(names) > 40
+
+
+def test_batch_of_one_and_one_example_functions_are_not_checked():
+    p, b = _params(), _batch(b=1)
+    mean = js.per_example_stat(token_normalised, js.stats.mean())(p, b)  # B=1: exact
+    np.testing.assert_allclose(mean["w"], jax.grad(token_normalised)(p, b)["w"], rtol=1e-5)
+
+    def one_example(p, e):  # keep_batch_dim=False: fn never sees the batch axis
+        return jax.nn.logsumexp(jnp.sum(jnp.tanh(e["x"] @ p["v"]) @ p["w"], -1))
+
+    js.per_example_stat(one_example, js.stats.mean(), keep_batch_dim=False)(p, _batch())
+
+
+# --------------------------------------------------------------------------- #
+# Undecidable: a warning, once per trace
+# --------------------------------------------------------------------------- #
+def _graph_loss(p, b):
+    """jraph-style: the examples' nodes on one node axis, edges by global node ids."""
+    n = b["x"].shape[0]
+    nodes = jnp.tanh(b["x"].reshape(n * T, D) @ p["v"])  # [B*T, D]
+    senders = (b["y"] % T + T * jnp.arange(n)[:, None]).reshape(-1)  # within each graph
+    messages = nodes[senders]
+    received = jax.ops.segment_sum(messages, senders, num_segments=n * T)
+    per_graph = jnp.sum((received @ p["w"]).reshape(n, T, V), axis=(1, 2))
+    return jnp.mean(per_graph)
+
+
+def test_gather_across_the_batch_axis_by_data_warns_once():
+    p, b = _params(), _batch()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        mean = js.per_example_stat(_graph_loss, js.stats.mean())(p, b)
+    ours = [x for x in w if issubclass(x.category, js.CrossExampleWarning)]
+    assert len(ours) == 1, [str(x.message) for x in w]
+    msg = str(ours[0].message)
+    assert issubclass(js.CrossExampleWarning, UserWarning)
+    assert f"`gather` at {HERE}" in msg and "by data" in msg, msg
+    assert "check_per_example" in msg and "check=False" in msg, msg
+    assert ours[0].filename.endswith("test_cross_example.py"), ours[0].filename
+    # the nodes of a graph only meet their own graph's: the statistics are right
+    np.testing.assert_allclose(mean["w"], jax.grad(_graph_loss)(p, b)["w"], rtol=1e-5,
+                               atol=1e-7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        js.per_example_stat(_graph_loss, js.stats.mean(), check=False)(p, b)
+
+
+def _any_loop(body, use_counter=False):
+    def loss(p, b):
+        def cond(c):
+            return jnp.any(jnp.sum(c[0] ** 2, -1) > 1.0)
+
+        x, i = lax.while_loop(cond, lambda c: (body(c[0]), c[1] + 1), (b["x"][:, 0], 0))
+        return jnp.mean(x @ p["v"] @ p["w"]) + (0.01 * i if use_counter else 0.0)
+
+    return loss
+
+
+def _frozen_when_done(c, limit=1.0):
+    return jnp.where(jnp.sum(c ** 2, -1, keepdims=True) > limit, 0.5 * c, c)
+
+
+@pytest.mark.parametrize("loss", [
+    _any_loop(lambda c: 0.5 * c),  # moves finished examples too
+    _any_loop(lambda c: _frozen_when_done(c, 2.0)),  # freezes by another test than the loop's
+    _any_loop(_frozen_when_done, use_counter=True),  # the trip count itself is used
+], ids=["unmasked", "other_predicate", "counter_used"])
+def test_loop_over_a_batch_dependent_trip_count_is_undecided(loss):
+    """``while jnp.any(...)``: a batch of one stops at its own trip count; the batch at
+    the largest. Undecided unless every example is frozen by the loop's own test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert js.explain(_any_loop(_frozen_when_done))(_params(), _batch()).independence == (
+            "independent")
+    rep = js.explain(loss, js.stats.mean())(_params(), _batch())
+    assert rep.independence == "undecided"
+    assert "`while`" in rep.notes[0] and "depends on the examples" in rep.notes[0]
+
+
+# --------------------------------------------------------------------------- #
+# explain reports the verdict
+# --------------------------------------------------------------------------- #
+def test_explain_reports_the_verdict():
+    p, b = _params(), _batch()
+    rep = js.explain(token_normalised, js.stats.mean())(p, b)
+    assert rep.independence == "cross-example"
+    assert "`div` at " + HERE in rep.notes[0] and "check=False" in rep.notes[0]
+    assert rep.as_dict()["independence"] == "cross-example"
+    assert js.explain(token_normalised, check=False)(p, b).independence == "not checked"
+    rep = js.explain(ORDINARY["mean_over_B_T"])(p, b)
+    assert rep.independence == "independent" and "independent" in str(rep)
+
+
+# --------------------------------------------------------------------------- #
+# The interpreter's pieces
+# --------------------------------------------------------------------------- #
+def test_reshape_follows_merged_and_split_batch_axes():
+    ex = ind.Ex(0)
+    merged = ind.reshape_axis((B, T, D), (B * T, D), ex, B)
+    assert merged == ind.Ex(0, 1, T)
+    assert ind.reshape_axis((B * T, D), (B, T, D), merged, B) == ind.Ex(0)
+    assert ind.reshape_axis((T, B, D), (T * B * D,), ind.Ex(1), B) == ind.Ex(0, T, D)
+    assert ind.reshape_axis((1, B, 1), (B,), ind.Ex(1), B) == ind.Ex(0)
+    assert ind.reshape_axis((B,), (2, B // 2), ex, B) is None  # split across two axes
+
+
+def test_unknown_primitive_on_the_examples_warns_not_raises():
+    p, b = _params(), _batch()
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"][:, 0] @ p["v"])
+        h = jax.pure_callback(lambda a: np.asarray(a), jax.ShapeDtypeStruct(h.shape, h.dtype), h)
+        return jnp.mean(h @ p["w"])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rep = js.explain(loss, js.stats.mean())(p, b)  # explain reports, never warns
+    assert rep.independence == "undecided" and "pure_callback" in rep.notes[0]
+    with pytest.warns(js.CrossExampleWarning, match="pure_callback"):
+        ind.check(_prep(loss, p, b), "per_example_stat")
+
+
+def _prep(loss, p, b):
+    from jaxpr_surgery._src.api import Options, _Prepared
+
+    return _Prepared(loss, (p, b), Options(0, 1, True, False, None, False, None), "t")
+
+
+def test_inside_shard_map_each_device_checks_its_examples():
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (tests/conftest.py sets XLA_FLAGS)")
+    from jax.sharding import PartitionSpec as PS
+
+    mesh = jax.make_mesh((2,), ("d",))
+    p = jax.device_put(_params(), jax.sharding.NamedSharding(mesh, PS()))
+    b = jax.device_put(_batch(), jax.sharding.NamedSharding(mesh, PS("d")))
+    want = jax.grad(_per_example_token_mean)(_params(), _batch())
+
+    def run(loss):
+        fn = js.per_example_stat(loss, js.stats.mean(), axis_name="d")
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(PS(), PS("d")),
+                                     out_specs=PS()))(p, b)
+
+    with pytest.raises(js.CrossExampleError, match="`div` at " + HERE):
+        run(token_normalised)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mean = run(_per_example_token_mean)
+    np.testing.assert_allclose(mean["w"], want["w"], rtol=1e-5, atol=1e-7)
