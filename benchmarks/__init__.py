@@ -10,5 +10,10 @@
 
 ``benchmarks.models`` holds the models (MLP, CNN, transformer LM in short /
 long / large-vocabulary settings, scan-over-layers with remat). See the
-docstring of ``benchmarks.run`` for the protocol and its caveats.
+docstring of ``benchmarks.run`` for the protocol and its caveats. The suite by
+concern: ``regimes`` (models, batch sizes, which statistics each method runs),
+``methods`` (the functions compared), ``protocol`` (compile, then time
+interleaved), ``sweeps`` (largest batch within a budget, ``chunk_size`` curve,
+tracing cost), ``targets`` (the issue's targets), ``output`` (machine info, JSON
+and CSV); ``run`` is the command line.
 """

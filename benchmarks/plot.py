@@ -6,7 +6,7 @@ Usage::
     python -m benchmarks.plot benchmarks/results/a.json b.json # merged (results concatenated)
     python -m benchmarks.plot --md docs/benchmarks.md --img-dir docs/img
 
-Targets are re-evaluated from the merged rows with ``benchmarks.run.evaluate_targets``.
+Targets are re-evaluated from the merged rows with ``benchmarks.targets.evaluate_targets``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import os
 import sys
 from collections import defaultdict
 
-from benchmarks.run import ALL_STATS, evaluate_targets
+from benchmarks.methods import ALL_STATS
+from benchmarks.targets import evaluate_targets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -58,87 +59,112 @@ def _regimes(doc):
 # Plots
 # --------------------------------------------------------------------------- #
 def plot_regimes(doc, img_dir):
+    """Writes the PNG plots of ``doc`` into ``img_dir``: one per regime (time and memory
+    ratios against B), the largest batches and the chunk_size curve where measured.
+
+    Returns:
+      ``{key: path}``: a regime's name, ``"max_batch"`` or ``"chunk"``.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     os.makedirs(img_dir, exist_ok=True)
-    paths = {}
-    for reg in _regimes(doc):
-        rows = [r for r in doc["results"] if r["regime"] == reg and r["ok"]
-                and r["method"] != "grad"]
-        fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-        for ax, key, title in [(axes[0], "time_ratio", "wall time / grad"),
-                               (axes[1], "temp_ratio", "XLA temp memory / grad")]:
-            series = defaultdict(list)
-            for r in rows:
-                if r.get(key) is not None:
-                    series[(r["method"], r["statistic"])].append((r["batch"], r[key]))
-            for (m, s), pts in sorted(series.items()):
-                pts.sort()
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], METHOD_STYLE.get(m, "-"),
-                        marker=METHOD_MARK.get(m, "o"), color=STAT_COLOR.get(s, "k"),
-                        label=f"{m}:{s}", alpha=0.85)
-            ax.axhline(1.0, color="k", lw=0.8)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("batch size B")
-            ax.set_ylabel(title)
-            ax.set_title(f"{reg}: {title}")
-            ax.grid(True, which="both", alpha=0.3)
-        h, lab = axes[0].get_legend_handles_labels()
-        fig.legend(h, lab, loc="center right", fontsize=7, frameon=False)
-        desc = doc["regimes"].get(reg, {}).get("description", "")
-        fig.suptitle(f"{reg} -- {desc}", fontsize=10)
-        fig.tight_layout(rect=(0, 0, 0.83, 0.95))
-        p = os.path.join(img_dir, f"bench_{reg}.png")
-        fig.savefig(p, dpi=90)
-        plt.close(fig)
-        paths[reg] = p
-
-    if doc.get("max_batch"):
-        recs = [r for r in doc["max_batch"] if r.get("max_batch") is not None]
-        regs = [g for g in _regimes(doc) if any(r["regime"] == g for r in recs)]
-        if regs:
-            fig, axes = plt.subplots(1, len(regs), figsize=(4 * len(regs), 4), squeeze=False)
-            for ax, g in zip(axes[0], regs):
-                rr = [r for r in recs if r["regime"] == g]
-                ax.barh([r["label"] for r in rr], [max(r["max_batch"], 1) for r in rr],
-                        color=["C2" if r["capped"] else "C0" for r in rr])
-                ax.set_xscale("log")
-                ax.set_title(f"{g}: largest B, temp <= "
-                             f"{rr[0]['budget_bytes'] / 2**30:.3g} GiB", fontsize=9)
-                ax.tick_params(axis="y", labelsize=7)
-            fig.tight_layout()
-            p = os.path.join(img_dir, "bench_max_batch.png")
-            fig.savefig(p, dpi=90)
-            plt.close(fig)
-            paths["max_batch"] = p
-
-    cc = doc.get("chunk_curve")
-    if cc and cc.get("points"):
-        pts = [p for p in cc["points"] if p.get("temp_bytes") is not None]
-        if pts:
-            B = cc["batch"]
-            xs = [p["chunk_size"] or B for p in pts]
-            fig, ax = plt.subplots(figsize=(6, 4))
-            ax.plot(xs, [p["temp_bytes"] / 2**20 for p in pts], "o-", color="C0")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel(f"chunk_size (B={B}; None = B)")
-            ax.set_ylabel("XLA temp memory (MiB)", color="C0")
-            tp = [(x, p["time_median_s"]) for x, p in zip(xs, pts) if p.get("time_median_s")]
-            if tp:
-                ax2 = ax.twinx()
-                ax2.plot([t[0] for t in tp], [t[1] * 1e3 for t in tp], "s--", color="C1")
-                ax2.set_ylabel("wall time (ms)", color="C1")
-            ax.set_title(f"{cc['regime']}: js second_moment vs chunk_size", fontsize=10)
-            fig.tight_layout()
-            p = os.path.join(img_dir, "bench_chunk_size.png")
-            fig.savefig(p, dpi=90)
-            plt.close(fig)
-            paths["chunk"] = p
+    paths = {reg: _plot_regime(plt, doc, reg, img_dir) for reg in _regimes(doc)}
+    for key, plot in (("max_batch", _plot_max_batch), ("chunk", _plot_chunk_curve)):
+        p = plot(plt, doc, img_dir)
+        if p is not None:
+            paths[key] = p
     return paths
+
+
+def _save(plt, fig, img_dir, name):
+    p = os.path.join(img_dir, name)
+    fig.savefig(p, dpi=90)
+    plt.close(fig)
+    return p
+
+
+def _plot_regime(plt, doc, reg, img_dir):
+    """Time and temp-memory ratios to grad against B, one line per (method, statistic)."""
+    rows = [r for r in doc["results"] if r["regime"] == reg and r["ok"]
+            and r["method"] != "grad"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, key, title in [(axes[0], "time_ratio", "wall time / grad"),
+                           (axes[1], "temp_ratio", "XLA temp memory / grad")]:
+        _plot_ratio(ax, rows, key)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel(title)
+        ax.set_title(f"{reg}: {title}")
+        ax.grid(True, which="both", alpha=0.3)
+    h, lab = axes[0].get_legend_handles_labels()
+    fig.legend(h, lab, loc="center right", fontsize=7, frameon=False)
+    desc = doc["regimes"].get(reg, {}).get("description", "")
+    fig.suptitle(f"{reg} -- {desc}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.83, 0.95))
+    return _save(plt, fig, img_dir, f"bench_{reg}.png")
+
+
+def _plot_ratio(ax, rows, key):
+    series = defaultdict(list)
+    for r in rows:
+        if r.get(key) is not None:
+            series[(r["method"], r["statistic"])].append((r["batch"], r[key]))
+    for (m, s), pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], METHOD_STYLE.get(m, "-"),
+                marker=METHOD_MARK.get(m, "o"), color=STAT_COLOR.get(s, "k"),
+                label=f"{m}:{s}", alpha=0.85)
+
+
+def _plot_max_batch(plt, doc, img_dir):
+    """The largest batch within the budget, one bar per method, a panel per regime."""
+    if not doc.get("max_batch"):
+        return None
+    recs = [r for r in doc["max_batch"] if r.get("max_batch") is not None]
+    regs = [g for g in _regimes(doc) if any(r["regime"] == g for r in recs)]
+    if not regs:
+        return None
+    fig, axes = plt.subplots(1, len(regs), figsize=(4 * len(regs), 4), squeeze=False)
+    for ax, g in zip(axes[0], regs):
+        rr = [r for r in recs if r["regime"] == g]
+        ax.barh([r["label"] for r in rr], [max(r["max_batch"], 1) for r in rr],
+                color=["C2" if r["capped"] else "C0" for r in rr])
+        ax.set_xscale("log")
+        ax.set_title(f"{g}: largest B, temp <= "
+                     f"{rr[0]['budget_bytes'] / 2**30:.3g} GiB", fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    return _save(plt, fig, img_dir, "bench_max_batch.png")
+
+
+def _plot_chunk_curve(plt, doc, img_dir):
+    """Temp memory (and wall time) of js second_moment against chunk_size."""
+    cc = doc.get("chunk_curve")
+    if not (cc and cc.get("points")):
+        return None
+    pts = [p for p in cc["points"] if p.get("temp_bytes") is not None]
+    if not pts:
+        return None
+    B = cc["batch"]
+    xs = [p["chunk_size"] or B for p in pts]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, [p["temp_bytes"] / 2**20 for p in pts], "o-", color="C0")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"chunk_size (B={B}; None = B)")
+    ax.set_ylabel("XLA temp memory (MiB)", color="C0")
+    tp = [(x, p["time_median_s"]) for x, p in zip(xs, pts) if p.get("time_median_s")]
+    if tp:
+        ax2 = ax.twinx()
+        ax2.plot([t[0] for t in tp], [t[1] * 1e3 for t in tp], "s--", color="C1")
+        ax2.set_ylabel("wall time (ms)", color="C1")
+    ax.set_title(f"{cc['regime']}: js second_moment vs chunk_size", fontsize=10)
+    fig.tight_layout()
+    return _save(plt, fig, img_dir, "bench_chunk_size.png")
 
 
 # --------------------------------------------------------------------------- #
@@ -340,9 +366,36 @@ def _allocator_section(doc, steady, md_dir):
 
 
 def render_md(doc, img_paths, md_path, compare=None, steady=None):
-    m = doc["machine"]
+    """Writes the markdown report of ``doc`` to ``md_path``.
+
+    Args:
+      doc: the merged results (`load`).
+      img_paths: ``{key: path}`` of the plots (`plot_regimes`), linked relative to the page.
+      md_path: the page to write.
+      compare: the same suite on another jax (`load` with ``"_path"``), or ``None``.
+      steady: the same suite with the steady allocator, or ``None``.
+
+    Returns:
+      ``md_path``.
+    """
     md_dir = os.path.dirname(os.path.abspath(md_path))
     rel = {k: os.path.relpath(v, md_dir) for k, v in img_paths.items()}
+    L = (_header_section() + _protocol_section(doc) + _machine_section(doc)
+         + _summary_section(doc) + _targets_section(doc) + _per_regime_section(doc, rel)
+         + _max_batch_section(doc, rel) + _chunk_curve_section(doc, rel)
+         + _tracing_section(doc))
+    if steady is not None:
+        L += _allocator_section(doc, steady, md_dir)
+    if compare is not None:
+        L += _compare_section(doc, compare, md_dir)
+    L += _errors_section(doc)
+    with open(md_path, "w") as f:
+        f.write("\n".join(L))
+    return md_path
+
+
+def _header_section():
+    """The title, what is compared and how to reproduce it."""
     L = []
     L.append("# Benchmarks")
     L.append("")
@@ -362,6 +415,12 @@ def render_md(doc, img_paths, md_path, compare=None, steady=None):
              "[--out benchmarks/results/NAME.json]`, then `python -m benchmarks.plot "
              "[benchmarks/results/NAME.json ...]`.")
     L.append("")
+    return L
+
+
+def _protocol_section(doc):
+    """How the numbers are measured, and the run's notes."""
+    L = []
     L.append("## Protocol")
     L.append("")
     L.append("* Every method is compiled with `jax.jit(f).lower(params, batch).compile()` in one "
@@ -378,6 +437,13 @@ def render_md(doc, img_paths, md_path, compare=None, steady=None):
     for n in doc.get("notes", []):
         L.append(f"* {n}")
     L.append("")
+    return L
+
+
+def _machine_section(doc):
+    """The machine and software versions of the run."""
+    m = doc["machine"]
+    L = []
     L.append("## Machine")
     L.append("")
     keys = ["date", "platform", "cpu_model", "cpu_count", "backend", "device_kind", "python",
@@ -395,8 +461,12 @@ def render_md(doc, img_paths, md_path, compare=None, steady=None):
                  "ratios are noisy (interleaving keeps them comparable, but expect ±20–30%); "
                  "memory and FLOPs are exact.")
     L.append("")
+    return L
 
-    # ---------------- summary
+
+def _summary_section(doc):
+    """Ratios to grad at the largest batch of each regime."""
+    L = []
     L.append("## Summary (largest batch size of each regime)")
     L.append("")
     L.append("Wall-time ratios to `grad` (temp-memory ratio in parentheses).")
@@ -424,8 +494,58 @@ def render_md(doc, img_paths, md_path, compare=None, steady=None):
         L.append(f"| {reg} | {B} | {_ms(g['time_median_s']) if g else '–'} | "
                  + " | ".join(cells) + " |")
     L.append("")
+    return L
 
-    # ---------------- targets
+
+# why some targets are missed, printed after the targets table
+_TARGET_NOTES = (
+    (
+        "Why the variance and mean+second_moment rows of the token-free MLP "
+        "miss: a dense layer's statistic is one matmul "
+        "of the weight gradient's size (`(x²)ᵀ(dy²)` for E[g²], `xᵀdy` for the mean), and "
+        "the forward matmul is the only "
+        "other large cost. Two different bilinear forms of the batch need two matmuls, so "
+        "mean+second_moment costs about 3/2 of second_moment alone, and so does the variance "
+        "where its raw form `(x²)ᵀ(dy²) - (xᵀdy)²/B` provably keeps its digits (checked "
+        "at run time; a float32 batch over 128 examples takes it in groups of at most 128 "
+        "merged exactly, so B=256 here costs the same two matmuls plus the merge). On "
+        "token-axis layers "
+        "the mean rides in the tile loop and the variance takes the same single loop "
+        "(shifted by a running mean), so both cost about second_moment alone; so do the "
+        "cnn's convolutions, tiled over patches formed one example at a time."
+    ),
+    (
+        "Why some transformer rows of variance or mean+second_moment against "
+        "second_moment alone miss, mostly on the large-vocabulary model: on token-axis "
+        "sites all three take one tile loop, but the variance updates two running sums "
+        "per example (the shifted one-pass sums) where E[g²] updates one. On CPU, under "
+        "glibc's default malloc (the run above), the default `chunk_size=\"auto\"` runs a "
+        "batch whose temporaries would pass about 32 MiB in chunks, and each chunk "
+        "continues the running statistics, which streams them through memory: a chunk "
+        "is kept at least 3 times their bytes, so a "
+        "statistic with two accumulators (the variance; mean+second_moment) takes larger "
+        "chunks, or the whole batch, where second_moment alone takes small ones. The "
+        "tied vocabulary-sized table merges each chunk's values afterwards (continuing "
+        "them in its feature-blocked tile loop measured slower), a pass over its "
+        "accumulators per chunk."
+    ),
+    (
+        "Why the tracing row of clipped_mean costs the most: one-pass clipping needs "
+        "every example's norm, and a dense site with tokens takes it as a ghost norm "
+        "guarded against cancellation (a loop over the flagged examples alone, which "
+        "recomputes their norms exactly; traced and lowered once per distinct dense "
+        "site); after the backward pass each leaf then adds its reweighted sum. The guard "
+        "was a `lax.cond` around a loop over every example with a `lax.cond` inside "
+        "(1.52x grad); the loop over flagged examples alone measured 1.45x. The deeper "
+        "model in the tracing table shows the cost per added layer staying close to "
+        "grad's."
+    ),
+)
+
+
+def _targets_section(doc):
+    """Every target row, their counts, the floors beside them and why some miss."""
+    L = []
     L.append("## Targets from the issue")
     L.append("")
     L.append("| target | regime | B | what | value | threshold | status |")
@@ -442,52 +562,14 @@ def render_md(doc, img_paths, md_path, compare=None, steady=None):
     L.append("")
     L.extend(_equal_memory_floor(doc["targets"]))
     L.extend(_fused_floor(doc["targets"]))
-    L.append(
-        "Why the variance and mean+second_moment rows of the token-free MLP "
-        "miss: a dense layer's statistic is one matmul "
-        "of the weight gradient's size (`(x²)ᵀ(dy²)` for E[g²], `xᵀdy` for the mean), and "
-        "the forward matmul is the only "
-        "other large cost. Two different bilinear forms of the batch need two matmuls, so "
-        "mean+second_moment costs about 3/2 of second_moment alone, and so does the variance "
-        "where its raw form `(x²)ᵀ(dy²) - (xᵀdy)²/B` provably keeps its digits (checked "
-        "at run time; a float32 batch over 128 examples takes it in groups of at most 128 "
-        "merged exactly, so B=256 here costs the same two matmuls plus the merge). On "
-        "token-axis layers "
-        "the mean rides in the tile loop and the variance takes the same single loop "
-        "(shifted by a running mean), so both cost about second_moment alone; so do the "
-        "cnn's convolutions, tiled over patches formed one example at a time."
-    )
-    L.append("")
-    L.append(
-        "Why some transformer rows of variance or mean+second_moment against "
-        "second_moment alone miss, mostly on the large-vocabulary model: on token-axis "
-        "sites all three take one tile loop, but the variance updates two running sums "
-        "per example (the shifted one-pass sums) where E[g²] updates one. On CPU, under "
-        "glibc's default malloc (the run above), the default `chunk_size=\"auto\"` runs a "
-        "batch whose temporaries would pass about 32 MiB in chunks, and each chunk "
-        "continues the running statistics, which streams them through memory: a chunk "
-        "is kept at least 3 times their bytes, so a "
-        "statistic with two accumulators (the variance; mean+second_moment) takes larger "
-        "chunks, or the whole batch, where second_moment alone takes small ones. The "
-        "tied vocabulary-sized table merges each chunk's values afterwards (continuing "
-        "them in its feature-blocked tile loop measured slower), a pass over its "
-        "accumulators per chunk."
-    )
-    L.append("")
-    L.append(
-        "Why the tracing row of clipped_mean costs the most: one-pass clipping needs "
-        "every example's norm, and a dense site with tokens takes it as a ghost norm "
-        "guarded against cancellation (a loop over the flagged examples alone, which "
-        "recomputes their norms exactly; traced and lowered once per distinct dense "
-        "site); after the backward pass each leaf then adds its reweighted sum. The guard "
-        "was a `lax.cond` around a loop over every example with a `lax.cond` inside "
-        "(1.52x grad); the loop over flagged examples alone measured 1.45x. The deeper "
-        "model in the tracing table shows the cost per added layer staying close to "
-        "grad's."
-    )
-    L.append("")
+    for note in _TARGET_NOTES:
+        L += [note, ""]
+    return L
 
-    # ---------------- per regime
+
+def _per_regime_section(doc, rel):
+    """A table of every method and batch size per regime, with its plot."""
+    L = []
     L.append("## Results per regime")
     L.append("")
     L.append("Each cell: wall-time ratio / temp-memory ratio / FLOPs ratio to `grad`; the "
@@ -495,96 +577,127 @@ def render_md(doc, img_paths, md_path, compare=None, steady=None):
              "† = program has a `while` loop (FLOPs under-counted).")
     L.append("")
     for reg in _regimes(doc):
-        rows = [r for r in doc["results"] if r["regime"] == reg]
-        info = doc["regimes"].get(reg, {})
-        batches = sorted({r["batch"] for r in rows})
-        L.append(f"### {reg}")
-        L.append("")
-        L.append(f"{info.get('description', '')}; "
-                 f"{info.get('info', {}).get('n_params', '?')} parameters.")
-        L.append("")
-        if reg in rel:
-            L.append(f"![{reg}]({rel[reg]})")
-            L.append("")
-        L.append("| method | " + " | ".join(f"B={b}" for b in batches) + " |")
-        L.append("|---|" + "---|" * len(batches))
-        labels = []
-        for r in rows:
-            if r["label"] not in labels:
-                labels.append(r["label"])
-        for lab in labels:
-            cells = []
-            for b in batches:
-                r = next((x for x in rows if x["label"] == lab and x["batch"] == b), None)
-                if r is None:
-                    cells.append("")
-                elif not r["ok"]:
-                    cells.append("ERROR")
-                elif r["method"] == "grad":
-                    cells.append(f"{_ms(r['time_median_s'])} ms / {_mib(r['temp_bytes'])} MiB / "
-                                 f"{_f((r['flops'] or 0) / 1e9, '{:.3g}')} GF"
-                                 + (" †" if r.get("has_loop") else ""))
-                else:
-                    cells.append(f"{_f(r['time_ratio'])} / {_f(r['temp_ratio'])} / "
-                                 f"{_f(r['flops_ratio'])}" + (" †" if r.get("has_loop") else ""))
-            L.append(f"| {lab} | " + " | ".join(cells) + " |")
-        L.append("")
-        comp = [r for r in rows if r["ok"] and r.get("compile_s") is not None]
-        if comp:
-            g = [r for r in comp if r["method"] == "grad"]
-            j = [r for r in comp if r["method"] == "js"]
-            if g and j:
-                gt = sum(r["compile_s"] + r["trace_lower_s"] for r in g) / len(g)
-                jt = sum(r["compile_s"] + r["trace_lower_s"] for r in j) / len(j)
-                jl = sum(r["trace_lower_s"] for r in j) / len(j)
-                L.append(f"Compile time (trace+lower+compile), mean: grad {gt:.2f} s, "
-                         f"js {jt:.2f} s "
-                         f"(of which trace+lower {jl:.2f} s).")
-                L.append("")
+        L += _regime_section(doc, reg, rel)
+    return L
 
-    # ---------------- max batch
-    if doc.get("max_batch"):
-        L.append("## Largest batch within a memory budget")
-        L.append("")
-        if "max_batch" in rel:
-            L.append(f"![max batch]({rel['max_batch']})")
-            L.append("")
-        L.append("| regime | method | budget (GiB) | largest B | compiles | note |")
-        L.append("|---|---|---|---|---|---|")
-        for r in doc["max_batch"]:
-            note = []
-            if r.get("capped"):
-                note.append("≥ search cap")
-            if r.get("microbatch_size"):
-                note.append(f"microbatch {r['microbatch_size']}")
-            if r.get("error"):
-                note.append("ERROR: " + r["error"].splitlines()[0][:120])
-            L.append(f"| {r['regime']} | {r['label']} | {r['budget_bytes'] / 2**30:.3g} | "
-                     f"{r['max_batch'] if r['max_batch'] is not None else '–'} | "
-                     f"{r['n_compiles']} | {'; '.join(note)} |")
-        L.append("")
 
-    # ---------------- chunk curve
+def _regime_section(doc, reg, rel):
+    """One regime: its description, plot, table and compile times."""
+    L = []
+    rows = [r for r in doc["results"] if r["regime"] == reg]
+    info = doc["regimes"].get(reg, {})
+    batches = sorted({r["batch"] for r in rows})
+    L.append(f"### {reg}")
+    L.append("")
+    L.append(f"{info.get('description', '')}; "
+             f"{info.get('info', {}).get('n_params', '?')} parameters.")
+    L.append("")
+    if reg in rel:
+        L.append(f"![{reg}]({rel[reg]})")
+        L.append("")
+    L += _regime_table(rows, batches)
+    L += _compile_times(rows)
+    return L
+
+
+def _regime_table(rows, batches):
+    """Ratios to grad per method (rows) and batch size (columns); grad's row absolute."""
+    L = []
+    L.append("| method | " + " | ".join(f"B={b}" for b in batches) + " |")
+    L.append("|---|" + "---|" * len(batches))
+    labels = []
+    for r in rows:
+        if r["label"] not in labels:
+            labels.append(r["label"])
+    for lab in labels:
+        cells = []
+        for b in batches:
+            r = next((x for x in rows if x["label"] == lab and x["batch"] == b), None)
+            if r is None:
+                cells.append("")
+            elif not r["ok"]:
+                cells.append("ERROR")
+            elif r["method"] == "grad":
+                cells.append(f"{_ms(r['time_median_s'])} ms / {_mib(r['temp_bytes'])} MiB / "
+                             f"{_f((r['flops'] or 0) / 1e9, '{:.3g}')} GF"
+                             + (" †" if r.get("has_loop") else ""))
+            else:
+                cells.append(f"{_f(r['time_ratio'])} / {_f(r['temp_ratio'])} / "
+                             f"{_f(r['flops_ratio'])}" + (" †" if r.get("has_loop") else ""))
+        L.append(f"| {lab} | " + " | ".join(cells) + " |")
+    L.append("")
+    return L
+
+
+def _compile_times(rows):
+    """The mean compile time of grad and js in one regime, where both were measured."""
+    comp = [r for r in rows if r["ok"] and r.get("compile_s") is not None]
+    g = [r for r in comp if r["method"] == "grad"]
+    j = [r for r in comp if r["method"] == "js"]
+    if not (g and j):
+        return []
+    gt = sum(r["compile_s"] + r["trace_lower_s"] for r in g) / len(g)
+    jt = sum(r["compile_s"] + r["trace_lower_s"] for r in j) / len(j)
+    jl = sum(r["trace_lower_s"] for r in j) / len(j)
+    return [f"Compile time (trace+lower+compile), mean: grad {gt:.2f} s, js {jt:.2f} s "
+            f"(of which trace+lower {jl:.2f} s).", ""]
+
+
+def _max_batch_section(doc, rel):
+    """The largest batch within the memory budget, per regime and method."""
+    if not doc.get("max_batch"):
+        return []
+    L = []
+    L.append("## Largest batch within a memory budget")
+    L.append("")
+    if "max_batch" in rel:
+        L.append(f"![max batch]({rel['max_batch']})")
+        L.append("")
+    L.append("| regime | method | budget (GiB) | largest B | compiles | note |")
+    L.append("|---|---|---|---|---|---|")
+    for r in doc["max_batch"]:
+        note = []
+        if r.get("capped"):
+            note.append("≥ search cap")
+        if r.get("microbatch_size"):
+            note.append(f"microbatch {r['microbatch_size']}")
+        if r.get("error"):
+            note.append("ERROR: " + r["error"].splitlines()[0][:120])
+        L.append(f"| {r['regime']} | {r['label']} | {r['budget_bytes'] / 2**30:.3g} | "
+                 f"{r['max_batch'] if r['max_batch'] is not None else '–'} | "
+                 f"{r['n_compiles']} | {'; '.join(note)} |")
+    L.append("")
+    return L
+
+
+def _chunk_curve_section(doc, rel):
+    """Temp memory, time and FLOPs of js second_moment against chunk_size."""
     cc = doc.get("chunk_curve")
-    if cc and cc.get("points"):
-        L.append("## `chunk_size` memory curve")
+    if not (cc and cc.get("points")):
+        return []
+    L = []
+    L.append("## `chunk_size` memory curve")
+    L.append("")
+    L.append(f"`js` second_moment on `{cc['regime']}` at B={cc['batch']}.")
+    L.append("")
+    if "chunk" in rel:
+        L.append(f"![chunk]({rel['chunk']})")
         L.append("")
-        L.append(f"`js` second_moment on `{cc['regime']}` at B={cc['batch']}.")
-        L.append("")
-        if "chunk" in rel:
-            L.append(f"![chunk]({rel['chunk']})")
-            L.append("")
-        L.append("| chunk_size | temp MiB | wall ms | GFLOPs |")
-        L.append("|---|---|---|---|")
-        for p in cc["points"]:
-            L.append(f"| {p['chunk_size']} | {_mib(p.get('temp_bytes'))} | "
-                     f"{_ms(p.get('time_median_s'))} | "
-                     f"{_f((p.get('flops') or 0) / 1e9, '{:.3g}')}"
-                     f"{' †' if p.get('has_loop') else ''}"
-                     f"{' ERROR' if p.get('error') else ''} |")
-        L.append("")
+    L.append("| chunk_size | temp MiB | wall ms | GFLOPs |")
+    L.append("|---|---|---|---|")
+    for p in cc["points"]:
+        L.append(f"| {p['chunk_size']} | {_mib(p.get('temp_bytes'))} | "
+                 f"{_ms(p.get('time_median_s'))} | "
+                 f"{_f((p.get('flops') or 0) / 1e9, '{:.3g}')}"
+                 f"{' †' if p.get('has_loop') else ''}"
+                 f"{' ERROR' if p.get('error') else ''} |")
+    L.append("")
+    return L
 
-    # ---------------- tracing
+
+def _tracing_section(doc):
+    """Trace+lower time of a deep unrolled transformer, per method."""
+    L = []
     tr = doc.get("tracing")
     if tr and tr.get("points"):
         L.append("## Tracing cost")
@@ -609,25 +722,22 @@ def render_md(doc, img_paths, md_path, compare=None, steady=None):
         L.append("")
         L.append("ERROR: " + tr["error"].splitlines()[0][:300])
         L.append("")
+    return L
 
-    if steady is not None:
-        L += _allocator_section(doc, steady, md_dir)
-    if compare is not None:
-        L += _compare_section(doc, compare, md_dir)
 
-    # ---------------- errors
+def _errors_section(doc):
+    """The first line of every failed row's error."""
     errs = [r for r in doc["results"] if not r["ok"]]
-    if errs:
-        L.append("## Errors")
-        L.append("")
-        for r in errs:
-            first = (r.get("error") or "").splitlines()[0][:300]
-            L.append(f"* {r['regime']} B={r['batch']} `{r['label']}`: {first}")
-        L.append("")
-
-    with open(md_path, "w") as f:
-        f.write("\n".join(L))
-    return md_path
+    if not errs:
+        return []
+    L = []
+    L.append("## Errors")
+    L.append("")
+    for r in errs:
+        first = (r.get("error") or "").splitlines()[0][:300]
+        L.append(f"* {r['regime']} B={r['batch']} `{r['label']}`: {first}")
+    L.append("")
+    return L
 
 
 def main(argv=None):

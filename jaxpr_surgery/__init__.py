@@ -10,9 +10,9 @@ _compat.warn_if_untested()
 
 from jaxpr_surgery import optim as optim  # noqa: E402
 from jaxpr_surgery import stats as stats  # noqa: E402
-from jaxpr_surgery._src.api import check_per_example as check_per_example  # noqa: E402
 from jaxpr_surgery._src.api import per_example_stat as per_example_stat  # noqa: E402
 from jaxpr_surgery._src.api import value_and_per_example_stat as value_and_per_example_stat  # noqa: E402
+from jaxpr_surgery._src.check import check_per_example as check_per_example  # noqa: E402
 from jaxpr_surgery._src.compat import TESTED_JAX as TESTED_JAX  # noqa: E402
 from jaxpr_surgery._src.compat import UntestedJaxWarning as UntestedJaxWarning  # noqa: E402
 from jaxpr_surgery._src.explain import Report as Report  # noqa: E402

@@ -7,6 +7,7 @@ from jaxpr_surgery._src.stats import ClippedSum as ClippedSum
 from jaxpr_surgery._src.stats import KronSum as KronSum
 from jaxpr_surgery._src.stats import Moments as Moments
 from jaxpr_surgery._src.stats import NoiseScaleComponents as NoiseScaleComponents
+from jaxpr_surgery._src.stats import Norms as Norms
 from jaxpr_surgery._src.stats import PhiSum as PhiSum
 from jaxpr_surgery._src.stats import Reduction as Reduction
 from jaxpr_surgery._src.stats import SqNorms as SqNorms

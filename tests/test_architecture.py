@@ -166,7 +166,7 @@ def test_internal_import_scan_allows_public_jax(source):
 # optim) is placed as a whole. Modules beside the main line (api/explain -> engine ->
 # interpreter -> sites -> tiling -> stats -> compat) sit where their imports put them.
 LAYERS = (
-    ("api", "explain", "explain_table", "optim"),  # entry points (explain builds on api)
+    ("api", "check", "explain", "explain_table", "optim"),  # entry points (explain builds on api)
     ("chunking",),  # sizes chunks by lowering the engine
     ("engine",),
     ("interpreter",),
@@ -175,6 +175,7 @@ LAYERS = (
     ("kron", "dots"),  # reductions whose fast rules the kernels call
     ("tiling",),
     ("fused",),
+    ("norms",),  # per-example norms past the range of their squares
     ("stats", "stats_research", "fingerprint", "independence"),
     ("compat",),
 )

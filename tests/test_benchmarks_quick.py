@@ -34,7 +34,7 @@ MACHINE_KEYS = {"platform", "cpu_count", "jax", "jaxlib", "optax", "device_kind"
 
 
 def test_max_batch_search_affine():
-    from benchmarks.run import max_batch_search
+    from benchmarks.sweeps import max_batch_search
 
     for a, b in [(1000, 3), (0, 100), (5e5, 7.3)]:
         f = lambda B, a=a, b=b: a + b * B  # noqa: E731
@@ -164,16 +164,16 @@ def test_quick_json_schema(quick_run):
 
 def test_chunked_grad_reference_is_the_gradient():
     """The floor's reference computes what it claims (the gradient), with chunks."""
-    from benchmarks import models, run
+    from benchmarks import methods, models
 
     m = models.transformer(T=4, d=8, V=16, layers=1, heads=2)
     b = m.make_batch(8)
     want = jax.grad(m.loss)(m.params, b)
-    got = jax.jit(run.make_method(m, "grad_chunk", "grad", 8))(m.params, b)
+    got = jax.jit(methods.make_method(m, "grad_chunk", "grad", 8))(m.params, b)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
     with pytest.raises(ValueError, match="multiple"):
-        run.make_method(m, "grad_chunk", "grad", 8, microbatch_size=3)
+        methods.make_method(m, "grad_chunk", "grad", 8, microbatch_size=3)
 
 
 def test_steady_allocator_settings(monkeypatch):
@@ -222,3 +222,19 @@ def test_plot_markdown(quick_run):
     assert "mean+second_moment against each alone" in text
     pngs = os.listdir(out_dir / "img")
     assert any(p.startswith("bench_mlp") for p in pngs)
+
+
+def test_a_regime_that_fails_to_build_is_recorded(monkeypatch, tmp_path):
+    """The run goes on past a model that cannot be built: its error is in the JSON."""
+    from benchmarks import regimes, run
+
+    def broken():
+        raise RuntimeError("no such model")
+
+    monkeypatch.setattr(run, "regimes", lambda quick: {
+        "broken": regimes.Regime("broken", broken, [4], "a model that fails", {})})
+    out = tmp_path / "broken.json"
+    doc = run.main(["--quick", "--regimes", "broken", "--out", str(out)])
+    assert "RuntimeError: no such model" in doc["regimes"]["broken"]["error"]
+    assert doc["results"] == [] and doc["tracing"] is None
+    assert json.loads(out.read_text())["regimes"]["broken"]["description"] == "a model that fails"

@@ -220,6 +220,7 @@ DOCTEST_MODULES = [
     "jaxpr_surgery.stats",
     "jaxpr_surgery.optim",
     "jaxpr_surgery._src.api",
+    "jaxpr_surgery._src.check",
     "jaxpr_surgery._src.explain",
     "jaxpr_surgery._src.stats",
     "jaxpr_surgery._src.stats_research",

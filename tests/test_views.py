@@ -450,3 +450,29 @@ def test_a_helper_returning_the_scaled_weight_keeps_the_fast_rule():
         want = _oracle(g, 1.0)
         for k in got:
             _assert_close(got[k], want[k], 1e-10, k)
+
+
+def test_clipping_under_remat_folds_the_view_scale():
+    """Clipped sums under ``jax.checkpoint`` run a second, reweighted backward pass
+    (engine.clips_by_recompute): its sites must apply the view's scale as the first pass
+    does, or ``x @ (W / 16)`` clips 16 times too large a gradient."""
+
+    def loss(p, b):
+        h = jax.checkpoint(lambda x: jnp.tanh(x @ (p["w"] / 16.0)))(b["x"])
+        return jnp.mean((h @ p["v"] - b["y"]) ** 2)
+
+    r = np.random.default_rng(3)
+    with zoo.x64():
+        p = {"w": jnp.asarray(r.standard_normal((5, 4))),
+             "v": jnp.asarray(r.standard_normal((4,)))}
+        b = {"x": jnp.asarray(r.standard_normal((6, 5))),
+             "y": jnp.asarray(r.standard_normal((6,)))}
+        g = jax.vmap(jax.grad(lambda p, x, y: loss(p, {"x": x[None], "y": y[None]})),
+                     in_axes=(None, 0, 0))(p, b["x"], b["y"])
+        norms = np.sqrt(sum(np.sum(np.asarray(x).reshape(6, -1) ** 2, 1) for x in g.values()))
+        C = float(np.median(norms))
+        fac = np.minimum(1.0, C / norms)
+        got = js.per_example_stat(loss, js.stats.clipped_mean(C))(p, b)
+        for k in p:
+            want = np.tensordot(fac, np.asarray(g[k]), axes=(0, 0)) / 6
+            np.testing.assert_allclose(got[k], want, rtol=1e-10, atol=1e-12)

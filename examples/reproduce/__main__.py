@@ -39,6 +39,37 @@ def clean(x):
 
 
 def main(argv=None) -> dict:
+    """Runs the study as the command line ``argv`` asks; returns its document."""
+    args = _parser().parse_args(argv)
+    if args.quick and "XLA_FLAGS" not in os.environ and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = QUICK_XLA_FLAGS
+
+    from . import study
+    from .data import load_corpus
+
+    cfg = _config(args, study)
+    out = _out_dir(args)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "study.json"
+    if args.replot:
+        doc = json.loads(path.read_text())
+        _figures(doc, out)
+        return doc
+
+    corpus = load_corpus(args.files or None, cfg.max_bytes)
+    doc, previous, earlier_seconds = _start(args, cfg, corpus, path)
+    runner = study.Runner(cfg, corpus, previous)
+    t0 = time.perf_counter()
+    _run_experiments(doc, args.experiments, cfg, runner, path)
+    if runner.reused:
+        print(f"reused {runner.reused} runs of the earlier study")
+    doc["seconds"] = round(time.perf_counter() - t0 + earlier_seconds, 1)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    _figures(doc, out)
+    return doc
+
+
+def _parser():
     ap = argparse.ArgumentParser(
         prog="python -m examples.reproduce",
         description="Test the optimizer claims of Roulet & Agarwala (arXiv 2510.00236) on a "
@@ -56,43 +87,45 @@ def main(argv=None) -> dict:
                     help="keep the experiments of --out/study.json run with this configuration; "
                          "after a grid or seed change, reuse its finished runs")
     ap.add_argument("--replot", action="store_true", help="only redraw the figures")
-    args = ap.parse_args(argv)
-    if args.quick and "XLA_FLAGS" not in os.environ and "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = QUICK_XLA_FLAGS
+    return ap
 
-    import jax
 
-    from . import study
-    from .data import load_corpus
-
+def _config(args, study):
+    """The study's configuration (quick or full) with the command line's overrides."""
     cfg = study.QUICK if args.quick else study.Config()
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, steps=args.steps)
     if args.seeds is not None:
         cfg = dataclasses.replace(cfg, seeds=tuple(range(args.seeds)))
+    return cfg
+
+
+def _out_dir(args):
     here = Path(__file__).resolve().parent.parent / "results"
-    out = args.out or (Path(tempfile.gettempdir()) / "jaxpr_surgery_reproduce_quick"
-                       if args.quick else here)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "study.json"
+    return args.out or (Path(tempfile.gettempdir()) / "jaxpr_surgery_reproduce_quick"
+                        if args.quick else here)
 
-    def figures(doc):
-        try:
-            from . import plots
-        except ImportError:  # matplotlib is an optional extra
-            print("matplotlib not installed: no figures")
-            return
-        for name in plots.plot_all(doc, out):
-            print(f"wrote {out / name}")
 
-    if args.replot:
-        doc = json.loads(path.read_text())
-        figures(doc)
-        return doc
+def _figures(doc, out):
+    try:
+        from . import plots
+    except ImportError:  # matplotlib is an optional extra
+        print("matplotlib not installed: no figures")
+        return
+    for name in plots.plot_all(doc, out):
+        print(f"wrote {out / name}")
+
+
+def _start(args, cfg, corpus, path):
+    """The document to fill: the earlier one at ``path`` under ``--resume`` where its
+    configuration is this one, else a new one. Returns it with the earlier runs to reuse
+    (after a grid or seed change) and the seconds they took."""
+    import jax
+
+    from . import study
 
     config = clean(dataclasses.asdict(cfg))
     doc, previous, earlier_seconds = {}, [], 0.0
-    corpus = load_corpus(args.files or None, cfg.max_bytes)
     if args.resume and path.exists():
         old = json.loads(path.read_text())
         if old.get("config") == config:
@@ -107,10 +140,15 @@ def main(argv=None) -> dict:
                         "backend": jax.default_backend()},
     })
     doc.setdefault("experiments", {})
-    runner = study.Runner(cfg, corpus, previous)
-    t0 = time.perf_counter()
+    return doc, previous, earlier_seconds
+
+
+def _run_experiments(doc, names, cfg, runner, path):
+    """Runs each experiment of ``names`` not yet in ``doc``, saving ``doc`` after each."""
+    from . import study
+
     for name in EXPERIMENTS:
-        if name not in args.experiments or name in doc["experiments"]:
+        if name not in names or name in doc["experiments"]:
             continue
         if name == "sign":
             res = study.run_sign(runner, cfg)
@@ -125,12 +163,6 @@ def main(argv=None) -> dict:
         doc["experiments"][name] = clean(res)
         print(f"{name}: {res['verdict']}")
         path.write_text(json.dumps(doc, indent=1) + "\n")
-    if runner.reused:
-        print(f"reused {runner.reused} runs of the earlier study")
-    doc["seconds"] = round(time.perf_counter() - t0 + earlier_seconds, 1)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    figures(doc)
-    return doc
 
 
 if __name__ == "__main__":

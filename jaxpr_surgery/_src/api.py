@@ -1,5 +1,5 @@
-"""Public entry points: ``per_example_stat``, ``value_and_per_example_stat`` and
-``check_per_example``."""
+"""Public entry points: ``per_example_stat`` and ``value_and_per_example_stat``
+(``check_per_example`` lives in ``check.py``)."""
 
 from __future__ import annotations
 
@@ -290,7 +290,7 @@ def _combine_axis(red, v, n_local, N, axis_name):
     ext = S.extension(red)
     if ext is not None:
         return ext.combine_axis(red, v, n_local, N, axis_name)
-    if isinstance(red, S.SqNorms):
+    if S.is_norms(red):
         return v
     if isinstance(red, S.Centered):
         mean = jax.lax.psum(v.mean * n_local, axis_name) / N
@@ -734,155 +734,3 @@ def per_example_stat(
         return vfn(*args, **kwargs)[1]
 
     return wrapped
-
-
-def check_per_example(
-    fn: Callable[..., Any],
-    *,
-    argnums: int | Sequence[int] = 0,
-    batch_argnums: int | Sequence[int] = 1,
-    has_aux: bool = False,
-    rtol: float | None = None,
-    atol: float | None = None,
-    seed: int = 0,
-) -> Callable[..., None]:
-    r"""Checks that ``fn`` is a mean (or sum) of independent per-example losses; raises if not.
-
-    Two comparisons, both against the per-example losses
-    \(l_b = \mathrm{fn}(\ldots, \mathrm{batch}[b{:}b{+}1])\):
-
-    * the value: ``fn(*args)`` must equal \(\frac1B\sum_b l_b\) (a mean loss) or
-      \(\sum_b l_b\) (a sum loss);
-    * the gradient: the derivative of ``fn`` along a random direction of the
-      differentiated arguments (``argnums``) must equal the mean (or sum) of the
-      per-example derivatives. This catches examples that interact only through
-      the gradient, such as a ``stop_gradient``-ed batch statistic or a custom
-      backward pass that normalises over the batch. The derivatives are gradients
-      (reverse mode) projected on the direction, so models with ``jax.custom_vjp``
-      ops are checked too; the per-example gradients are formed a few examples at
-      a time (at most 64 MiB of them).
-
-    Models whose examples interact (batch norm in training mode, in-batch
-    negatives, normalising by the whole batch's token count) fail: their
-    per-example gradients are not defined, and every statistic computed with
-    the batch-of-one convention would silently describe a different model.
-    It is a one-off check on concrete values: call it outside ``jit``.
-    `per_example_stat` already refuses the cross-example forms it can prove from
-    the jaxpr at trace time (``check=True``); this numerical check covers what the
-    jaxpr cannot decide.
-
-    Returns:
-      A function of ``fn``'s arguments that returns ``None`` or raises ``ValueError``.
-    """
-
-    def check(*args):
-        name = "check_per_example"
-        nargs = len(args)
-        nums = _norm_nums(batch_argnums, "batch_argnums", nargs)
-        dnums = _norm_nums(argnums, "argnums", nargs)
-        leaves_all = jax.tree.leaves(args)
-        if any(isinstance(x, jax.core.Tracer) for x in leaves_all):
-            raise TypeError(
-                f"{name}: called on traced values (inside jit, vmap or grad). It is a one-off "
-                "check on concrete values: call it once outside jit, e.g. on the first batch."
-            )
-        batch = tuple(args[i] for i in nums)
-        leaves, tree = jax.tree.flatten(batch)
-        sizes = {int(np.shape(x)[0]) for x in leaves if np.ndim(x) > 0}
-        if not leaves or len(sizes) != 1 or any(np.ndim(x) == 0 for x in leaves):
-            raise ValueError(
-                f"{name}: every batch leaf needs the same leading example axis; got "
-                f"shapes {[np.shape(x) for x in leaves]}."
-            )
-        (B,) = sizes
-        if B == 0:
-            raise ValueError(f"{name}: the batch is empty (0 examples); nothing to check.")
-
-        def value(a):
-            out = fn(*a)
-            return out[0] if has_aux else out
-
-        def with_batch(a, ex_leaves):
-            a = list(a)
-            for k, i in enumerate(nums):
-                a[i] = jax.tree.unflatten(tree, ex_leaves)[k]
-            return a
-
-        # a random direction in the float leaves of the differentiated arguments
-        diff = tuple(args[i] for i in dnums)
-        dflat, dtree = jax.tree.flatten(diff)
-        fl = [_is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in dflat]
-        rng = np.random.default_rng(seed)
-        tang = [
-            jnp.asarray(rng.standard_normal(np.shape(x)), jnp.result_type(x))
-            for x, f in zip(dflat, fl)
-            if f
-        ]
-
-        base = [x for x, f in zip(dflat, fl) if f]
-
-        def value_at(a, floats):
-            it = iter(floats)
-            d = jax.tree.unflatten(dtree, [next(it) if f else x for x, f in zip(dflat, fl)])
-            a2 = list(a)
-            for k, i in enumerate(dnums):
-                a2[i] = d[k]
-            return value(a2)
-
-        def derivative(a):
-            """fn's derivative along the random direction at ``a``, by reverse mode (a
-            custom_vjp op has no forward mode): the gradient projected on the direction."""
-            if not base:
-                return jnp.zeros(())
-            grads = jax.grad(lambda floats: value_at(a, floats))(base)
-            acc = jnp.result_type(jnp.float32, *[x.dtype for x in grads])
-            return sum(jnp.sum(x.astype(acc) * t.astype(acc)) for x, t in zip(grads, tang))
-
-        def one(ex):
-            return with_batch(args, [x[None] for x in ex])
-
-        full = value(args)
-        per = jax.vmap(lambda ex: value(one(ex)))(leaves)
-        dt = jnp.result_type(full)
-        r = rtol if rtol is not None else (1e-9 if dt == jnp.float64 else 1e-4)
-        a_ = atol if atol is not None else (1e-12 if dt == jnp.float64 else 1e-6)
-        full_v = float(full)
-        per = np.asarray(per, np.float64)
-
-        def close(x, y, scale):
-            return abs(x - y) <= a_ + r * scale
-
-        mean_v, sum_v = per.mean(), per.sum()
-        if close(full_v, mean_v, abs(mean_v) + np.abs(per).mean()):
-            kind, reduce = "mean", np.mean
-        elif B > 1 and close(full_v, sum_v, abs(sum_v) + np.abs(per).sum()):
-            kind, reduce = "sum", np.sum
-        else:
-            raise ValueError(
-                f"{name}: fn(batch) = {full_v:.8g} but the mean of the per-example losses "
-                f"fn(batch[b:b+1]) is {mean_v:.8g} (their sum {sum_v:.8g}): the examples of "
-                "this model interact (batch norm, in-batch negatives, normalising by the batch's "
-                "token count, ...). Per-example gradients of such a model are not defined; "
-                "statistics computed by jaxpr_surgery would describe each example alone in a "
-                "batch of one. Make the loss a mean of independent per-example terms (e.g. batch "
-                "norm in inference mode, per-example normalisation)."
-            )
-        dfull_v = float(derivative(args))
-        # the per-example derivatives one example's gradient at a time (a few examples
-        # vectorised while their gradients fit in 64 MiB)
-        grad_bytes = sum(np.size(x) * jnp.dtype(jnp.result_type(x)).itemsize for x in base)
-        per_map = max(1, min(B, (64 << 20) // max(1, grad_bytes)))
-        dper = jax.lax.map(lambda ex: derivative(one(ex)), leaves, batch_size=per_map)
-        dper = np.asarray(dper, np.float64)
-        dref, dscale = reduce(dper), reduce(np.abs(dper))
-        if not close(dfull_v, dref, abs(dref) + dscale):
-            raise ValueError(
-                f"{name}: the loss values agree ({kind} of per-example losses), but the "
-                f"gradients do not: along a random direction of argnums={argnums}, fn's "
-                f"derivative is {dfull_v:.8g} and the {kind} of the per-example derivatives is "
-                f"{dref:.8g}. The examples interact through the gradient only (e.g. a "
-                "stop_gradient-ed batch statistic, or a batch-dependent weight); per-example "
-                "gradients of such a model describe a different function."
-            )
-
-    return check

@@ -140,7 +140,7 @@ def accumulator_bytes(reductions, leaf_avals) -> int:
     merged = [
         r
         for r in reductions
-        if not (isinstance(r, S.SqNorms) or getattr(S.extension(r), "per_example", False))
+        if not (S.is_norms(r) or getattr(S.extension(r), "per_example", False))
     ]
     if not merged or not leaf_avals:
         return 0

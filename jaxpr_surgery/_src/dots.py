@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.norms import materialised_norms
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -108,16 +109,16 @@ class _Cosines(S.Statistic):
         self.reduction = DotWith(reference)
 
     def reductions(self):
-        return {"d": self.reduction, "n": S.SqNorms()}
+        return {"d": self.reduction, "n": S.Norms()}
 
     def finalize(self, values, count):
         dots = jax.tree.leaves(values["d"])
-        sq = jax.tree.leaves(values["n"])
         dot = sum(dots[1:], dots[0])
-        g2 = sum(sq[1:], sq[0])
-        refs = _statistic_refs(self.reduction.reference)
-        r2 = sum(jnp.sum(jnp.square(x.astype(dot.dtype))) for x in refs)
-        den = jnp.sqrt(g2) * jnp.sqrt(r2)
+        # norms, not their squares: a float32 gradient of norm 5e19 has the square inf
+        g = S.combine_norms(jnp.stack([x.astype(dot.dtype) for x in jax.tree.leaves(values["n"])]))
+        refs = [x.astype(dot.dtype).ravel() for x in _statistic_refs(self.reduction.reference)]
+        r = materialised_norms(jnp.concatenate(refs)[None])[0]
+        den = g * r
         pos = den > 0
         return jnp.where(pos, dot / jnp.where(pos, den, 1), 0.0)
 

@@ -19,10 +19,21 @@ import numpy as np
 from jaxpr_surgery._src import compat, dots, kron, tiling
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.interpreter import CARRY_COUNT, Evaluator, make_site_fn
+from jaxpr_surgery._src.interpreter import (
+    CARRY_COUNT,
+    SUMS,
+    WEIGHTS,
+    Evaluator,
+    make_site_fn,
+    make_weighted_site_fn,
+)
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
     acc_dtype_for,
+    direct_norms,
+    example_norm,
+    flagged_norms,
+    honest_sq,
     reduce_materialised,
     weighted_sum_materialised,
 )
@@ -63,8 +74,8 @@ class Plan:
         """What a direct-mode site computes inside the backward pass: every reduction,
         except that a clipped sum by recomputation needs only the squared norms there."""
         req = {rkey(j): r for j, r in enumerate(self.reductions) if not isinstance(r, S.ClippedSum)}
-        if self.has_clip and not any(isinstance(r, S.SqNorms) for r in req.values()):
-            req["norms"] = S.SqNorms()
+        if self.has_clip and not any(isinstance(r, S.Norms) for r in req.values()):
+            req["norms"] = S.Norms()
         return req
 
     @property
@@ -151,8 +162,9 @@ def clips_by_recompute(jaxpr) -> bool:
     A clipped sum ``sum_b c_b g_b`` needs every example's norm before any weight,
     so in one pass each site keeps its ``x`` and ``dy`` until the norms are known:
     the activations of every layer at once, which remat exists to avoid. With remat
-    in the loss the norms come from the first pass and the sum from the VJP of the
-    per-example losses with cotangent ``c`` (grad's memory, one more backward)."""
+    in the loss the norms come from the first pass and the sum from a second forward
+    and backward pass in which each site weights its per-example gradients by ``c``
+    (`_reweighted_sums`; grad's memory, one more forward and backward)."""
     return uses_remat(jaxpr)
 
 
@@ -168,7 +180,7 @@ def _sink_avals(plan, site, B, cache):
         ext = S.extension(r)
         if ext is not None:
             return ext.aval(r, site.view_shape, kernel.acc, lead)
-        if isinstance(r, S.SqNorms):
+        if S.is_norms(r):
             return per_ex
         return S.Moments(view, view) if isinstance(r, S.Centered) else view
 
@@ -229,7 +241,7 @@ def _from_leaf(value, site):
 
 def per_example(r) -> bool:
     """``r``'s value is per example (``[B]``): concatenated over chunks, not merged."""
-    return isinstance(r, S.SqNorms) or getattr(S.extension(r), "per_example", False)
+    return S.is_norms(r) or getattr(S.extension(r), "per_example", False)
 
 
 def value_dtype(plan, i):
@@ -364,7 +376,7 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
             for j, r in enumerate(plan.reductions):
                 if not isinstance(r, S.ClippedSum):
                     values[j][i] = reduce_materialised(G, plan.bound(r, i))
-            norms_leaf[i] = reduce_materialised(G, S.SqNorms())
+            norms_leaf[i] = reduce_materialised(G, S.Norms())
             deferred[i] = lambda c, G=G: weighted_sum_materialised(G, c)
             continue
         if mode == "direct":
@@ -374,8 +386,8 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
                 if rkey(j) in ct:
                     values[j][i] = _direct_to_leaf(site, r, ct[rkey(j)], B)
             if plan.has_clip:  # the norms came with the other statistics
-                key = next(k for k, r in plan.site_requests().items() if isinstance(r, S.SqNorms))
-                norms_leaf[i] = _direct_to_leaf(site, S.SqNorms(), ct[key], B)
+                key = next(k for k, r in plan.site_requests().items() if isinstance(r, S.Norms))
+                norms_leaf[i] = _direct_to_leaf(site, S.Norms(), ct[key], B)
             if plan.keep_for_clip:  # and the ingredients, for the reweighted sum
                 deferred[i] = _weighted_leaf([(site, plan.kernels[site.path], ct["ing"])], cache)
             continue
@@ -395,6 +407,8 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
         for j, r in enumerate(plan.reductions):
             if isinstance(r, S.SqNorms):
                 values[j][i] = jax.lax.psum(values[j][i], model_axes)
+            elif isinstance(r, S.Norms):
+                values[j][i] = _psum_norms(values[j][i], model_axes)
             elif isinstance(r, S.KronSum):
                 raise NotImplementedError(
                     f"kron_moments: parameter leaf {i} is sharded over mesh axes {model_axes} "
@@ -403,25 +417,21 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
                     "elementwise statistics (exact per shard) for sharded ones."
                 )
         if norms_leaf[i] is not None:
-            norms_leaf[i] = jax.lax.psum(norms_leaf[i], model_axes)
+            norms_leaf[i] = _psum_norms(norms_leaf[i], model_axes)
 
     if plan.has_clip:
-        total = jnp.sum(jnp.stack(jnp.broadcast_arrays(*norms_leaf)), 0)
-        # double-where: no NaN in the gradient of the clip factor at a zero norm
-        pos = total > 0
-        norm = jnp.where(pos, jnp.sqrt(jnp.where(pos, total, 1.0)), 0.0)
+        # the global norm from the leaves' (finite wherever representable: a float32
+        # norm past 2^64 whose square overflows still clips to C g / |g|)
+        dt = jnp.result_type(*norms_leaf)
+        norm = S.combine_norms(jnp.stack([x.astype(dt) for x in norms_leaf]))
+        clips = [j for j, r in enumerate(plan.reductions) if isinstance(r, S.ClippedSum)]
+        cs = [_clip_factor(plan.reductions[j].clip_norm, norm) for j in clips]
         if plan.clip_recompute:
-            reweighted = _reweighted_grads(plan, diff_leaves, ex_leaves, other_leaves)
-        for j, r in enumerate(plan.reductions):
-            if isinstance(r, S.ClippedSum):
-                c = _clip_factor(r.clip_norm, norm)
-                if plan.clip_recompute:
-                    g = reweighted(c.astype(loss_b.dtype))
-                    for i in range(n):
-                        values[j][i] = g[i].astype(acc_dtype_for(plan.leaf_avals[i].dtype))
-                else:
-                    for i in range(n):
-                        values[j][i] = deferred[i](c)
+            sums = _reweighted_sums(
+                plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, cache, cs)
+        for k, (j, c) in enumerate(zip(clips, cs)):
+            for i in range(n):
+                values[j][i] = sums[k][i] if plan.clip_recompute else deferred[i](c)
     for j, r in enumerate(plan.reductions):
         if per_example(r):
             continue
@@ -434,27 +444,59 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
     return values, loss_b, aux
 
 
-def _reweighted_grads(plan, diff_leaves, ex_leaves, other_leaves):
-    """``c -> [sum_b c_b g_b per leaf]``: the VJP of the per-example losses (remat and
-    all, as the user wrote them), traced once for all clipped sums of the plan."""
-    closed = plan.closed
+def _reweighted_sums(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, cache, cs):
+    """``[sum_b c_b g_b per leaf]`` for each weight vector ``c`` of ``cs``: a second
+    forward and backward pass of the per-example losses (remat and all), seeded with
+    ones like the first, in which every site forms its weighted sum from its ``x`` and
+    ``dy`` (interpreter.make_weighted_site_fn) and residual leaves weight their
+    per-example copies' gradients. One pass serves all clipped sums of the plan."""
+    an = plan.analysis
     n = len(diff_leaves)
-    pull = []
+    leaf_axes = [compat.vma_of(x) for x in diff_leaves]
 
-    def losses(leaves):
-        def one(ex):
-            return compat.eval_jaxpr(closed.jaxpr, closed.consts, *leaves, *ex, *other_leaves)[0]
+    def sink(s):
+        k = plan.kernels[s.path]
+        lead = tuple(s.scan_lengths)
+        axes = data_axes | leaf_axes[s.leaf]
+        vary = lambda x: compat.make_varying(x, axes)  # noqa: E731
+        return {
+            WEIGHTS: [vary(jnp.broadcast_to(c.astype(k.acc), lead + (B,))) for c in cs],
+            SUMS: [vary(jnp.zeros(lead + tuple(s.view_shape), k.acc)) for _ in cs],
+        }
 
-        return jax.vmap(one)(list(ex_leaves))
+    sinks = {p: sink(s) for p, s in an.sites.items()}
+    copies = {
+        i: compat.make_varying(
+            jnp.broadcast_to(diff_leaves[i], (B,) + tuple(jnp.shape(diff_leaves[i]))), data_axes)
+        for i, m in enumerate(plan.modes) if m == "residual"
+    }
+    ev = Evaluator(an, plan.kernels, make_weighted_site_fn(cache), B, cache)
 
-    def apply(c):
-        if not pull:
-            pull.append(jax.vjp(losses, list(diff_leaves))[1])
-        (g,) = pull[0](c)
-        assert len(g) == n
-        return g
+    def forward(sinks, copies):
+        vals = [copies.get(i, diff_leaves[i]) for i in range(n)]
+        flags = [i in copies for i in range(n)]
+        vals += list(ex_leaves) + list(other_leaves)
+        flags += [True] * len(ex_leaves) + [False] * len(other_leaves)
+        outs, ofl = ev.run(plan.closed.jaxpr, plan.closed.consts, vals, flags, sinks)
+        return jnp.sum(outs[0] if ofl[0] else jnp.broadcast_to(outs[0], (B,)))
 
-    return apply
+    total, pull = jax.vjp(forward, sinks, copies)
+    sink_cts, copy_cts = pull(compat.make_varying(jnp.ones((), total.dtype), compat.vma_of(total)))
+    out = []
+    for k, c in enumerate(cs):
+        per_leaf = []
+        for i, aval in enumerate(plan.leaf_avals):
+            acc = acc_dtype_for(aval.dtype)
+            if plan.modes[i] == "residual":
+                v = weighted_sum_materialised(copy_cts[i].astype(acc), c)
+            elif plan.modes[i] == "unused":
+                v = jnp.zeros(aval.shape, acc)
+            else:
+                v = sum(_to_leaf(sink_cts[s.path][SUMS][k], s).astype(acc)
+                        for s in an.leaves[i].sites)
+            per_leaf.append(v)
+        out.append(per_leaf)
+    return out
 
 
 def _clip_factor(C, norm):
@@ -480,7 +522,7 @@ def _zeros_value(r, aval, acc, B):
         return B * r.apply(z)
     if isinstance(r, S.Centered):
         return S.Moments(z, z)
-    if isinstance(r, S.SqNorms):
+    if S.is_norms(r):
         return jnp.zeros((B,), acc)
     return z
 
@@ -492,6 +534,8 @@ def _direct_to_leaf(site, r, v, B):
         return ext.to_leaf(r, v, site)
     if isinstance(r, S.SqNorms):
         return v.reshape((-1, B)).sum(0) if site.depth else v
+    if isinstance(r, S.Norms):  # the layers of enclosing scans: one leaf
+        return S.combine_norms(v.reshape((-1, B))) if site.depth else v
     if isinstance(r, S.Centered):
         return _moments_to_leaf(v, site)
     if isinstance(r, S.PhiSum) and r.phi is not None and site.pads:
@@ -634,19 +678,24 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
     aval = plan.leaf_avals[i]
     acc = acc_dtype_for(aval.dtype)
 
-    def mat(b0, size, cut=None):
-        total = None
-        for s, k, ing in sorted(ings, key=lambda ski: ski[1].adds_in_place):
-            ing = _slice_b(ing, s.depth, b0, size)
-            if s.depth:
-                g = jnp.moveaxis(_stacked(k.materialise, s.depth)(ing), s.depth, 0)
-                v = _to_leaf(g, s).astype(acc)
-                if cut is not None:
-                    v = jax.lax.dynamic_slice_in_dim(v, cut[1], cut[2], cut[0] + 1)
-                total = v if total is None else total + v
-            else:
-                total = k.add_to_leaf(ing, total, lambda g, s=s: _to_leaf(g, s), cut)
-        return total
+    def leaf_mat(ings):
+        def mat(b0, size, cut=None):
+            total = None
+            for s, k, ing in sorted(ings, key=lambda ski: ski[1].adds_in_place):
+                ing = _slice_b(ing, s.depth, b0, size)
+                if s.depth:
+                    g = jnp.moveaxis(_stacked(k.materialise, s.depth)(ing), s.depth, 0)
+                    v = _to_leaf(g, s).astype(acc)
+                    if cut is not None:
+                        v = jax.lax.dynamic_slice_in_dim(v, cut[1], cut[2], cut[0] + 1)
+                    total = v if total is None else total + v
+                else:
+                    total = k.add_to_leaf(ing, total, lambda g, s=s: _to_leaf(g, s), cut)
+            return total
+
+        return mat
+
+    mat = leaf_mat(ings)
 
     @functools.cache  # one trace for a statistic and the clipping norms alike
     def sq_norms():
@@ -677,14 +726,20 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
             if not isinstance(r, (S.ClippedSum, dots.DotWith))
             and (kron_ok or not isinstance(r, S.KronSum))
         }
-        sq_key = next((key for key, r in req.items() if isinstance(r, S.SqNorms)), None)
-        if plan.needs_norms and sq_key is None:
-            sq_key = "norms"
-            req[sq_key] = S.SqNorms()
+        norm_key = next((key for key, r in req.items() if isinstance(r, S.Norms)), None)
+        if plan.needs_norms and norm_key is None:
+            norm_key = "norms"
+            req[norm_key] = S.Norms()
         sk = cache.site_key(s, k)
         key = sk and fp.keyed(lambda: ("leaf", sk, fp.value_key(req)))
+
         def leaf_fn(ing):  # with the conversion to leaf space: one jit per repeated leaf
-            out = _stacked(lambda ing: k.direct_all(k.ctx(ing), req), s.depth)(ing)
+            ctx = _stacked(k.ctx, s.depth)(ing)
+
+            def compute(rq):
+                return _stacked(lambda c: k.direct_all(c, rq), s.depth)(ctx)
+
+            out = direct_norms(k, ctx, req, compute, s.depth)
             return {q: _direct_to_leaf(s, r, out[q], B) for q, r in req.items() if q in out}
 
         out = cache.get(key, lambda: leaf_fn)(ing)
@@ -692,7 +747,7 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
             if rkey(j) in out:
                 values[j][i] = out[rkey(j)]
         if plan.needs_norms:
-            norms_leaf[i] = out[sq_key]
+            norms_leaf[i] = out[norm_key]
         for j, r in enumerate(plan.reductions):
             if isinstance(r, dots.DotWith):
                 values[j][i] = _leaf_dots(plan, i, ings, r, B, mat)
@@ -705,8 +760,24 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
 
     # (only norms ask; the layout check is numpy work)
     ghost_ok = plan.needs_norms and ghost_cross_ok([s for s, _, _ in ings], [k for _, k, _ in ings])
-    facs = leaf_factors(ings) if any(isinstance(r, S.KronSum) for r in plan.reductions) else None
     ft = leaf_feature_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings])
+    rescued = {}  # id(sq) -> (sq, norms): one per leaf
+
+    def leaf_norms(sq):
+        """The leaf's norms from its squared norms ``sq``; where a square overflowed,
+        from the example's summed gradient alone (`flagged_norms`)."""
+        if id(sq) not in rescued:
+            blocks = ft and (ft[0], ft[1], aval.shape[ft[0]])
+
+            def exact(arrays, b):  # the ingredients as arguments (a custom_jvp's)
+                m = leaf_mat([(s, k, a) for (s, k, _), a in zip(ings, arrays)])
+                return example_norm(lambda cut: m(b, 1, cut), blocks)
+
+            norms = flagged_norms(sq, exact, [ing for _, _, ing in ings])
+            rescued[id(sq)] = (sq, norms)
+        return rescued[id(sq)][1]
+
+    facs = leaf_factors(ings) if any(isinstance(r, S.KronSum) for r in plan.reductions) else None
     todo, rides = multi_site_routes(plan.reductions, ghost_ok, facs is not None, ft)
     sums = [j for j, r in enumerate(plan.reductions) if S.is_plain_sum(r)]
     if rides:
@@ -714,32 +785,48 @@ def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
     for j, r in enumerate(plan.reductions):
         if j in todo or isinstance(r, S.ClippedSum) or S.is_plain_sum(r):
             continue
-        if isinstance(r, S.SqNorms):
-            values[j][i] = sq_norms()
+        if isinstance(r, S.SqNorms):  # (cross terms may cancel: NaN from overflow)
+            values[j][i] = honest_sq(sq_norms(), leaf_norms(sq_norms()))
+        elif isinstance(r, S.Norms):
+            values[j][i] = leaf_norms(sq_norms())
         elif isinstance(r, S.KronSum):
             values[j][i] = kron.moments(facs, tuple(aval.shape), r, acc, plan.budget)
         else:  # DotWith
             values[j][i] = _leaf_dots(plan, i, ings, r, B, mat)
     if plan.needs_norms and None not in todo:
-        norms_leaf[i] = sq_norms()
+        norms_leaf[i] = leaf_norms(sq_norms())
     if sums:
         total = weighted(jnp.ones((B,), acc))
         for j in sums:
             values[j][i] = total
     if todo:
-        reds = [S.SqNorms() if j is None else plan.bound(plan.reductions[j], i) for j in todo]
+        reds = [
+            S.SqNorms() if j is None or isinstance(plan.reductions[j], S.Norms)
+            else plan.bound(plan.reductions[j], i)
+            for j in todo
+        ]
         # centred sums take one pass in the tile loop (tiling.py): no mean beforehand
         outs = _tiled_materialised(plan, ings, mat, B, reds)
-        for j, v in zip(todo, outs):
+        for j, v in zip(todo, outs):  # (tiles sum squares of G: inf on overflow)
             if j is None:
-                norms_leaf[i] = v
+                norms_leaf[i] = leaf_norms(v)
+            elif isinstance(plan.reductions[j], S.Norms):
+                values[j][i] = leaf_norms(v)
             else:
                 values[j][i] = v
 
 
 def needs_norms(reductions):
-    """Per-example squared norms are asked for, or needed by clipping."""
-    return any(isinstance(r, (S.SqNorms, S.ClippedSum)) for r in reductions)
+    """Per-example (squared) norms are asked for, or needed by clipping."""
+    return any(S.is_norms(r) or isinstance(r, S.ClippedSum) for r in reductions)
+
+
+def _psum_norms(n, axes):
+    """Norms of the parts of a leaf sharded over ``axes``: ``sqrt(psum n^2)`` scaled by
+    the largest part (no overflow where the squares would)."""
+    m = jax.lax.pmax(jax.lax.stop_gradient(n), axes)
+    ms = jnp.where(m > 0, m, 1)
+    return ms * S.sqrt0(jax.lax.psum(jnp.square(n / ms), axes))
 
 
 def multi_site_routes(reductions, ghost_ok, kron_ok, leaf_ft):
@@ -762,7 +849,7 @@ def multi_site_routes(reductions, ghost_ok, kron_ok, leaf_ft):
         for j, r in enumerate(reductions)
         if not isinstance(r, (S.ClippedSum, dots.DotWith))
         and not S.is_plain_sum(r)
-        and not (isinstance(r, S.SqNorms) and ghost_ok)
+        and not (S.is_norms(r) and ghost_ok)
         and not (isinstance(r, S.KronSum) and kron_ok)
     ]
     if needs_norms(reductions) and not ghost_ok:

@@ -401,9 +401,9 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
         out = []
         for s, k in zip(info.sites, ks):
             reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
-            rl = k.rule(r, B)
+            rl = k.rule(S.SqNorms() if isinstance(r, S.Norms) else r, B)  # same rule
             linear = S.is_plain_sum(r)
-            if multi and isinstance(r, S.SqNorms) and ghost_cross:
+            if multi and S.is_norms(r) and ghost_cross:
                 rl = dataclasses.replace(rl, how=rl.how + " + ghost cross terms")
             elif multi and (r in tiled or (linear and sum_rides)):
                 t = leaf_tile

@@ -72,6 +72,8 @@ class Evaluator:
         self.site_fn = site_fn  # (site, kernel, w, ext, ext_batched, sink) -> outs
         self.B = B
         self.cache = cache  # fingerprint.TraceCache: runs of equations traced once
+        # variables computed from the jaxpr's constants alone (`constant_eqn`)
+        self.consts = set()
 
     def run(self, jaxpr, consts, vals, flags, sinks, path=(), outer=()):
         """``outer``: ``(var, (value, batched))`` of the enclosing scopes that sites in
@@ -79,6 +81,7 @@ class Evaluator:
         env = dict(outer)
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = (c, False)
+            self.consts.add(v)
         for v, x, f in zip(jaxpr.invars, vals, flags):
             env[v] = (x, f)
 
@@ -215,8 +218,9 @@ class Evaluator:
 
     def block(self, jaxpr, start, stop, env, sinks, path, outs):
         """Evaluates ``jaxpr.eqns[start:stop]`` as one cached ``jax.jit``; False
-        (nothing done) where the span has no exact structural key."""
-        eqns = jaxpr.eqns[start:stop]
+        (nothing done) where the span has no exact structural key. Its equations on
+        constants alone run before it, outside (`constant_eqn`), and their values
+        are inputs."""
         inputs, seen, defined = [], set(), set()
 
         def need(v):
@@ -224,8 +228,16 @@ class Evaluator:
                 seen.add(v)
                 inputs.append(v)
 
-        for k, eqn in enumerate(eqns):
-            site = self.an.sites.get(path + (start + k,))
+        eqns = []
+        for k in range(start, stop):
+            eqn = jaxpr.eqns[k]
+            if not self._special(path + (k,), eqn) and self.constant_eqn(eqn):
+                self.bind_constant(eqn, env)
+                for v in eqn.outvars:
+                    need(v)
+                continue
+            eqns.append(eqn)
+            site = self.an.sites.get(path + (k,))
             if site is not None:  # a site reads its parameter view and inputs directly
                 need(site.base)
                 for v in site.ext_vars:
@@ -315,12 +327,47 @@ class Evaluator:
             or eqn.primitive is compat.scan_p
         )
 
+    def constant_eqn(self, eqn) -> bool:
+        """``eqn`` computes from the jaxpr's constants and literals alone.
+
+        Such an equation is bound where it stands, never inside the jits and vmaps of
+        `segment` and `block`: XLA folds constant expressions (a Flax BatchNorm's
+        ``rsqrt(var + eps)`` on its float32 running statistics), and it rounds the
+        same expression differently where the constant reaches it as an argument of a
+        nested call (one float32 ulp: 1e-7 relative on every gradient of a float64
+        model). Bound here, it lowers as in ``jax.jit(jax.grad(loss))``."""
+        return (
+            bool(eqn.outvars)
+            and not eqn.effects
+            and all(isinstance(v, compat.Literal) or v in self.consts for v in eqn.invars)
+        )
+
+    def bind_constant(self, eqn, env):
+        """Binds a `constant_eqn` into ``env`` (unbatched), unless a block bound it
+        already (its value is then one of the block's inputs)."""
+        if all(v in env for v in eqn.outvars):
+            return
+        outs = compat.bind_eqn(eqn, [_read(env, v)[0] for v in eqn.invars])
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = (o, False)
+        self.consts.update(eqn.outvars)
+
     def segment(self, eqns, env, read):
         """Ordinary equations under one ``jax.vmap`` over the examples. Whether a value
         is batched follows statically (batched iff an input is), as for one equation.
+        Equations on constants alone are bound first, outside it (`constant_eqn`).
 
         The vmapped run is a ``jax.jit`` cached by the run's structure
         (`fingerprint.eqns_key`): the same layer repeated is traced once."""
+        rest = []
+        for eqn in eqns:
+            if self.constant_eqn(eqn):
+                self.bind_constant(eqn, env)
+            else:
+                rest.append(eqn)
+        eqns = rest
+        if not eqns:
+            return
         flag, inputs, defined = {}, [], set()
         for eqn in eqns:
             fl = False
@@ -370,10 +417,19 @@ class Evaluator:
     def _sub_sinks(self, sinks, p):
         return {k: v for k, v in sinks.items() if k[: len(p)] == p and len(k) > len(p)}
 
+    def _inherit_consts(self, outer_vars, inner_vars):
+        """Inner variables bound to the outer jaxpr's constants are constants too
+        (`constant_eqn`): a remat's or scan's body computes from them where the
+        user's program does."""
+        for vo, vi in zip(outer_vars, inner_vars):
+            if isinstance(vo, compat.Literal) or vo in self.consts:
+                self.consts.add(vi)
+
     def remat(self, eqn, vals, flags, sinks, p, outer=()):
         sub_sinks = self._sub_sinks(sinks, p)
         out_flags = []
         prm = compat.remat_params(eqn)
+        self._inherit_consts(eqn.invars, prm.jaxpr.invars)
         outer_vars = [v for v, _ in outer]
         outer_flags = [f for _, (_, f) in outer]
 
@@ -390,6 +446,7 @@ class Evaluator:
     def scan(self, eqn, vals, flags, sinks, p, outer=()):
         prm = compat.scan_params(eqn)
         nc, ncar, L = prm.num_consts, prm.num_carry, prm.length
+        self._inherit_consts(eqn.invars[:nc], prm.jaxpr.invars[:nc])
         consts, cf = vals[:nc], flags[:nc]
         init = [
             x if f else _bcast(x, self.B)
@@ -506,6 +563,7 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
     remat 0.58x -> 0.77x for norms, so the engine sets it only for losses without
     ``jax.checkpoint``.
     """
+    from jaxpr_surgery._src.sites.base import direct_norms
     from jaxpr_surgery._src.sites.generic import composite
 
     def build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key):
@@ -523,10 +581,14 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
             # barrier), and the data cotangents once they are done (dy and them)
             sx, sdy = jax.lax.optimization_barrier((ext, dy)) if finish else (ext, dy)
             ctx = kernel.prepare_site(w, sx, ext_batched, sdy)
-            if sink is None:
-                out = kernel.direct_all(ctx, direct)
-            else:
-                out = carried(kernel, ctx, direct, sink, jax.tree.leaves(dy)[0].shape[0])
+            B = jax.tree.leaves(dy)[0].shape[0]
+
+            def compute(req):
+                if sink is None:
+                    return kernel.direct_all(ctx, req)
+                return carried(kernel, ctx, req, sink, B)
+
+            out = direct_norms(kernel, ctx, direct, compute)
             if want_ing:
                 out["ing"] = kernel.ingredients(ctx)
             out = jax.tree.map(lambda o, d: o.astype(d), out, sink_dtypes)
@@ -555,6 +617,72 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
         direct, want_ing = reduction_plan(site)
         sk = cache.site_key(site, kernel)
         return fp.keyed(lambda: _site_key(sk, direct, want_ing, sink))
+
+    site_fn.key_of = key_of
+    return site_fn
+
+
+WEIGHTS, SUMS = "c", "sums"  # a weighted site's sink: its weights in, its sums out
+
+
+def make_weighted_site_fn(cache):
+    """Builds the site call of a clipped sum's second pass (`engine.run` with remat).
+
+    The sink holds, per clipped sum, the examples' weights ``c`` (``[B]``) under
+    `WEIGHTS` and zeros in the site's view under `SUMS`; the backward pass, seeded with
+    ones like the first, forms ``sum_b c_b G_b`` from the site's ``x`` and ``dy`` (the
+    kernel's `weighted_sum`, in its accumulation dtype) and returns it as the cotangent
+    of the zeros. So the weights meet the per-example gradients where the parameters
+    meet the data, as in one pass, never at the loss: a float32 step of a float64
+    model (an RNN scan accumulated in float32) rounds the same cotangents as the
+    first pass, and a bfloat16 loss never rounds the weights. Only the weights are kept
+    from the forward pass."""
+    from jaxpr_surgery._src.sites.generic import composite
+
+    def build(site, kernel, ext_batched, out_dtypes):
+        f = composite(site)
+        F = jax.vmap(f, in_axes=(None,) + tuple(0 if b else None for b in ext_batched))
+
+        def fwd_impl(w, ext):
+            return F(w, *ext)
+
+        def bwd_impl(w, ext, dy, weights):
+            _, pull = jax.vjp(F, w, *ext)
+            ing = kernel.ingredients(kernel.prepare_site(w, ext, ext_batched, dy))
+            sums = [kernel.weighted_sum(ing, c).astype(d) for c, d in zip(weights, out_dtypes)]
+            cts = pull(dy)
+            return cts[0], tuple(cts[1:]), sums
+
+        fwd_j, bwd_j = jax.jit(fwd_impl), jax.jit(bwd_impl)
+
+        @jax.custom_vjp
+        def call(w, ext, sink):
+            return fwd_j(w, ext)
+
+        def fwd(w, ext, sink):
+            return fwd_j(w, ext), (w, ext, sink[WEIGHTS])
+
+        def bwd(res, dy):
+            w, ext, weights = res
+            ct_w, ct_ext, sums = bwd_j(w, ext, dy, weights)
+            zeros = [compat.make_varying(jnp.zeros_like(c), compat.vma_of(c)) for c in weights]
+            return ct_w, ct_ext, {WEIGHTS: zeros, SUMS: sums}
+
+        call.defvjp(fwd, bwd)
+        return call
+
+    def key_of(site, kernel, sink):
+        sk = cache.site_key(site, kernel)
+        return fp.keyed(lambda: sk and (
+            "weighted-site", sk, jax.tree.structure(sink),
+            tuple((tuple(x.shape), x.dtype) for x in jax.tree.leaves(sink)),
+        ))
+
+    def site_fn(site, kernel, w, ext, ext_batched, sink):
+        key = key_of(site, kernel, sink)
+        out_dtypes = [s.dtype for s in sink[SUMS]]
+        call = cache.value(key, lambda: build(site, kernel, ext_batched, out_dtypes))
+        return call(w, ext, sink)
 
     site_fn.key_of = key_of
     return site_fn

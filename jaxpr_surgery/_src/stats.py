@@ -14,6 +14,8 @@ The reductions (``g_b`` is the per-example gradient of one parameter leaf,
 * `Centered` -- ``(mean_b g_b, sum_b (g_b - mean)^2)``, computed without
   catastrophic cancellation and merged across chunks/devices with Chan's rule.
 * `SqNorms` -- ``[B]`` array of ``||g_b||^2`` for the leaf.
+* `Norms` -- ``[B]`` array of ``||g_b||`` for the leaf, finite wherever the norm is
+  representable (also where its square is not: float32 norms past ``2^64``).
 * `ClippedSum` -- ``sum_b min(1, C / ||g_b||) g_b`` where ``||g_b||`` is
   the *global* norm over every differentiated leaf.
 * `KronSum` -- per axis ``j`` of the leaf, ``sum_b U_j(g_b) U_j(g_b)^T`` with
@@ -46,6 +48,7 @@ __all__ = [
     "PhiSum",
     "Centered",
     "SqNorms",
+    "Norms",
     "ClippedSum",
     "KronSum",
     "Moments",
@@ -197,6 +200,63 @@ class SqNorms(Reduction):
 
 
 @dataclasses.dataclass(frozen=True)
+class Norms(Reduction):
+    """Per-example norm ``||g_b||`` of each leaf, an array ``[B]``.
+
+    The square roots of `SqNorms`, except where a square overflows (a float32 gradient
+    whose norm exceeds ``2^64`` has the squared norm ``inf``): there the norm of the
+    example scaled by a power of two, scaled back, so the value is finite wherever the
+    norm itself is representable. Norms of several leaves combine with `combine_norms`.
+    """
+
+
+def is_norms(r) -> bool:
+    """``r`` is a per-example norm reduction (`SqNorms` or `Norms`): an array ``[B]``
+    per leaf, computed by the same rules."""
+    return isinstance(r, (SqNorms, Norms))
+
+
+def sqrt0(sq):
+    """``sqrt(sq)`` whose derivative at 0 is 0, not NaN (double where); NaN stays NaN."""
+    pos = sq > 0
+    return jnp.where(pos, jnp.sqrt(jnp.where(pos, sq, 1)), sq * 0)
+
+
+def pow2(e, dtype):
+    """``2.0 ** e`` for integer exponents ``e`` (clipped to the normal range), exact in
+    ``dtype``: its bits (a few integer ops; ``jnp.ldexp`` compiles to fifty per use)."""
+    info = jnp.finfo(dtype)
+    ints = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[info.bits]
+    e = jnp.clip(jnp.asarray(e), info.minexp, info.maxexp - 1).astype(ints)
+    return jax.lax.bitcast_convert_type((e + (info.maxexp - 1)) << info.nmant, dtype)
+
+
+def combine_norms(norms, axis=0):
+    """``sqrt(sum n^2)`` over ``axis`` of per-part norms (leaves, scanned layers, model
+    shards), scaled by the largest part so that no square overflows (float32 norms
+    past ``2^64``); the scale is a power of two, so the result is that of the plain
+    formula wherever the plain one does not overflow."""
+    norms = jnp.asarray(norms)
+    m = jnp.max(jax.lax.stop_gradient(norms), axis=axis, keepdims=True)
+    e = exponent(m)  # sqrt(sum (n/2^e)^2) 2^e: the same function, whatever e
+    r = sqrt0(jnp.sum(jnp.square(norms * pow2(-e, norms.dtype)), axis=axis))
+    return r * jnp.squeeze(pow2(e, norms.dtype), axis)
+
+
+def exponent(m):
+    """The binary exponent of ``|m|`` from its bits (``2^e <= |m| < 2^(e+1)`` for normal
+    numbers), clipped to ``[-126, 126]`` so that ``2^e`` and ``2^-e`` are normal; 0 for
+    zero, subnormal, inf and NaN values. Exact and a few integer ops (no log2)."""
+    info = jnp.finfo(m.dtype)
+    ints = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[info.bits]
+    bits = jax.lax.bitcast_convert_type(jnp.abs(m), ints)
+    biased = (bits >> info.nmant).astype(jnp.int32)  # sign bit cleared by abs
+    top = 2 * info.maxexp - 1  # all ones: inf and NaN
+    e = jnp.where((biased > 0) & (biased < top), biased - (info.maxexp - 1), 0)
+    return jnp.clip(e, -126, 126)
+
+
+@dataclasses.dataclass(frozen=True)
 class ClippedSum(Reduction):
     """``sum_b min(1, clip_norm / ||g_b||) g_b`` with the global per-example norm."""
 
@@ -295,7 +355,7 @@ def merge(red, a, na, b, nb):
         if isinstance(a, Shifted):
             return merge_shifted(a, na, b, nb)
         return merge_moments(a, na, b, nb)
-    if isinstance(red, SqNorms):
+    if is_norms(red):
         return jnp.concatenate([a, b], axis=0)
     return a + b
 
@@ -475,16 +535,17 @@ class _SqNorms(Statistic):
         self._name = "norms" if sqrt else "sq_norms"
 
     def reductions(self):
-        return {"n": SqNorms()}
+        return {"n": Norms() if self._sqrt else SqNorms()}
 
     def finalize(self, values, count):
         tree = values["n"]
         if self.per_leaf:
-            out = tree
-        else:
-            leaves = jax.tree.leaves(tree)
-            out = _builtin_sum(leaves[1:], leaves[0])
-        return jax.tree.map(jnp.sqrt, out) if self._sqrt else out
+            return tree
+        leaves = jax.tree.leaves(tree)
+        if self._sqrt:
+            dt = jnp.result_type(*leaves)
+            return combine_norms(jnp.stack([x.astype(dt) for x in leaves]))
+        return _builtin_sum(leaves[1:], leaves[0])
 
 
 class _Clipped(Statistic):
@@ -709,6 +770,10 @@ def abs_mean() -> Statistic:
 def sq_norms(per_leaf: bool = False) -> Statistic:
     r"""Per-example squared norms \(\|g_b\|^2\), an array ``[B]``.
 
+    Past the range of the dtype the value is ``inf`` (float32: gradient norms above
+    about ``1.8e19``), the honest value of the square; `norms` stays finite there, and
+    clipping and cosines use the norms.
+
     Args:
       per_leaf: if True, a pytree like params of ``[B]`` arrays, one per leaf.
 
@@ -727,6 +792,10 @@ def sq_norms(per_leaf: bool = False) -> Statistic:
 
 def norms(per_leaf: bool = False) -> Statistic:
     r"""Per-example gradient norms \(\|g_b\|\) (square roots of `sq_norms`).
+
+    Finite wherever the norm is representable, also where its square is not (float32
+    norms past ``2^64``): there the examples are scaled by a power of two before
+    squaring (only when some square overflowed; no cost otherwise).
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
@@ -975,7 +1044,7 @@ def validate(stat) -> dict:
         if not isinstance(r, Reduction):
             raise TypeError(
                 f"stat: {stat!r}.reductions()[{k!r}] is {r!r}, not a reduction. Use "
-                "js.stats.PhiSum, Centered, SqNorms or ClippedSum."
+                "js.stats.PhiSum, Centered, SqNorms, Norms or ClippedSum."
             )
         if isinstance(r, ClippedSum) and isinstance(r.clip_norm, float) and math.isnan(r.clip_norm):
             raise ValueError(f"stat: {stat!r} has a NaN clip_norm.")

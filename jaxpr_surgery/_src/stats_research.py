@@ -85,14 +85,15 @@ class _NormQuantiles(S.Statistic):
         self.per_leaf = per_leaf
 
     def reductions(self):
-        return {"n": S.SqNorms()}
+        return {"n": S.Norms()}
 
     def finalize(self, values, count):
         q = jnp.asarray(self.q)
         if self.per_leaf:
-            return jax.tree.map(lambda n: jnp.quantile(jnp.sqrt(n), q), values["n"])
+            return jax.tree.map(lambda n: jnp.quantile(n, q), values["n"])
         leaves = jax.tree.leaves(values["n"])
-        return jnp.quantile(jnp.sqrt(sum(leaves[1:], leaves[0])), q)
+        dt = jnp.result_type(*leaves)
+        return jnp.quantile(S.combine_norms(jnp.stack([x.astype(dt) for x in leaves])), q)
 
 
 def fourth_moment() -> S.Statistic:

@@ -174,6 +174,8 @@ def reduce_tiles(
       One value per reduction: ``sum_b phi(G_b)``; `Moments` ``(mean, sum_b (G_b-mean)^2)``;
       ``[B]`` squared norms. Carried ones: over the ``carry.n + B`` examples.
     """
+    if any(isinstance(r, S.Norms) for r in reductions):  # feature blocks add squares
+        raise AssertionError("reduce_tiles: norms come from SqNorms (sites.base.direct_norms)")
     reductions = list(reductions)
     means = list(means) if means is not None else [None] * len(reductions)
     inits = list(carry.values) if carry is not None else [None] * len(reductions)

@@ -24,6 +24,15 @@ import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat
 from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.norms import (  # noqa: F401 - re-exported for the kernels
+    example_norm,
+    example_scale,
+    flagged_norms,
+    honest_sq,
+    materialised_norms,
+    recompute_flagged,
+    scale_examples,
+)
 
 KERNELS: dict = {}  # kind (display name) -> kernel class, every registered kernel
 SITE_RULES: dict = {}  # primitive object -> kernel classes anchored on it, asked in order
@@ -159,11 +168,53 @@ def reduce_materialised(G, reduction):
     if isinstance(reduction, S.PhiSum):
         return jnp.sum(reduction.apply(G), axis=0)
     if isinstance(reduction, S.SqNorms):
-        return jnp.sum(jnp.square(G), axis=axes)
+        return jnp.sum(jnp.square(G), axis=axes)  # no cancellation: inf on overflow
+    if isinstance(reduction, S.Norms):
+        return materialised_norms(G)
     if isinstance(reduction, S.Centered):
         m = jnp.mean(G, axis=0)
         return S.Moments(m, jnp.sum(jnp.square(G - m), axis=0))
     raise TypeError(f"reduction {reduction!r} cannot be computed directly")
+
+
+def direct_norms(kernel, ctx, reductions, compute, depth=0):
+    """``compute(reductions)`` for a site, its per-example (squared) norms safe from
+    overflow: from the kernel's `scaled_sq_norms` where it has them (no branch), or its
+    `sq_and_norms`, else from one `SqNorms` serving every `Norms` and `SqNorms` request,
+    the norms from
+    `Kernel.norms_from` (exact where the squares overflow) and the squares made
+    `honest_sq`. Kernels themselves never see `Norms`. ``depth``: ``ctx`` and the
+    values are stacked over that many enclosing scans."""
+    keys = [k for k, r in reductions.items() if S.is_norms(r)]
+    if not keys:
+        return compute(reductions)
+    req = {k: r for k, r in reductions.items() if not S.is_norms(r)}
+    if kernel.has_scaled_sq_norms():
+        out = dict(compute(req))
+        q, s = stacked(kernel.scaled_sq_norms, depth)(ctx)
+        norms = S.sqrt0(q) * s
+        for k in keys:  # the squares: inf only where past the dtype's range
+            out[k] = q * s * s if isinstance(reductions[k], S.SqNorms) else norms
+        return out
+    if kernel.has_sq_and_norms():
+        out = dict(compute(req))
+        sq, norms = stacked(kernel.sq_and_norms, depth)(ctx)
+    else:
+        sq_key = ("sq", len(req))
+        req[sq_key] = S.SqNorms()
+        out = dict(compute(req))
+        sq = out.pop(sq_key)
+        norms = kernel.norms_from(ctx, sq, depth)
+    for k in keys:
+        out[k] = norms if isinstance(reductions[k], S.Norms) else honest_sq(sq, norms)
+    return out
+
+
+def stacked(fn, depth):
+    """``fn`` mapped over ``depth`` leading axes (the layers of enclosing scans)."""
+    for _ in range(depth):
+        fn = jax.vmap(fn)
+    return fn
 
 
 def weighted_sum_materialised(G, c):
@@ -291,6 +342,38 @@ class Kernel:
 
     def sq_norms(self, ing):
         return reduce_materialised(self.materialise(ing), S.SqNorms())
+
+    # per-example norms safe from overflow (sites.base.direct_norms) ----------- #
+    def has_scaled_sq_norms(self):
+        """Whether `scaled_sq_norms` serves this site (its norms then need no recomputation)."""
+        return False
+
+    def scaled_sq_norms(self, ing):
+        """``(q, s)`` with ``||G_b||^2 = q_b s_b^2``, ``q`` computed on the example
+        divided by ``s`` (about its size), where that costs little
+        (`has_scaled_sq_norms`): no square overflows where the norm is representable."""
+        raise NotImplementedError
+
+    def has_sq_and_norms(self):
+        """Whether `sq_and_norms` serves this site (one computation for both)."""
+        return False
+
+    def sq_and_norms(self, ing):
+        """``(sq, norms)``: squared norms, and norms exact where the squares overflow."""
+        raise NotImplementedError
+
+    def norms_from(self, ing, sq, depth=0):
+        """``[B]`` norms of ``G_b`` from this site's squared norms ``sq`` (of ``ing``:
+        ingredients or context): their square roots, and `example_norm` for the
+        examples whose square overflowed (`flagged_norms`). ``depth``: both stacked
+        over enclosing scans."""
+        return stacked(lambda ing, sq: flagged_norms(sq, self.example_norm, ing), depth)(ing, sq)
+
+    def example_norm(self, ing, b):
+        """The exact norm of example ``b``'s ``G`` (`base.example_norm`), for
+        `norms_from`; kernels whose ``G`` is large override it to form it in blocks."""
+        G = self.materialise(ing)
+        return example_norm(lambda cut: jax.lax.dynamic_slice_in_dim(G, b, 1, 0))
 
     def weighted_sum(self, ing, c):
         return weighted_sum_materialised(self.materialise(ing), c)

@@ -26,7 +26,17 @@ import numpy as np
 
 from jaxpr_surgery._src import compat, dots, fused, kron, tiling
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.sites.base import STREAMED, Kernel, Rule, pre_scales, register
+from jaxpr_surgery._src.sites.base import (
+    STREAMED,
+    Kernel,
+    Rule,
+    example_norm,
+    example_scale,
+    pre_scales,
+    recompute_flagged,
+    register,
+    scale_examples,
+)
 
 
 def dense_fold_side(eqn, pos, scales):
@@ -138,43 +148,6 @@ def _products(x, dy):
     if b == 1:
         return jax.lax.dot_general(x[0], dy[0], (((1,), (1,)), ((0,), (0,))))[None]
     return jax.lax.dot_general(x, dy, (((2,), (2,)), ((0, 1), (0, 1))))
-
-
-def _recompute_flagged(exact, x, dy, ghost, limit):
-    """``ghost`` with ``exact(x, dy, b)`` in place of the examples where it is at most
-    ``limit`` (where its terms may have cancelled).
-
-    The value comes from one loop over the flagged examples alone (flagged first in
-    ``order``): no trip in the usual case and no branch to trace or lower. A loop
-    with a traced trip count has no reverse-mode derivative, so derivatives (of any
-    order) come from recomputing every example's norm in a loop with static bounds,
-    taken where flagged: about one more weight-gradient contraction, paid only by
-    programs that differentiate the statistic. No branch there either: under
-    ``vmap`` a branch on traced flags becomes a select whose operands pass through
-    ``stop_gradient``, which reverse mode cannot transpose inside this rule.
-    """
-
-    @jax.custom_jvp
-    def fast(x, dy, ghost, limit):
-        bad = ghost <= limit
-        order = jnp.argsort(jnp.logical_not(bad), stable=True)
-
-        def one(i, g):
-            b = order[i]
-            return g.at[b].set(exact(x, dy, b))
-
-        return jax.lax.fori_loop(0, jnp.sum(bad, dtype=jnp.int32), one, ghost)
-
-    def differentiable(x, dy, ghost, limit):
-        bad = ghost <= limit
-
-        def one(b, g):
-            return g.at[b].set(jnp.where(bad[b], exact(x, dy, b), g[b]))
-
-        return jax.lax.fori_loop(0, x.shape[0], one, ghost)
-
-    fast.defjvp(lambda primals, tangents: jax.jvp(differentiable, primals, tangents))
-    return fast(x, dy, ghost, limit)
 
 
 @register
@@ -616,22 +589,63 @@ class DenseKernel(Kernel):
             return jnp.einsum("bkc,bkc,bkf,bkf->b", x0, x0, dy[:, :, 0], dy[:, :, 0])
         if not self.use_ghost():
             return self.tiled(x, dy, [S.SqNorms()], [None])[0]
+        return self.ghost_sq_and_norms(ing)[0]
+
+    def ghost_sq_and_norms(self, ing):
+        """``(sq, norms)`` by the ghost form, with one loop over the examples it cannot
+        give: where its terms may have cancelled (against the scale ``(sum_n |x_n|
+        |dy_n|)^2`` of its terms) or overflowed (float32 norms past ``2^64``), those
+        examples' ``G_b`` formed alone, its squares summed and its norm taken against
+        its largest element (`base.example_norm`)."""
+        x, dy = ing
         X = self.tokens(x)
         gx = jnp.einsum("bknc,bkmc->bknm", X, X)
         gd = jnp.einsum("bknf,bkmf->bknm", dy, dy)
         ghost = jnp.einsum("bknm,bknm->b", gx, gd)
-        # The ghost sum cancels when token contributions do; against the scale
-        # (sum_n |x_n| |dy_n|)^2 of its terms, recompute those examples exactly.
         nx = jnp.sqrt(jnp.sum(jnp.square(X), -1))
         nd = jnp.sqrt(jnp.sum(jnp.square(dy), -1))
         scale = jnp.sum(jnp.square(jnp.sum(nx * nd, -1)), -1)
         eps = jnp.finfo(ghost.dtype).eps
-        return _recompute_flagged(lambda x, dy, b: jnp.sum(jnp.square(self._tile_G(x, dy, b, 1))),
-                                  x, dy, ghost, 1024 * eps * scale)
+        bad = jnp.logical_not(ghost > 1024 * eps * scale) | jnp.logical_not(jnp.isfinite(ghost))
+
+        def exact(xd, b):
+            g = self._tile_G(*xd, b, 1)
+            return jnp.stack([jnp.sum(jnp.square(g)), example_norm(lambda cut: g)])
+
+        out = recompute_flagged(exact, (x, dy), jnp.stack([ghost, S.sqrt0(ghost)], -1), bad)
+        return out[:, 0], out[:, 1]
+
+    def has_sq_and_norms(self):
+        """The ghost form gives both in one loop (`direct_norms`)."""
+        return self.c["N"] > 1 and self.use_ghost()
+
+    def sq_and_norms(self, ing):
+        return self.ghost_sq_and_norms(ing)
 
     def weighted_sum(self, ing, c):
         x, dy = ing
         return self.contract(x, dy, c)
+
+    def has_scaled_sq_norms(self):
+        return self.c["N"] == 1
+
+    def scaled_sq_norms(self, ing):
+        """Rank-one: ``||G_b||^2 = sum_k |x_bk|^2 |dy_bk|^2``, each factor's sum taken on
+        the example scaled to unit size (two more reductions over ``x`` and ``dy``,
+        which are the size of the layer's input and output)."""
+        x, dy = ing
+        x0, d0 = self.tokens(x)[:, :, 0], dy[:, :, 0]
+        mx, md = example_scale(x0), example_scale(d0)
+        sx = jnp.sum(jnp.square(scale_examples(x0, mx)), -1)
+        sd = jnp.sum(jnp.square(scale_examples(d0, md)), -1)
+        return jnp.sum(sx * sd, -1), mx * md
+
+    def example_norm(self, ing, b):
+        """Example ``b``'s ``G`` formed alone (in feature blocks where it is large)."""
+        x, dy = ing
+        ft = self.feature_tile(x.shape[0])
+        blocks = ft and (ft[0], ft[1], (self.c["K"], self.c["C"], self.c["F"])[ft[0]])
+        return example_norm(lambda cut: self._tile_G(x, dy, b, 1, cut), blocks)
 
     # reporting -------------------------------------------------------------- #
     def rule(self, reduction, B):

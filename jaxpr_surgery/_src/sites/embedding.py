@@ -19,7 +19,15 @@ import numpy as np
 
 from jaxpr_surgery._src import compat, kron
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.sites.base import MATERIALISED, STREAMED, Kernel, Rule, register
+from jaxpr_surgery._src.sites.base import (
+    MATERIALISED,
+    STREAMED,
+    Kernel,
+    Rule,
+    example_scale,
+    register,
+    scale_examples,
+)
 
 
 def canonical_ids(ids, V):
@@ -304,6 +312,16 @@ class EmbeddingKernel(Kernel):
     def weighted_sum(self, ing, c):
         ids, valid, dy = self._unpack(ing)
         return self._view(self._scatter(ids, dy * c.astype(dy.dtype)[:, None, None]))
+
+    def has_scaled_sq_norms(self):
+        return True
+
+    def scaled_sq_norms(self, ctx):
+        """Squared norms of the example's rows scaled to unit size (``dy``: the size of
+        the layer's output; one more reduction and product over it)."""
+        ids, valid, dy = ctx
+        s = example_scale(dy)
+        return self.sq_norms((ids, valid, scale_examples(dy, s))), s
 
     def rule(self, reduction, B):
         T = int(np.prod(self.site.eqn.outvars[0].aval.shape)) // self.d

@@ -9,9 +9,16 @@ which is cheap when the parameter is small (gains, biases, kernels).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat
-from jaxpr_surgery._src.sites.base import Kernel, register, register_default
+from jaxpr_surgery._src.sites.base import (
+    Kernel,
+    example_scale,
+    register,
+    register_default,
+    scale_examples,
+)
 
 
 def composite(site):
@@ -61,6 +68,15 @@ class GenericKernel(Kernel):
 
     def ingredient_avals(self, B):
         return jax.ShapeDtypeStruct((B,) + tuple(self.site.view_shape), self.acc)
+
+    def has_scaled_sq_norms(self):
+        return True
+
+    def scaled_sq_norms(self, G):
+        """Squares of ``G`` scaled to unit size per example: one more read of ``G``,
+        which is small where it is materialised (gains, biases), no branch to compile."""
+        s = example_scale(G)
+        return jnp.sum(jnp.square(scale_examples(G, s)), axis=tuple(range(1, G.ndim))), s
 
 
 # parameter-only steps a scale-shift site absorbs before it meets the data

@@ -1,0 +1,288 @@
+"""``check_per_example``: checks numerically, on one concrete batch, that a loss is a
+mean (or sum) of independent per-example losses.
+
+Two comparisons against the losses of the examples alone in a batch of one: the
+value (`_reduction`), then the derivative along one random direction, by reverse
+mode (`_Probe.derivative`, `_check_gradient`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpr_surgery._src.api import _is_array, _norm_nums
+
+_NAME = "check_per_example"
+# the per-example gradients are formed a few examples at a time, at most this many bytes
+_GRAD_BYTES = 64 << 20
+
+
+def check_per_example(
+    fn: Callable[..., Any],
+    *,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] = 1,
+    has_aux: bool = False,
+    rtol: float | None = None,
+    atol: float | None = None,
+    seed: int = 0,
+) -> Callable[..., None]:
+    r"""Checks that ``fn`` is a mean (or sum) of independent per-example losses; raises if not.
+
+    Two comparisons, both against the per-example losses
+    \(l_b = \mathrm{fn}(\ldots, \mathrm{batch}[b{:}b{+}1])\):
+
+    * the value: ``fn(*args)`` must equal \(\frac1B\sum_b l_b\) (a mean loss) or
+      \(\sum_b l_b\) (a sum loss);
+    * the gradient: the derivative of ``fn`` along a random direction of the
+      differentiated arguments (``argnums``) must equal the mean (or sum) of the
+      per-example derivatives. This catches examples that interact only through
+      the gradient, such as a ``stop_gradient``-ed batch statistic or a custom
+      backward pass that normalises over the batch. The derivatives are gradients
+      (reverse mode) projected on the direction, so models with ``jax.custom_vjp``
+      ops are checked too; the per-example gradients are formed a few examples at
+      a time (at most 64 MiB of them).
+
+    Models whose examples interact (batch norm in training mode, in-batch
+    negatives, normalising by the whole batch's token count) fail: their
+    per-example gradients are not defined, and every statistic computed with
+    the batch-of-one convention would silently describe a different model.
+    It is a one-off check on concrete values: call it outside ``jit``.
+    `per_example_stat` already refuses the cross-example forms it can prove from
+    the jaxpr at trace time (``check=True``); this numerical check covers what the
+    jaxpr cannot decide.
+
+    Args:
+      fn: the loss, ``fn(*args) -> scalar`` (or ``(scalar, aux)`` with ``has_aux``).
+      argnums: the positional argument(s) the gradient check differentiates (their
+        float leaves).
+      batch_argnums: the positional argument(s) holding the batch; every leaf has the
+        examples on its leading axis.
+      has_aux: whether ``fn`` returns ``(loss, aux)``; ``aux`` is not checked.
+      rtol: relative tolerance of both comparisons; ``None``: ``1e-9`` for a float64
+        loss, ``1e-4`` otherwise.
+      atol: absolute tolerance; ``None``: ``1e-12`` for a float64 loss, ``1e-6``
+        otherwise.
+      seed: seed of the random direction of the gradient check.
+
+    Returns:
+      A function of ``fn``'s arguments that returns ``None`` or raises ``ValueError``.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> w = jnp.ones((3,)); b = {"x": jnp.eye(4, 3), "y": jnp.arange(4.0)}
+      >>> js.check_per_example(loss)(w, b)  # None: the examples are independent
+      >>> def centred(w, b):  # subtracts the batch's mean prediction
+      ...     z = b["x"] @ w
+      ...     return jnp.mean((z - jnp.mean(z) - b["y"]) ** 2)
+      >>> js.check_per_example(centred)(w, b)
+      Traceback (most recent call last):
+      ...
+      ValueError: check_per_example: fn(batch) = ... the examples of this model interact ...
+    """
+
+    def check(*args):
+        nums = _norm_nums(batch_argnums, "batch_argnums", len(args))
+        dnums = _norm_nums(argnums, "argnums", len(args))
+        batch = _Batch.of(args, nums)
+        probe = _Probe.of(fn, args, batch, dnums, has_aux, seed)
+        full = probe.value(args)
+        per = jax.vmap(lambda ex: probe.value(probe.one(ex)))(batch.leaves)
+        tol = _Tolerance.for_dtype(jnp.result_type(full), rtol, atol)
+        per = np.asarray(per, np.float64)
+        kind, reduce = _reduction(float(full), per, batch.size, tol)
+        _check_gradient(probe, batch, kind, reduce, tol, argnums)
+
+    return check
+
+
+# --------------------------------------------------------------------------- #
+# Argument handling
+# --------------------------------------------------------------------------- #
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """The batch arguments of one call: their positions, flat leaves, treedef and size."""
+
+    nums: tuple[int, ...]
+    leaves: list
+    tree: Any
+    size: int
+
+    @classmethod
+    def of(cls, args, nums):
+        """Reads the batch (the arguments at positions ``nums``) out of ``args``; raises
+        on traced values, on leaves without a common leading example axis and on an
+        empty batch."""
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+            raise TypeError(
+                f"{_NAME}: called on traced values (inside jit, vmap or grad). It is a one-off "
+                "check on concrete values: call it once outside jit, e.g. on the first batch."
+            )
+        leaves, tree = jax.tree.flatten(tuple(args[i] for i in nums))
+        sizes = {int(np.shape(x)[0]) for x in leaves if np.ndim(x) > 0}
+        if not leaves or len(sizes) != 1 or any(np.ndim(x) == 0 for x in leaves):
+            raise ValueError(
+                f"{_NAME}: every batch leaf needs the same leading example axis; got "
+                f"shapes {[np.shape(x) for x in leaves]}."
+            )
+        (size,) = sizes
+        if size == 0:
+            raise ValueError(f"{_NAME}: the batch is empty (0 examples); nothing to check.")
+        return cls(nums, leaves, tree, size)
+
+    def replace(self, args, ex_leaves):
+        """``args`` with the batch arguments rebuilt from ``ex_leaves``."""
+        args = list(args)
+        parts = jax.tree.unflatten(self.tree, ex_leaves)
+        for k, i in enumerate(self.nums):
+            args[i] = parts[k]
+        return args
+
+
+# --------------------------------------------------------------------------- #
+# fn's value and its derivative along a random direction
+# --------------------------------------------------------------------------- #
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    """Evaluates ``fn`` (its loss, without ``aux``) and its derivative along one random
+    direction of the float leaves of the differentiated arguments."""
+
+    fn: Callable[..., Any]
+    has_aux: bool
+    args: tuple
+    batch: _Batch
+    dnums: tuple[int, ...]
+    dflat: list  # the leaves of the differentiated arguments
+    dtree: Any
+    is_float: list  # which of them the direction moves
+    base: list  # their float leaves
+    tangent: list  # the direction, one array per float leaf
+
+    @classmethod
+    def of(cls, fn, args, batch, dnums, has_aux, seed):
+        """The probe of ``fn`` at ``args``, differentiating the arguments at ``dnums``
+        along a direction drawn from ``seed``."""
+        dflat, dtree = jax.tree.flatten(tuple(args[i] for i in dnums))
+        is_float = [
+            _is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in dflat
+        ]
+        rng = np.random.default_rng(seed)
+        tangent = [
+            jnp.asarray(rng.standard_normal(np.shape(x)), jnp.result_type(x))
+            for x, f in zip(dflat, is_float)
+            if f
+        ]
+        base = [x for x, f in zip(dflat, is_float) if f]
+        return cls(fn, has_aux, args, batch, dnums, dflat, dtree, is_float, base, tangent)
+
+    def value(self, a):
+        """The loss ``fn(*a)`` (without ``aux``)."""
+        out = self.fn(*a)
+        return out[0] if self.has_aux else out
+
+    def one(self, ex):
+        """The call's arguments with the batch replaced by the one example ``ex``."""
+        return self.batch.replace(self.args, [x[None] for x in ex])
+
+    def _value_at(self, a, floats):
+        it = iter(floats)
+        leaves = [next(it) if f else x for x, f in zip(self.dflat, self.is_float)]
+        d = jax.tree.unflatten(self.dtree, leaves)
+        a2 = list(a)
+        for k, i in enumerate(self.dnums):
+            a2[i] = d[k]
+        return self.value(a2)
+
+    def derivative(self, a):
+        """fn's derivative along the random direction at ``a``, by reverse mode (a
+        custom_vjp op has no forward mode): the gradient projected on the direction."""
+        if not self.base:
+            return jnp.zeros(())
+        grads = jax.grad(lambda floats: self._value_at(a, floats))(self.base)
+        acc = jnp.result_type(jnp.float32, *[x.dtype for x in grads])
+        return sum(jnp.sum(x.astype(acc) * t.astype(acc)) for x, t in zip(grads, self.tangent))
+
+    def examples_per_map(self):
+        """How many examples' gradients are formed at once (they fit in `_GRAD_BYTES`)."""
+        grad_bytes = sum(
+            np.size(x) * jnp.dtype(jnp.result_type(x)).itemsize for x in self.base
+        )
+        return max(1, min(self.batch.size, _GRAD_BYTES // max(1, grad_bytes)))
+
+
+# --------------------------------------------------------------------------- #
+# The two comparisons
+# --------------------------------------------------------------------------- #
+@dataclasses.dataclass(frozen=True)
+class _Tolerance:
+    rtol: float
+    atol: float
+
+    @classmethod
+    def for_dtype(cls, dtype, rtol, atol):
+        """The given tolerances, or defaults for the loss's dtype."""
+        r = rtol if rtol is not None else (1e-9 if dtype == jnp.float64 else 1e-4)
+        a = atol if atol is not None else (1e-12 if dtype == jnp.float64 else 1e-6)
+        return cls(r, a)
+
+    def close(self, x, y, scale):
+        return abs(x - y) <= self.atol + self.rtol * scale
+
+
+def _reduction(full_v, per, size, tol):
+    """The value check: ``("mean", np.mean)`` or ``("sum", np.sum)``, whichever the
+    per-example losses ``per`` reduce by to the batch's loss ``full_v``; raises if neither."""
+    mean_v, sum_v = per.mean(), per.sum()
+    if tol.close(full_v, mean_v, abs(mean_v) + np.abs(per).mean()):
+        return "mean", np.mean
+    if size > 1 and tol.close(full_v, sum_v, abs(sum_v) + np.abs(per).sum()):
+        return "sum", np.sum
+    raise ValueError(_value_message(full_v, mean_v, sum_v))
+
+
+def _check_gradient(probe, batch, kind, reduce, tol, argnums):
+    """The gradient check: fn's derivative along the probe's direction against the
+    ``kind`` (mean or sum, by ``reduce``) of the per-example derivatives."""
+    dfull_v = float(probe.derivative(probe.args))
+    # one example's gradient at a time, a few examples vectorised
+    dper = jax.lax.map(
+        lambda ex: probe.derivative(probe.one(ex)), batch.leaves,
+        batch_size=probe.examples_per_map(),
+    )
+    dper = np.asarray(dper, np.float64)
+    dref, dscale = reduce(dper), reduce(np.abs(dper))
+    if not tol.close(dfull_v, dref, abs(dref) + dscale):
+        raise ValueError(_gradient_message(kind, argnums, dfull_v, dref))
+
+
+# --------------------------------------------------------------------------- #
+# Messages
+# --------------------------------------------------------------------------- #
+def _value_message(full_v, mean_v, sum_v):
+    return (
+        f"{_NAME}: fn(batch) = {full_v:.8g} but the mean of the per-example losses "
+        f"fn(batch[b:b+1]) is {mean_v:.8g} (their sum {sum_v:.8g}): the examples of "
+        "this model interact (batch norm, in-batch negatives, normalising by the batch's "
+        "token count, ...). Per-example gradients of such a model are not defined; "
+        "statistics computed by jaxpr_surgery would describe each example alone in a "
+        "batch of one. Make the loss a mean of independent per-example terms (e.g. batch "
+        "norm in inference mode, per-example normalisation)."
+    )
+
+
+def _gradient_message(kind, argnums, dfull_v, dref):
+    return (
+        f"{_NAME}: the loss values agree ({kind} of per-example losses), but the "
+        f"gradients do not: along a random direction of argnums={argnums}, fn's "
+        f"derivative is {dfull_v:.8g} and the {kind} of the per-example derivatives is "
+        f"{dref:.8g}. The examples interact through the gradient only (e.g. a "
+        "stop_gradient-ed batch statistic, or a batch-dependent weight); per-example "
+        "gradients of such a model describe a different function."
+    )

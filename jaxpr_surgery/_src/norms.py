@@ -1,0 +1,120 @@
+"""Per-example norms that stay finite past the range of their squares.
+
+Helpers on arrays of per-example values ``[B, ...]`` shared by the site kernels, the
+reductions and the dots (no kernel here): a float32 gradient of norm above ``2^64`` has
+the squared norm ``inf``, so the examples whose squares overflow are scaled by their
+largest magnitude (or recomputed one at a time, as LAPACK's ``nrm2`` does) before
+squaring.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxpr_surgery._src import stats as S
+
+
+def example_scale(a):
+    """``[B]``: each example's largest magnitude in ``a [B, ...]`` (1 where that is 0
+    or not finite), to divide it by before squaring. No derivative: the norm
+    ``s sqrt(sum (a/s)^2)`` is the same function whatever ``s``."""
+    m = jnp.max(jnp.abs(jax.lax.stop_gradient(a)).reshape(a.shape[0], -1), axis=1)
+    return jnp.where((m > 0) & jnp.isfinite(m), m, 1)
+
+
+def scale_examples(a, s):
+    """``a [B, ...]`` with example ``b`` divided by ``s_b``."""
+    return a / s.reshape((-1,) + (1,) * (a.ndim - 1))
+
+
+def recompute_flagged(exact, args, values, bad):
+    """``values [B]`` with ``exact(args, b)`` in place of the examples where ``bad``.
+
+    The value comes from one loop over the flagged examples alone (flagged first in
+    ``order``): no trip in the usual case and no branch to trace or lower. A loop
+    with a traced trip count has no reverse-mode derivative, so derivatives (of any
+    order) come from recomputing every example in a loop with static bounds, taken
+    where flagged: paid only by programs that differentiate the statistic. No branch
+    there either: under ``vmap`` a branch on traced flags becomes a select whose
+    operands pass through ``stop_gradient``, which reverse mode cannot transpose
+    inside this rule. ``exact`` must read traced values only from ``args``.
+    """
+
+    @jax.custom_jvp
+    def fast(args, values, bad):
+        order = jnp.argsort(jnp.logical_not(bad), stable=True)
+
+        def one(i, v):
+            b = order[i]
+            return v.at[b].set(exact(args, b))
+
+        return jax.lax.fori_loop(0, jnp.sum(bad, dtype=jnp.int32), one, values)
+
+    def differentiable(args, values, bad):
+        def one(b, v):
+            return v.at[b].set(jnp.where(bad[b], exact(args, b), v[b]))
+
+        return jax.lax.fori_loop(0, values.shape[0], one, values)
+
+    fast.defjvp(lambda primals, tangents: jax.jvp(differentiable, primals, tangents))
+    return fast(args, values, bad)
+
+
+def example_norm(make, blocks=None):
+    """``||G||`` of one example, ``G = make(cut)`` (shaped ``[1, *shape]``), exact and
+    without a square past the range: against a running scale (the largest magnitude
+    so far, as LAPACK's ``nrm2``). ``blocks = (axis, size, n)``: in blocks of ``size``
+    along ``axis`` of ``n`` (``cut = (axis, f0, size)``; the last block, which
+    ``dynamic_slice`` shifts back to fit, counts only its new part), else ``cut =
+    None``."""
+
+    def add(state, g, keep=True):
+        scale, ssq = state
+        m = jnp.max(jnp.where(keep, jnp.abs(g), 0))
+        new = jnp.maximum(scale, m)
+        safe = jnp.where(new > 0, new, 1)
+        ssq = ssq * jnp.square(scale / safe) + jnp.sum(jnp.where(keep, jnp.square(g / safe), 0))
+        return new, ssq
+
+    if blocks is None:
+        g = make(None)
+        m = jnp.max(jnp.abs(g))
+        return m * jnp.sqrt(jnp.sum(jnp.square(g / jnp.where(m > 0, m, 1))))
+    axis, size, n = blocks
+
+    def block(k, state):
+        f0 = k * size
+        g = make((axis, f0, size))
+        idx = jnp.minimum(f0, n - size) + jnp.arange(size)  # where the slice landed
+        keep = (idx >= f0).reshape((size,) + (1,) * (g.ndim - axis - 2))
+        return add(state, g, keep)
+
+    zero = jnp.zeros((), jax.eval_shape(lambda: make((axis, 0, size))).dtype)
+    scale, ssq = jax.lax.fori_loop(0, -(-n // size), block, (zero, zero))
+    return scale * jnp.sqrt(ssq)
+
+
+def flagged_norms(sq, exact_norm, args):
+    """``sqrt(sq)`` (``[B]`` squared norms), with ``exact_norm(args, b)`` for the examples
+    whose square is not finite: overflowed (float32 norms past ``2^64``), or NaN from
+    overflowing terms. A loop over those alone (`recompute_flagged`): nothing runs,
+    and no branch is traced, in the usual case."""
+    return recompute_flagged(exact_norm, args, S.sqrt0(sq), jnp.logical_not(jnp.isfinite(sq)))
+
+
+def materialised_norms(G):
+    """``[B]`` norms of ``G [B, ...]``, finite wherever representable: its squares
+    summed, the examples whose square overflows one at a time (`flagged_norms`)."""
+
+    def exact(G, b):
+        return example_norm(lambda cut: jax.lax.dynamic_slice_in_dim(G, b, 1, 0))
+
+    return flagged_norms(jnp.sum(jnp.square(G), axis=tuple(range(1, G.ndim))), exact, G)
+
+
+def honest_sq(sq, norms):
+    """Squared norms where they came out NaN or inf from overflowing terms (a ghost
+    norm's products, cross terms of opposite signs): the square of the exact norm,
+    ``inf`` only where that square is past the dtype's range."""
+    return jnp.where(jnp.isfinite(sq), sq, jnp.square(norms))

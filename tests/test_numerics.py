@@ -1,0 +1,322 @@
+"""Numerics: float64 models with float32 constants (a Flax BatchNorm's running statistics),
+clipping in float64 models, and float32 squared norms past the float32 range.
+
+Float64 results are compared with the jitted ``vmap(grad)`` oracle (zoo.py) at about
+1e-12: a float32 step inside the transformation shows as 1e-7.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import zoo
+
+import jaxpr_surgery as js
+
+STATS = {
+    "mean": (js.stats.mean(), {}),
+    "sum": (js.stats.sum(), {}),
+    "second_moment": (js.stats.second_moment(), {}),
+    "variance": (js.stats.variance(), {}),
+    "abs_mean": (js.stats.abs_mean(), {}),
+    "sq_norms": (js.stats.sq_norms(), {}),
+    "norms": (js.stats.norms(), {}),
+}
+
+
+def _all_stats(clip):
+    stats = {k: s for k, (s, _) in STATS.items()}
+    stats["clipped_mean"] = js.stats.clipped_mean(clip)
+    stats["clipped_sum"] = js.stats.clipped_sum(0.5 * clip)
+    return stats
+
+
+def _median_norm(case):
+    return float(np.median(np.sqrt(zoo.oracle(case, "sq_norms"))))
+
+
+def _check_all(case, got, clip, rtol=1e-12):
+    """Every entry of ``got`` (from `_all_stats`) against the oracle, relative to the
+    oracle's scale of each leaf."""
+    kws = {"clipped_mean": {"clip_norm": clip}, "clipped_sum": {"clip_norm": 0.5 * clip}}
+    for name, value in got.items():
+        kw = kws.get(name, {})
+        want = zoo.oracle(case, name, **kw)
+        scale = zoo.oracle_scale(case, name, **kw)
+        scales = [scale] if isinstance(scale, float) else jax.tree.leaves(scale)
+        assert len(scales) == len(jax.tree.leaves(want)) == len(jax.tree.leaves(value))
+        leaves = zip(jax.tree.leaves(value), jax.tree.leaves(want), scales)
+        for k, (a, w, s) in enumerate(leaves):
+            err = float(np.max(np.abs(np.asarray(a, np.float64) - w)))
+            assert err <= rtol * s, f"{name} leaf {k}: error {err:.3g} = {err / s:.3g} x scale"
+
+
+# --------------------------------------------------------------------------- #
+# Float32 constants in a float64 model
+# --------------------------------------------------------------------------- #
+def _bn_resnet_case(B=5):
+    """A small Flax ResNet (conv, BatchNorm in inference mode, two identical residual
+    blocks, dense head) in float64 whose running statistics stay float32, as Flax's
+    default ``param_dtype`` makes them."""
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            y = nn.Conv(4, (3, 3), use_bias=False)(x)
+            y = nn.relu(nn.BatchNorm(use_running_average=True)(y))
+            y = nn.Conv(4, (3, 3), use_bias=False)(y)
+            return nn.relu(x + nn.BatchNorm(use_running_average=True)(y))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(4, (3, 3), use_bias=False)(x)
+            x = nn.relu(nn.BatchNorm(use_running_average=True)(x))
+            x = Block()(Block()(x))
+            return nn.Dense(3)(jnp.mean(x, axis=(1, 2)))
+
+    model = Net()
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.standard_normal((B, 6, 6, 2)), jnp.float64)
+    y = jnp.asarray(r.integers(0, 3, B))
+    variables = model.init(jax.random.key(1), x[:1].astype(jnp.float32))
+    # running statistics away from their initial 0 and 1, in float32
+    stats = jax.tree.map(
+        lambda a: jnp.asarray(a + 0.3 + r.uniform(0, 0.5, a.shape), jnp.float32),
+        variables["batch_stats"],
+    )
+    params = jax.tree.map(lambda a: a.astype(jnp.float64), variables["params"])
+
+    def loss(p, b):
+        logits = model.apply({"params": p, "batch_stats": stats}, b["x"])
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, b["y"][:, None], 1))
+
+    return zoo.ZooCase("bn_resnet", loss, params, {"x": x, "y": y})
+
+
+def test_float32_running_statistics_in_a_float64_resnet():
+    """Every statistic, clipping included, to 1e-12 of vmap(grad); ``mean`` equals
+    ``jax.jit(jax.grad)``. The running statistics' ``rsqrt(var + eps)`` runs in float32:
+    inside the transformation's nested jits XLA folded it to other float32 values than
+    in the user's program (one ulp: 1e-7 relative on every leaf)."""
+    with zoo.x64():
+        case = _bn_resnet_case()
+        clip = _median_norm(case)
+        got = jax.jit(js.per_example_stat(case.loss_fn, _all_stats(clip)))(case.params, case.batch)
+        _check_all(case, got, clip)
+        g = jax.jit(jax.grad(case.loss_fn))(case.params, case.batch)
+        for a, w in zip(jax.tree.leaves(got["mean"]), jax.tree.leaves(g)):
+            np.testing.assert_allclose(a, w, rtol=1e-12, atol=1e-14 * float(np.max(np.abs(w))))
+
+
+def _constants_case(remat=False, B=4):
+    """A float64 MLP of three identical layers (repeated layers are traced once) mixing
+    float32 constants through transcendental functions (rsqrt, exp, tanh) into the
+    activations, and a float32 literal into a gain."""
+    r = np.random.default_rng(1)
+    d = 6
+    n = lambda *s: jnp.asarray(r.standard_normal(s) * 0.6, jnp.float64)  # noqa: E731
+    params = [{"w": n(d, d), "b": n(d), "g": 1.0 + n(d)} for _ in range(3)]
+    consts = [jnp.asarray(r.uniform(0.3, 2.0, d), jnp.float32) for _ in range(3)]
+
+    def layer(h, p, c):
+        h = h @ p["w"] + p["b"]
+        h = (h - jnp.tanh(c)) * jax.lax.rsqrt(c + np.float32(1e-5))
+        h = h * (p["g"] * jnp.exp(-c))
+        return jnp.tanh(h)
+
+    if remat:
+        layer = jax.checkpoint(layer)
+
+    def loss(ps, b):
+        h = b["x"]
+        for p, c in zip(ps, consts):
+            h = layer(h, p, c)
+        return jnp.mean(jnp.sum((h - b["y"]) ** 2, -1))
+
+    batch = {"x": n(B, d), "y": n(B, d)}
+    return zoo.ZooCase("constants", loss, params, batch)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_float32_constants_in_a_float64_model(remat):
+    with zoo.x64():
+        case = _constants_case(remat)
+        clip = _median_norm(case)
+        got = jax.jit(js.per_example_stat(case.loss_fn, _all_stats(clip)))(case.params, case.batch)
+        _check_all(case, got, clip)
+
+
+# --------------------------------------------------------------------------- #
+# Float32 squared norms past the float32 range
+# --------------------------------------------------------------------------- #
+HUGE = 3e19  # one example's loss weight: its gradient norm ~1e20, its squared norm ~1e40
+
+
+def _exploding_case(remat=False, B=4, T=3, V=7, D=5):
+    """A float32 LM-like loss whose per-example terms carry a weight ``s_b`` (a batch
+    input), ``HUGE`` for example 1: that example's gradient is ``HUGE`` times an ordinary
+    one on every leaf, representable in float32 while its squared norm is not.
+
+    Leaf kinds: a table used by an embedding and by the tied output layer (two sites),
+    a token-axis dense layer, a layernorm gain (scale-shift), a bias, and a pair of
+    factors ``u @ v`` (residual: exact per-example gradients)."""
+    r = np.random.default_rng(2)
+    n = lambda *s: jnp.asarray(r.standard_normal(s) * 0.5, jnp.float32)  # noqa: E731
+    params = {"embed": n(V, D), "w": n(D, D), "b": n(D), "g": 1.0 + n(D), "u": n(D, 2),
+              "v": n(2, D)}
+
+    def block(h, p):
+        h = jnp.tanh(h @ p["w"] + p["b"])
+        mu = jnp.mean(h, -1, keepdims=True)
+        h = (h - mu) * jax.lax.rsqrt(jnp.mean(jnp.square(h - mu), -1, keepdims=True) + 1e-5)
+        return h * p["g"] + h @ (p["u"] @ p["v"])
+
+    if remat:
+        block = jax.checkpoint(block)
+
+    def loss(p, b):
+        h = block(p["embed"][b["ids"]], p)
+        logits = h @ p["embed"].T
+        logp = jax.nn.log_softmax(logits)
+        nll = -jnp.take_along_axis(logp, b["targets"][..., None], -1)[..., 0]
+        return jnp.mean(b["s"] * jnp.mean(nll, -1))
+
+    s = np.ones(B, np.float32)
+    s[1] = HUGE
+    batch = {"ids": jnp.asarray(r.integers(0, V, (B, T))),
+             "targets": jnp.asarray(r.integers(0, V, (B, T))), "s": jnp.asarray(s)}
+    return zoo.ZooCase("exploding", loss, params, batch)
+
+
+def _sq_norms64(case):
+    return zoo.oracle(case, "sq_norms")  # float64 from the float32 per-example gradients
+
+
+def test_the_exploding_case_overflows_float32():
+    case = _exploding_case()
+    sq = _sq_norms64(case)
+    assert np.all(np.isfinite(sq)) and sq[1] > 1e39 > float(np.finfo(np.float32).max)
+    g = zoo.per_example_grads(case)
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(g))
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_norms_and_clipping_past_float32_squares(remat, chunk):
+    """``norms`` stays finite (the norm is representable), the example's clipped gradient
+    counts C g / |g| instead of nothing, cosines and norm quantiles see the true norm;
+    ``sq_norms`` is the honest float32 value of the square: inf."""
+    case = _exploding_case(remat)
+    sq = _sq_norms64(case)
+    C = float(np.sqrt(np.median(sq)))
+    g = zoo.per_example_grads(case)
+    ref = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64).mean(0) / HUGE,
+                                             jnp.float32), g)
+    stats = {
+        "norms": js.stats.norms(),
+        "norms_leaf": js.stats.norms(per_leaf=True),
+        "sq_norms": js.stats.sq_norms(),
+        "clipped_sum": js.stats.clipped_sum(C),
+        "clipped_mean": js.stats.clipped_mean(C),
+        "cos": js.stats.per_example_cosines(ref),
+        "q": js.stats.norm_quantiles((0.0, 1.0), per_leaf=False),
+    }
+    got = jax.jit(js.per_example_stat(case.loss_fn, stats, chunk_size=chunk))(
+        case.params, case.batch)
+    np.testing.assert_allclose(got["norms"], np.sqrt(sq), rtol=2e-5)
+    want_leaf = zoo.oracle(case, "norms", per_leaf=True)
+    for a, w in zip(jax.tree.leaves(got["norms_leaf"]), jax.tree.leaves(want_leaf)):
+        np.testing.assert_allclose(a, w, rtol=2e-5)
+    assert np.isinf(got["sq_norms"][1])
+    np.testing.assert_allclose(np.delete(got["sq_norms"], 1), np.delete(sq, 1), rtol=2e-5)
+    for name in ("clipped_sum", "clipped_mean"):
+        want = zoo.oracle(case, name, clip_norm=C)
+        atol = 5e-5 * C / (4 if name == "clipped_mean" else 1)  # |terms| <= C
+        for a, w in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, w, rtol=0, atol=atol)
+    # cosines against the float64 oracle
+    g64 = [np.asarray(x, np.float64).reshape(x.shape[0], -1) for x in jax.tree.leaves(g)]
+    r64 = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(ref)]
+    dots = sum(x @ y for x, y in zip(g64, r64))
+    cos = dots / (np.sqrt(sq) * np.sqrt(sum(y @ y for y in r64)))
+    assert abs(cos[1]) > 0.1
+    np.testing.assert_allclose(got["cos"], cos, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got["q"], [np.sqrt(sq).min(), np.sqrt(sq).max()], rtol=2e-5)
+
+
+def _weighted_zoo_case(name, B_huge=1):
+    """Zoo case ``name`` (float32) whose per-example loss carries a weight, ``HUGE`` for
+    example ``B_huge``: each example's loss is ``loss_fn(params, example) * s``."""
+    case = zoo.get_case(name, "float32")
+    B = jax.tree.leaves(case.batch)[0].shape[0]
+    s = np.ones(B, np.float32)
+    s[B_huge] = HUGE
+
+    def loss(p, b):  # one example (batch of one) per call: l_b = loss_fn(p, ex_b) s_b
+        return case.loss_fn(p, b["inner"]) * b["s"][0]
+
+    return zoo.ZooCase(name + "_weighted", loss, case.params,
+                       {"inner": case.batch, "s": jnp.asarray(s)})
+
+
+@pytest.mark.parametrize(
+    "name", ["cnn", "transformer_scan_remat", "rnn", "onehot_embedding", "mlp_bf16"])
+def test_norms_past_float32_squares_across_layer_kinds(name):
+    """Convolutions, layers in lax.scan (remat), a recurrence, one-hot embeddings and
+    bfloat16 parameters: norms finite, clipping keeps the example, squares honest."""
+    case = _weighted_zoo_case(name)
+    sq = _sq_norms64(case)
+    assert sq[1] > float(np.finfo(np.float32).max)
+    C = float(np.sqrt(np.median(sq)))
+    stats = {"norms": js.stats.norms(), "sq_norms": js.stats.sq_norms(),
+             "clipped_sum": js.stats.clipped_sum(C)}
+    got = jax.jit(js.per_example_stat(case.loss_fn, stats))(case.params, case.batch)
+    rtol = 2e-2 if name in zoo.LOW_PRECISION else 1e-4
+    np.testing.assert_allclose(got["norms"], np.sqrt(sq), rtol=rtol)
+    assert np.isinf(got["sq_norms"][1])
+    np.testing.assert_allclose(np.delete(got["sq_norms"], 1), np.delete(sq, 1), rtol=2 * rtol)
+    want = zoo.oracle(case, "clipped_sum", clip_norm=C)
+    for a, w in zip(jax.tree.leaves(got["clipped_sum"]), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), w, rtol=0, atol=rtol * C)
+
+
+# --------------------------------------------------------------------------- #
+# Clipping by a second backward pass (remat) in a float64 model with float32 steps
+# --------------------------------------------------------------------------- #
+def _float32_step_case(B=5, d=6):
+    """A float64 MLP under ``jax.checkpoint`` whose hidden activations pass through
+    float32 (as recurrentgemma's RG-LRU scan accumulates in float32 whatever the model's
+    dtype): their cotangents are rounded to float32 in the backward pass, and a clipped
+    sum that seeds that pass with ``c_b`` instead of 1 rounds ``c_b`` times them."""
+    r = np.random.default_rng(3)
+    n = lambda *s: jnp.asarray(r.standard_normal(s) * 0.6, jnp.float64)  # noqa: E731
+    params = [{"w": n(d, d), "b": n(d)} for _ in range(2)]
+
+    @jax.checkpoint
+    def layer(h, p):
+        h = jnp.tanh(h @ p["w"] + p["b"])
+        return jnp.exp(0.5 * h.astype(jnp.float32)).astype(jnp.float64)
+
+    def loss(ps, b):
+        h = b["x"]
+        for p in ps:
+            h = layer(h, p)
+        return jnp.mean(jnp.sum((h - b["y"]) ** 2, -1))
+
+    return zoo.ZooCase("float32_step", loss, params, {"x": n(B, d), "y": n(B, d)})
+
+
+def test_clipping_by_recompute_with_float32_steps():
+    """Every statistic to 1e-12 of vmap(grad), clipped sums included: the second pass
+    is seeded like the first and applies the clip factors where the parameters meet
+    the data (in float64), not at the loss (where float32 steps would round them)."""
+    with zoo.x64():
+        case = _float32_step_case()
+        clip = _median_norm(case)
+        got = jax.jit(js.per_example_stat(case.loss_fn, _all_stats(clip)))(case.params, case.batch)
+        _check_all(case, got, clip)
