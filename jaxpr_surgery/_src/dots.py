@@ -13,6 +13,7 @@ concatenate across chunks and stay with the device holding the example.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +22,33 @@ from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.norms import materialised_norms
 
 
+class _PerExampleDots(S.Reduction):
+    """``[B]`` inner products of the examples' gradients with a reference: per example
+    (concatenated across chunks, local across devices), linear in ``g_b`` (the layers
+    of a scan over stacked layers add)."""
+
+    per_example: ClassVar[bool] = True
+    carries: ClassVar[bool] = False
+
+    def aval(self, shape, dtype, B):
+        return jax.ShapeDtypeStruct((B,), dtype)
+
+    def merge(self, a, na, b, nb):
+        return jnp.concatenate([a, b], axis=0)
+
+    def zeros(self, shape, dtype, B):
+        return jnp.zeros((B,), dtype)
+
+    def to_leaf(self, value, site, B):
+        return value.reshape((-1, B)).sum(0) if site.depth else value
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class DotWith(S.Reduction):
+class DotWith(_PerExampleDots):
     """Per leaf, the ``[B]`` per-example inner products ``<g_b, reference>``.
 
-    Two `DotWith` of the same reference object are computed once.
+    Two `DotWith` of the same reference object are computed once. The engine binds it
+    to each leaf's part of the reference (`BoundDot`) before any site computes it.
     """
 
     reference: object
@@ -36,37 +59,21 @@ class DotWith(S.Reduction):
     def __hash__(self):
         return hash(("dot", id(self.reference)))
 
+    def from_examples(self, G):
+        raise TypeError("DotWith is bound to each leaf's reference (BoundDot) first.")
+
+    def direct_ok(self, site):
+        return False  # bound per leaf after the backward pass (engine._leaf_dots)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class BoundDot(S.Reduction):
+class BoundDot(_PerExampleDots):
     """`DotWith` of one leaf, bound to that leaf's reference array (engine-internal)."""
 
     ref: jax.Array
 
-
-class _Ops:
-    per_example = True
-
-    @staticmethod
-    def materialised(G, r):
-        ref = r.ref.astype(G.dtype)
-        return jnp.einsum("b...,...->b", G, ref, precision="highest")
-
-    @staticmethod
-    def merge(r, a, na, b, nb):
-        return jnp.concatenate([a, b], axis=0)
-
-    @staticmethod
-    def combine_axis(r, v, n_local, N, axis_name):
-        return v  # per example: stays with the device holding the example
-
-    @staticmethod
-    def zeros(r, shape, dtype, B):
-        return jnp.zeros((B,), dtype)
-
-
-S.register_extension(DotWith, _Ops())
-S.register_extension(BoundDot, _Ops())
+    def from_examples(self, G):
+        return jnp.einsum("b...,...->b", G, self.ref.astype(G.dtype), precision="highest")
 
 
 def dense_dots(x, dy, ref_canon):

@@ -14,7 +14,7 @@ square, sign and absolute value: `stats.SUM`, `SQUARE`, `SIGN`, `ABS`, each with
 ``phi(0) == 0``, so zero-padded tokens, examples and features add nothing) and
 one-pass centred moments (the variance: sums of ``G_b - K`` and its square
 against a shift ``K``, the first example of each program's share of at most
-`tiling.MAX_SHIFT_AMPLIFICATION` examples, padding masked out; the shares' moments
+`S.MAX_SHIFT_AMPLIFICATION` examples, padding masked out; the shares' moments
 merged pairwise by Chan's update), in float32 or float64, outside ``shard_map``.
 Everything else keeps the XLA tile loop. Derivatives of the statistic are taken
 through the XLA form (a custom JVP), so differentiating a statistic never needs
@@ -51,6 +51,7 @@ PHIS = {
     S.SIGN: jnp.sign,
     S.ABS: jnp.abs,
 }
+CENTRED = S.Centered()  # one-pass centred moments (no mean given), the kernel's other reduction
 
 BLOCK = 64  # most rows of C and columns of F a program owns (a power of two)
 MIN_BLOCK = 16  # Triton's smallest dot operand side
@@ -103,9 +104,7 @@ def applies(reductions, dtype, operands) -> bool:
 def builtin(reduction) -> bool:
     """``reduction`` is one the kernel computes: a sum of a built-in ``phi`` (`PHIS`)
     or one-pass centred moments (`stats.Centered`, no mean given)."""
-    return isinstance(reduction, S.Centered) or (
-        isinstance(reduction, S.PhiSum) and reduction in PHIS
-    )
+    return reduction == CENTRED or reduction in PHIS
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -198,14 +197,12 @@ def _pallas_sums(x, dy, reductions, interpret):
     """The kernel's values of ``reductions`` (`builtin`) of ``G_b = X_b^T DY_b`` from
     canonical ``x [B, K, N, C]``, ``dy [B, K, N, F]``: ``sum_b phi(G_b)``, or
     `stats.Moments` for a centred one (no derivative rule: see `phi_sums`)."""
-    from jaxpr_surgery._src import tiling  # (tiling imports this module)
-
     B, K, N, C = x.shape
     F = dy.shape[-1]
     acc = x.dtype
-    terms = tuple(None if isinstance(r, S.Centered) else PHIS[r] for r in reductions)
+    terms = tuple(None if r == CENTRED else PHIS[r] for r in reductions)
     # one-pass centred sums against one example: at most this many after it
-    cap = tiling.MAX_SHIFT_AMPLIFICATION if None in terms else None
+    cap = S.MAX_SHIFT_AMPLIFICATION if None in terms else None
     splits, per_split, bc, bf, bt = blocks(B, K, N, C, F, max_per_split=cap)
     Np = -(-N // bt) * bt
     Cp, Fp = -(-C // bc) * bc, -(-F // bf) * bf
@@ -262,7 +259,7 @@ def _xla_sums(x, dy, reductions):
     """The same values by XLA, one example at a time, centred sums in two passes (the
     kernel's derivative rule: only programs that differentiate a statistic run it)."""
     B = x.shape[0]
-    centred = [isinstance(r, S.Centered) for r in reductions]
+    centred = [r == CENTRED for r in reductions]
     mean = jnp.einsum("bknc,bknf->kcf", x, dy) / B if any(centred) else None
 
     def one(b, sums):
@@ -297,7 +294,7 @@ def _check(interpret, failed):
     try:
         r = np.random.default_rng(0)
         B, K, N, C, F = 5, 2, 37, 20, 70
-        reductions = (*PHIS, S.Centered())
+        reductions = (*PHIS, CENTRED)
         x = r.standard_normal((B, K, N, C)).astype(np.float32)
         dy = (r.standard_normal((B, K, N, F)) + 0.5).astype(np.float32)
         run = jax.jit(lambda a, b: _pallas_sums(a, b, reductions, interpret))
@@ -308,7 +305,7 @@ def _check(interpret, failed):
         # sign: an example's coordinate within float32 rounding of zero may flip
         near_zero = np.sum(np.abs(G) <= 1e-5 * np.max(np.abs(G)), axis=0)
         for r_, v in zip(reductions, got):
-            if isinstance(r_, S.Centered):
+            if r_ == CENTRED:
                 pairs = [("mean", v[0], mean), ("m2", v[1], np.sum(np.square(G - mean), 0))]
             else:
                 pairs = [(r_.name, v, np.sum(ref[r_](G), axis=0))]

@@ -12,8 +12,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import stats as S
-
 
 def example_scale(a):
     """``[B]``: each example's largest magnitude in ``a [B, ...]`` (1 where that is 0
@@ -100,7 +98,7 @@ def flagged_norms(sq, exact_norm, args):
     whose square is not finite: overflowed (float32 norms past ``2^64``), or NaN from
     overflowing terms. A loop over those alone (`recompute_flagged`): nothing runs,
     and no branch is traced, in the usual case."""
-    return recompute_flagged(exact_norm, args, S.sqrt0(sq), jnp.logical_not(jnp.isfinite(sq)))
+    return recompute_flagged(exact_norm, args, sqrt0(sq), jnp.logical_not(jnp.isfinite(sq)))
 
 
 def materialised_norms(G):
@@ -118,3 +116,43 @@ def honest_sq(sq, norms):
     norm's products, cross terms of opposite signs): the square of the exact norm,
     ``inf`` only where that square is past the dtype's range."""
     return jnp.where(jnp.isfinite(sq), sq, jnp.square(norms))
+
+
+def sqrt0(sq):
+    """``sqrt(sq)`` whose derivative at 0 is 0, not NaN (double where); NaN stays NaN."""
+    pos = sq > 0
+    return jnp.where(pos, jnp.sqrt(jnp.where(pos, sq, 1)), sq * 0)
+
+
+def pow2(e, dtype):
+    """``2.0 ** e`` for integer exponents ``e`` (clipped to the normal range), exact in
+    ``dtype``: its bits (a few integer ops; ``jnp.ldexp`` compiles to fifty per use)."""
+    info = jnp.finfo(dtype)
+    ints = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[info.bits]
+    e = jnp.clip(jnp.asarray(e), info.minexp, info.maxexp - 1).astype(ints)
+    return jax.lax.bitcast_convert_type((e + (info.maxexp - 1)) << info.nmant, dtype)
+
+
+def combine_norms(norms, axis=0):
+    """``sqrt(sum n^2)`` over ``axis`` of per-part norms (leaves, scanned layers, model
+    shards), scaled by the largest part so that no square overflows (float32 norms
+    past ``2^64``); the scale is a power of two, so the result is that of the plain
+    formula wherever the plain one does not overflow."""
+    norms = jnp.asarray(norms)
+    m = jnp.max(jax.lax.stop_gradient(norms), axis=axis, keepdims=True)
+    e = exponent(m)  # sqrt(sum (n/2^e)^2) 2^e: the same function, whatever e
+    r = sqrt0(jnp.sum(jnp.square(norms * pow2(-e, norms.dtype)), axis=axis))
+    return r * jnp.squeeze(pow2(e, norms.dtype), axis)
+
+
+def exponent(m):
+    """The binary exponent of ``|m|`` from its bits (``2^e <= |m| < 2^(e+1)`` for normal
+    numbers), clipped to ``[-126, 126]`` so that ``2^e`` and ``2^-e`` are normal; 0 for
+    zero, subnormal, inf and NaN values. Exact and a few integer ops (no log2)."""
+    info = jnp.finfo(m.dtype)
+    ints = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[info.bits]
+    bits = jax.lax.bitcast_convert_type(jnp.abs(m), ints)
+    biased = (bits >> info.nmant).astype(jnp.int32)  # sign bit cleared by abs
+    top = 2 * info.maxexp - 1  # all ones: inf and NaN
+    e = jnp.where((biased > 0) & (biased < top), biased - (info.maxexp - 1), 0)
+    return jnp.clip(e, -126, 126)

@@ -1,36 +1,16 @@
 """Statistics of per-example gradients: the protocol and the built-in statistics.
 
 A statistic never sees per-example gradients directly. It declares the
-*reductions over examples* it needs (from a small fixed set, each of which the
-engine knows how to compute cheaply per layer kind and how to combine across
-batch chunks and devices), and a ``finalize`` that turns the reduced values
-into its result. Built-in statistics use exactly this protocol, so a user's
-statistic is a first-class citizen.
-
-The reductions (``g_b`` is the per-example gradient of one parameter leaf,
-``B`` the number of examples):
-
-* `PhiSum` -- ``sum_b phi(g_b)`` elementwise (``phi=None``: the plain sum).
-* `Centered` -- ``(mean_b g_b, sum_b (g_b - mean)^2)``, computed without
-  catastrophic cancellation and merged across chunks/devices with Chan's rule.
-* `SqNorms` -- ``[B]`` array of ``||g_b||^2`` for the leaf.
-* `Norms` -- ``[B]`` array of ``||g_b||`` for the leaf, finite wherever the norm is
-  representable (also where its square is not: float32 norms past ``2^64``).
-* `ClippedSum` -- ``sum_b min(1, C / ||g_b||) g_b`` where ``||g_b||`` is
-  the *global* norm over every differentiated leaf.
-* `KronSum` -- per axis ``j`` of the leaf, ``sum_b U_j(g_b) U_j(g_b)^T`` with
-  ``U_j(g) = moveaxis(g, j, 0).reshape(n_j, -1)`` (or its diagonal).
-
-Reductions beyond the first four register their generic behaviour (merge over
-chunks and devices, zeros, the materialised form, the map to leaf space) with
-`register_extension`, keyed by their class.
+*reductions over examples* it needs (reductions.py: each knows how to reduce tiles
+of per-example gradients, merge over chunks and devices and map back to the leaf;
+each layer kind may have a cheaper rule for it), and a ``finalize`` that turns the
+reduced values into its result. Built-in statistics use exactly this protocol, so a
+user's statistic is a first-class citizen.
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
-import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -39,7 +19,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat  # noqa: F401
+from jaxpr_surgery._src.norms import combine_norms
+from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names, re-exported
+    ABS,
+    MAX_SHIFT_AMPLIFICATION,
+    SIGN,
+    SQUARE,
+    SUM,
+    Carry,
+    Centered,
+    CenteredAbout,
+    ClippedSum,
+    ElementwiseReduction,
+    KronSum,
+    Moments,
+    Norms,
+    PhiSum,
+    Reduction,
+    Shifted,
+    SqNorms,
+    clip_factor,
+    function_name,
+    gather_over_axis,
+    is_norms,
+    merge_moments,
+    merge_shifted,
+    recentre,
+    same_function,
+    shifted_moments,
+)
 
 PyTree = Any
 
@@ -74,319 +83,6 @@ __all__ = [
 
 _builtin_sum = sum
 
-
-# --------------------------------------------------------------------------- #
-# Reductions
-# --------------------------------------------------------------------------- #
-class Reduction:
-    """Base class of the reductions over examples that the engine computes."""
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PhiSum(Reduction):
-    """``sum_b phi(g_b)`` elementwise, per leaf (``phi=None`` is the identity).
-
-    Attributes:
-      phi: elementwise function of an array, or ``None`` for the plain sum.
-      multiplicative: declares ``phi(a * b) == phi(a) * phi(b)`` (square, sign,
-        abs, powers), which lets rank-one layers use ``phi(x)^T phi(dy)``.
-      name: used for equality and in reports; two ``PhiSum`` with the same
-        ``name`` and ``multiplicative`` are computed once. Giving one name to two
-        different functions in one request raises a ``ValueError``.
-    """
-
-    phi: Callable[[jax.Array], jax.Array] | None = None
-    multiplicative: bool = False
-    name: str | None = None
-    _builtin: bool = dataclasses.field(default=False, repr=False)
-
-    def _key(self):
-        # A user's name never aliases a built-in reduction of the same name.
-        ident = (self._builtin, self.name) if self.name is not None else self.phi
-        return ("phisum", ident, self.multiplicative)
-
-    def __eq__(self, other):
-        return isinstance(other, PhiSum) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
-
-    def apply(self, g):
-        return g if self.phi is None else self.phi(g)
-
-
-def function_name(f) -> str:
-    """A short readable name of a function for messages (``cos``, ``<lambda>``)."""
-    name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
-    return name if isinstance(name, str) else repr(f)
-
-
-def same_function(f, g, _seen=None) -> bool:
-    """``f`` and ``g`` are the same function: one object, equal objects, or one code
-    with the same environment (a lambda built afresh by each ``reductions()`` call),
-    also through ``functools.partial`` and wrappers (``__wrapped__``). When in doubt:
-    not the same."""
-    if f is g or _equal(f, g):
-        return True
-    seen = set() if _seen is None else _seen
-    if (id(f), id(g)) in seen:  # a closure that refers to itself
-        return True
-    seen.add((id(f), id(g)))
-    if isinstance(f, functools.partial) and isinstance(g, functools.partial):
-        return (
-            same_function(f.func, g.func, seen)
-            and len(f.args) == len(g.args)
-            and all(_same_value(a, b, seen) for a, b in zip(f.args, g.args))
-            and f.keywords.keys() == g.keywords.keys()
-            and all(_same_value(f.keywords[k], g.keywords[k], seen) for k in f.keywords)
-        )
-    wf, wg = getattr(f, "__wrapped__", None), getattr(g, "__wrapped__", None)
-    if wf is not None and wg is not None and type(f) is type(g):
-        return same_function(wf, wg, seen)
-    code_f, code_g = getattr(f, "__code__", None), getattr(g, "__code__", None)
-    if code_f is None or code_f != code_g:
-        return False
-    if getattr(f, "__globals__", None) is not getattr(g, "__globals__", None):
-        return False
-    env_f = (f.__defaults__ or (), tuple((f.__kwdefaults__ or {}).items()),
-             tuple(c.cell_contents if _filled(c) else _EMPTY for c in f.__closure__ or ()))
-    env_g = (g.__defaults__ or (), tuple((g.__kwdefaults__ or {}).items()),
-             tuple(c.cell_contents if _filled(c) else _EMPTY for c in g.__closure__ or ()))
-    return all(
-        len(a) == len(b) and all(_same_value(x, y, seen) for x, y in zip(a, b))
-        for a, b in zip(env_f, env_g)
-    )
-
-
-_EMPTY = object()  # the contents of a closure cell not yet assigned
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - raises ValueError when empty
-    except ValueError:
-        return False
-    return True
-
-
-def _equal(a, b) -> bool:
-    """``a == b`` as a bool, False where that is not a bool (arrays) or raises."""
-    try:
-        eq = a == b
-        return bool(eq) if isinstance(eq, (bool, np.bool_)) else False
-    except Exception:  # noqa: BLE001 - an object whose == raises is not equal
-        return False
-
-
-def _same_value(a, b, seen) -> bool:
-    if isinstance(a, tuple) and isinstance(b, tuple):  # a keyword default: (name, value)
-        return len(a) == len(b) and all(_same_value(x, y, seen) for x, y in zip(a, b))
-    return a is b or _equal(a, b) or (callable(a) and callable(b) and same_function(a, b, seen))
-
-
-def is_plain_sum(r) -> bool:
-    """``r`` is the plain sum of the per-example gradients (no ``phi``): linear."""
-    return isinstance(r, PhiSum) and r.phi is None
-
-
-@dataclasses.dataclass(frozen=True)
-class Centered(Reduction):
-    """Mean and centered sum of squares ``(mean_b g_b, sum_b (g_b - mean)^2)``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SqNorms(Reduction):
-    """Per-example squared norm ``||g_b||^2`` of each leaf, an array ``[B]``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Norms(Reduction):
-    """Per-example norm ``||g_b||`` of each leaf, an array ``[B]``.
-
-    The square roots of `SqNorms`, except where a square overflows (a float32 gradient
-    whose norm exceeds ``2^64`` has the squared norm ``inf``): there the norm of the
-    example scaled by a power of two, scaled back, so the value is finite wherever the
-    norm itself is representable. Norms of several leaves combine with `combine_norms`.
-    """
-
-
-def is_norms(r) -> bool:
-    """``r`` is a per-example norm reduction (`SqNorms` or `Norms`): an array ``[B]``
-    per leaf, computed by the same rules."""
-    return isinstance(r, (SqNorms, Norms))
-
-
-def sqrt0(sq):
-    """``sqrt(sq)`` whose derivative at 0 is 0, not NaN (double where); NaN stays NaN."""
-    pos = sq > 0
-    return jnp.where(pos, jnp.sqrt(jnp.where(pos, sq, 1)), sq * 0)
-
-
-def pow2(e, dtype):
-    """``2.0 ** e`` for integer exponents ``e`` (clipped to the normal range), exact in
-    ``dtype``: its bits (a few integer ops; ``jnp.ldexp`` compiles to fifty per use)."""
-    info = jnp.finfo(dtype)
-    ints = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[info.bits]
-    e = jnp.clip(jnp.asarray(e), info.minexp, info.maxexp - 1).astype(ints)
-    return jax.lax.bitcast_convert_type((e + (info.maxexp - 1)) << info.nmant, dtype)
-
-
-def combine_norms(norms, axis=0):
-    """``sqrt(sum n^2)`` over ``axis`` of per-part norms (leaves, scanned layers, model
-    shards), scaled by the largest part so that no square overflows (float32 norms
-    past ``2^64``); the scale is a power of two, so the result is that of the plain
-    formula wherever the plain one does not overflow."""
-    norms = jnp.asarray(norms)
-    m = jnp.max(jax.lax.stop_gradient(norms), axis=axis, keepdims=True)
-    e = exponent(m)  # sqrt(sum (n/2^e)^2) 2^e: the same function, whatever e
-    r = sqrt0(jnp.sum(jnp.square(norms * pow2(-e, norms.dtype)), axis=axis))
-    return r * jnp.squeeze(pow2(e, norms.dtype), axis)
-
-
-def exponent(m):
-    """The binary exponent of ``|m|`` from its bits (``2^e <= |m| < 2^(e+1)`` for normal
-    numbers), clipped to ``[-126, 126]`` so that ``2^e`` and ``2^-e`` are normal; 0 for
-    zero, subnormal, inf and NaN values. Exact and a few integer ops (no log2)."""
-    info = jnp.finfo(m.dtype)
-    ints = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[info.bits]
-    bits = jax.lax.bitcast_convert_type(jnp.abs(m), ints)
-    biased = (bits >> info.nmant).astype(jnp.int32)  # sign bit cleared by abs
-    top = 2 * info.maxexp - 1  # all ones: inf and NaN
-    e = jnp.where((biased > 0) & (biased < top), biased - (info.maxexp - 1), 0)
-    return jnp.clip(e, -126, 126)
-
-
-@dataclasses.dataclass(frozen=True)
-class ClippedSum(Reduction):
-    """``sum_b min(1, clip_norm / ||g_b||) g_b`` with the global per-example norm."""
-
-    clip_norm: float
-
-
-@dataclasses.dataclass(frozen=True)
-class KronSum(Reduction):
-    """Per leaf, a tuple over its axes ``j``: ``sum_b U_j(g_b) U_j(g_b)^T`` (an
-    ``[n_j, n_j]`` matrix), or its diagonal ``[n_j]`` when ``n_j > max_dim``."""
-
-    max_dim: int
-
-
-_EXTENSIONS: dict = {}
-
-
-def register_extension(cls, ops):
-    """Registers the generic behaviour of a reduction class (see ``kron.py``)."""
-    if cls in _EXTENSIONS:
-        raise ValueError(f"reduction {cls.__name__} already has registered behaviour")
-    _EXTENSIONS[cls] = ops
-
-
-def extension(reduction):
-    """The registered behaviour of ``reduction``'s class, or None for the built-in four."""
-    return _EXTENSIONS.get(type(reduction))
-
-
-class Moments(NamedTuple):
-    """Value of `Centered` for one leaf: mean and centered sum of squares."""
-
-    mean: jax.Array
-    m2: jax.Array
-
-
-def merge_moments(a: Moments, na, b: Moments, nb) -> Moments:
-    """The moments of the union of two disjoint sets of ``na`` and ``nb`` examples
-    (Chan et al.: ``m2 = m2_a + m2_b + delta^2 n_a n_b / n``, exact, no cancellation).
-
-    Counts may be traced integers (a chunk loop's index times the chunk size): the
-    weights are formed without their product (``na * nb`` overflows int32 from about
-    46341 examples on each side) and in the moments' dtype (a quotient of int64 counts
-    is float64 under ``jax_enable_x64``).
-    """
-    dt = jnp.result_type(a.mean)
-    w = jnp.asarray(nb / (na + nb), dt)
-    delta = b.mean - a.mean
-    return Moments(a.mean + delta * w, a.m2 + b.m2 + jnp.square(delta) * (jnp.asarray(na, dt) * w))
-
-
-class Shifted(NamedTuple):
-    """Running centred moments of ``n`` examples against a shift ``K`` (carried across
-    chunks of the batch, tiling.py): ``s1 = sum_b (g_b - K)``, ``s2 = sum_b (g_b - K)^2``,
-    so ``mean = K + s1/n`` and ``m2 = s2 - s1^2/n``. The subtraction of the final
-    ``s1^2/n`` cancels at most ``1 + m/n_K`` fold where ``K`` is the exact mean of the
-    first ``n_K`` examples and ``m`` came after (the between-group part of ``m2`` bounds
-    it); callers re-centre (`recentre`) before that exceeds
-    `tiling.MAX_SHIFT_AMPLIFICATION`."""
-
-    shift: jax.Array
-    s1: jax.Array
-    s2: jax.Array
-
-
-def shifted_moments(s: Shifted, n) -> Moments:
-    """The `Moments` of ``n`` examples from their `Shifted` sums."""
-    d = s.s1 / jnp.asarray(n, jnp.result_type(s.s1))
-    return Moments(s.shift + d, jnp.maximum(s.s2 - s.s1 * d, 0))
-
-
-def recentre(s: Shifted, n) -> Shifted:
-    """The same moments of ``n`` examples against their mean (``s1 = 0``)."""
-    m = shifted_moments(s, n)
-    return Shifted(m.mean, compat.make_varying(jnp.zeros_like(s.s1), compat.vma_of(s.s1)), m.m2)
-
-
-def merge_shifted(a: Shifted, na, b: Moments, nb) -> Shifted:
-    """`Shifted` sums of ``na`` examples and the `Moments` of ``nb`` more (with no
-    examples before, the new ones' mean becomes the shift)."""
-    dt = jnp.result_type(a.s1)
-    K = jnp.where(jnp.asarray(na) > 0, a.shift, b.mean.astype(dt))
-    d = b.mean - K
-    nb = jnp.asarray(nb, dt)
-    return Shifted(K, a.s1 + nb * d, a.s2 + b.m2 + nb * jnp.square(d))
-
-
-def merge(red, a, na, b, nb):
-    """Merges the values of reduction ``red`` over two disjoint sets of ``na`` and ``nb``
-    examples (chunks of the batch: api.py, engine.py); a centred reduction's running
-    value may be `Shifted`."""
-    ext = extension(red)
-    if ext is not None:
-        return ext.merge(red, a, na, b, nb)
-    if isinstance(red, Centered):
-        if isinstance(a, Shifted):
-            return merge_shifted(a, na, b, nb)
-        return merge_moments(a, na, b, nb)
-    if is_norms(red):
-        return jnp.concatenate([a, b], axis=0)
-    return a + b
-
-
-def carries(red) -> bool:
-    """A chunk's tile loops start ``red`` from its running value over the chunks before
-    (tiling.py, `Carry`) rather than merging their own value into it afterwards:
-    sums of ``phi`` and centred moments."""
-    return extension(red) is None and isinstance(red, (PhiSum, Centered))
-
-
-class Carry(NamedTuple):
-    """The running values a chunk's statistics continue (api.py chunks the batch).
-
-    Attributes:
-      values: per reduction (a list aligned with the reductions, or a dict keyed like
-        them), its value over the ``n`` examples of the chunks before (a centred
-        reduction's: `Shifted`), or None where the callee returns the chunk's own
-        value (merged by the caller).
-      n: the number of those examples (may be traced; 0 for the first chunk, whose
-        running values are zeros).
-    """
-
-    values: Any
-    n: Any
-
-
-SQUARE = PhiSum(jnp.square, multiplicative=True, name="square", _builtin=True)
-SIGN = PhiSum(jnp.sign, multiplicative=True, name="sign", _builtin=True)
-ABS = PhiSum(jnp.abs, multiplicative=True, name="abs", _builtin=True)
-SUM = PhiSum(None, multiplicative=True, name="identity", _builtin=True)
 
 
 # --------------------------------------------------------------------------- #

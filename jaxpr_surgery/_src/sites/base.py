@@ -158,25 +158,8 @@ def acc_dtype_for(*dtypes):
 
 
 # --------------------------------------------------------------------------- #
-# Reductions of materialised per-example gradients G [B, *shape]
+# Per-example norms at a site
 # --------------------------------------------------------------------------- #
-def reduce_materialised(G, reduction):
-    ext = S.extension(reduction)
-    if ext is not None:
-        return ext.materialised(G, reduction)
-    axes = tuple(range(1, G.ndim))
-    if isinstance(reduction, S.PhiSum):
-        return jnp.sum(reduction.apply(G), axis=0)
-    if isinstance(reduction, S.SqNorms):
-        return jnp.sum(jnp.square(G), axis=axes)  # no cancellation: inf on overflow
-    if isinstance(reduction, S.Norms):
-        return materialised_norms(G)
-    if isinstance(reduction, S.Centered):
-        m = jnp.mean(G, axis=0)
-        return S.Moments(m, jnp.sum(jnp.square(G - m), axis=0))
-    raise TypeError(f"reduction {reduction!r} cannot be computed directly")
-
-
 def direct_norms(kernel, ctx, reductions, compute, depth=0):
     """``compute(reductions)`` for a site, its per-example (squared) norms safe from
     overflow: from the kernel's `scaled_sq_norms` where it has them (no branch), or its
@@ -194,7 +177,7 @@ def direct_norms(kernel, ctx, reductions, compute, depth=0):
         q, s = stacked(kernel.scaled_sq_norms, depth)(ctx)
         norms = S.sqrt0(q) * s
         for k in keys:  # the squares: inf only where past the dtype's range
-            out[k] = q * s * s if isinstance(reductions[k], S.SqNorms) else norms
+            out[k] = norms if isinstance(reductions[k], S.Norms) else q * s * s
         return out
     if kernel.has_sq_and_norms():
         out = dict(compute(req))
@@ -284,7 +267,7 @@ class Kernel:
         return ctx * c
 
     def direct(self, ctx, reduction):
-        return reduce_materialised(self.materialise(ctx), reduction)
+        return reduction.from_examples(self.materialise(ctx))
 
     def direct_all(self, ctx, reductions, carry=None):
         """``{key: direct(ctx, r)}``; kernels override to share work between reductions.
@@ -341,7 +324,7 @@ class Kernel:
         return ()
 
     def sq_norms(self, ing):
-        return reduce_materialised(self.materialise(ing), S.SqNorms())
+        return S.SqNorms().from_examples(self.materialise(ing))
 
     # per-example norms safe from overflow (sites.base.direct_norms) ----------- #
     def has_scaled_sq_norms(self):

@@ -1,0 +1,714 @@
+"""Reductions over examples: the protocol every statistic's values come from.
+
+A `Reduction` is one summary of the per-example gradients ``g_b`` of one parameter
+leaf (or of a site's view of it) over the examples ``b``, with everything the engine
+needs to compute it anywhere: its value's shapes (`Reduction.aval`), its value over
+materialised per-example gradients (`Reduction.from_examples`), the merge of its
+values over two disjoint sets of examples (`Reduction.merge`: one rule for the tiles
+of a tile loop, the chunks of a batch and the devices of a mapped axis), a running
+accumulator (`Reduction.add_examples`, `Reduction.accumulate`, `Reduction.finish`),
+the combination across devices (`Reduction.combine_axis`) and the map from a site's
+view to the leaf (`Reduction.to_leaf`). A layer kind never needs to know a reduction:
+where a kernel has no fast rule for it, it produces tiles of per-example gradients and
+the reduction reduces them. A new reduction is one class implementing the three
+abstract methods (and the defaults it needs to change).
+
+The built-in reductions (``g_b`` is the per-example gradient of one leaf, ``B`` the
+number of examples):
+
+* `PhiSum` -- ``sum_b phi(g_b)`` elementwise (``phi=None``: the plain sum).
+* `Centered` -- ``(mean_b g_b, sum_b (g_b - mean)^2)``, computed without catastrophic
+  cancellation (running `Shifted` sums, re-centred within `MAX_SHIFT_AMPLIFICATION`)
+  and merged with Chan's rule.
+* `SqNorms` -- ``[B]`` array of ``||g_b||^2`` for the leaf (per example).
+* `Norms` -- ``[B]`` array of ``||g_b||``, finite wherever the norm is representable
+  (also where its square is not: float32 norms past ``2^64``).
+* `ClippedSum` -- ``sum_b min(1, C / ||g_b||) g_b`` with the *global* norm over every
+  differentiated leaf: weighted by the engine once every leaf's norms are known.
+* `KronSum` -- per axis ``j`` of the leaf, ``sum_b U_j(g_b) U_j(g_b)^T`` with
+  ``U_j(g) = moveaxis(g, j, 0).reshape(n_j, -1)`` (or its diagonal).
+
+(`dots.DotWith` is the per-example inner product with a reference gradient.)
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpr_surgery._src import compat, views
+from jaxpr_surgery._src.norms import combine_norms, materialised_norms
+
+SDS = jax.ShapeDtypeStruct
+
+# One-pass centred sums: the most rounding is amplified against the two-pass
+# (re-centring on the running mean once the examples to come would exceed it).
+MAX_SHIFT_AMPLIFICATION = 32
+
+
+def _zeros_of(avals):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), avals)
+
+
+def gather_over_axis(x, axis_name):
+    """``[D, *x.shape]``: every device's ``x`` along the mapped axis ``axis_name``, in
+    the devices' order, the same on every device. A psum of each device's ``x`` in its
+    own slot of zeros (exact: the others add zeros), so the result is replicated; inside
+    ``shard_map`` an ``all_gather`` would stay varying over the axis."""
+    D = jax.lax.psum(1, axis_name)  # static: the size of the axis
+    full = jnp.zeros((D,) + tuple(jnp.shape(x)), jnp.result_type(x))
+    full = jax.lax.dynamic_update_index_in_dim(full, x, jax.lax.axis_index(axis_name), 0)
+    return jax.lax.psum(full, axis_name)
+
+
+class Reduction(abc.ABC):
+    """A reduction over examples of the per-example gradients of one parameter leaf.
+
+    Subclasses implement `aval`, `from_examples` and `merge`; everything else has a
+    default written in terms of those three, which a subclass overrides where it knows
+    better (a psum across devices for a sum, a one-pass accumulator, a value that is
+    not shaped like the leaf). The engine uses nothing else, so a new reduction is
+    exact through tiles of examples, chunks of the batch, devices and views as soon as
+    those three are right. Reductions that compare equal are computed once per call.
+
+    Class attributes:
+      per_example: the value is an array ``[B]`` with one entry per example (norms,
+        dots): written in place by tile loops, concatenated across chunks, and kept by
+        the device holding the example across devices.
+      carries: a chunk's tile loops may start from the running accumulator of the
+        chunks before it (`add_examples` with an accumulator) instead of merging their
+        own value into it afterwards.
+      feature_blocks: how the values of blocks of features of one example's gradient
+        combine, where a tile loop cuts a large ``G`` into blocks: ``"place"`` (the value
+        is elementwise over the gradient's shape: each block's value goes to its place),
+        ``"add"`` (per-example values that add over blocks, as squared norms), or None
+        (never cut).
+      shift_bounded: the running accumulator holds sums against a shift whose rounding
+        the tile loop keeps within `MAX_SHIFT_AMPLIFICATION` by calling `recentre`.
+      linear: the plain sum of the per-example gradients (kernels contract it).
+      weighted_by_norm: not reduced from the examples alone: the engine weights the
+        examples by `example_weights` of their global norms (clipping).
+      knows_total: the accumulator knows the plain sum of its examples (`total`).
+    """
+
+    per_example: ClassVar[bool] = False
+    carries: ClassVar[bool] = True
+    feature_blocks: ClassVar[str | None] = None
+    shift_bounded: ClassVar[bool] = False
+    linear: ClassVar[bool] = False
+    weighted_by_norm: ClassVar[bool] = False
+    knows_total: ClassVar[bool] = False
+
+    # -- the three a reduction must define ------------------------------------- #
+    @abc.abstractmethod
+    def aval(self, shape, dtype, B):
+        """The value's shapes and dtypes (a pytree of ``jax.ShapeDtypeStruct``) for a
+        leaf (or view) of ``shape`` and ``B`` examples, accumulated in ``dtype``."""
+
+    @abc.abstractmethod
+    def from_examples(self, G):
+        """The value over the examples of ``G [b, *shape]``, their per-example
+        gradients (materialised, in the accumulation dtype)."""
+
+    @abc.abstractmethod
+    def merge(self, a, na, b, nb):
+        """The value over two disjoint sets of ``na`` and ``nb`` examples from their
+        values ``a`` and ``b`` (for a per-example value: ``b``'s examples after ``a``'s).
+        Counts may be traced."""
+
+    # -- derived: running accumulators (tile loops, chunks) --------------------- #
+    def empty(self, shape, dtype):
+        """The accumulator over no examples (the running value before the first chunk):
+        `accumulate` from it with ``n = 0`` gives the value added."""
+        return _zeros_of(self.aval(shape, dtype, 0))
+
+    def accumulate(self, acc, n, value, m):
+        """The accumulator ``acc`` of ``n`` examples followed by ``m`` more whose value is
+        ``value``."""
+        return self.merge(acc, n, value, m)
+
+    def add_examples(self, acc, n, G):
+        """The accumulator of ``acc``'s ``n`` examples followed by those of ``G [b,
+        *shape]`` (``acc`` None: none before). The tile loop's step."""
+        v = self.from_examples(G)
+        return v if acc is None else self.accumulate(acc, n, v, G.shape[0])
+
+    def start_examples(self, acc, n, G):
+        """`add_examples` for the first tile of a loop (``acc``: a carried accumulator,
+        whose ``n`` may be a traced 0 for the first chunk)."""
+        return self.add_examples(acc, n, G)
+
+    def finish(self, acc, n):
+        """The value of the accumulator ``acc`` of ``n`` examples."""
+        del n
+        return acc
+
+    def recentre(self, acc, n):
+        """The same accumulator with a fresh shift (`shift_bounded` reductions)."""
+        del n
+        return acc
+
+    def total(self, acc, n):
+        """The plain sum of the ``n`` examples the accumulator holds, where it knows it
+        (a centred accumulator does: a plain sum riding along costs nothing), else
+        None."""
+        del acc, n
+        return None
+
+    def block(self, axis, f0, size):
+        """This reduction restricted to the features ``f0:f0+size`` on ``axis`` of one
+        example's gradient (`feature_blocks`); reductions holding arrays shaped like
+        the gradient cut them."""
+        del axis, f0, size
+        return self
+
+    # -- derived: values -------------------------------------------------------- #
+    def zeros(self, shape, dtype, B):
+        """The value over ``B`` examples whose gradient is zero (a leaf the loss does
+        not use, the part of a leaf a sliced view leaves out): ``B`` merges of one
+        zero example's value, by doubling."""
+        if not B:
+            return self.empty(shape, dtype)
+        one = self.from_examples(jnp.zeros((1,) + tuple(shape), dtype))
+        out, n_out, cur, n_cur, k = None, 0, one, 1, int(B)
+        while k:
+            if k & 1:
+                out = cur if out is None else self.merge(out, n_out, cur, n_cur)
+                n_out += n_cur
+            k >>= 1
+            if k:
+                cur, n_cur = self.merge(cur, n_cur, cur, n_cur), 2 * n_cur
+        return out
+
+    def combine_axis(self, value, n_local, N, axis_name):
+        """Every device's value over the whole batch split along ``axis_name`` (each
+        device holds ``n_local`` of its ``N`` examples): per-example values stay with
+        their device; others merge every device's value in the devices' order."""
+        del N
+        if self.per_example:
+            return value
+        vals = jax.tree.map(lambda x: gather_over_axis(x, axis_name), value)
+        counts = gather_over_axis(jnp.asarray(n_local), axis_name)
+        D = counts.shape[0]
+        out, n = jax.tree.map(lambda x: x[0], vals), counts[0]
+        for d in range(1, D):
+            out = self.merge(out, n, jax.tree.map(lambda x, d=d: x[d], vals), counts[d])
+            n = n + counts[d]
+        return out
+
+    def to_leaf(self, value, site, B):
+        """A site's value (in its view of the leaf, stacked over the scans around it) in
+        the leaf's layout: each array through the view's chain, a slice's missing part
+        taking the value of a zero gradient (`zeros` of one element)."""
+        fill = self._fill(value, B) if getattr(site, "pads", False) else None
+        if fill is None:
+            return jax.tree.map(lambda x: views.to_leaf(x, site), value)
+        return jax.tree.map(lambda x, f: views.to_leaf(x, site, f), value, fill)
+
+    def _fill(self, value, B):
+        z = self.zeros((1,), jax.tree.leaves(value)[0].dtype, B)
+        return jax.tree.map(lambda x: x.reshape(-1)[0], z)
+
+    def from_leaf(self, value, site):
+        """A leaf-layout value (a running accumulator carried into a site) in the site's
+        view (undoes `to_leaf`)."""
+        return jax.tree.map(lambda x: views.from_leaf(x, site), value)
+
+    def direct_ok(self, site):
+        """Whether a site alone can give this reduction of its leaf inside the backward
+        pass (else the engine works from the site's ingredients afterwards)."""
+        del site
+        return True
+
+    def clash(self, other):
+        """A message when ``other``, equal to this reduction (so computed once), would
+        get a different value, else None."""
+        del other
+        return None
+
+    def describe(self):
+        """A short name for reports."""
+        return type(self).__name__
+
+
+class ElementwiseReduction(Reduction):
+    """A reduction whose value is elementwise over the gradient's shape (an array, or a
+    tuple of arrays, shaped like the leaf): sums of a function, centred moments."""
+
+    feature_blocks = "place"
+
+    def aval(self, shape, dtype, B):
+        return SDS(tuple(shape), dtype)
+
+
+def _is_moments(x):
+    return isinstance(x, (Moments, Shifted))
+
+
+# --------------------------------------------------------------------------- #
+# Centred moments: values, running sums, merges
+# --------------------------------------------------------------------------- #
+class Moments(NamedTuple):
+    """Value of `Centered` for one leaf: mean and centered sum of squares."""
+
+    mean: jax.Array
+    m2: jax.Array
+
+
+def merge_moments(a: Moments, na, b: Moments, nb) -> Moments:
+    """The moments of the union of two disjoint sets of ``na`` and ``nb`` examples
+    (Chan et al.: ``m2 = m2_a + m2_b + delta^2 n_a n_b / n``, exact, no cancellation).
+
+    Counts may be traced integers (a chunk loop's index times the chunk size): the
+    weights are formed without their product (``na * nb`` overflows int32 from about
+    46341 examples on each side) and in the moments' dtype (a quotient of int64 counts
+    is float64 under ``jax_enable_x64``).
+    """
+    dt = jnp.result_type(a.mean)
+    w = jnp.asarray(nb / (na + nb), dt)
+    delta = b.mean - a.mean
+    return Moments(a.mean + delta * w, a.m2 + b.m2 + jnp.square(delta) * (jnp.asarray(na, dt) * w))
+
+
+class Shifted(NamedTuple):
+    """Running centred moments of ``n`` examples against a shift ``K`` (carried across
+    tiles and chunks of the batch): ``s1 = sum_b (g_b - K)``, ``s2 = sum_b (g_b - K)^2``,
+    so ``mean = K + s1/n`` and ``m2 = s2 - s1^2/n``. The subtraction of the final
+    ``s1^2/n`` cancels at most ``1 + m/n_K`` fold where ``K`` is the exact mean of the
+    first ``n_K`` examples and ``m`` came after (the between-group part of ``m2`` bounds
+    it); callers re-centre (`recentre`) before that exceeds `MAX_SHIFT_AMPLIFICATION`."""
+
+    shift: jax.Array
+    s1: jax.Array
+    s2: jax.Array
+
+
+def shifted_moments(s: Shifted, n) -> Moments:
+    """The `Moments` of ``n`` examples from their `Shifted` sums."""
+    d = s.s1 / jnp.asarray(n, jnp.result_type(s.s1))
+    return Moments(s.shift + d, jnp.maximum(s.s2 - s.s1 * d, 0))
+
+
+def recentre(s: Shifted, n) -> Shifted:
+    """The same moments of ``n`` examples against their mean (``s1 = 0``)."""
+    m = shifted_moments(s, n)
+    return Shifted(m.mean, compat.make_varying(jnp.zeros_like(s.s1), compat.vma_of(s.s1)), m.m2)
+
+
+def merge_shifted(a: Shifted, na, b: Moments, nb) -> Shifted:
+    """`Shifted` sums of ``na`` examples and the `Moments` of ``nb`` more (with no
+    examples before, the new ones' mean becomes the shift)."""
+    dt = jnp.result_type(a.s1)
+    K = jnp.where(jnp.asarray(na) > 0, a.shift, b.mean.astype(dt))
+    d = b.mean - K
+    nb = jnp.asarray(nb, dt)
+    return Shifted(K, a.s1 + nb * d, a.s2 + b.m2 + nb * jnp.square(d))
+
+
+class Carry(NamedTuple):
+    """The running accumulators a chunk's statistics continue (chunking.py).
+
+    Attributes:
+      values: per reduction (a list aligned with the reductions, or a dict keyed like
+        them), its accumulator over the ``n`` examples of the chunks before, or None
+        where the callee returns the chunk's own value (merged by the caller).
+      n: the number of those examples (may be traced; 0 for the first chunk, whose
+        accumulators are `Reduction.empty`).
+    """
+
+    values: Any
+    n: Any
+
+
+# --------------------------------------------------------------------------- #
+# The built-in reductions
+# --------------------------------------------------------------------------- #
+@dataclasses.dataclass(frozen=True, eq=False)
+class PhiSum(ElementwiseReduction):
+    """``sum_b phi(g_b)`` elementwise, per leaf (``phi=None`` is the identity).
+
+    Attributes:
+      phi: elementwise function of an array, or ``None`` for the plain sum.
+      multiplicative: declares ``phi(a * b) == phi(a) * phi(b)`` (square, sign,
+        abs, powers), which lets rank-one layers use ``phi(x)^T phi(dy)``.
+      name: used for equality and in reports; two ``PhiSum`` with the same
+        ``name`` and ``multiplicative`` are computed once. Giving one name to two
+        different functions in one request raises a ``ValueError``.
+    """
+
+    phi: Callable[[jax.Array], jax.Array] | None = None
+    multiplicative: bool = False
+    name: str | None = None
+    _builtin: bool = dataclasses.field(default=False, repr=False)
+
+    def _key(self):
+        # A user's name never aliases a built-in reduction of the same name.
+        ident = (self._builtin, self.name) if self.name is not None else self.phi
+        return ("phisum", ident, self.multiplicative)
+
+    def __eq__(self, other):
+        return isinstance(other, PhiSum) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    @property
+    def linear(self):
+        return self.phi is None
+
+    def apply(self, g):
+        return g if self.phi is None else self.phi(g)
+
+    def from_examples(self, G):
+        return jnp.sum(self.apply(G), axis=0)
+
+    def merge(self, a, na, b, nb):
+        return a + b
+
+    def zeros(self, shape, dtype, B):
+        return B * self.apply(jnp.zeros(tuple(shape), dtype))
+
+    def combine_axis(self, value, n_local, N, axis_name):
+        return jax.lax.psum(value, axis_name)
+
+    def clash(self, other):
+        if isinstance(other, PhiSum) and not same_function(self.phi, other.phi):
+            return (f"both name their elementwise function name={self.name!r}, but the "
+                    f"functions differ ({function_name(other.phi)} and "
+                    f"{function_name(self.phi)})")
+        return None
+
+    def describe(self):
+        return self.name or function_name(self.phi)
+
+
+@dataclasses.dataclass(frozen=True)
+class Centered(ElementwiseReduction):
+    """Mean and centred sum of squares ``(mean_b g_b, sum_b (g_b - mean)^2)``, a
+    `Moments`; run as `Shifted` sums (one pass, no cancellation beyond
+    `MAX_SHIFT_AMPLIFICATION`), merged with Chan's rule."""
+
+    shift_bounded: ClassVar[bool] = True
+    knows_total: ClassVar[bool] = True
+
+    def aval(self, shape, dtype, B):
+        v = SDS(tuple(shape), dtype)
+        return Moments(v, v)
+
+    def empty(self, shape, dtype):
+        z = jnp.zeros(tuple(shape), dtype)
+        return Shifted(z, z, z)
+
+    def from_examples(self, G):
+        m = jnp.mean(G, axis=0)
+        return Moments(m, jnp.sum(jnp.square(G - m), axis=0))
+
+    def merge(self, a, na, b, nb):
+        return merge_moments(a, na, b, nb)
+
+    def accumulate(self, acc, n, value, m):
+        return merge_shifted(acc, n, value, m)
+
+    def start_examples(self, acc, n, G):
+        """The first tile of a loop: sums against the tile's mean (its exact two-pass
+        moments), or against a carried shift once there are examples before."""
+        mu = jnp.mean(G, axis=0) if G.shape[0] > 1 else G[0]
+        if acc is None:
+            return self._add(Shifted(mu, None, None), G)
+        return self._add(acc._replace(shift=jnp.where(jnp.asarray(n) > 0, acc.shift, mu)), G)
+
+    def add_examples(self, acc, n, G):
+        if acc is None:
+            return self.start_examples(None, 0, G)
+        return self._add(acc, G)
+
+    @staticmethod
+    def _add(acc, G):
+        d = G - acc.shift
+        s1, s2 = jnp.sum(d, axis=0), jnp.sum(jnp.square(d), axis=0)
+        if acc.s1 is None:
+            return Shifted(acc.shift, s1, s2)
+        return Shifted(acc.shift, acc.s1 + s1, acc.s2 + s2)
+
+    def finish(self, acc, n):
+        return shifted_moments(acc, n)
+
+    def recentre(self, acc, n):
+        return recentre(acc, n)
+
+    def total(self, acc, n):
+        return jnp.asarray(n, acc.shift.dtype) * acc.shift + acc.s1
+
+    def combine_axis(self, value, n_local, N, axis_name):
+        mean = jax.lax.psum(value.mean * n_local, axis_name) / N
+        m2 = jax.lax.psum(value.m2 + n_local * jnp.square(value.mean - mean), axis_name)
+        return Moments(mean, m2)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CenteredAbout(ElementwiseReduction):
+    """`Centered` moments against a known exact mean (the two-pass form): the value is
+    ``Moments(mean, sum_b (g_b - mean)^2)``. Engine-internal (dense.py's exact path)."""
+
+    mean: Any
+    carries: ClassVar[bool] = False
+
+    def aval(self, shape, dtype, B):
+        v = SDS(tuple(shape), dtype)
+        return Moments(v, v)
+
+    def from_examples(self, G):
+        return Moments(self.mean, jnp.sum(jnp.square(G - self.mean), axis=0))
+
+    def merge(self, a, na, b, nb):
+        return Moments(a.mean, a.m2 + b.m2)
+
+    def block(self, axis, f0, size):
+        return CenteredAbout(jax.lax.dynamic_slice_in_dim(self.mean, f0, size, axis))
+
+
+class _ExampleNorms(Reduction):
+    """Per-example values ``[B]`` of a leaf's norm (`SqNorms`, `Norms`): one entry per
+    example, concatenated across chunks, local across devices; the layers of a scan
+    over stacked layers are one leaf."""
+
+    per_example: ClassVar[bool] = True
+    carries: ClassVar[bool] = False
+
+    def aval(self, shape, dtype, B):
+        return SDS((B,), dtype)
+
+    def merge(self, a, na, b, nb):
+        return jnp.concatenate([a, b], axis=0)
+
+    def zeros(self, shape, dtype, B):
+        return jnp.zeros((B,), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class SqNorms(_ExampleNorms):
+    """Per-example squared norm ``||g_b||^2`` of each leaf, an array ``[B]``."""
+
+    feature_blocks: ClassVar[str | None] = "add"
+
+    def from_examples(self, G):
+        return jnp.sum(jnp.square(G), axis=tuple(range(1, G.ndim)))
+
+    def to_leaf(self, value, site, B):  # the layers of enclosing scans: one leaf
+        return value.reshape((-1, B)).sum(0) if site.depth else value
+
+
+@dataclasses.dataclass(frozen=True)
+class Norms(_ExampleNorms):
+    """Per-example norm ``||g_b||`` of each leaf, an array ``[B]``.
+
+    The square roots of `SqNorms`, except where a square overflows (a float32 gradient
+    whose norm exceeds ``2^64`` has the squared norm ``inf``): there the norm of the
+    example scaled by a power of two, scaled back, so the value is finite wherever the
+    norm itself is representable. Norms of several leaves combine with `combine_norms`.
+    """
+
+    def from_examples(self, G):
+        return materialised_norms(G)
+
+    def to_leaf(self, value, site, B):
+        return combine_norms(value.reshape((-1, B))) if site.depth else value
+
+
+def is_norms(r) -> bool:
+    """``r`` is a per-example norm reduction (`SqNorms` or `Norms`): an array ``[B]``
+    per leaf, computed by the same rules (sites.base.direct_norms)."""
+    return isinstance(r, _ExampleNorms)
+
+
+def clip_factor(C, norm):
+    """``min(1, C / norm)`` without NaN at ``norm = 0`` or ``C = inf``; a traced bound
+    that is NaN, zero or negative gives NaN (the result is poisoned, never unclipped)."""
+    if isinstance(C, (int, float)):
+        if C == float("inf"):
+            return jnp.ones_like(norm)
+        return C / jnp.maximum(norm, C)
+    C = jnp.asarray(C, norm.dtype)
+    finite = jnp.isfinite(C)
+    Cs = jnp.where(finite & (C > 0), C, 1.0)
+    c = jnp.where(finite, Cs / jnp.maximum(norm, Cs), 1.0)
+    return jnp.where(C > 0, c, jnp.nan)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippedSum(ElementwiseReduction):
+    """``sum_b min(1, clip_norm / ||g_b||) g_b`` with the global per-example norm: the
+    engine weights every example by `example_weights` of its norm over all leaves."""
+
+    clip_norm: float
+    weighted_by_norm: ClassVar[bool] = True
+    carries: ClassVar[bool] = False
+    feature_blocks: ClassVar[str | None] = None
+
+    def from_examples(self, G):
+        raise TypeError(
+            "ClippedSum needs every leaf's per-example norm: the engine forms it from "
+            "example_weights and weighted sums, never from one leaf's gradients alone."
+        )
+
+    def merge(self, a, na, b, nb):
+        return a + b
+
+    def zeros(self, shape, dtype, B):
+        return jnp.zeros(tuple(shape), dtype)
+
+    def combine_axis(self, value, n_local, N, axis_name):
+        return jax.lax.psum(value, axis_name)
+
+    def example_weights(self, norm):
+        """``[B]`` weights of the examples from their global norms: ``min(1, C/norm)``."""
+        return clip_factor(self.clip_norm, norm)
+
+
+def kron_value_shapes(shape, r):
+    return tuple((n, n) if n <= r.max_dim else (n,) for n in shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class KronSum(Reduction):
+    """Per leaf, a tuple over its axes ``j``: ``sum_b U_j(g_b) U_j(g_b)^T`` (an
+    ``[n_j, n_j]`` matrix), or its diagonal ``[n_j]`` when ``n_j > max_dim``."""
+
+    max_dim: int
+    carries: ClassVar[bool] = False
+
+    def aval(self, shape, dtype, B):
+        return tuple(SDS(s, dtype) for s in kron_value_shapes(shape, self))
+
+    def from_examples(self, G):
+        out = []
+        for j in range(1, G.ndim):
+            n = G.shape[j]
+            # explicit sizes: a zero-size axis makes a -1 in reshape ambiguous
+            rest = math.prod(G.shape[1:j] + G.shape[j + 1 :])
+            U = jnp.moveaxis(G, j, 1).reshape(G.shape[0], n, rest)
+            if n <= self.max_dim:
+                out.append(jnp.einsum("bir,bjr->ij", U, U, precision="highest"))
+            else:
+                out.append(jnp.sum(jnp.square(U), axis=(0, 2)))
+        return tuple(out)
+
+    def merge(self, a, na, b, nb):
+        return tuple(x + y for x, y in zip(a, b))
+
+    def zeros(self, shape, dtype, B):
+        return self.empty(shape, dtype)
+
+    def combine_axis(self, value, n_local, N, axis_name):
+        return jax.lax.psum(value, axis_name)
+
+    def direct_ok(self, site):
+        return views.leaf_map(site) is not None
+
+    def to_leaf(self, value, site, B):
+        """The view's moments on the leaf's axes; an axis the view slices gets its
+        moments (or their diagonal) at the kept indices, zeros elsewhere (a zero
+        gradient there; the other axes' moments sum over the kept elements alone)."""
+        lm = views.leaf_map(site)
+        shape = views.leaf_shape(site)
+        out = [None] * len(value)
+        for i, (m, start, stride) in enumerate(lm):
+            n, N = site.view_shape[i], shape[m]
+            x = value[i]
+            if n != N:
+                idx = start + stride * jnp.arange(n)
+                if N > self.max_dim:
+                    d = jnp.diagonal(x) if x.ndim == 2 else x
+                    x = jnp.zeros((N,), x.dtype).at[idx].set(d)
+                else:
+                    x = jnp.zeros((N, N), x.dtype).at[idx[:, None], idx[None, :]].set(x)
+            out[m] = x
+        return tuple(out)
+
+
+SQUARE = PhiSum(jnp.square, multiplicative=True, name="square", _builtin=True)
+SIGN = PhiSum(jnp.sign, multiplicative=True, name="sign", _builtin=True)
+ABS = PhiSum(jnp.abs, multiplicative=True, name="abs", _builtin=True)
+SUM = PhiSum(None, multiplicative=True, name="identity", _builtin=True)
+
+
+# --------------------------------------------------------------------------- #
+# Functions compared for `PhiSum.clash`
+# --------------------------------------------------------------------------- #
+def function_name(f) -> str:
+    """A short readable name of a function for messages (``cos``, ``<lambda>``)."""
+    name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
+    return name if isinstance(name, str) else repr(f)
+
+
+def same_function(f, g, _seen=None) -> bool:
+    """``f`` and ``g`` are the same function: one object, equal objects, or one code
+    with the same environment (a lambda built afresh by each ``reductions()`` call),
+    also through ``functools.partial`` and wrappers (``__wrapped__``). When in doubt:
+    not the same."""
+    if f is g or _equal(f, g):
+        return True
+    seen = set() if _seen is None else _seen
+    if (id(f), id(g)) in seen:  # a closure that refers to itself
+        return True
+    seen.add((id(f), id(g)))
+    if isinstance(f, functools.partial) and isinstance(g, functools.partial):
+        return (
+            same_function(f.func, g.func, seen)
+            and len(f.args) == len(g.args)
+            and all(_same_value(a, b, seen) for a, b in zip(f.args, g.args))
+            and f.keywords.keys() == g.keywords.keys()
+            and all(_same_value(f.keywords[k], g.keywords[k], seen) for k in f.keywords)
+        )
+    wf, wg = getattr(f, "__wrapped__", None), getattr(g, "__wrapped__", None)
+    if wf is not None and wg is not None and type(f) is type(g):
+        return same_function(wf, wg, seen)
+    code_f, code_g = getattr(f, "__code__", None), getattr(g, "__code__", None)
+    if code_f is None or code_f != code_g:
+        return False
+    if getattr(f, "__globals__", None) is not getattr(g, "__globals__", None):
+        return False
+    env_f = (f.__defaults__ or (), tuple((f.__kwdefaults__ or {}).items()),
+             tuple(c.cell_contents if _filled(c) else _EMPTY for c in f.__closure__ or ()))
+    env_g = (g.__defaults__ or (), tuple((g.__kwdefaults__ or {}).items()),
+             tuple(c.cell_contents if _filled(c) else _EMPTY for c in g.__closure__ or ()))
+    return all(
+        len(a) == len(b) and all(_same_value(x, y, seen) for x, y in zip(a, b))
+        for a, b in zip(env_f, env_g)
+    )
+
+
+_EMPTY = object()  # the contents of a closure cell not yet assigned
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - raises ValueError when empty
+    except ValueError:
+        return False
+    return True
+
+
+def _equal(a, b) -> bool:
+    """``a == b`` as a bool, False where that is not a bool (arrays) or raises."""
+    try:
+        eq = a == b
+        return bool(eq) if isinstance(eq, (bool, np.bool_)) else False
+    except Exception:  # noqa: BLE001 - an object whose == raises is not equal
+        return False
+
+
+def _same_value(a, b, seen) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):  # a keyword default: (name, value)
+        return len(a) == len(b) and all(_same_value(x, y, seen) for x, y in zip(a, b))
+    return a is b or _equal(a, b) or (callable(a) and callable(b) and same_function(a, b, seen))
+
+
