@@ -583,9 +583,9 @@ def blocks(monkeypatch):
     seen = []
     inner = tiling._feature_blocks
 
-    def spy(features, B, reductions, tile, means, shape, dtype, *carry):
+    def spy(features, B, reductions, tile, shape, dtype, *carry):
         seen.append((features[0], features[1], shape))
-        return inner(features, B, reductions, tile, means, shape, dtype, *carry)
+        return inner(features, B, reductions, tile, shape, dtype, *carry)
 
     monkeypatch.setattr(tiling, "_feature_blocks", spy)
     return seen

@@ -171,10 +171,10 @@ def test_chunked_one_pass_variance_keeps_the_shift_bound(B):
     whole batch does (B = 257 with chunks of 1 re-centres at 32 examples)."""
     from test_one_pass_centred import _cases, _rel
 
-    from jaxpr_surgery._src import tiling
+    from jaxpr_surgery._src import stats as S
 
     eps = float(np.finfo(np.float32).eps)
-    bound = 2 * tiling.MAX_SHIFT_AMPLIFICATION * 32 * eps
+    bound = 2 * S.MAX_SHIFT_AMPLIFICATION * 32 * eps
     for name, G in _cases(B, n=500):
         truth = np.sum((G - G.mean(0)) ** 2, 0) / (B - 1)
         x = np.zeros((B, 2, G.shape[1]), np.float32)

@@ -117,19 +117,19 @@ def test_reduce_tiles_blocks_equal_whole():
     with zoo.x64():
         B, shape = 7, (5, 13)
         G = jax.random.normal(jax.random.PRNGKey(1), (B,) + shape, jnp.float64) + 3.0
-        reds = [S.SQUARE, S.SIGN, S.SUM, S.Centered(), S.SqNorms()]
-        means = [None, None, None, jnp.mean(G, 0), None]
+        mean = jnp.mean(G, 0)
+        reds = [S.SQUARE, S.SIGN, S.SUM, S.Centered(), S.SqNorms(), S.CenteredAbout(mean)]
         make = lambda b0, n: jax.lax.dynamic_slice_in_dim(G, b0, n, 0)  # noqa: E731
 
         def make_f(b0, n, f0, fs):
             return jax.lax.dynamic_slice_in_dim(make(b0, n), f0, fs, 2)
 
-        whole = tiling.reduce_tiles(make, B, reds, 3, means=means, shape=shape, dtype=G.dtype)
+        whole = tiling.reduce_tiles(make, B, reds, 3, shape=shape, dtype=G.dtype)
         cut = tiling.reduce_tiles(
-            make, B, reds, 2, means=means, shape=shape, dtype=G.dtype, features=(1, 4, make_f)
+            make, B, reds, 2, shape=shape, dtype=G.dtype, features=(1, 4, make_f)
         )
         for w, c in zip(jax.tree.leaves(whole), jax.tree.leaves(cut)):
             np.testing.assert_allclose(np.asarray(c), np.asarray(w), rtol=1e-12)
         np.testing.assert_allclose(
-            np.asarray(cut[3].m2), np.asarray(jnp.sum(jnp.square(G - means[3]), 0)), rtol=1e-12
+            np.asarray(cut[5].m2), np.asarray(jnp.sum(jnp.square(G - mean), 0)), rtol=1e-12
         )

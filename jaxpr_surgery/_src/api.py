@@ -89,14 +89,13 @@ def _flatten_stats(stat):
                 owner.append((path, s, r))
                 continue
             opath, os_, o = owner[unique.index(r)]
-            if isinstance(r, S.PhiSum) and not S.same_function(r.phi, o.phi):
+            clash = o.clash(r)
+            if clash is not None:
                 where = lambda p, st: f"{_path_str(p)} ({st!r})"  # noqa: E731
                 raise ValueError(
-                    f"stat: the statistics at {where(opath, os_)} and {where(path, s)} both "
-                    f"name their elementwise function name={r.name!r}, but the functions "
-                    f"differ ({S.function_name(o.phi)} and {S.function_name(r.phi)}). "
-                    "Reductions of the same name are computed once, so one statistic would "
-                    "silently get the other's values. "
+                    f"stat: the statistics at {where(opath, os_)} and {where(path, s)} "
+                    f"{clash}. Reductions that compare equal are computed once, so one "
+                    "statistic would silently get the other's values. "
                     "Give each function a different name (or name=None)."
                 )
     return leaves, treedef, reqs, unique
@@ -283,22 +282,6 @@ class _Prepared:
         return holder["closed"], holder["out_tree"]
 
 
-# --------------------------------------------------------------------------- #
-# Accumulators: combined across devices (chunks: `_chunked`)
-# --------------------------------------------------------------------------- #
-def _combine_axis(red, v, n_local, N, axis_name):
-    ext = S.extension(red)
-    if ext is not None:
-        return ext.combine_axis(red, v, n_local, N, axis_name)
-    if S.is_norms(red):
-        return v
-    if isinstance(red, S.Centered):
-        mean = jax.lax.psum(v.mean * n_local, axis_name) / N
-        m2 = jax.lax.psum(v.m2 + n_local * jnp.square(v.mean - mean), axis_name)
-        return S.Moments(mean, m2)
-    return jax.lax.psum(v, axis_name)
-
-
 def _gather_examples(v, n_local, axis_name):
     """The whole batch's per-example values ``[N, ...]`` from each device's ``[n_local, ...]``,
     in the order of the devices along ``axis_name``, the same on every device.
@@ -380,20 +363,10 @@ def _compute(prep, stat, opts: Options, name):
             plan, prep.diff_leaves, prep.ex_leaves, prep.other_leaves, B, data_axes
         )
     else:
-        # a chunk's computation is a jit per chunk size: the first chunk (peeled) and
-        # the loop body share one trace
-        chunk_fns = {}
-
-        def jitted_chunk(ex_leaves, b, carry):
-            if b not in chunk_fns:
-                chunk_fns[b] = jax.jit(
-                    lambda d, e, o, c: engine.run(plan, d, e, o, b, data_axes, carry=c)
-                )
-            return chunk_fns[b](prep.diff_leaves, ex_leaves, prep.other_leaves, carry)
-
         zero = engine.zero_carry(plan, prep.diff_leaves, data_axes)
-        values, loss_b, aux = _chunked(
-            jitted_chunk, prep.ex_leaves, B, int(cs), zero.values, reductions
+        values, loss_b, aux = chunking.run_chunks(
+            lambda d, e, o, b, c: engine.run(plan, d, e, o, b, data_axes, carry=c),
+            prep, int(cs), zero.values, reductions,
         )
 
     N = B
@@ -401,7 +374,7 @@ def _compute(prep, stat, opts: Options, name):
     if opts.axis_name is not None:
         N = jax.lax.psum(B, opts.axis_name)
         values = {
-            j: [_combine_axis(reductions[j], v, B, N, opts.axis_name) for v in vals]
+            j: [reductions[j].combine_axis(v, B, N, opts.axis_name) for v in vals]
             for j, vals in values.items()
         }
         loss_sum = jax.lax.psum(loss_sum, opts.axis_name)
@@ -414,7 +387,7 @@ def _compute(prep, stat, opts: Options, name):
 
     def value_for(s, r):
         j = reductions.index(r)
-        if opts.axis_name is None or not engine.per_example(r):
+        if opts.axis_name is None or not r.per_example:
             return values[j]
         if not getattr(s, "whole_batch", False):
             return values[j]
@@ -456,90 +429,7 @@ def _cast_like(result, prep):
         return result
 
 
-CHUNK_LOOP = "chunks"  # the name scope of the loops over chunks (tests find them by it)
-
-
-def _chunked(run_chunk, ex_leaves, B, cs, zero, reductions):
-    """The batch in chunks of ``cs`` examples: the first alone, the other full ones in
-    ``lax.scan`` loops, the remainder after them.
-
-    Each chunk continues the running statistics of the chunks before it
-    (``run_chunk(examples, size, carry)``, a `stats.Carry` starting from ``zero``, the
-    values over no examples): its tile loops start from them, so no chunk merges its
-    own values into them afterwards (a pass over every accumulator per chunk).
-    Centred moments run as `stats.Shifted` sums against one shift: the mean of at
-    least one example of the first chunk, so its rounding is amplified at most
-    ``1 + m`` fold by the ``m`` examples after it; before that passes
-    `tiling.MAX_SHIFT_AMPLIFICATION` (past 32 examples) they re-centre on the running
-    mean, which then takes 31 times as many (so at most a few times a batch). The
-    moments come from the sums once, at the end. Per-example values are
-    concatenated.
-
-    The first chunk runs before the loop (measured 5-20% faster on XLA:CPU than a
-    loop over all of them); the chunks after it take its results and their own
-    examples through one optimization barrier, so that none starts before it is done
-    (two chunks' activations alive at once would be as many as the whole batch's).
-    """
-    nfull, rem = divmod(B, cs)
-    head = [x[: nfull * cs].reshape((nfull, cs) + x.shape[1:]) for x in ex_leaves]
-    centred = [j for j in zero if isinstance(reductions[j], S.Centered)]
-    limit = tiling.MAX_SHIFT_AMPLIFICATION - 1
-
-    def count(n):  # one type (no retrace of the chunk), with or without x64
-        return jnp.asarray(n, jnp.int32)
-
-    def recentre(carry, n):
-        return {j: [S.recentre(v, n) for v in vals] if j in centred else vals
-                for j, vals in carry.items()}
-
-    def split(vals):  # (the running values, the per-example ones)
-        return ({j: v for j, v in vals.items() if j in zero},
-                {j: v for j, v in vals.items() if j not in zero})
-
-    def step(carry, xs):
-        k, chunk = xs
-        vals, loss_b, aux = run_chunk(chunk, cs, S.Carry(carry, count(k * cs)))
-        new, per_ex = split(vals)
-        return new, (per_ex, loss_b, aux)
-
-    vals, loss_b, aux = run_chunk([h[0] for h in head], cs, S.Carry(zero, count(0)))
-    carry, per_ex = split(vals)
-    pieces = [(per_ex, loss_b, list(aux))]
-    # the shift is the mean of at least n_shift examples, `since` came after it
-    n_shift, since = 1, cs - 1
-    k = 1
-    while k < nfull or rem:
-        size = cs if k < nfull else rem
-        if centred and since + size > limit * n_shift:
-            n_shift, since = k * cs, 0
-            carry = recentre(carry, n_shift)
-        todo = nfull - k if not centred else (limit * n_shift - since) // cs
-        todo = min(nfull - k, todo)
-        if k < nfull:
-            rest = [h[k : k + todo] for h in head]
-            carry, rest = compat.ordering_barrier((carry, rest))
-            with jax.named_scope(CHUNK_LOOP):
-                carry, (pev, loss_r, aux_r) = jax.lax.scan(
-                    step, carry, (jnp.arange(k, k + todo), rest)
-                )
-            flat = lambda r: r.reshape((-1,) + r.shape[2:])  # noqa: E731
-            pieces.append((jax.tree.map(flat, pev), flat(loss_r), [flat(a) for a in aux_r]))
-            k += todo
-            since += todo * cs
-        else:
-            tail = [x[nfull * cs :] for x in ex_leaves]
-            carry, tail = compat.ordering_barrier((carry, tail))
-            vals, loss_t, aux_t = run_chunk(tail, rem, S.Carry(carry, count(nfull * cs)))
-            carry, per_ex = split(vals)
-            pieces.append((per_ex, loss_t, aux_t))
-            rem = 0
-    values = {j: [S.shifted_moments(v, B) for v in vals] if j in centred else vals
-              for j, vals in carry.items()}
-    for j in pieces[0][0]:  # per-example values
-        values[j] = [jnp.concatenate(v) for v in zip(*(p[0][j] for p in pieces))]
-    loss_b = jnp.concatenate([p[1] for p in pieces])
-    aux = [jnp.concatenate(a) for a in zip(*(p[2] for p in pieces))]
-    return values, loss_b, aux
+CHUNK_LOOP = chunking.CHUNK_LOOP  # the name scope of the loops over chunks (tests find them by it)
 
 
 # --------------------------------------------------------------------------- #

@@ -32,6 +32,7 @@ import collections
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import compat, tiling
@@ -133,15 +134,9 @@ def auto_chunk(
 def accumulator_bytes(reductions, leaf_avals) -> int:
     """Bytes of the running values a chunk continues: per statistic, parameter-sized
     (per-example values are concatenated, not carried)."""
-    from jaxpr_surgery._src import engine
-    from jaxpr_surgery._src import stats as S
-    from jaxpr_surgery._src.sites.base import acc_dtype_for
+    from jaxpr_surgery._src.reductions import acc_dtype_for
 
-    merged = [
-        r
-        for r in reductions
-        if not (S.is_norms(r) or getattr(S.extension(r), "per_example", False))
-    ]
+    merged = [r for r in reductions if not r.per_example]
     if not merged or not leaf_avals:
         return 0
     # leaves of one shape and dtype (a model's repeated layers) are sized once
@@ -149,10 +144,7 @@ def accumulator_bytes(reductions, leaf_avals) -> int:
     total = 0
     for r in merged:
         for (shape, dtype), count in kinds.items():
-            a = jax.ShapeDtypeStruct(shape, dtype)
-            out = jax.eval_shape(
-                lambda r=r, a=a: engine._zeros_value(r, a, acc_dtype_for(a.dtype), 1)
-            )
+            out = r.aval(shape, acc_dtype_for(dtype), 1)
             total += count * sum(tiling.bytes_of(x.shape, x.dtype) for x in jax.tree.leaves(out))
     return total
 
@@ -271,3 +263,111 @@ def resolve(chunk_size, B: int, per_example_bytes, acc_bytes=0) -> int | None:
     if chunk_size is None or chunk_size >= B:
         return None
     return int(chunk_size)
+
+
+# --------------------------------------------------------------------------- #
+# The loop over chunks
+# --------------------------------------------------------------------------- #
+CHUNK_LOOP = "chunks"  # the name scope of the loops over chunks (tests find them by it)
+
+
+def run_chunks(run, prep, cs, zero, reductions):
+    """The batch in chunks of ``cs`` examples: ``(values, loss_b, aux)`` as one call.
+
+    ``run(diff, ex, other, b, carry)`` evaluates one chunk of ``b`` examples (the
+    engine), continuing ``carry``, a `stats.Carry` of the running accumulators of the
+    chunks before it (keyed like ``zero``: ``Reduction.empty`` of every reduction that
+    is not per example); ``prep`` holds the differentiated, per-example and other
+    leaves. A chunk's computation is a jit per chunk size: the first chunk (peeled)
+    and the loop body share one trace. See `_chunk_loop`."""
+    fns = {}
+
+    def run_chunk(ex_leaves, b, carry):
+        if b not in fns:
+            fns[b] = jax.jit(lambda d, e, o, c: run(d, e, o, b, c))
+        return fns[b](prep.diff_leaves, ex_leaves, prep.other_leaves, carry)
+
+    return _chunk_loop(run_chunk, prep.ex_leaves, prep.B, cs, zero, reductions)
+
+
+def _chunk_loop(run_chunk, ex_leaves, B, cs, zero, reductions):
+    """The first chunk alone, the other full ones in ``lax.scan`` loops, the remainder
+    after them.
+
+    Each chunk continues the running accumulators of the chunks before it: its tile
+    loops start from them, so no chunk merges its own values into them afterwards (a
+    pass over every accumulator per chunk). A `Reduction.shift_bounded` accumulator
+    (centred moments as `stats.Shifted` sums) runs against one shift: the mean of at
+    least one example of the first chunk, so its rounding is amplified at most
+    ``1 + m`` fold by the ``m`` examples after it; before that passes
+    `stats.MAX_SHIFT_AMPLIFICATION` (past 32 examples) they re-centre (`recentre`) on
+    the running mean, which then takes 31 times as many (so at most a few times a
+    batch). The values come from the accumulators once, at the end
+    (`Reduction.finish`). Per-example values are concatenated.
+
+    The first chunk runs before the loop (measured 5-20% faster on XLA:CPU than a
+    loop over all of them); the chunks after it take its results and their own
+    examples through one optimization barrier, so that none starts before it is done
+    (two chunks' activations alive at once would be as many as the whole batch's).
+    """
+    from jaxpr_surgery._src import stats as S
+
+    nfull, rem = divmod(B, cs)
+    head = [x[: nfull * cs].reshape((nfull, cs) + x.shape[1:]) for x in ex_leaves]
+    bounded = [j for j in zero if reductions[j].shift_bounded]
+    limit = S.MAX_SHIFT_AMPLIFICATION - 1
+
+    def count(n):  # one type (no retrace of the chunk), with or without x64
+        return jnp.asarray(n, jnp.int32)
+
+    def recentre(carry, n):
+        return {j: [reductions[j].recentre(v, n) for v in vals] if j in bounded else vals
+                for j, vals in carry.items()}
+
+    def split(vals):  # (the running values, the per-example ones)
+        return ({j: v for j, v in vals.items() if j in zero},
+                {j: v for j, v in vals.items() if j not in zero})
+
+    def step(carry, xs):
+        k, chunk = xs
+        vals, loss_b, aux = run_chunk(chunk, cs, S.Carry(carry, count(k * cs)))
+        new, per_ex = split(vals)
+        return new, (per_ex, loss_b, aux)
+
+    vals, loss_b, aux = run_chunk([h[0] for h in head], cs, S.Carry(zero, count(0)))
+    carry, per_ex = split(vals)
+    pieces = [(per_ex, loss_b, list(aux))]
+    # the shift is the mean of at least n_shift examples, `since` came after it
+    n_shift, since = 1, cs - 1
+    k = 1
+    while k < nfull or rem:
+        size = cs if k < nfull else rem
+        if bounded and since + size > limit * n_shift:
+            n_shift, since = k * cs, 0
+            carry = recentre(carry, n_shift)
+        todo = nfull - k if not bounded else (limit * n_shift - since) // cs
+        todo = min(nfull - k, todo)
+        if k < nfull:
+            rest = [h[k : k + todo] for h in head]
+            carry, rest = compat.ordering_barrier((carry, rest))
+            with jax.named_scope(CHUNK_LOOP):
+                carry, (pev, loss_r, aux_r) = jax.lax.scan(
+                    step, carry, (jnp.arange(k, k + todo), rest)
+                )
+            flat = lambda r: r.reshape((-1,) + r.shape[2:])  # noqa: E731
+            pieces.append((jax.tree.map(flat, pev), flat(loss_r), [flat(a) for a in aux_r]))
+            k += todo
+            since += todo * cs
+        else:
+            tail = [x[nfull * cs :] for x in ex_leaves]
+            carry, tail = compat.ordering_barrier((carry, tail))
+            vals, loss_t, aux_t = run_chunk(tail, rem, S.Carry(carry, count(nfull * cs)))
+            carry, per_ex = split(vals)
+            pieces.append((per_ex, loss_t, aux_t))
+            rem = 0
+    values = {j: [reductions[j].finish(v, B) for v in vals] for j, vals in carry.items()}
+    for j in pieces[0][0]:  # per-example values
+        values[j] = [jnp.concatenate(v) for v in zip(*(p[0][j] for p in pieces))]
+    loss_b = jnp.concatenate([p[1] for p in pieces])
+    aux = [jnp.concatenate(a) for a in zip(*(p[2] for p in pieces))]
+    return values, loss_b, aux

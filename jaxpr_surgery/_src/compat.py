@@ -185,7 +185,15 @@ reduce_sum_p = _lax.reduce_sum_p
 # Binding an equation
 # --------------------------------------------------------------------------- #
 def bind_eqn(eqn, invals):
-    """Evaluates one jaxpr equation on values (``eval_jaxpr`` for one eqn)."""
+    """Evaluates one jaxpr equation on values (``eval_jaxpr`` for one eqn).
+
+    A cast to varying (``pvary``) of a value that the interpreter made varying
+    already (a parameter copied per example inside ``shard_map``) is a no-op, where
+    binding it would raise."""
+    if eqn.primitive in vma_cast_prims and len(invals) == len(eqn.outvars):
+        want = [_aval_vma(o.aval) for o in eqn.outvars]
+        if all(w is not None and vma_of(x) <= w for x, w in zip(invals, want)):
+            return [make_varying(x, w) for x, w in zip(invals, want)]
     bp = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(bp, tuple):  # jax < 0.9.2: (subfuns, params)
         subfuns, params = bp
@@ -355,6 +363,15 @@ def vma_of(x) -> frozenset:
         if v is not None:
             return frozenset(v)
     return frozenset()
+
+
+def _aval_vma(aval):
+    """The manual axes an abstract value varies over, or None where it has no such
+    type (older jax)."""
+    v = getattr(aval, "vma", None)
+    if v is None:
+        v = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return None if v is None else frozenset(v)
 
 
 def make_varying(x, axes):

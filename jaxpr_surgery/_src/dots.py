@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.norms import materialised_norms
+from jaxpr_surgery._src.norms import combine_norms, materialised_norms
 
 
 class _PerExampleDots(S.Reduction):
@@ -41,6 +41,9 @@ class _PerExampleDots(S.Reduction):
 
     def to_leaf(self, value, site, B):
         return value.reshape((-1, B)).sum(0) if site.depth else value
+
+    def combine_shards(self, value, axes):  # each shard's part of the inner product
+        return jax.lax.psum(value, axes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -65,6 +68,9 @@ class DotWith(_PerExampleDots):
     def direct_ok(self, site):
         return False  # bound per leaf after the backward pass (engine._leaf_dots)
 
+    def per_leaf(self, flatten, leaf_avals):
+        return [BoundDot(ref) for ref in _reference_leaves(flatten, self.reference, leaf_avals)]
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BoundDot(_PerExampleDots):
@@ -74,6 +80,28 @@ class BoundDot(_PerExampleDots):
 
     def from_examples(self, G):
         return jnp.einsum("b...,...->b", G, self.ref.astype(G.dtype), precision="highest")
+
+
+def _reference_leaves(flatten, reference, leaf_avals):
+    """A reference as one array per differentiated leaf, shapes checked."""
+    try:
+        leaves = flatten(reference)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "per_example_dots/cosines(reference=...): the reference must have the structure of "
+            f"the differentiated arguments (e.g. their jax.grad): {e}"
+        ) from e
+    out = []
+    for k, (x, aval) in enumerate(zip(leaves, leaf_avals)):
+        if x is None:
+            x = jnp.zeros(aval.shape, S.acc_dtype_for(aval.dtype))
+        if jnp.shape(x) != tuple(aval.shape):
+            raise ValueError(
+                f"per_example_dots/cosines(reference=...): leaf {k} of the reference has shape "
+                f"{jnp.shape(x)}, the parameter has {tuple(aval.shape)}."
+            )
+        out.append(jnp.asarray(x))
+    return out
 
 
 def dense_dots(x, dy, ref_canon):
@@ -122,7 +150,7 @@ class _Cosines(S.Statistic):
         dots = jax.tree.leaves(values["d"])
         dot = sum(dots[1:], dots[0])
         # norms, not their squares: a float32 gradient of norm 5e19 has the square inf
-        g = S.combine_norms(jnp.stack([x.astype(dot.dtype) for x in jax.tree.leaves(values["n"])]))
+        g = combine_norms(jnp.stack([x.astype(dot.dtype) for x in jax.tree.leaves(values["n"])]))
         refs = [x.astype(dot.dtype).ravel() for x in _statistic_refs(self.reduction.reference)]
         r = materialised_norms(jnp.concatenate(refs)[None])[0]
         den = g * r

@@ -9,14 +9,13 @@ the per-example aux outputs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, dots, kron, tiling
+from jaxpr_surgery._src import compat, dots, kron, tiling, views
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.interpreter import (
@@ -27,6 +26,7 @@ from jaxpr_surgery._src.interpreter import (
     make_site_fn,
     make_weighted_site_fn,
 )
+from jaxpr_surgery._src.norms import combine_norms
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
     acc_dtype_for,
@@ -34,7 +34,6 @@ from jaxpr_surgery._src.sites.base import (
     example_norm,
     flagged_norms,
     honest_sq,
-    reduce_materialised,
     weighted_sum_materialised,
 )
 
@@ -53,7 +52,8 @@ class Plan:
     kernels: dict = dataclasses.field(default_factory=dict)  # path -> Kernel
     modes: list = dataclasses.field(default_factory=list)  # per leaf
     budget: int | None = None  # memory_budget_bytes: bytes per tile of per-example gradients
-    refs: dict = dataclasses.field(default_factory=dict)  # DotWith -> reference array per leaf
+    # reductions that depend on the leaf (`Reduction.per_leaf`) -> the one of each leaf
+    refs: dict = dataclasses.field(default_factory=dict)
     # clipped sums by a second, reweighted backward pass (see `clips_by_recompute`)
     clip_recompute: bool = False
     # sites finish their statistics before the backward pass goes on (make_site_fn)
@@ -68,27 +68,20 @@ class Plan:
 
     @property
     def has_clip(self):
-        return any(isinstance(r, S.ClippedSum) for r in self.reductions)
+        return any(r.weighted_by_norm for r in self.reductions)
 
     def site_requests(self):
         """What a direct-mode site computes inside the backward pass: every reduction,
-        except that a clipped sum by recomputation needs only the squared norms there."""
-        req = {rkey(j): r for j, r in enumerate(self.reductions) if not isinstance(r, S.ClippedSum)}
-        if self.has_clip and not any(isinstance(r, S.Norms) for r in req.values()):
+        except that a clipped sum needs only the norms there (its weighted sum comes
+        once every leaf's norm is known)."""
+        req = {rkey(j): r for j, r in enumerate(self.reductions) if not r.weighted_by_norm}
+        if self.has_clip and S.Norms() not in req.values():
             req["norms"] = S.Norms()
         return req
 
-    @property
-    def has_dot(self):
-        return any(isinstance(r, dots.DotWith) for r in self.reductions)
-
     def bound(self, r, i):
-        """``r`` for leaf ``i``: a `DotWith` bound to the leaf's reference array."""
-        return dots.BoundDot(self.refs[r][i]) if isinstance(r, dots.DotWith) else r
-
-    @property
-    def has_kron(self):
-        return any(isinstance(r, S.KronSum) for r in self.reductions)
+        """``r`` for leaf ``i`` (a reduction that depends on the leaf: `per_leaf`)."""
+        return self.refs[r][i] if r in self.refs else r
 
 
 def rkey(j):
@@ -118,16 +111,15 @@ def make_plan(
     plan.finish_sites_first = not remat
     plan.keep_for_clip = plan.has_clip and not plan.clip_recompute
     for r in reductions:
-        if isinstance(r, dots.DotWith):
-            plan.refs[r] = _reference_leaves(flatten, r.reference, leaf_avals)
+        bound = r.per_leaf(flatten, leaf_avals)
+        if bound is not None:
+            plan.refs[r] = bound
     for i in range(len(leaf_avals)):
         rule = analysis.rule(i)
-        # Kronecker moments of a layer inside lax.scan, or of a view that reshapes
-        # its leaf, need the leaf's per-example gradient: ingredients, then tiles
-        kron_ok = not plan.has_kron or (
-            rule == "single" and kron.leaf_map(analysis.leaves[i].sites[0]) is not None
-        )
-        if rule == "single" and not plan.has_dot and kron_ok:
+        # a reduction a site cannot give alone inside the backward pass (Kronecker
+        # moments of a layer inside lax.scan or of a view that reshapes its leaf,
+        # dots with a reference) takes the leaf's ingredients afterwards
+        if rule == "single" and all(r.direct_ok(analysis.leaves[i].sites[0]) for r in reductions):
             plan.modes.append("direct")
         elif rule in ("single", "multi"):
             plan.modes.append("ingredients")
@@ -172,17 +164,10 @@ def _sink_avals(plan, site, B, cache):
     kernel = plan.kernels[site.path]
     direct, want_ing = _site_request(plan, site)
     lead = tuple(site.scan_lengths)
-    # the statistics: known without tracing the kernel, a value in the view's shape or [B]
-    view = SDS(lead + tuple(site.view_shape), kernel.acc)
-    per_ex = SDS(lead + (B,), kernel.acc)
-
+    # the statistics: known without tracing the kernel (`Reduction.aval`)
     def aval(r):
-        ext = S.extension(r)
-        if ext is not None:
-            return ext.aval(r, site.view_shape, kernel.acc, lead)
-        if S.is_norms(r):
-            return per_ex
-        return S.Moments(view, view) if isinstance(r, S.Centered) else view
+        a = r.aval(tuple(site.view_shape), kernel.acc, B)
+        return jax.tree.map(lambda x: SDS(lead + tuple(x.shape), x.dtype), a)
 
     out = {k: aval(r) for k, r in direct.items()}
     if not want_ing:
@@ -218,30 +203,8 @@ def _stacked(fn, depth):
     return fn
 
 
-def _to_leaf(value, site, fill=0):
-    """A value in the site's view (stacked over enclosing scans) in leaf space.
-    ``fill``: the value where a slice of the leaf has no view (a zero gradient's)."""
-    for op in reversed(site.chain):
-        value = op.inverse(value, fill) if op.kind == "slice" else op.inverse(value)
-    return value
-
-
-def _moments_to_leaf(m, site):
-    """`Moments` (or carried `Shifted` sums) in leaf space."""
-    return jax.tree.map(lambda x: _to_leaf(x, site), m)
-
-
-def _from_leaf(value, site):
-    """A leaf-space value (stacked over enclosing scans) in the site's view (undoes
-    `_to_leaf`)."""
-    for op in site.chain:
-        value = op.forward(value)
-    return value
-
-
-def per_example(r) -> bool:
-    """``r``'s value is per example (``[B]``): concatenated over chunks, not merged."""
-    return S.is_norms(r) or getattr(S.extension(r), "per_example", False)
+_to_leaf = views.to_leaf
+_from_leaf = views.from_leaf
 
 
 def value_dtype(plan, i):
@@ -261,22 +224,15 @@ def _typed(plan, i, v, axes):
 
 
 def zero_carry(plan, diff_leaves, data_axes):
-    """The running values before the first chunk (a `stats.Carry` over no examples):
-    zeros shaped and typed like `run`'s merged values (a centred reduction's: `Shifted`
-    sums)."""
+    """The running accumulators before the first chunk (a `stats.Carry` over no
+    examples): `Reduction.empty`, typed like `run`'s merged values."""
     values = {}
     for j, r in enumerate(plan.reductions):
-        if per_example(r):
+        if r.per_example:
             continue
-
-        def zeros(aval, r=r):
-            if isinstance(r, S.Centered):  # carried as Shifted sums
-                z = jnp.zeros(aval.shape, aval.dtype)
-                return S.Shifted(z, z, z)
-            return jax.tree.map(jnp.zeros_like, _zeros_value(r, aval, aval.dtype, 0))
-
         values[j] = [
-            _typed(plan, i, zeros(aval), data_axes | compat.vma_of(x))
+            _typed(plan, i, plan.bound(r, i).empty(tuple(aval.shape), aval.dtype),
+                   data_axes | compat.vma_of(x))
             for i, (x, aval) in enumerate(zip(diff_leaves, plan.leaf_avals))
         ]
     return S.Carry(values, 0)
@@ -288,8 +244,8 @@ def _carry_sink(plan, site, sink, carry, axes):
     sink = dict(sink)
     for j, r in enumerate(plan.reductions):
         key = rkey(j)
-        if key in sink and S.carries(r):
-            v = jax.tree.map(lambda x: _from_leaf(x, site), carry.values[j][site.leaf])
+        if key in sink and r.carries:
+            v = r.from_leaf(carry.values[j][site.leaf], site)
             dt = jax.tree.leaves(sink[key])[0].dtype  # the site's accumulation dtype
             sink[key] = jax.tree.map(lambda x, dt=dt: compat.make_varying(x.astype(dt), axes), v)
     acc = plan.kernels[site.path].acc
@@ -330,10 +286,10 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
     if carry is not None:
         for p, s in an.sites.items():
             # (a sliced view's values are merged: outside the slice they are those of
-            # this chunk's zero gradients, `_direct_to_leaf`)
+            # this chunk's zero gradients, `Reduction.to_leaf`)
             if plan.modes[s.leaf] == "direct" and not s.pads:
                 sinks[p] = _carry_sink(plan, s, sinks[p], carry, data_axes | leaf_axes[s.leaf])
-                done.update((j, s.leaf) for j, r in enumerate(plan.reductions) if S.carries(r))
+                done.update((j, s.leaf) for j, r in enumerate(plan.reductions) if r.carries)
     residual = [i for i, m in enumerate(plan.modes) if m == "residual"]
     copies = {
         i: vary(jnp.broadcast_to(diff_leaves[i], (B,) + tuple(jnp.shape(diff_leaves[i]))))
@@ -367,16 +323,16 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
         sites = an.leaves[i].sites
         if mode == "unused":
             for j, r in enumerate(plan.reductions):
-                values[j][i] = _zeros_value(r, aval, acc, B)
+                values[j][i] = plan.bound(r, i).zeros(tuple(aval.shape), acc, B)
             norms_leaf[i] = jnp.zeros((B,), acc)
             deferred[i] = lambda c, aval=aval, acc=acc: jnp.zeros(aval.shape, acc)
             continue
         if mode == "residual":
             G = copy_cts[i].astype(acc)
             for j, r in enumerate(plan.reductions):
-                if not isinstance(r, S.ClippedSum):
-                    values[j][i] = reduce_materialised(G, plan.bound(r, i))
-            norms_leaf[i] = reduce_materialised(G, S.Norms())
+                if not r.weighted_by_norm:
+                    values[j][i] = plan.bound(r, i).from_examples(G)
+            norms_leaf[i] = S.Norms().from_examples(G)
             deferred[i] = lambda c, G=G: weighted_sum_materialised(G, c)
             continue
         if mode == "direct":
@@ -384,10 +340,10 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
             ct = sink_cts[site.path]
             for j, r in enumerate(plan.reductions):
                 if rkey(j) in ct:
-                    values[j][i] = _direct_to_leaf(site, r, ct[rkey(j)], B)
+                    values[j][i] = r.to_leaf(ct[rkey(j)], site, B)
             if plan.has_clip:  # the norms came with the other statistics
-                key = next(k for k, r in plan.site_requests().items() if isinstance(r, S.Norms))
-                norms_leaf[i] = _direct_to_leaf(site, S.Norms(), ct[key], B)
+                key = next(k for k, r in plan.site_requests().items() if r == S.Norms())
+                norms_leaf[i] = S.Norms().to_leaf(ct[key], site, B)
             if plan.keep_for_clip:  # and the ingredients, for the reweighted sum
                 deferred[i] = _weighted_leaf([(site, plan.kernels[site.path], ct["ing"])], cache)
             continue
@@ -398,34 +354,24 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
         _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache)
 
     # Tensor parallelism: a leaf sharded over mesh axes beyond the data axes holds a
-    # part of each example's gradient on every shard; its squared norms are the sum
-    # over those axes (replicated leaves count once).
+    # part of each example's gradient on every shard (`Reduction.combine_shards`;
+    # replicated leaves count once).
     for i in range(n):
         model_axes = tuple(sorted(leaf_axes[i] - data_axes))
         if not model_axes:
             continue
         for j, r in enumerate(plan.reductions):
-            if isinstance(r, S.SqNorms):
-                values[j][i] = jax.lax.psum(values[j][i], model_axes)
-            elif isinstance(r, S.Norms):
-                values[j][i] = _psum_norms(values[j][i], model_axes)
-            elif isinstance(r, S.KronSum):
-                raise NotImplementedError(
-                    f"kron_moments: parameter leaf {i} is sharded over mesh axes {model_axes} "
-                    "inside shard_map (tensor parallelism); its Kronecker moments would need "
-                    "cross-shard products. Compute them on replicated parameters, or request "
-                    "elementwise statistics (exact per shard) for sharded ones."
-                )
+            values[j][i] = plan.bound(r, i).combine_shards(values[j][i], model_axes)
         if norms_leaf[i] is not None:
-            norms_leaf[i] = _psum_norms(norms_leaf[i], model_axes)
+            norms_leaf[i] = S.Norms().combine_shards(norms_leaf[i], model_axes)
 
     if plan.has_clip:
         # the global norm from the leaves' (finite wherever representable: a float32
         # norm past 2^64 whose square overflows still clips to C g / |g|)
         dt = jnp.result_type(*norms_leaf)
-        norm = S.combine_norms(jnp.stack([x.astype(dt) for x in norms_leaf]))
-        clips = [j for j, r in enumerate(plan.reductions) if isinstance(r, S.ClippedSum)]
-        cs = [_clip_factor(plan.reductions[j].clip_norm, norm) for j in clips]
+        norm = combine_norms(jnp.stack([x.astype(dt) for x in norms_leaf]))
+        clips = [j for j, r in enumerate(plan.reductions) if r.weighted_by_norm]
+        cs = [plan.reductions[j].example_weights(norm) for j in clips]
         if plan.clip_recompute:
             sums = _reweighted_sums(
                 plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, cache, cs)
@@ -433,12 +379,12 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
             for i in range(n):
                 values[j][i] = sums[k][i] if plan.clip_recompute else deferred[i](c)
     for j, r in enumerate(plan.reductions):
-        if per_example(r):
+        if r.per_example:
             continue
         for i in range(n):
             v = values[j][i]
             if carry is not None and (j, i) not in done:
-                v = S.merge(r, carry.values[j][i], carry.n, v, B)
+                v = plan.bound(r, i).accumulate(carry.values[j][i], carry.n, v, B)
             # one type, chunked or not (a chunk loop's carry keeps zero_carry's)
             values[j][i] = _typed(plan, i, v, data_axes | leaf_axes[i])
     return values, loss_b, aux
@@ -497,53 +443,6 @@ def _reweighted_sums(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, c
             per_leaf.append(v)
         out.append(per_leaf)
     return out
-
-
-def _clip_factor(C, norm):
-    """min(1, C / norm) without NaN at norm = 0 or C = inf."""
-    if isinstance(C, (int, float)):
-        if C == float("inf"):
-            return jnp.ones_like(norm)
-        return C / jnp.maximum(norm, C)
-    C = jnp.asarray(C, norm.dtype)
-    finite = jnp.isfinite(C)
-    Cs = jnp.where(finite & (C > 0), C, 1.0)
-    c = jnp.where(finite, Cs / jnp.maximum(norm, Cs), 1.0)
-    # a traced bound that is NaN, zero or negative poisons the result: never unclipped
-    return jnp.where(C > 0, c, jnp.nan)
-
-
-def _zeros_value(r, aval, acc, B):
-    ext = S.extension(r)
-    if ext is not None:
-        return ext.zeros(r, aval.shape, acc, B)
-    z = jnp.zeros(aval.shape, acc)
-    if isinstance(r, S.PhiSum):
-        return B * r.apply(z)
-    if isinstance(r, S.Centered):
-        return S.Moments(z, z)
-    if S.is_norms(r):
-        return jnp.zeros((B,), acc)
-    return z
-
-
-def _direct_to_leaf(site, r, v, B):
-    """A site's direct value (stacked over enclosing scans) in leaf space."""
-    ext = S.extension(r)
-    if ext is not None:
-        return ext.to_leaf(r, v, site)
-    if isinstance(r, S.SqNorms):
-        return v.reshape((-1, B)).sum(0) if site.depth else v
-    if isinstance(r, S.Norms):  # the layers of enclosing scans: one leaf
-        return S.combine_norms(v.reshape((-1, B))) if site.depth else v
-    if isinstance(r, S.Centered):
-        return _moments_to_leaf(v, site)
-    if isinstance(r, S.PhiSum) and r.phi is not None and site.pads:
-        # where the view slices the leaf away, every example's gradient is 0: B phi(0)
-        # (a user's phi may have phi(0) != 0, cos)
-        zero = jnp.zeros((1,), v.dtype)
-        return _to_leaf(v, site, B * r.apply(zero).astype(v.dtype)[0])
-    return _to_leaf(v, site)
 
 
 def _slice_b(ing, depth, b0, size):
@@ -673,160 +572,214 @@ def _weighted_leaf(ings, cache):
     return weighted
 
 
+def _leaf_mat(ings, acc):
+    """``mat(b0, size, cut=None)``: the leaf's summed per-example gradients of examples
+    ``b0:b0+size`` (``cut``: a block of features, `leaf_feature_tile`) from its sites'
+    ingredients."""
+
+    def mat(b0, size, cut=None):
+        total = None
+        for s, k, ing in sorted(ings, key=lambda ski: ski[1].adds_in_place):
+            ing = _slice_b(ing, s.depth, b0, size)
+            if s.depth:
+                g = jnp.moveaxis(_stacked(k.materialise, s.depth)(ing), s.depth, 0)
+                v = _to_leaf(g, s).astype(acc)
+                if cut is not None:
+                    v = jax.lax.dynamic_slice_in_dim(v, cut[1], cut[2], cut[0] + 1)
+                total = v if total is None else total + v
+            else:
+                total = k.add_to_leaf(ing, total, lambda g, s=s: _to_leaf(g, s), cut)
+        return total
+
+    return mat
+
+
+def _site_sq_norms(s, k, ing, B):
+    return S.SqNorms().to_leaf(_stacked(k.sq_norms, s.depth)(ing), s, B)
+
+
 def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
     """Reductions of a leaf from its sites' ingredients (after the backward pass)."""
-    aval = plan.leaf_avals[i]
-    acc = acc_dtype_for(aval.dtype)
-
-    def leaf_mat(ings):
-        def mat(b0, size, cut=None):
-            total = None
-            for s, k, ing in sorted(ings, key=lambda ski: ski[1].adds_in_place):
-                ing = _slice_b(ing, s.depth, b0, size)
-                if s.depth:
-                    g = jnp.moveaxis(_stacked(k.materialise, s.depth)(ing), s.depth, 0)
-                    v = _to_leaf(g, s).astype(acc)
-                    if cut is not None:
-                        v = jax.lax.dynamic_slice_in_dim(v, cut[1], cut[2], cut[0] + 1)
-                    total = v if total is None else total + v
-                else:
-                    total = k.add_to_leaf(ing, total, lambda g, s=s: _to_leaf(g, s), cut)
-            return total
-
-        return mat
-
-    mat = leaf_mat(ings)
-
-    @functools.cache  # one trace for a statistic and the clipping norms alike
-    def sq_norms():
-        if len(ings) == 1:
-            s, k, ing = ings[0]
-            return _direct_to_leaf(s, S.SqNorms(), _stacked(k.sq_norms, s.depth)(ing), B)
-        crosses = []
-        for a in range(len(ings)):
-            for b in range(a + 1, len(ings)):
-                cr = _cross_fast(*ings[a], *ings[b])
-                if cr is None:
-                    return None
-                crosses.append(cr)
-        own = [
-            _direct_to_leaf(s, S.SqNorms(), _stacked(k.sq_norms, s.depth)(ing), B)
-            for s, k, ing in ings
-        ]
-        return sum(own) + 2 * sum(crosses)
-
-    weighted = deferred[i] = _weighted_leaf(ings, cache)
+    deferred[i] = _weighted_leaf(ings, cache)
     if len(ings) == 1:
-        # one site: all reductions in one call, so they share its tile loop
-        s, k, ing = ings[0]
-        kron_ok = kron.leaf_map(s) is not None
-        req = {
-            rkey(j): r
-            for j, r in enumerate(plan.reductions)
-            if not isinstance(r, (S.ClippedSum, dots.DotWith))
-            and (kron_ok or not isinstance(r, S.KronSum))
-        }
-        norm_key = next((key for key, r in req.items() if isinstance(r, S.Norms)), None)
-        if plan.needs_norms and norm_key is None:
-            norm_key = "norms"
-            req[norm_key] = S.Norms()
-        sk = cache.site_key(s, k)
-        key = sk and fp.keyed(lambda: ("leaf", sk, fp.value_key(req)))
+        _single_site_leaf(plan, i, ings[0], B, values, norms_leaf, cache)
+    else:
+        _SharedLeaf(plan, i, ings, B).run(values, norms_leaf, deferred[i])
 
-        def leaf_fn(ing):  # with the conversion to leaf space: one jit per repeated leaf
-            ctx = _stacked(k.ctx, s.depth)(ing)
 
-            def compute(rq):
-                return _stacked(lambda c: k.direct_all(c, rq), s.depth)(ctx)
+def _single_site_leaf(plan, i, ing3, B, values, norms_leaf, cache):
+    """One site's leaf: every reduction the site can give in one call (they share its
+    tile loop), the others by their leaf route (`LEAF_ROUTES`) or from tiles of its
+    per-example gradients."""
+    s, k, ing = ing3
+    bound = [plan.bound(r, i) for r in plan.reductions]
+    req = {
+        rkey(j): r for j, r in enumerate(bound)
+        if not r.weighted_by_norm and r.direct_ok(s) and S.lookup(LEAF_ROUTES, r) is None
+    }
+    norm_key = next((key for key, r in req.items() if r == S.Norms()), None)
+    if plan.needs_norms and norm_key is None:
+        norm_key = "norms"
+        req[norm_key] = S.Norms()
+    sk = cache.site_key(s, k)
+    key = sk and fp.keyed(lambda: ("leaf", sk, fp.value_key(req)))
 
-            out = direct_norms(k, ctx, req, compute, s.depth)
-            return {q: _direct_to_leaf(s, r, out[q], B) for q, r in req.items() if q in out}
+    def leaf_fn(ing):  # with the conversion to leaf space: one jit per repeated leaf
+        ctx = _stacked(k.ctx, s.depth)(ing)
 
-        out = cache.get(key, lambda: leaf_fn)(ing)
-        for j in range(len(plan.reductions)):
-            if rkey(j) in out:
-                values[j][i] = out[rkey(j)]
-        if plan.needs_norms:
-            norms_leaf[i] = out[norm_key]
-        for j, r in enumerate(plan.reductions):
-            if isinstance(r, dots.DotWith):
-                values[j][i] = _leaf_dots(plan, i, ings, r, B, mat)
-        js_ = [j for j, r in enumerate(plan.reductions) if isinstance(r, S.KronSum)]
-        if js_ and not kron_ok:  # the leaf's per-example gradient, tile by tile
-            outs = _tiled_materialised(plan, ings, mat, B, [plan.reductions[j] for j in js_])
-            for j, v in zip(js_, outs):
-                values[j][i] = v
-        return
+        def compute(rq):
+            return _stacked(lambda c: k.direct_all(c, rq), s.depth)(ctx)
 
-    # (only norms ask; the layout check is numpy work)
-    ghost_ok = plan.needs_norms and ghost_cross_ok([s for s, _, _ in ings], [k for _, k, _ in ings])
-    ft = leaf_feature_tile(B, aval.shape, acc, plan.budget, [k for _, k, _ in ings])
-    rescued = {}  # id(sq) -> (sq, norms): one per leaf
+        out = direct_norms(k, ctx, req, compute, s.depth)
+        return {q: r.to_leaf(out[q], s, B) for q, r in req.items() if q in out}
 
-    def leaf_norms(sq):
+    out = cache.get(key, lambda: leaf_fn)(ing)
+    for j in range(len(plan.reductions)):
+        if rkey(j) in out:
+            values[j][i] = out[rkey(j)]
+    if plan.needs_norms:
+        norms_leaf[i] = out[norm_key]
+    acc = S.acc_dtype_for(plan.leaf_avals[i].dtype)
+    mat = _leaf_mat([ing3], acc)
+    rest = [j for j, r in enumerate(bound) if rkey(j) not in req and not r.weighted_by_norm]
+    tiled = []
+    for j in rest:
+        route = S.lookup(LEAF_ROUTES, bound[j])
+        if route is not None:
+            values[j][i] = route(plan, i, [ing3], bound[j], B, mat)
+        else:
+            tiled.append(j)
+    if tiled:  # the leaf's per-example gradient, tile by tile
+        outs = _tiled_materialised(plan, [ing3], mat, B, [bound[j] for j in tiled])
+        for j, v in zip(tiled, outs):
+            values[j][i] = v
+
+
+class _SharedLeaf:
+    """A leaf several sites use (tying): its reductions by `multi_site_routes`."""
+
+    def __init__(self, plan, i, ings, B):
+        self.plan, self.i, self.ings, self.B = plan, i, ings, B
+        self.aval = plan.leaf_avals[i]
+        self.acc = S.acc_dtype_for(self.aval.dtype)
+        self.mat = _leaf_mat(ings, self.acc)
+        # (only norms ask; the layout check is numpy work)
+        self.ghost_ok = plan.needs_norms and ghost_cross_ok(
+            [s for s, _, _ in ings], [k for _, k, _ in ings])
+        self.ft = leaf_feature_tile(B, self.aval.shape, self.acc, plan.budget,
+                                    [k for _, k, _ in ings])
+        wants_kron = any(S.lookup(SHARED_ROUTES, r) is _kron_route for r in plan.reductions)
+        self.facs = leaf_factors(ings) if wants_kron else None
+        self._rescued = {}  # id(sq) -> (sq, norms): one per leaf
+        self._sq = None
+
+    def sq_norms(self):
+        """Squared norms from each site's ghost norms and the pairs' cross terms."""
+        if self._sq is None:
+            crosses = [
+                _cross_fast(*self.ings[a], *self.ings[b])
+                for a in range(len(self.ings)) for b in range(a + 1, len(self.ings))
+            ]
+            own = [_site_sq_norms(s, k, ing, self.B) for s, k, ing in self.ings]
+            self._sq = sum(own) + 2 * sum(crosses)
+        return self._sq
+
+    def norms(self, sq):
         """The leaf's norms from its squared norms ``sq``; where a square overflowed,
         from the example's summed gradient alone (`flagged_norms`)."""
-        if id(sq) not in rescued:
-            blocks = ft and (ft[0], ft[1], aval.shape[ft[0]])
+        if id(sq) not in self._rescued:
+            ft, ings = self.ft, self.ings
+            blocks = ft and (ft[0], ft[1], self.aval.shape[ft[0]])
 
             def exact(arrays, b):  # the ingredients as arguments (a custom_jvp's)
-                m = leaf_mat([(s, k, a) for (s, k, _), a in zip(ings, arrays)])
+                m = _leaf_mat([(s, k, a) for (s, k, _), a in zip(ings, arrays)], self.acc)
                 return example_norm(lambda cut: m(b, 1, cut), blocks)
 
-            norms = flagged_norms(sq, exact, [ing for _, _, ing in ings])
-            rescued[id(sq)] = (sq, norms)
-        return rescued[id(sq)][1]
+            self._rescued[id(sq)] = (sq, flagged_norms(sq, exact, [ing for _, _, ing in ings]))
+        return self._rescued[id(sq)][1]
 
-    facs = leaf_factors(ings) if any(isinstance(r, S.KronSum) for r in plan.reductions) else None
-    todo, rides = multi_site_routes(plan.reductions, ghost_ok, facs is not None, ft)
-    sums = [j for j, r in enumerate(plan.reductions) if S.is_plain_sum(r)]
-    if rides:
-        todo, sums = todo + sums, []
-    for j, r in enumerate(plan.reductions):
-        if j in todo or isinstance(r, S.ClippedSum) or S.is_plain_sum(r):
-            continue
-        if isinstance(r, S.SqNorms):  # (cross terms may cancel: NaN from overflow)
-            values[j][i] = honest_sq(sq_norms(), leaf_norms(sq_norms()))
-        elif isinstance(r, S.Norms):
-            values[j][i] = leaf_norms(sq_norms())
-        elif isinstance(r, S.KronSum):
-            values[j][i] = kron.moments(facs, tuple(aval.shape), r, acc, plan.budget)
-        else:  # DotWith
-            values[j][i] = _leaf_dots(plan, i, ings, r, B, mat)
-    if plan.needs_norms and None not in todo:
-        norms_leaf[i] = leaf_norms(sq_norms())
-    if sums:
-        total = weighted(jnp.ones((B,), acc))
-        for j in sums:
-            values[j][i] = total
-    if todo:
-        reds = [
-            S.SqNorms() if j is None or isinstance(plan.reductions[j], S.Norms)
-            else plan.bound(plan.reductions[j], i)
-            for j in todo
-        ]
-        # centred sums take one pass in the tile loop (tiling.py): no mean beforehand
-        outs = _tiled_materialised(plan, ings, mat, B, reds)
-        for j, v in zip(todo, outs):  # (tiles sum squares of G: inf on overflow)
-            if j is None:
-                norms_leaf[i] = leaf_norms(v)
-            elif isinstance(plan.reductions[j], S.Norms):
-                values[j][i] = leaf_norms(v)
-            else:
-                values[j][i] = v
+    def run(self, values, norms_leaf, weighted):
+        plan, i, B = self.plan, self.i, self.B
+        todo, rides = multi_site_routes(plan.reductions, self.ghost_ok, self.facs is not None,
+                                        self.ft)
+        sums = [j for j, r in enumerate(plan.reductions) if r.linear]
+        if rides:
+            todo, sums = todo + sums, []
+        for j, r in enumerate(plan.reductions):
+            if j not in todo and not r.weighted_by_norm and not r.linear:
+                values[j][i] = S.lookup(SHARED_ROUTES, r)(self, plan.bound(r, i))
+        if plan.needs_norms and None not in todo:
+            norms_leaf[i] = self.norms(self.sq_norms())
+        if sums:
+            total = weighted(jnp.ones((B,), self.acc))
+            for j in sums:
+                values[j][i] = total
+        if todo:
+            # (the clipping norms read as squared norms: tiles sum squares of G, inf on
+            # overflow, which `norms` rescues; centred sums take one pass, tiling.py)
+            reds = [S.SqNorms() if j is None or plan.reductions[j] == S.Norms()
+                    else plan.bound(plan.reductions[j], i) for j in todo]
+            outs = _tiled_materialised(plan, self.ings, self.mat, B, reds)
+            for j, v in zip(todo, outs):
+                if j is None:
+                    norms_leaf[i] = self.norms(v)
+                elif plan.reductions[j] == S.Norms():
+                    values[j][i] = self.norms(v)
+                else:
+                    values[j][i] = v
+
+
+def _sq_route(leaf, r):  # (cross terms may cancel: NaN from overflow)
+    return honest_sq(leaf.sq_norms(), leaf.norms(leaf.sq_norms()))
+
+
+def _norms_route(leaf, r):
+    return leaf.norms(leaf.sq_norms())
+
+
+def _kron_route(leaf, r):
+    return kron.moments(leaf.facs, tuple(leaf.aval.shape), r, leaf.acc, leaf.plan.budget)
+
+
+def _dots_route(leaf, r):
+    return _leaf_dots(leaf.plan, leaf.i, leaf.ings, r, leaf.B, leaf.mat)
+
+
+# A shared leaf's reductions with a route of their own (else tiles of its summed
+# per-example gradient), keyed by reduction type; ``multi_site_routes`` says which
+# are open (norms: the sites' ghost forms and cross terms; Kronecker: token factors).
+SHARED_ROUTES = {
+    S.SqNorms: _sq_route,
+    S.Norms: _norms_route,
+    S.KronSum: _kron_route,
+    dots._PerExampleDots: _dots_route,
+}
+_OPEN = {_sq_route: "ghost", _norms_route: "ghost", _kron_route: "kron", _dots_route: True}
+
+
+def _leaf_dots(plan, i, ings, r, B, mat):
+    """``<g_b, ref>`` of a leaf, ``[B]`` (``r``: a `dots.BoundDot`): each site's
+    contraction of the reference with its inputs where its view permutes the leaf;
+    else tiles of the leaf's per-example gradients."""
+    acc = S.acc_dtype_for(plan.leaf_avals[i].dtype)
+    if all(kron.leaf_map(s) is not None for s, _, _ in ings):
+        # the reference in each site's view (transposed, sliced the same way)
+        total = None
+        for s, k, ing in ings:
+            v = k.dots(k.ctx(ing), _from_leaf(jnp.asarray(r.ref), s).astype(acc))
+            total = v if total is None else total + v
+        return total
+    return _tiled_materialised(plan, ings, mat, B, [r])[0]
+
+
+# A single site's reductions computed from the leaf rather than by the site's kernel,
+# keyed by reduction type (dots: the reference in the site's view)
+LEAF_ROUTES = {dots.BoundDot: _leaf_dots}
 
 
 def needs_norms(reductions):
     """Per-example (squared) norms are asked for, or needed by clipping."""
-    return any(S.is_norms(r) or isinstance(r, S.ClippedSum) for r in reductions)
-
-
-def _psum_norms(n, axes):
-    """Norms of the parts of a leaf sharded over ``axes``: ``sqrt(psum n^2)`` scaled by
-    the largest part (no overflow where the squares would)."""
-    m = jax.lax.pmax(jax.lax.stop_gradient(n), axes)
-    ms = jnp.where(m > 0, m, 1)
-    return ms * S.sqrt0(jax.lax.psum(jnp.square(n / ms), axes))
+    return any(S.is_norms(r) or r.weighted_by_norm for r in reductions)
 
 
 def multi_site_routes(reductions, ghost_ok, kron_ok, leaf_ft):
@@ -834,9 +787,9 @@ def multi_site_routes(reductions, ghost_ok, kron_ok, leaf_ft):
 
     ``tiled``: the reductions (indices; None for the norms that clipping needs) read
     from tiles of the leaf's summed per-example gradient; the others come from the
-    sites' own forms: squared norms from their ghost norms and cross terms
-    (``ghost_ok``), Kronecker moments from their token factors (``kron_ok``), dots
-    with a reference per site, plain sums by one contraction per site. ``rides``:
+    sites' own forms (`SHARED_ROUTES`): squared norms from their ghost norms and cross
+    terms (``ghost_ok``), Kronecker moments from their token factors (``kron_ok``),
+    dots with a reference per site, plain sums by one contraction per site. ``rides``:
     the plain sums are added in that tile loop instead: centred sums give them for
     free (tiling.py), and with ``G`` (or its blocks, ``leaf_ft``) in cache, one
     example a tile on CPU, the add is faster than a contraction per site (long
@@ -844,18 +797,17 @@ def multi_site_routes(reductions, ghost_ok, kron_ok, leaf_ft):
     elsewhere a contraction per site is faster than a second consumer of a whole
     ``G_b``. The engine and `explain` both decide by this function.
     """
+    is_open = {"ghost": ghost_ok, "kron": kron_ok, True: True, None: False}
     tiled = [
         j
         for j, r in enumerate(reductions)
-        if not isinstance(r, (S.ClippedSum, dots.DotWith))
-        and not S.is_plain_sum(r)
-        and not (S.is_norms(r) and ghost_ok)
-        and not (isinstance(r, S.KronSum) and kron_ok)
+        if not r.weighted_by_norm and not r.linear
+        and not is_open[_OPEN.get(S.lookup(SHARED_ROUTES, r))]
     ]
     if needs_norms(reductions) and not ghost_ok:
         tiled.append(None)
     rides = bool(tiled) and (
-        any(j is not None and isinstance(reductions[j], S.Centered) for j in tiled)
+        any(j is not None and reductions[j].knows_total for j in tiled)
         or leaf_ft is not None
         or tiling.prefer_per_example()
     )
@@ -875,40 +827,3 @@ def leaf_factors(ings):
     if len({f.structure for f in out}) != 1 or (len(out) > 1 and out[0].kaxes):
         return None
     return out
-
-
-def _reference_leaves(flatten, reference, leaf_avals):
-    """A `DotWith` reference as one array per differentiated leaf, shapes checked."""
-    try:
-        leaves = flatten(reference)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            "per_example_dots/cosines(reference=...): the reference must have the structure of "
-            f"the differentiated arguments (e.g. their jax.grad): {e}"
-        ) from e
-    out = []
-    for k, (x, aval) in enumerate(zip(leaves, leaf_avals)):
-        if x is None:
-            x = jnp.zeros(aval.shape, acc_dtype_for(aval.dtype))
-        if jnp.shape(x) != tuple(aval.shape):
-            raise ValueError(
-                f"per_example_dots/cosines(reference=...): leaf {k} of the reference has shape "
-                f"{jnp.shape(x)}, the parameter has {tuple(aval.shape)}."
-            )
-        out.append(jnp.asarray(x))
-    return out
-
-
-def _leaf_dots(plan, i, ings, r, B, mat):
-    """``<g_b, ref>`` of a leaf, ``[B]``: each site's contraction of the reference with its
-    inputs where its view permutes the leaf; else tiles of the leaf's per-example gradients."""
-    ref = plan.refs[r][i]
-    acc = acc_dtype_for(plan.leaf_avals[i].dtype)
-    if all(kron.leaf_map(s) is not None for s, _, _ in ings):
-        # the reference in each site's view (transposed, sliced the same way)
-        total = None
-        for s, k, ing in ings:
-            v = k.dots(k.ctx(ing), _from_leaf(jnp.asarray(ref), s).astype(acc))
-            total = v if total is None else total + v
-        return total
-    return _tiled_materialised(plan, ings, mat, B, [dots.BoundDot(ref)])[0]

@@ -381,28 +381,21 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
     tiled = set()
     sum_rides = False
     if multi:
-        kron_ok = any(isinstance(r, S.KronSum) for r in reductions) and kron_streams()
+        kron_ok = kron_streams()  # (asked only of Kronecker moments)
         reds = list(reductions)
         idx, sum_rides = multi_site_routes(reds, ghost_cross, kron_ok, leaf_ft)
         tiled = {reds[j] for j in idx if j is not None}
 
     def rule_of(r):
         """(word, how, flops, bytes) of one reduction over the leaf's sites."""
-        if isinstance(r, S.KronSum):
-            return [kron_rule(r)]
-        if isinstance(r, dots.DotWith):
-            if all(kron.leaf_map(s) is not None for s in info.sites):
-                fl = sum(k.rule(S.SUM, B).flops for k in ks)  # one more contraction per site
-                return [(STREAMED, "contraction with the reference", fl, 0.0)]
-            t = leaf_tile
-            return [(MATERIALISED, f"exact per-example gradients of the leaf ({t} "
-                     f"example{'s' if t > 1 else ''}/tile)", 2.0 * B * size,
-                     float(t * size * itemsize))]
+        own = S.lookup(leaf_rules, r)
+        if own is not None:
+            return [own(r)]
         out = []
         for s, k in zip(info.sites, ks):
             reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
-            rl = k.rule(S.SqNorms() if isinstance(r, S.Norms) else r, B)  # same rule
-            linear = S.is_plain_sum(r)
+            rl = k.rule(S.SqNorms() if r == S.Norms() else r, B)  # same rule
+            linear = r.linear
             if multi and S.is_norms(r) and ghost_cross:
                 rl = dataclasses.replace(rl, how=rl.how + " + ghost cross terms")
             elif multi and (r in tiled or (linear and sum_rides)):
@@ -413,11 +406,11 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
                     2.0 * B * size,
                     float(tiling.tile_bytes(t, leaf_ft, shape, acc)),
                 )
-            if isinstance(r, S.ClippedSum) and recompute:  # loss with remat
+            if r.weighted_by_norm and recompute:  # loss with remat
                 rl = dataclasses.replace(
                     rl, how=rl.how + " then a reweighted backward pass (remat: nothing kept)"
                 )
-            elif isinstance(r, S.ClippedSum):  # ingredients x and dy are kept until the norms
+            elif r.weighted_by_norm:  # ingredients x and dy are kept until the norms
                 ing = sum(math.prod(v.aval.shape) for v in s.eqn.outvars) + sum(
                     math.prod(v.aval.shape)
                     for v, batched in zip(s.ext_vars, s.ext_batched)
@@ -430,6 +423,16 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
             label = f" [{s.kind}]" if multi and not shared else ""
             out.append((rl.word, rl.how + label, rl.flops * reps, rl.bytes))
         return out
+
+    def dots_rule(r):
+        """Each site's contraction of the reference where its view permutes the leaf;
+        else tiles of the leaf's exact per-example gradients (engine._leaf_dots)."""
+        if all(kron.leaf_map(s) is not None for s in info.sites):
+            fl = sum(k.rule(S.SUM, B).flops for k in ks)  # one more contraction per site
+            return (STREAMED, "contraction with the reference", fl, 0.0)
+        t = leaf_tile
+        return (MATERIALISED, f"exact per-example gradients of the leaf ({t} "
+                f"example{'s' if t > 1 else ''}/tile)", 2.0 * B * size, float(t * size * itemsize))
 
     def kron_rule(r):
         """Token grams where every site has token factors lining up in leaf axes (one
@@ -464,6 +467,8 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
             float(t * size * itemsize),
         )
 
+    # reductions with a rule of their own over the leaf's sites, keyed by type
+    leaf_rules = {S.KronSum: kron_rule, dots.DotWith: dots_rule}
     rules, hows, parts, flops, mem = {}, {}, [], 0.0, 0.0
     per_red = {r: rule_of(r) for r in reductions}
     for name, req in zip(names, reqs):

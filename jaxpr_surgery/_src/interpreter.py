@@ -526,11 +526,11 @@ def carried(kernel, ctx, direct, sink, B):
     from those it names in `carried_keys`; the rest are merged here. The cotangent of
     the count is zero."""
     n = sink[CARRY_COUNT]
-    init = {k: sink[k] for k, r in direct.items() if S.carries(r)}
+    init = {k: sink[k] for k, r in direct.items() if r.carries}
     keys = set(kernel.carried_keys(direct, B)) & set(init)
     out = kernel.direct_all(ctx, direct, S.Carry({k: init[k] for k in keys}, n) if keys else None)
     for k in set(init) - keys:
-        out[k] = S.merge(direct[k], init[k], n, out[k], B)
+        out[k] = direct[k].accumulate(init[k], n, out[k], B)
     out[CARRY_COUNT] = compat.make_varying(jnp.zeros_like(n), compat.vma_of(n))
     return out
 

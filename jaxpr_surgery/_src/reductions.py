@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import compat, views
-from jaxpr_surgery._src.norms import combine_norms, materialised_norms
+from jaxpr_surgery._src.norms import combine_norms, materialised_norms, sqrt0
 
 SDS = jax.ShapeDtypeStruct
 
@@ -56,6 +56,22 @@ MAX_SHIFT_AMPLIFICATION = 32
 
 def _zeros_of(avals):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), avals)
+
+
+def acc_dtype_for(*dtypes):
+    """The dtype statistics accumulate in: the widest of float32 and the floating
+    ``dtypes`` (a bfloat16 leaf accumulates in float32)."""
+    return jnp.result_type(jnp.float32, *[d for d in dtypes if jnp.issubdtype(d, jnp.floating)])
+
+
+def lookup(table, r, default=None):
+    """The entry of ``table`` (a dict keyed by reduction classes) for ``r``'s class or
+    its nearest base class: rule tables of kernels and routes, by type, not by an
+    ``isinstance`` chain."""
+    for cls in type(r).__mro__:
+        if cls in table:
+            return table[cls]
+    return default
 
 
 def gather_over_axis(x, axis_name):
@@ -227,6 +243,22 @@ class Reduction(abc.ABC):
         pass (else the engine works from the site's ingredients afterwards)."""
         del site
         return True
+
+    def per_leaf(self, flatten, leaf_avals):
+        """The reduction to compute for each differentiated leaf, where it depends on
+        the leaf (a reference gradient's part: `dots.DotWith`), else None (itself on
+        every leaf). ``flatten(tree)``: a tree shaped like the differentiated arguments
+        as a list per leaf."""
+        del flatten, leaf_avals
+        return None
+
+    def combine_shards(self, value, axes):
+        """The value of a leaf sharded over the mesh ``axes`` (tensor parallelism inside
+        ``shard_map``) from each shard's value over its part of every example's
+        gradient: elementwise values are exact per shard (the default); values of the
+        whole gradient (norms, inner products) combine over the shards."""
+        del axes
+        return value
 
     def clash(self, other):
         """A message when ``other``, equal to this reduction (so computed once), would
@@ -505,6 +537,9 @@ class SqNorms(_ExampleNorms):
     def to_leaf(self, value, site, B):  # the layers of enclosing scans: one leaf
         return value.reshape((-1, B)).sum(0) if site.depth else value
 
+    def combine_shards(self, value, axes):
+        return jax.lax.psum(value, axes)
+
 
 @dataclasses.dataclass(frozen=True)
 class Norms(_ExampleNorms):
@@ -521,6 +556,13 @@ class Norms(_ExampleNorms):
 
     def to_leaf(self, value, site, B):
         return combine_norms(value.reshape((-1, B))) if site.depth else value
+
+    def combine_shards(self, value, axes):
+        """``sqrt(psum n^2)`` scaled by the largest part (no overflow where the squares
+        would)."""
+        m = jax.lax.pmax(jax.lax.stop_gradient(value), axes)
+        ms = jnp.where(m > 0, m, 1)
+        return ms * sqrt0(jax.lax.psum(jnp.square(value / ms), axes))
 
 
 def is_norms(r) -> bool:
@@ -612,6 +654,14 @@ class KronSum(Reduction):
 
     def direct_ok(self, site):
         return views.leaf_map(site) is not None
+
+    def combine_shards(self, value, axes):
+        raise NotImplementedError(
+            f"kron_moments: a parameter leaf is sharded over mesh axes {tuple(axes)} "
+            "inside shard_map (tensor parallelism); its Kronecker moments would need "
+            "cross-shard products. Compute them on replicated parameters, or request "
+            "elementwise statistics (exact per shard) for sharded ones."
+        )
 
     def to_leaf(self, value, site, B):
         """The view's moments on the leaf's axes; an axis the view slices gets its

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.norms import combine_norms
 
 CUBE = S.PhiSum(lambda g: g * g * g, multiplicative=True, name="cube", _builtin=True)
 ABS_CUBE = S.PhiSum(lambda g: jnp.abs(g) ** 3, multiplicative=True, name="abs cube",
@@ -93,7 +94,7 @@ class _NormQuantiles(S.Statistic):
             return jax.tree.map(lambda n: jnp.quantile(n, q), values["n"])
         leaves = jax.tree.leaves(values["n"])
         dt = jnp.result_type(*leaves)
-        return jnp.quantile(S.combine_norms(jnp.stack([x.astype(dt) for x in leaves])), q)
+        return jnp.quantile(combine_norms(jnp.stack([x.astype(dt) for x in leaves])), q)
 
 
 def fourth_moment() -> S.Statistic:

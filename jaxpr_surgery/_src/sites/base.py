@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +34,9 @@ from jaxpr_surgery._src.norms import (  # noqa: F401 - re-exported for the kerne
     materialised_norms,
     recompute_flagged,
     scale_examples,
+    sqrt0,
 )
+from jaxpr_surgery._src.reductions import acc_dtype_for  # noqa: F401 - re-exported
 
 KERNELS: dict = {}  # kind (display name) -> kernel class, every registered kernel
 SITE_RULES: dict = {}  # primitive object -> kernel classes anchored on it, asked in order
@@ -153,10 +157,6 @@ def kernel_for(site, acc_dtype, budget=None):
     return k
 
 
-def acc_dtype_for(*dtypes):
-    return jnp.result_type(jnp.float32, *[d for d in dtypes if jnp.issubdtype(d, jnp.floating)])
-
-
 # --------------------------------------------------------------------------- #
 # Per-example norms at a site
 # --------------------------------------------------------------------------- #
@@ -175,7 +175,7 @@ def direct_norms(kernel, ctx, reductions, compute, depth=0):
     if kernel.has_scaled_sq_norms():
         out = dict(compute(req))
         q, s = stacked(kernel.scaled_sq_norms, depth)(ctx)
-        norms = S.sqrt0(q) * s
+        norms = sqrt0(q) * s
         for k in keys:  # the squares: inf only where past the dtype's range
             out[k] = norms if isinstance(reductions[k], S.Norms) else q * s * s
         return out
@@ -204,8 +204,32 @@ def weighted_sum_materialised(G, c):
     return jnp.tensordot(c.astype(G.dtype), G, axes=(0, 0))
 
 
+@dataclasses.dataclass(frozen=True)
+class Fast:
+    """A kernel's fast rule for one kind of reduction (`Kernel.FAST`).
+
+    Attributes:
+      value: ``(kernel, ctx, reduction) -> value`` in the view's layout, without the
+        per-example gradients.
+      applies: ``(kernel, reduction) -> bool``: whether the rule serves this reduction
+        at this site (a multiplicative phi of a rank-one product, ...).
+      rule: ``(kernel, reduction, B) -> Rule`` for explain, or None (the kernel's own).
+    """
+
+    value: Callable
+    applies: Callable = lambda kernel, reduction: True
+    rule: Callable | None = None
+
+
 class Kernel:
-    """Base class: everything derives from ``materialise`` unless overridden."""
+    """Base class: everything derives from ``materialise`` unless overridden.
+
+    A kernel's fast rules are a table `FAST` keyed by reduction classes (`stats.lookup`
+    finds a subclass's entry); a reduction without one (or whose rule does not apply
+    at the site) is computed from the per-example gradients (`Reduction.from_examples`
+    of `materialise` here; tiles of them in kernels that stream)."""
+
+    FAST: ClassVar[dict] = {}
 
     kind = "?"  # display name of the layer kind (explain); never used for dispatch
     anchors: tuple = ()  # primitive objects whose sites this kernel may serve
@@ -266,7 +290,19 @@ class Kernel:
         the output cotangent; kernels scale theirs (here: a materialised ``G``)."""
         return ctx * c
 
+    def fast_rule(self, reduction):
+        """This site's `Fast` rule for ``reduction``, or None (from the examples)."""
+        fast = S.lookup(self.FAST, reduction)
+        return fast if fast is not None and fast.applies(self, reduction) else None
+
     def direct(self, ctx, reduction):
+        fast = self.fast_rule(reduction)
+        if fast is not None:
+            return fast.value(self, ctx, reduction)
+        return self.from_examples(ctx, reduction)
+
+    def from_examples(self, ctx, reduction):
+        """``reduction`` without a fast rule: from the per-example gradients."""
         return reduction.from_examples(self.materialise(ctx))
 
     def direct_all(self, ctx, reductions, carry=None):

@@ -30,8 +30,8 @@ import numpy as np
 
 from jaxpr_surgery._src import compat, dots, tiling
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.sites.base import Kernel, register
-from jaxpr_surgery._src.sites.dense import DenseKernel
+from jaxpr_surgery._src.sites.base import Fast, Kernel, register
+from jaxpr_surgery._src.sites.dense import DenseKernel, kron_value
 from jaxpr_surgery._src.sites.generic import GenericKernel
 
 
@@ -109,10 +109,6 @@ class PatchConvKernel(DenseKernel):
             shape=tuple(self.site.view_shape), dtype=self.acc,
         )[0]
 
-    def direct(self, ctx, reduction):
-        if isinstance(reduction, S.KronSum) and self._patches_exceed_G():
-            return self._view_tiles(ctx, reduction)
-        return super().direct(ctx, reduction)
 
     def dots(self, ctx, ref):
         if self._patches_exceed_G():
@@ -184,6 +180,16 @@ class PatchConvKernel(DenseKernel):
             )
 
         return self.to_view(tiling.sum_tiles(tile_sum, B, self.tile(B))[None])
+
+
+def _conv_kron(k, ctx, r):
+    # where one example's patches are larger than its G: tiles of G, not the factors
+    if k._patches_exceed_G():
+        return k._view_tiles(ctx, r)
+    return kron_value(k, ctx, r)
+
+
+PatchConvKernel.FAST = {**DenseKernel.FAST, S.KronSum: Fast(_conv_kron)}
 
 
 @register

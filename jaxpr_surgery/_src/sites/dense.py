@@ -28,6 +28,7 @@ from jaxpr_surgery._src import compat, dots, fused, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.sites.base import (
     STREAMED,
+    Fast,
     Kernel,
     Rule,
     example_norm,
@@ -36,6 +37,7 @@ from jaxpr_surgery._src.sites.base import (
     recompute_flagged,
     register,
     scale_examples,
+    sqrt0,
 )
 
 
@@ -256,25 +258,8 @@ class DenseKernel(Kernel):
         return self.to_view(jnp.einsum("bknc,bknf,b->kcf", x, dy, c.astype(x.dtype)))
 
     # reductions ------------------------------------------------------------ #
-    def direct(self, ctx, reduction):
-        x, dy = ctx
-        N = self.c["N"]
-        if isinstance(reduction, S.PhiSum):
-            if reduction.phi is None:
-                return self.contract(x, dy)
-            if reduction.multiplicative and N == 1:
-                x0 = self.tokens(x)[:, :, 0]
-                return self.to_view(
-                    jnp.einsum("bkc,bkf->kcf", reduction.apply(x0), reduction.apply(dy[:, :, 0]))
-                )
-        if isinstance(reduction, S.SqNorms):
-            return self.sq_norms(ctx)
-        if isinstance(reduction, S.KronSum):
-            return kron.moments(
-                [self.kron_factors(ctx)], self.site.view_shape, reduction, self.acc, self.budget
-            )
-        if isinstance(reduction, S.Centered) and N == 1:
-            return self._centered_rank_one(self.tokens(x)[:, :, 0], dy[:, :, 0])
+    # (the fast rules: `FAST`, after the class; the others read tiles of G_b)
+    def from_examples(self, ctx, reduction):
         return self.direct_all(ctx, {"r": reduction})["r"]
 
     def kron_factors(self, ctx):
@@ -307,16 +292,7 @@ class DenseKernel(Kernel):
         return dots.dense_dots(x, dy, R.astype(x.dtype))
 
     def needs_materialise(self, r):
-        if isinstance(r, S.KronSum):
-            return False
-        N = self.c["N"]
-        if isinstance(r, S.PhiSum):
-            return not (r.phi is None or (r.multiplicative and N == 1))
-        if isinstance(r, S.Centered):
-            return N != 1
-        if isinstance(r, S.SqNorms):
-            return N != 1 and not self.use_ghost()
-        return True
+        return self.fast_rule(r) is None
 
     def _in_tile_loop(self, reductions):
         """The keys of ``reductions`` that `direct_all` reads from tiles of ``G_b``
@@ -328,7 +304,7 @@ class DenseKernel(Kernel):
         # pass (tiling.py), so no mean is contracted beforehand either
         return [
             k for k, r in reductions.items()
-            if self.needs_materialise(r) or (S.is_plain_sum(r) and self.c["N"] > 1)
+            if self.needs_materialise(r) or (r.linear and self.c["N"] > 1)
         ]
 
     def carried_keys(self, reductions, B):
@@ -336,7 +312,7 @@ class DenseKernel(Kernel):
         # large-vocabulary tied table), as slicing the running values per block costs
         if self.feature_tile(B) is not None:
             return []
-        return [k for k in self._in_tile_loop(reductions) if S.carries(reductions[k])]
+        return [k for k in self._in_tile_loop(reductions) if reductions[k].carries]
 
     def from_view(self, v):
         """[..., *w_shape] -> [..., K, C, F] (undoes `to_view`)."""
@@ -359,14 +335,11 @@ class DenseKernel(Kernel):
             carry = S.Carry(
                 [None if i is None else jax.tree.map(self.from_view, i) for i in inits], carry.n
             )
-        vals = self.tiled(x, dy, reds, [None] * len(reds), carry=carry)
+        vals = self.tiled(x, dy, reds, carry=carry)
         for k, r, v in zip(keys, reds, vals):
-            if isinstance(r, S.SqNorms):
-                out[k] = v
-            elif isinstance(r, S.Centered):
-                out[k] = jax.tree.map(self.to_view, v)  # Moments, or Shifted (carried)
-            else:
-                out[k] = self.to_view(v)
+            # per-example values stay [B]; the others (Moments, or Shifted when carried)
+            # go to the view's layout
+            out[k] = v if r.per_example else jax.tree.map(self.to_view, v)
         return out
 
     # tiles ------------------------------------------------------------------ #
@@ -410,7 +383,7 @@ class DenseKernel(Kernel):
             return None
         return tiling.feature_tile((c["K"], c["C"], c["F"]), self.acc, self.FEATURE_AXES, budget)
 
-    def tiled(self, x, dy, reds, means, budget=None, tokens=None, carry=None):
+    def tiled(self, x, dy, reds, budget=None, tokens=None, carry=None):
         c = self.c
         B = x.shape[0]
         ft = self.feature_tile(B, budget)
@@ -423,7 +396,6 @@ class DenseKernel(Kernel):
             B,
             reds,
             self.tile(B, budget),
-            means=means,
             shape=(c["K"], c["C"], c["F"]),
             dtype=self.acc,
             features=features,
@@ -520,7 +492,7 @@ class DenseKernel(Kernel):
         def exact():  # rare: small tiles, so the branch costs little memory
             small = min(self.budget or tiling.DEFAULT_MEMORY_BUDGET_BYTES, FALLBACK_TILE_BYTES)
             return self.tiled(
-                x[:, :, None], d[:, :, None], [S.Centered()], [mean], budget=small,
+                x[:, :, None], d[:, :, None], [S.CenteredAbout(mean)], budget=small,
                 tokens=lambda t: t,  # x is canonical already
             )[0].m2
 
@@ -588,7 +560,7 @@ class DenseKernel(Kernel):
             x0 = self.tokens(x)[:, :, 0]
             return jnp.einsum("bkc,bkc,bkf,bkf->b", x0, x0, dy[:, :, 0], dy[:, :, 0])
         if not self.use_ghost():
-            return self.tiled(x, dy, [S.SqNorms()], [None])[0]
+            return self.tiled(x, dy, [S.SqNorms()])[0]
         return self.ghost_sq_and_norms(ing)[0]
 
     def ghost_sq_and_norms(self, ing):
@@ -612,7 +584,7 @@ class DenseKernel(Kernel):
             g = self._tile_G(*xd, b, 1)
             return jnp.stack([jnp.sum(jnp.square(g)), example_norm(lambda cut: g)])
 
-        out = recompute_flagged(exact, (x, dy), jnp.stack([ghost, S.sqrt0(ghost)], -1), bad)
+        out = recompute_flagged(exact, (x, dy), jnp.stack([ghost, sqrt0(ghost)], -1), bad)
         return out[:, 0], out[:, 1]
 
     def has_sq_and_norms(self):
@@ -649,48 +621,92 @@ class DenseKernel(Kernel):
 
     # reporting -------------------------------------------------------------- #
     def rule(self, reduction, B):
+        if reduction.weighted_by_norm:  # a clipped sum: the site computes the norms
+            reduction = S.SqNorms()
+        fast = self.fast_rule(reduction)
+        if fast is not None and fast.rule is not None:
+            return fast.rule(self, reduction, B)
+        return self.tiled_rule(reduction, B)
+
+    def tiled_rule(self, reduction, B):
+        """The rule of a reduction read from tiles of ``G_b`` (or a fused kernel's)."""
         c = self.c
         K, N, C, F = c["K"], c["N"], c["C"], c["F"]
-        it = jnp.dtype(self.acc).itemsize
-
-        def tiled():
-            if self._canonical_tokens() and fused.applies([reduction], self.acc, ()):
-                return Rule(
-                    STREAMED, "fused per-example products (Pallas kernel)",
-                    float(2 * B * K * N * C * F), 0.0,
-                )
-            t, ft, shape = self.tile(B), self.feature_tile(B), (K, C, F)
+        if self._canonical_tokens() and fused.applies([reduction], self.acc, ()):
             return Rule(
-                STREAMED,
-                f"tiled per-example products ({tiling.describe(t, ft, shape)})",
-                float(2 * B * K * N * C * F + 2 * B * K * C * F),
-                float(tiling.tile_bytes(t, ft, shape, self.acc) + t * self.tile_extra_bytes()),
+                STREAMED, "fused per-example products (Pallas kernel)",
+                float(2 * B * K * N * C * F), 0.0,
             )
+        t, ft, shape = self.tile(B), self.feature_tile(B), (K, C, F)
+        return Rule(
+            STREAMED,
+            f"tiled per-example products ({tiling.describe(t, ft, shape)})",
+            float(2 * B * K * N * C * F + 2 * B * K * C * F),
+            float(tiling.tile_bytes(t, ft, shape, self.acc) + t * self.tile_extra_bytes()),
+        )
 
-        if isinstance(reduction, S.PhiSum):
-            if reduction.phi is None:
-                return Rule(STREAMED, "contraction", float(2 * B * K * N * C * F), 0.0)
-            if reduction.multiplicative and N == 1:
-                return Rule(STREAMED, "rank-one phi(x)^T phi(dy)", float(2 * B * K * C * F), 0.0)
-            return tiled()
-        if isinstance(reduction, (S.SqNorms, S.ClippedSum)):
-            if N == 1:
-                return Rule(STREAMED, "rank-one norms", float(2 * B * K * (C + F)), 0.0)
-            if self.use_ghost():
-                return Rule(
-                    STREAMED, "ghost norm", float(2 * B * K * N * N * (C + F)),
-                    float(2 * B * K * N * N * it),
-                )
-            return tiled()
-        if isinstance(reduction, S.Centered):
-            if N == 1:
-                # two contractions and their [K, C, F] sums (a group's and the running
-                # ones where the batch is taken in groups); the centred expansion runs
-                # only where they cancel
-                grouped = sum(c for c, _ in raw_groups(B, self.acc)) > 1
-                return Rule(
-                    STREAMED, "rank-one centered", float(4 * B * K * C * F),
-                    float((5 if grouped else 3) * K * C * F * it),
-                )
-            return tiled()
-        return tiled()
+
+# --------------------------------------------------------------------------- #
+# The fast rules (`Kernel.FAST`): the others read tiles of ``G_b``
+# --------------------------------------------------------------------------- #
+def _phi_applies(k, r):
+    return r.linear or (r.multiplicative and k.c["N"] == 1)
+
+
+def _phi_value(k, ctx, r):
+    x, dy = ctx
+    if r.linear:
+        return k.contract(x, dy)
+    x0 = k.tokens(x)[:, :, 0]  # rank one: phi(x)^T phi(dy)
+    return k.to_view(jnp.einsum("bkc,bkf->kcf", r.apply(x0), r.apply(dy[:, :, 0])))
+
+
+def _phi_rule(k, r, B):
+    K, N, C, F = (k.c[a] for a in "KNCF")
+    if r.linear:
+        return Rule(STREAMED, "contraction", float(2 * B * K * N * C * F), 0.0)
+    return Rule(STREAMED, "rank-one phi(x)^T phi(dy)", float(2 * B * K * C * F), 0.0)
+
+
+def _norms_rule(k, r, B):
+    K, N, C, F = (k.c[a] for a in "KNCF")
+    if N == 1:
+        return Rule(STREAMED, "rank-one norms", float(2 * B * K * (C + F)), 0.0)
+    it = jnp.dtype(k.acc).itemsize
+    return Rule(
+        STREAMED, "ghost norm", float(2 * B * K * N * N * (C + F)), float(2 * B * K * N * N * it)
+    )
+
+
+def _centered_value(k, ctx, r):
+    x, dy = ctx
+    return k._centered_rank_one(k.tokens(x)[:, :, 0], dy[:, :, 0])
+
+
+def _centered_rule(k, r, B):
+    # two contractions and their [K, C, F] sums (a group's and the running ones where
+    # the batch is taken in groups); the centred expansion runs only where they cancel
+    K, C, F = k.c["K"], k.c["C"], k.c["F"]
+    it = jnp.dtype(k.acc).itemsize
+    grouped = sum(c for c, _ in raw_groups(B, k.acc)) > 1
+    return Rule(
+        STREAMED, "rank-one centered", float(4 * B * K * C * F),
+        float((5 if grouped else 3) * K * C * F * it),
+    )
+
+
+def kron_value(k, ctx, r):
+    """Kronecker moments from the site's token factors (kron.py)."""
+    return kron.moments([k.kron_factors(ctx)], tuple(k.site.view_shape), r, k.acc, k.budget)
+
+
+DenseKernel.FAST = {
+    S.PhiSum: Fast(_phi_value, _phi_applies, _phi_rule),
+    S.SqNorms: Fast(
+        lambda k, ctx, r: k.sq_norms(ctx),
+        lambda k, r: k.c["N"] == 1 or k.use_ghost(),
+        _norms_rule,
+    ),
+    S.Centered: Fast(_centered_value, lambda k, r: k.c["N"] == 1, _centered_rule),
+    S.KronSum: Fast(kron_value),
+}

@@ -22,6 +22,7 @@ from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.sites.base import (
     MATERIALISED,
     STREAMED,
+    Fast,
     Kernel,
     Rule,
     example_scale,
@@ -199,33 +200,25 @@ class EmbeddingKernel(Kernel):
         )
 
     # reductions ----------------------------------------------------------------- #
-    def direct(self, ctx, reduction):
+    # (the fast rules: `FAST`, after the class; the others from per-example tables)
+    def phi_sum(self, ctx, reduction):
+        """``sum_b phi(G_b)`` where ``phi(0) = 0``: phi of each row's segment sum."""
+        ids, valid, dy = ctx
+        if reduction.linear:
+            return self._view(self._scatter(ids, dy))
+        s, first = self._segments(ids, valid, dy)
+        return self._view(self._scatter(ids, jnp.where(first[..., None], reduction.apply(s), 0)))
+
+    def centered(self, ctx, reduction):
+        """Centred moments: rows no example uses add ``B - n_row`` zero gradients."""
         ids, valid, dy = ctx
         B = ids.shape[0]
-        if isinstance(reduction, S.PhiSum):
-            if reduction.phi is None:
-                return self._view(self._scatter(ids, dy))
-            if _phi_zero_is_zero(reduction):
-                s, first = self._segments(ids, valid, dy)
-                return self._view(
-                    self._scatter(ids, jnp.where(first[..., None], reduction.apply(s), 0))
-                )
-            return super().direct(ctx, reduction)
-        if isinstance(reduction, S.SqNorms):
-            return self.sq_norms(ctx)
-        if isinstance(reduction, S.KronSum):
-            return kron.moments(
-                [self.kron_factors(ctx)], tuple(self.site.view_shape), reduction, self.acc,
-                self.budget,
-            )
-        if isinstance(reduction, S.Centered):
-            s, first = self._segments(ids, valid, dy)
-            mean = self._scatter(ids, dy) / B
-            n_row = self._scatter(ids, first.astype(dy.dtype))
-            dev = jnp.where(first[..., None], jnp.square(s - mean[ids]), 0)
-            m2 = self._scatter(ids, dev) + (B - n_row)[:, None] * jnp.square(mean)
-            return S.Moments(self._view(mean), self._view(m2))
-        return super().direct(ctx, reduction)
+        s, first = self._segments(ids, valid, dy)
+        mean = self._scatter(ids, dy) / B
+        n_row = self._scatter(ids, first.astype(dy.dtype))
+        dev = jnp.where(first[..., None], jnp.square(s - mean[ids]), 0)
+        m2 = self._scatter(ids, dev) + (B - n_row)[:, None] * jnp.square(mean)
+        return S.Moments(self._view(mean), self._view(m2))
 
     def _row_axes(self):
         """The view's axes: the row axis, and the others (a row's ``d`` values)."""
@@ -326,17 +319,31 @@ class EmbeddingKernel(Kernel):
     def rule(self, reduction, B):
         T = int(np.prod(self.site.eqn.outvars[0].aval.shape)) // self.d
         it = jnp.dtype(self.acc).itemsize
-        if S.is_plain_sum(reduction):
+        if reduction.linear:
             return Rule(STREAMED, "scatter-add", float(B * T * self.d), 0.0)
-        if isinstance(reduction, S.PhiSum) and not _phi_zero_is_zero(reduction):
+        if self.fast_rule(reduction) is None and not reduction.weighted_by_norm:
             return Rule(
-                MATERIALISED, "per-example table (phi(0) != 0)", float(B * self.V * self.d),
+                MATERIALISED, "per-example table", float(B * self.V * self.d),
                 float(B * self.V * self.d * it),
             )
         return Rule(
             STREAMED, "segment sums (T x T ids mask)", float(2 * B * T * T * self.d),
             float(B * T * (T + self.d) * it),
         )
+
+
+EmbeddingKernel.FAST = {
+    S.PhiSum: Fast(
+        lambda k, ctx, r: k.phi_sum(ctx, r), lambda k, r: r.linear or _phi_zero_is_zero(r)
+    ),
+    S.SqNorms: Fast(lambda k, ctx, r: k.sq_norms(ctx)),
+    S.Centered: Fast(lambda k, ctx, r: k.centered(ctx, r)),
+    S.KronSum: Fast(  # (one-hot sites: one contracted axis, no dot batch, analysis)
+        lambda k, ctx, r: kron.moments(
+            [k.kron_factors(ctx)], tuple(k.site.view_shape), r, k.acc, k.budget
+        )
+    ),
+}
 
 
 def _onehot_dense_ok(eqn, p, axis):
@@ -431,9 +438,3 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
     def _table_2d(self):
         return False
 
-    def direct(self, ctx, reduction):
-        if isinstance(reduction, S.KronSum):  # one contracted axis, no dot batch (analysis)
-            return kron.moments(
-                [self.kron_factors(ctx)], self.site.view_shape, reduction, self.acc, self.budget
-            )
-        return super().direct(ctx, reduction)
