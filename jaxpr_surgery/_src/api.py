@@ -300,13 +300,29 @@ def _gather_examples(v, n_local, axis_name):
 # --------------------------------------------------------------------------- #
 # The computation
 # --------------------------------------------------------------------------- #
-def _compute(prep, stat, opts: Options, name):
-    stat_leaves, stat_tree, reqs, reductions = _flatten_stats(stat)
+@dataclasses.dataclass
+class Front:
+    """What `per_example_stat` and `explain` derive alike from a call, before running
+    it: the traced per-example loss, its analysis, the `engine.Plan` and the chunk
+    size."""
 
-    cs = opts.chunk_size
-    chunking.validate(cs, name)
+    closed: Any
+    out_tree: Any
+    analysis: Any
+    leaf_avals: list
+    plan: Any
+    chunk: int | None
+    activation_bytes: Any  # int, or a callable giving it (computed once, on demand)
+
+
+def front_half(prep, reductions, opts, name, check=None, check_budget=True):
+    """Traces the call, analyses its jaxpr, plans the statistics and sizes the chunks
+    (`Front`). ``check()`` runs once the call is traced, before the analysis (the
+    refusal of cross-example losses); ``opts.strict`` refuses leaves without a fast
+    rule."""
+    chunking.validate(opts.chunk_size, name)
     mb = opts.memory_budget_bytes
-    if mb is not None and (
+    if check_budget and mb is not None and (
         isinstance(mb, bool) or not isinstance(mb, (int, np.integer)) or mb <= 0
     ):
         raise ValueError(
@@ -314,10 +330,9 @@ def _compute(prep, stat, opts: Options, name):
             f"gradients) or None for the default ({tiling.DEFAULT_MEMORY_BUDGET_BYTES}), got "
             f"{mb!r}."
         )
-
     closed, out_tree = prep.trace()
-    if opts.check:
-        independence.check(prep, name, prep.data_axes | _axis_names(opts.axis_name))
+    if check is not None:
+        check()
     n = len(prep.diff_leaves)
     in_tags = (
         [A.PView(i) for i in range(n)]
@@ -335,30 +350,26 @@ def _compute(prep, stat, opts: Options, name):
                 "leaves (chunk_size bounds the memory)."
             )
     leaf_avals = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in prep.diff_leaves]
-    data_axes = prep.data_axes
     plan = engine.make_plan(
-        closed,
-        an,
-        leaf_avals,
-        reductions,
-        len(prep.ex_leaves),
-        len(prep.other_leaves),
-        out_tree,
-        budget=opts.memory_budget_bytes,
-        flatten=prep.flatten_like_diff,
-        data_axes=data_axes,
+        closed, an, leaf_avals, reductions, len(prep.ex_leaves), len(prep.other_leaves),
+        out_tree, budget=opts.memory_budget_bytes, flatten=prep.flatten_like_diff,
+        data_axes=prep.data_axes,
     )
-
-    B = prep.B
+    act = functools.cache(lambda: chunking.activation_bytes_of(
+        closed.jaxpr, n, len(prep.ex_leaves), len(prep.other_leaves)))
     cs = chunking.resolve(
-        cs,
-        B,
-        lambda: chunking.activation_bytes_of(
-            closed.jaxpr, n, len(prep.ex_leaves), len(prep.other_leaves)
-        ),
-        lambda: chunking.accumulator_bytes(reductions, leaf_avals),
+        opts.chunk_size, prep.B, act, lambda: chunking.accumulator_bytes(reductions, leaf_avals)
     )
-    if cs is None:
+    return Front(closed, out_tree, an, leaf_avals, plan, cs, act)
+
+
+def _compute(prep, stat, opts: Options, name):
+    stat_leaves, stat_tree, reqs, reductions = _flatten_stats(stat)
+    axes = prep.data_axes | _axis_names(opts.axis_name)
+    check = (lambda: independence.check(prep, name, axes)) if opts.check else None
+    front = front_half(prep, reductions, opts, name, check)
+    plan, B, data_axes = front.plan, prep.B, prep.data_axes
+    if front.chunk is None:
         values, loss_b, aux = engine.run(
             plan, prep.diff_leaves, prep.ex_leaves, prep.other_leaves, B, data_axes
         )
@@ -366,9 +377,8 @@ def _compute(prep, stat, opts: Options, name):
         zero = engine.zero_carry(plan, prep.diff_leaves, data_axes)
         values, loss_b, aux = chunking.run_chunks(
             lambda d, e, o, b, c: engine.run(plan, d, e, o, b, data_axes, carry=c),
-            prep, int(cs), zero.values, reductions,
+            prep, int(front.chunk), zero.values, reductions,
         )
-
     N = B
     loss_sum = jnp.sum(loss_b)
     if opts.axis_name is not None:
@@ -378,11 +388,18 @@ def _compute(prep, stat, opts: Options, name):
             for j, vals in values.items()
         }
         loss_sum = jax.lax.psum(loss_sum, opts.axis_name)
-    loss = loss_sum / N
+    result = _finalize(prep, opts, stat_leaves, stat_tree, reqs, reductions, values, N)
+    aux_out = jax.tree.unflatten(front.out_tree, [loss_b] + list(aux))[1]
+    return loss_sum / N, aux_out, result
 
-    # A statistic that reduces per-example values over the batch (quantiles of norms,
-    # diversity) declares ``whole_batch``: across devices it gets the whole batch's;
-    # the others keep each device's own (per-example outputs stay with their device).
+
+def _finalize(prep, opts, stat_leaves, stat_tree, reqs, reductions, values, N):
+    """Every statistic's ``finalize`` of its reductions' values (pytrees shaped like
+    the differentiated arguments).
+
+    A statistic that reduces per-example values over the batch (quantiles of norms,
+    diversity) declares ``whole_batch``: across devices it gets the whole batch's;
+    the others keep each device's own (per-example outputs stay with their device)."""
     whole = {}
 
     def value_for(s, r):
@@ -392,7 +409,7 @@ def _compute(prep, stat, opts: Options, name):
         if not getattr(s, "whole_batch", False):
             return values[j]
         if j not in whole:
-            whole[j] = [_gather_examples(v, B, opts.axis_name) for v in values[j]]
+            whole[j] = [_gather_examples(v, prep.B, opts.axis_name) for v in values[j]]
         return whole[j]
 
     results = []
@@ -400,9 +417,7 @@ def _compute(prep, stat, opts: Options, name):
         vals = {k: prep.unflatten_diff(value_for(s, r), _STATIC) for k, r in req.items()}
         out = s.finalize(vals, N)
         results.append(_cast_like(out, prep) if getattr(s, "gradient_like", False) else out)
-    result = jax.tree.unflatten(stat_tree, results)
-    aux_out = jax.tree.unflatten(out_tree, [loss_b] + list(aux))[1]
-    return loss, aux_out, result
+    return jax.tree.unflatten(stat_tree, results)
 
 
 _STATIC = None  # the value of every statistic at a static (non-array) parameter leaf

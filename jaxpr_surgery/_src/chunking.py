@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import compat, tiling
+from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.reductions import acc_dtype_for
 
 # One chunk's estimated activations, CPU. The estimate counts every unfused
 # intermediate, about twice what XLA keeps (its temp memory), so this keeps a
@@ -134,8 +136,6 @@ def auto_chunk(
 def accumulator_bytes(reductions, leaf_avals) -> int:
     """Bytes of the running values a chunk continues: per statistic, parameter-sized
     (per-example values are concatenated, not carried)."""
-    from jaxpr_surgery._src.reductions import acc_dtype_for
-
     merged = [r for r in reductions if not r.per_example]
     if not merged or not leaf_avals:
         return 0
@@ -310,8 +310,6 @@ def _chunk_loop(run_chunk, ex_leaves, B, cs, zero, reductions):
     examples through one optimization barrier, so that none starts before it is done
     (two chunks' activations alive at once would be as many as the whole batch's).
     """
-    from jaxpr_surgery._src import stats as S
-
     nfull, rem = divmod(B, cs)
     head = [x[: nfull * cs].reshape((nfull, cs) + x.shape[1:]) for x in ex_leaves]
     bounded = [j for j in zero if reductions[j].shift_bounded]

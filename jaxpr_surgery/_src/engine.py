@@ -254,6 +254,52 @@ def _carry_sink(plan, site, sink, carry, axes):
     return sink
 
 
+@dataclasses.dataclass
+class _Chunk:
+    """One chunk's arguments: the differentiated, per-example and other leaves."""
+
+    diff: list
+    ex: list
+    other: list
+    B: int
+    data_axes: frozenset
+
+    def leaf_axes(self, i):
+        """The axes leaf ``i``'s statistics vary over: the data axes and those it is
+        sharded on (tensor parallelism inside shard_map: each shard's part)."""
+        return self.data_axes | compat.vma_of(self.diff[i])
+
+    def copies(self, plan):
+        """Per-example copies of the residual leaves (their gradients: per example)."""
+        B = self.B
+        return {
+            i: compat.make_varying(
+                jnp.broadcast_to(self.diff[i], (B,) + tuple(jnp.shape(self.diff[i]))),
+                self.data_axes)
+            for i, m in enumerate(plan.modes) if m == "residual"
+        }
+
+    def backward(self, plan, ev, sinks, copies):
+        """One forward and backward pass of the per-example losses through ``ev``,
+        seeded with ones: ``(sink_cts, copy_cts, loss_b, aux)``."""
+        n, B = len(self.diff), self.B
+
+        def forward(sinks, copies):
+            vals = [copies.get(i, self.diff[i]) for i in range(n)]
+            flags = [i in copies for i in range(n)]
+            vals += list(self.ex) + list(self.other)
+            flags += [True] * len(self.ex) + [False] * len(self.other)
+            outs, ofl = ev.run(plan.closed.jaxpr, plan.closed.consts, vals, flags, sinks)
+            outs = [o if f else jnp.broadcast_to(o, (B,) + jnp.shape(o))
+                    for o, f in zip(outs, ofl)]
+            return jnp.sum(outs[0]), (outs[0], outs[1:])
+
+        total, pull, (loss_b, aux) = jax.vjp(forward, sinks, copies, has_aux=True)
+        seed = compat.make_varying(jnp.ones((), total.dtype), compat.vma_of(total))
+        sink_cts, copy_cts = pull(seed)
+        return sink_cts, copy_cts, loss_b, aux
+
+
 def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
     """Evaluates one chunk; returns (values: dict j -> list per leaf, loss_b, aux_flat).
 
@@ -261,13 +307,33 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
     per-example reductions): the running values of the examples of earlier chunks.
     The values returned are then over those examples and this chunk's: tile loops
     start from them (no pass over the accumulators to merge), the rest is merged."""
-    an = plan.analysis
-    vary = lambda x: compat.make_varying(x, data_axes)  # noqa: E731
-
-    # A site's statistics vary over the data axes and over the axes its parameter
-    # is sharded on (tensor parallelism inside shard_map: each shard's part)
+    ch = _Chunk(list(diff_leaves), list(ex_leaves), list(other_leaves), B, data_axes)
     cache = fp.TraceCache()  # repeated layers are traced once (fingerprint.py)
-    leaf_axes = [compat.vma_of(x) for x in diff_leaves]
+    sinks, done = _init_sinks(plan, ch, cache, carry)
+    site_fn = make_site_fn(lambda s: _site_request(plan, s), cache, plan.finish_sites_first)
+    ev = Evaluator(plan.analysis, plan.kernels, site_fn, B, cache)
+    sink_cts, copy_cts, loss_b, aux = ch.backward(plan, ev, sinks, ch.copies(plan))
+    values, norms_leaf, deferred = _leaf_values(plan, sink_cts, copy_cts, B, cache)
+    for i in range(len(ch.diff)):
+        _combine_shards(plan, i, values, norms_leaf, tuple(sorted(ch.leaf_axes(i) - data_axes)))
+    if plan.has_clip:
+        _clipped_sums(plan, ch, cache, values, norms_leaf, deferred)
+    for j, r in enumerate(plan.reductions):
+        if r.per_example:
+            continue
+        for i in range(len(ch.diff)):
+            v = values[j][i]
+            if carry is not None and (j, i) not in done:
+                v = plan.bound(r, i).accumulate(carry.values[j][i], carry.n, v, B)
+            # one type, chunked or not (a chunk loop's carry keeps zero_carry's)
+            values[j][i] = _typed(plan, i, v, ch.leaf_axes(i))
+    return values, loss_b, aux
+
+
+def _init_sinks(plan, ch, cache, carry):
+    """Every site's zero sink (`_sink_avals`), seeded with ``carry`` where a direct
+    site continues it: ``(sinks, done)``, ``done`` the (reduction, leaf) pairs whose
+    values continue ``carry`` already."""
     zeros = {}  # one zero array per shape, dtype and axes: sinks share them
 
     def zero(a, axes):
@@ -276,66 +342,47 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
             zeros[k] = compat.make_varying(jnp.zeros(a.shape, a.dtype), axes)
         return zeros[k]
 
+    sites = plan.analysis.sites
     sinks = {
-        p: jax.tree.map(
-            lambda a, s=s: zero(a, data_axes | leaf_axes[s.leaf]), _sink_avals(plan, s, B, cache)
-        )
-        for p, s in an.sites.items()
+        p: jax.tree.map(lambda a, s=s: zero(a, ch.leaf_axes(s.leaf)),
+                        _sink_avals(plan, s, ch.B, cache))
+        for p, s in sites.items()
     }
-    done = set()  # (j, i): values that continue ``carry`` already
+    done = set()
     if carry is not None:
-        for p, s in an.sites.items():
+        for p, s in sites.items():
             # (a sliced view's values are merged: outside the slice they are those of
             # this chunk's zero gradients, `Reduction.to_leaf`)
             if plan.modes[s.leaf] == "direct" and not s.pads:
-                sinks[p] = _carry_sink(plan, s, sinks[p], carry, data_axes | leaf_axes[s.leaf])
+                sinks[p] = _carry_sink(plan, s, sinks[p], carry, ch.leaf_axes(s.leaf))
                 done.update((j, s.leaf) for j, r in enumerate(plan.reductions) if r.carries)
-    residual = [i for i, m in enumerate(plan.modes) if m == "residual"]
-    copies = {
-        i: vary(jnp.broadcast_to(diff_leaves[i], (B,) + tuple(jnp.shape(diff_leaves[i]))))
-        for i in residual
-    }
-    site_fn = make_site_fn(lambda s: _site_request(plan, s), cache, plan.finish_sites_first)
-    ev = Evaluator(an, plan.kernels, site_fn, B, cache)
-    n = len(diff_leaves)
+    return sinks, done
 
-    def forward(sinks, copies):
-        vals = [copies.get(i, diff_leaves[i]) for i in range(n)]
-        flags = [i in copies for i in range(n)]
-        vals += list(ex_leaves) + list(other_leaves)
-        flags += [True] * len(ex_leaves) + [False] * len(other_leaves)
-        outs, ofl = ev.run(plan.closed.jaxpr, plan.closed.consts, vals, flags, sinks)
-        outs = [o if f else jnp.broadcast_to(o, (B,) + jnp.shape(o)) for o, f in zip(outs, ofl)]
-        loss_b = outs[0]
-        return jnp.sum(loss_b), (loss_b, outs[1:])
 
-    total, pull, (loss_b, aux) = jax.vjp(forward, sinks, copies, has_aux=True)
-    seed = compat.make_varying(jnp.ones((), total.dtype), compat.vma_of(total))
-    sink_cts, copy_cts = pull(seed)
-
+def _leaf_values(plan, sink_cts, copy_cts, B, cache):
+    """Every leaf's values by its mode: ``(values, norms_leaf, deferred)``, the norms
+    clipping needs and, per leaf, ``c -> sum_b c_b g_b`` for its clipped sums."""
+    n = len(plan.leaf_avals)
     values = {j: [None] * n for j in range(len(plan.reductions))}
     norms_leaf = [None] * n
-    deferred = {}  # leaf -> fn(c) computing its clipped sum
-
+    deferred = {}
     for i, aval in enumerate(plan.leaf_avals):
         mode = plan.modes[i]
         acc = acc_dtype_for(aval.dtype)
-        sites = an.leaves[i].sites
+        sites = plan.analysis.leaves[i].sites
         if mode == "unused":
             for j, r in enumerate(plan.reductions):
                 values[j][i] = plan.bound(r, i).zeros(tuple(aval.shape), acc, B)
             norms_leaf[i] = jnp.zeros((B,), acc)
             deferred[i] = lambda c, aval=aval, acc=acc: jnp.zeros(aval.shape, acc)
-            continue
-        if mode == "residual":
+        elif mode == "residual":
             G = copy_cts[i].astype(acc)
             for j, r in enumerate(plan.reductions):
                 if not r.weighted_by_norm:
                     values[j][i] = plan.bound(r, i).from_examples(G)
             norms_leaf[i] = S.Norms().from_examples(G)
             deferred[i] = lambda c, G=G: weighted_sum_materialised(G, c)
-            continue
-        if mode == "direct":
+        elif mode == "direct":
             (site,) = sites
             ct = sink_cts[site.path]
             for j, r in enumerate(plan.reductions):
@@ -346,88 +393,60 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
                 norms_leaf[i] = S.Norms().to_leaf(ct[key], site, B)
             if plan.keep_for_clip:  # and the ingredients, for the reweighted sum
                 deferred[i] = _weighted_leaf([(site, plan.kernels[site.path], ct["ing"])], cache)
-            continue
-        # ingredients mode
-        # (merged afterwards: measured slower when its tile loop continued the running
-        # values, 5-15% on the large-vocabulary tied table in feature blocks)
-        ings = [(s, plan.kernels[s.path], sink_cts[s.path]["ing"]) for s in sites]
-        _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache)
+        else:  # ingredients (merged afterwards: measured slower when its tile loop
+            # continued the running values, 5-15% on the large-vocabulary tied table)
+            ings = [(s, plan.kernels[s.path], sink_cts[s.path]["ing"]) for s in sites]
+            _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache)
+    return values, norms_leaf, deferred
 
-    # Tensor parallelism: a leaf sharded over mesh axes beyond the data axes holds a
-    # part of each example's gradient on every shard (`Reduction.combine_shards`;
-    # replicated leaves count once).
-    for i in range(n):
-        model_axes = tuple(sorted(leaf_axes[i] - data_axes))
-        if not model_axes:
-            continue
-        for j, r in enumerate(plan.reductions):
-            values[j][i] = plan.bound(r, i).combine_shards(values[j][i], model_axes)
-        if norms_leaf[i] is not None:
-            norms_leaf[i] = S.Norms().combine_shards(norms_leaf[i], model_axes)
 
-    if plan.has_clip:
-        # the global norm from the leaves' (finite wherever representable: a float32
-        # norm past 2^64 whose square overflows still clips to C g / |g|)
-        dt = jnp.result_type(*norms_leaf)
-        norm = combine_norms(jnp.stack([x.astype(dt) for x in norms_leaf]))
-        clips = [j for j, r in enumerate(plan.reductions) if r.weighted_by_norm]
-        cs = [plan.reductions[j].example_weights(norm) for j in clips]
-        if plan.clip_recompute:
-            sums = _reweighted_sums(
-                plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, cache, cs)
-        for k, (j, c) in enumerate(zip(clips, cs)):
-            for i in range(n):
-                values[j][i] = sums[k][i] if plan.clip_recompute else deferred[i](c)
+def _combine_shards(plan, i, values, norms_leaf, model_axes):
+    """Tensor parallelism: a leaf sharded over mesh axes beyond the data axes holds a
+    part of each example's gradient on every shard (`Reduction.combine_shards`;
+    replicated leaves count once)."""
+    if not model_axes:
+        return
     for j, r in enumerate(plan.reductions):
-        if r.per_example:
-            continue
-        for i in range(n):
-            v = values[j][i]
-            if carry is not None and (j, i) not in done:
-                v = plan.bound(r, i).accumulate(carry.values[j][i], carry.n, v, B)
-            # one type, chunked or not (a chunk loop's carry keeps zero_carry's)
-            values[j][i] = _typed(plan, i, v, data_axes | leaf_axes[i])
-    return values, loss_b, aux
+        values[j][i] = plan.bound(r, i).combine_shards(values[j][i], model_axes)
+    if norms_leaf[i] is not None:
+        norms_leaf[i] = S.Norms().combine_shards(norms_leaf[i], model_axes)
 
 
-def _reweighted_sums(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, cache, cs):
+def _clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
+    """The clipped sums, weighted by the global norm from the leaves' (finite wherever
+    representable: a float32 norm past 2^64 whose square overflows still clips to
+    ``C g / |g|``): from each leaf's kept ingredients, or a second pass (remat)."""
+    dt = jnp.result_type(*norms_leaf)
+    norm = combine_norms(jnp.stack([x.astype(dt) for x in norms_leaf]))
+    clips = [j for j, r in enumerate(plan.reductions) if r.weighted_by_norm]
+    cs = [plan.reductions[j].example_weights(norm) for j in clips]
+    if plan.clip_recompute:
+        sums = _reweighted_sums(plan, ch, cache, cs)
+    for k, (j, c) in enumerate(zip(clips, cs)):
+        for i in range(len(ch.diff)):
+            values[j][i] = sums[k][i] if plan.clip_recompute else deferred[i](c)
+
+
+def _reweighted_sums(plan, ch, cache, cs):
     """``[sum_b c_b g_b per leaf]`` for each weight vector ``c`` of ``cs``: a second
     forward and backward pass of the per-example losses (remat and all), seeded with
     ones like the first, in which every site forms its weighted sum from its ``x`` and
     ``dy`` (interpreter.make_weighted_site_fn) and residual leaves weight their
     per-example copies' gradients. One pass serves all clipped sums of the plan."""
-    an = plan.analysis
-    n = len(diff_leaves)
-    leaf_axes = [compat.vma_of(x) for x in diff_leaves]
+    an, B = plan.analysis, ch.B
 
     def sink(s):
         k = plan.kernels[s.path]
         lead = tuple(s.scan_lengths)
-        axes = data_axes | leaf_axes[s.leaf]
-        vary = lambda x: compat.make_varying(x, axes)  # noqa: E731
+        vary = lambda x: compat.make_varying(x, ch.leaf_axes(s.leaf))  # noqa: E731
         return {
             WEIGHTS: [vary(jnp.broadcast_to(c.astype(k.acc), lead + (B,))) for c in cs],
             SUMS: [vary(jnp.zeros(lead + tuple(s.view_shape), k.acc)) for _ in cs],
         }
 
     sinks = {p: sink(s) for p, s in an.sites.items()}
-    copies = {
-        i: compat.make_varying(
-            jnp.broadcast_to(diff_leaves[i], (B,) + tuple(jnp.shape(diff_leaves[i]))), data_axes)
-        for i, m in enumerate(plan.modes) if m == "residual"
-    }
     ev = Evaluator(an, plan.kernels, make_weighted_site_fn(cache), B, cache)
-
-    def forward(sinks, copies):
-        vals = [copies.get(i, diff_leaves[i]) for i in range(n)]
-        flags = [i in copies for i in range(n)]
-        vals += list(ex_leaves) + list(other_leaves)
-        flags += [True] * len(ex_leaves) + [False] * len(other_leaves)
-        outs, ofl = ev.run(plan.closed.jaxpr, plan.closed.consts, vals, flags, sinks)
-        return jnp.sum(outs[0] if ofl[0] else jnp.broadcast_to(outs[0], (B,)))
-
-    total, pull = jax.vjp(forward, sinks, copies)
-    sink_cts, copy_cts = pull(compat.make_varying(jnp.ones((), total.dtype), compat.vma_of(total)))
+    sink_cts, copy_cts, _, _ = ch.backward(plan, ev, sinks, ch.copies(plan))
     out = []
     for k, c in enumerate(cs):
         per_leaf = []

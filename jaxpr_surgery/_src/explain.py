@@ -11,10 +11,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import analysis as A
 from jaxpr_surgery._src import chunking, compat, dots, explain_table, independence, kron, tiling
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared
+from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared, front_half
 from jaxpr_surgery._src.engine import (
     clips_by_recompute,
     ghost_cross_ok,
@@ -22,7 +21,6 @@ from jaxpr_surgery._src.engine import (
     multi_site_routes,
     needs_norms,
 )
-from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
     FALLBACK,
     MATERIALISED,
@@ -237,39 +235,20 @@ def explain(
 
     def run(*args, **kwargs):
         f = functools.partial(fn, **kwargs) if kwargs else fn
-        prep = _Prepared(
-            f,
-            args,
-            Options(argnums, batch_argnums, keep_batch_dim, has_aux, None, False, None),
-            "explain",
-        )
-        closed, _ = prep.trace()
-        n = len(prep.diff_leaves)
-        tags = (
-            [A.PView(i) for i in range(n)]
-            + [A.DATA] * len(prep.ex_leaves)
-            + [None] * len(prep.other_leaves)
-        )
-        an = A.analyse_jaxpr(closed.jaxpr, tags, n)
-        B = prep.B
-        act = chunking.activation_bytes_of(
-            closed.jaxpr, n, len(prep.ex_leaves), len(prep.other_leaves)
-        )
-        chunk = chunking.resolve(
-            chunk_size,
-            B,
-            act,
-            lambda: chunking.accumulator_bytes(
-                reductions, [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in prep.diff_leaves]
-            ),
-        )
+        opts = Options(argnums, batch_argnums, keep_batch_dim, has_aux, None, False, None)
+        opts = dataclasses.replace(opts, chunk_size=chunk_size, memory_budget_bytes=budget)
+        prep = _Prepared(f, args, opts, "explain")
+        front = front_half(prep, reductions, opts, "explain", check_budget=False)
+        closed, an, B, chunk = front.closed, front.analysis, prep.B, front.chunk
+        act = front.activation_bytes()
         recompute = not prep.data_axes and clips_by_recompute(closed.jaxpr)
         leaves = []
         site_notes = {}
         for i, x in enumerate(prep.diff_leaves):
             leaves.append(
                 _leaf_report(
-                    prep, an, i, x, B, names, reqs, reductions, budget, site_notes, recompute
+                    prep, front.plan, i, x, B, names, reqs, reductions, budget, site_notes,
+                    recompute,
                 )
             )
         verdict = (independence.verdict(prep, prep.data_axes) if check
@@ -324,8 +303,11 @@ def _independence_note(v):
             "js.check_per_example(fn) once on a real batch.")
 
 
-def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes, recompute):
-    """``recompute``: clipped sums by a second backward pass (engine.clips_by_recompute)."""
+def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_notes, recompute):
+    """Leaf ``i``'s report from the `engine.Plan` the statistics run (its analysis,
+    modes and kernels). ``recompute``: clipped sums by a second backward pass
+    (engine.clips_by_recompute)."""
+    an = plan.analysis
     info = an.leaves[i]
     path, shape, dtype = prep.diff_paths[i], tuple(jnp.shape(x)), str(x.dtype)
     size = math.prod(shape)
@@ -361,7 +343,7 @@ def _leaf_report(prep, an, i, x, B, names, reqs, reductions, budget, site_notes,
             0.0,
             {n: "does not affect the loss: zeros" for n in names},
         )
-    ks = [kernel_for(s, acc, budget) for s in info.sites]
+    ks = [plan.kernels[s.path] for s in info.sites]  # the kernels the engine runs
     multi = len(info.sites) > 1
     ghost_cross = multi and needs_norms(reductions) and ghost_cross_ok(info.sites, ks)
     leaf_tile = tiling.leaf_tile(B, shape, acc, budget, ks)  # as the engine sizes it
