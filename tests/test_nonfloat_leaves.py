@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import zoo
 
@@ -340,3 +341,57 @@ def test_flax_nnx_rngs_in_the_state():
     for name in ("kernel", "bias"):
         (got,), (exp,) = jax.tree.leaves(out["lin"][name]), jax.tree.leaves(want["lin"][name])
         np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- #
+# Optimizers
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("make", [
+    lambda: js.optim.micro_adam_var(1e-2),
+    lambda: js.optim.dp_adam(1e-2, clip_norm=0.5, noise_multiplier=1.0),
+    lambda: js.optim.chain(js.optim.track_gradient_statistics(), optax.adamw(1e-2)),
+], ids=["micro_adam_var", "dp_adam", "track+optax.adamw"])
+def test_optimizer_step_with_nonfloat_leaves(make):
+    """The optimizers keep no state for a skipped leaf and give it a None update, as
+    optax gives for a None gradient: the step of the float leaves is the step of the
+    loss with the others closed over."""
+    opt = make()
+    p, b = _params(jnp.float32), _batch(jnp.float32)
+    floats, closed = _closed(p)
+
+    def step(opt, fn, params, state):
+        stats = jax.jit(js.per_example_stat(fn, js.optim.stat_request(opt, state)))(params, b)
+        return opt.update(stats["mean"], state, params,
+                          **js.optim.update_kwargs(stats, key=jax.random.key(3)))
+
+    state = opt.init(p)
+    state_f = opt.init(floats)
+    assert len(jax.tree.leaves(state)) == len(jax.tree.leaves(state_f))  # none for the ints
+    for _ in range(2):
+        updates, state = step(opt, loss, p, state)
+        updates_f, state_f = step(opt, closed, floats, state_f)
+        _assert_skipped(updates)
+        for k in floats:
+            np.testing.assert_allclose(updates[k], updates_f[k], rtol=1e-5, atol=1e-8)
+    # optax.apply_updates cannot add None to an array: apply to the float leaves
+    # (or eqx.apply_updates, which skips None)
+    with pytest.raises(TypeError):
+        optax.apply_updates(p, updates)
+    new = jax.tree.map(lambda x, u: x if u is None else x + u, p, updates,
+                       is_leaf=lambda x: x is None)
+    assert new["step"] is p["step"]
+    np.testing.assert_allclose(new["w"], p["w"] + updates["w"])
+
+
+def test_float_leaves_matches_filtered_params():
+    """The same step when the caller filters the parameters (eqx.filter(p,
+    eqx.is_inexact_array) or None at the skipped leaves), the optax way."""
+    p, b = _params(jnp.float32), _batch(jnp.float32)
+    opt = js.optim.micro_adam(1e-2)
+    pf = {k: (None if k in SKIPPED else v) for k, v in p.items()}
+    stats = js.per_example_stat(loss, js.optim.stat_request(opt))(p, b)
+    u1, s1 = opt.update(stats["mean"], opt.init(p), p, **js.optim.update_kwargs(stats))
+    u2, s2 = opt.update(stats["mean"], opt.init(pf), pf, **js.optim.update_kwargs(stats))
+    assert jax.tree.structure(u1) == jax.tree.structure(u2)
+    assert jax.tree.structure(s1) == jax.tree.structure(s2)
+    jax.tree.map(np.testing.assert_array_equal, u1, u2)
