@@ -215,17 +215,58 @@ def test_skipped_leaves_are_traced_not_baked_in():
     np.testing.assert_allclose(m5["w"], jax.grad(closed5)(floats, b)["w"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py)")
+def test_shard_map_axis_name_with_nonfloat_leaves():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    p, b = _params(jnp.float32), _batch(jnp.float32, 8)
+    del p["zero"]  # float0 cannot be placed on devices
+    stats = (js.stats.variance(), js.stats.norms())
+    mesh = jax.make_mesh((4,), ("d",))
+    fn = js.per_example_stat(loss, stats, axis_name="d")
+    sm = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), P("d")))
+    var, norms = jax.jit(sm)(jax.device_put(p, NamedSharding(mesh, P())),
+                             jax.device_put(b, NamedSharding(mesh, P("d"))))
+    var1, norms1 = js.per_example_stat(loss, stats)(p, b)
+    assert var["step"] is None and var["key"] is None
+    np.testing.assert_allclose(var["w"], var1["w"], rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(norms, norms1, rtol=1e-5)
+
+
+def test_vmap_and_grad_with_nonfloat_leaves():
+    p, b = _params(jnp.float32), _batch(jnp.float32)
+    sq = lambda w: js.per_example_stat(loss, js.stats.sq_norms())({**p, "w": w}, b)  # noqa: E731
+    ws = jnp.stack([p["w"], 2 * p["w"]])
+    np.testing.assert_allclose(jax.vmap(sq)(ws)[1], sq(ws[1]), rtol=1e-5)
+    floats, closed = _closed(p)
+
+    def oracle(w):
+        pe = lambda fl, ex: closed(fl, jax.tree.map(lambda x: x[None], ex))  # noqa: E731
+        g = jax.vmap(jax.grad(pe), in_axes=(None, 0))({**floats, "w": w}, b)
+        return sum(jnp.sum(jnp.square(x).reshape(B, -1), 1) for x in jax.tree.leaves(g))
+
+    np.testing.assert_allclose(jax.grad(lambda w: jnp.sum(sq(w)))(p["w"]),
+                               jax.grad(lambda w: jnp.sum(oracle(w)))(p["w"]),
+                               rtol=1e-4, atol=1e-6)
+
+
 def test_tree_map_over_results_with_none():
     """None is an empty subtree: a map over the statistic alone skips it; a map over the
-    parameters and the statistic needs ``is_leaf=lambda x: x is None``."""
+    parameters first sees None there; the statistic first needs ``is_leaf``."""
     p, b = _params(jnp.float32), _batch(jnp.float32)
     mean = js.per_example_stat(loss, js.stats.mean())(p, b)
-    assert set(jax.tree.map(lambda x: 2 * x, mean)) == set(p)
+    doubled = jax.tree.map(lambda x: 2 * x, mean)
+    assert set(doubled) == set(p) and doubled["step"] is None
     assert len(jax.tree.leaves(mean)) == 3
-    stepped = jax.tree.map(lambda g, x: x if g is None else x - 0.1 * g, mean, p,
-                           is_leaf=lambda x: x is None)
+    stepped = jax.tree.map(lambda x, g: x if g is None else x - 0.1 * g, p, mean)
     assert stepped["step"] is p["step"]
     np.testing.assert_allclose(stepped["w"], p["w"] - 0.1 * mean["w"])
+    with pytest.raises(ValueError):
+        jax.tree.map(lambda g, x: x, mean, p)
+    stepped2 = jax.tree.map(lambda g, x: x if g is None else x - 0.1 * g, mean, p,
+                            is_leaf=lambda x: x is None)
+    assert stepped2["step"] is p["step"]
 
 
 def test_explain_lists_skipped_leaves():
@@ -377,8 +418,7 @@ def test_optimizer_step_with_nonfloat_leaves(make):
     # (or eqx.apply_updates, which skips None)
     with pytest.raises(TypeError):
         optax.apply_updates(p, updates)
-    new = jax.tree.map(lambda x, u: x if u is None else x + u, p, updates,
-                       is_leaf=lambda x: x is None)
+    new = jax.tree.map(lambda x, u: x if u is None else x + u, p, updates)
     assert new["step"] is p["step"]
     np.testing.assert_allclose(new["w"], p["w"] + updates["w"])
 

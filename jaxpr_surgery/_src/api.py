@@ -707,7 +707,9 @@ def per_example_stat(
       fn: the loss, ``fn(*args) -> scalar`` (a mean over the batch), or
         ``(scalar, aux)`` with ``has_aux=True``.
       stat: a statistic or pytree of statistics (``js.stats.mean()``, ...).
-      argnums: positional argument(s) differentiated (pytrees of float arrays).
+      argnums: positional argument(s) differentiated: their float array leaves.
+        Non-array leaves are static and non-float arrays (integer buffers, PRNG
+        keys) are skipped, as under ``eqx.filter_grad``: their statistic is None.
       batch_argnums: positional argument(s) holding examples on axis 0 of every leaf.
       keep_batch_dim: ``fn`` is written for a batch; each example is passed with
         a leading axis of size 1. False: ``fn`` is written for one example.
