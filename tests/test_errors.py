@@ -111,11 +111,14 @@ def test_argnums_wrong_type(mlp):
 # --------------------------------------------------------------------------- #
 # Parameters
 # --------------------------------------------------------------------------- #
-def test_integer_parameter_leaf(mlp):
+def test_integer_parameter_leaf_is_skipped(mlp):
+    """Integer leaves are skipped as under eqx.filter_grad (tests/test_nonfloat_leaves.py);
+    complex leaves raise, naming the leaf and its dtype."""
     _, params, batch = mlp
-    bad = {**params, "step": jnp.int32(3)}
-    with pytest.raises(TypeError, match=r"\['step'\].*int32"):
-        _mean_fn()(bad, batch)
+    out = _mean_fn()({**params, "step": jnp.int32(3)}, batch)
+    assert out["step"] is None
+    with pytest.raises(NotImplementedError, match=r"\['z'\].*complex64"):
+        _mean_fn()({**params, "z": jnp.ones(2, jnp.complex64)}, batch)
 
 
 def test_non_array_parameter_leaf_is_static(mlp):

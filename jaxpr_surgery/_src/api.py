@@ -48,6 +48,26 @@ def _is_array(x):
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(x, jax.core.Tracer)
 
 
+_DIFF, _SKIPPED, _STATIC_LEAF = "differentiated", "skipped", "static"
+
+
+def _diff_leaf_kind(x, path, name):
+    """How a leaf of the differentiated argument(s) is treated: a float array is
+    differentiated, another array (integer, bool, a PRNG key, float0) is skipped, and
+    anything else is static, as under ``eqx.filter_grad``. Complex arrays raise."""
+    if not _is_array(x):
+        return _STATIC_LEAF
+    dtype = x.dtype
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise NotImplementedError(
+            f"{name}: parameter leaf {path} has the complex dtype {dtype}; per-example "
+            "statistics of complex parameters are not supported (E[g^2], signs and norms of "
+            "a complex gradient have no single meaning). Store it as two float leaves, its "
+            "real and imaginary parts, and build the complex value inside the loss."
+        )
+    return _DIFF if jnp.issubdtype(dtype, jnp.floating) else _SKIPPED
+
+
 def _path_str(path):
     return jax.tree_util.keystr(path) or "<root>"
 
@@ -119,23 +139,32 @@ class _Prepared:
         diff = args[self.argnums[0]] if self.single else tuple(args[i] for i in self.argnums)
         flat, self.diff_tree = jax.tree_util.tree_flatten_with_path(diff)
         # Non-array leaves (Python numbers, Equinox modules' flags and dropout rates,
-        # activation functions, strings, ...) are static, as under eqx.filter_grad:
-        # passed through unchanged, statistics None for them.
-        self.diff_is_arr = [_is_array(x) for _, x in flat]
-        self.diff_static = [None if a else x for a, (_, x) in zip(self.diff_is_arr, flat)]
+        # activation functions, strings, ...) are static, and non-float arrays (an
+        # Equinox buffer, NNX `Rngs`' keys and counts) are inputs of the jaxpr beside
+        # the other arguments' arrays: neither is differentiated, as under
+        # eqx.filter_grad, and every statistic holds None for them.
+        kinds = [_diff_leaf_kind(x, _path_str(p), name) for p, x in flat]
+        self.diff_is_arr = [k is _DIFF for k in kinds]
+        self.diff_static = [None if k is not _STATIC_LEAF else x for k, (_, x) in zip(kinds, flat)]
         self.diff_paths = [_path_str(p) for (p, _), a in zip(flat, self.diff_is_arr) if a]
-        self.diff_leaves = [x for (_, x), a in zip(flat, self.diff_is_arr) if a]
-        for path, x in zip(self.diff_paths, self.diff_leaves):
-            if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-                raise TypeError(
-                    f"{name}: parameter leaf {path} has dtype {jnp.result_type(x)}; only "
-                    "floating-point parameters have gradients. Move integer leaves out of the "
-                    "differentiated argument (argnums)."
-                )
-        self.diff_leaves = [jnp.asarray(x) for x in self.diff_leaves]
+        self.diff_leaves = [jnp.asarray(x) for (_, x), a in zip(flat, self.diff_is_arr) if a]
+        # (index among the flat leaves, path, dtype) of every skipped non-float array
+        self.skipped = [
+            (i, _path_str(p), "float0" if x.dtype == jax.dtypes.float0 else str(x.dtype))
+            for i, ((p, x), k) in enumerate(zip(flat, kinds))
+            if k is _SKIPPED
+        ]
+        skipped_leaves = [jnp.asarray(x) for (_, x), k in zip(flat, kinds) if k is _SKIPPED]
         if not self.diff_leaves:
             raise ValueError(
-                f"{name}: the differentiated argument(s) {self.argnums} hold no arrays."
+                f"{name}: the differentiated argument(s) argnums={opts.argnums!r} hold no "
+                "floating-point arrays"
+                + (
+                    f" (non-float leaves are skipped: {', '.join(p for _, p, _ in self.skipped)})"
+                    if self.skipped
+                    else ""
+                )
+                + "; pass the parameters to differentiate in argnums."
             )
 
         batch = tuple(args[i] for i in self.batch_argnums)
@@ -176,6 +205,9 @@ class _Prepared:
         self.other_is_arr = [_is_array(x) for x in oleaves]
         self.other_static = [None if a else x for a, x in zip(self.other_is_arr, oleaves)]
         self.other_leaves = [x for a, x in zip(self.other_is_arr, oleaves) if a]
+        # the skipped leaves of the differentiated argument(s) ride after them
+        self.n_other = len(self.other_leaves)
+        self.other_leaves += skipped_leaves
         self.fn, self.args_n, self.opts, self.name = fn, nargs, opts, name
 
     def flatten_like_diff(self, tree):
@@ -202,7 +234,13 @@ class _Prepared:
         return jax.tree.unflatten(self.diff_tree, full)
 
     def rebuild(self, diff_leaves, batch_leaves, other_leaves, *, one_example):
-        diff = self.unflatten_diff(diff_leaves, keep_static=True)
+        other_leaves, skipped = other_leaves[: self.n_other], other_leaves[self.n_other :]
+        at, sk, it = {i for i, _, _ in self.skipped}, iter(skipped), iter(diff_leaves)
+        full = [
+            next(sk) if i in at else next(it) if a else s
+            for i, (a, s) in enumerate(zip(self.diff_is_arr, self.diff_static))
+        ]
+        diff = jax.tree.unflatten(self.diff_tree, full)
         diff = (diff,) if self.single else diff
         if one_example and self.opts.keep_batch_dim:
             batch_leaves = [x[None] for x in batch_leaves]
@@ -574,7 +612,9 @@ def per_example_stat(
       fn: the loss, ``fn(*args) -> scalar`` (a mean over the batch), or
         ``(scalar, aux)`` with ``has_aux=True``.
       stat: a statistic or pytree of statistics (``js.stats.mean()``, ...).
-      argnums: positional argument(s) differentiated (pytrees of float arrays).
+      argnums: positional argument(s) differentiated: their float array leaves.
+        Non-array leaves are static and non-float arrays (integer buffers, PRNG
+        keys) are skipped, as under ``eqx.filter_grad``: their statistic is None.
       batch_argnums: positional argument(s) holding examples on axis 0 of every leaf.
       keep_batch_dim: ``fn`` is written for a batch; each example is passed with
         a leading axis of size 1. False: ``fn`` is written for one example.

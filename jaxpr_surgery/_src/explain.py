@@ -31,6 +31,8 @@ from jaxpr_surgery._src.sites.base import (
     acc_dtype_for,
 )
 
+SKIPPED = "skipped"  # a non-float array leaf: not differentiated, its statistics None
+
 
 @dataclasses.dataclass
 class LeafReport:
@@ -41,7 +43,9 @@ class LeafReport:
     the leaf: contraction, rank-one, ghost norms, segment sums, tiled products),
     ``"materialised"`` (a ``[B, *leaf]`` per-example tensor of the leaf),
     ``"fallback"`` (exact per-example gradients of the leaf through the whole
-    model) or ``"unused"``. ``rule`` is the dearest over the requested statistics.
+    model), ``"unused"`` or ``"skipped"`` (a non-float array such as an integer
+    buffer or a PRNG key: not differentiated, every statistic is None for it, as
+    under ``eqx.filter_grad``). ``rule`` is the dearest over the requested statistics.
     ``hows`` says, per statistic, how its rule runs (``"contraction"``, ``"ghost
     norm"``, ...); ``detail`` is the same for every statistic in one string.
     """
@@ -50,7 +54,7 @@ class LeafReport:
     shape: tuple
     dtype: str
     kinds: list  # layer kind of every site, e.g. ["dense"] or ["embedding", "dense"]
-    rule: str  # streamed | materialised | fallback | unused (dearest over the statistics)
+    rule: str  # streamed | materialised | fallback | unused | skipped (the dearest)
     rules: dict  # statistic's public name -> its rule word
     detail: str  # per statistic: rule word and how, or why the leaf falls back
     reasons: list  # why a leaf falls back (empty otherwise)
@@ -98,6 +102,12 @@ class Report:
     @property
     def fallback_leaves(self):
         return [leaf.path for leaf in self.leaves if leaf.fallback]
+
+    @property
+    def skipped_leaves(self):
+        """Paths of the non-float leaves (integer, bool, PRNG keys): not differentiated,
+        their statistics are None."""
+        return [leaf.path for leaf in self.leaves if leaf.rule == SKIPPED]
 
     @property
     def total_extra_flops(self) -> float:
@@ -242,15 +252,18 @@ def explain(
         closed, an, B, chunk = front.closed, front.analysis, prep.B, front.chunk
         act = front.activation_bytes()
         recompute = not prep.data_axes and clips_by_recompute(closed.jaxpr)
-        leaves = []
         site_notes = {}
-        for i, x in enumerate(prep.diff_leaves):
-            leaves.append(
-                _leaf_report(
-                    prep, front.plan, i, x, B, names, reqs, reductions, budget, site_notes,
-                    recompute,
-                )
+        at = [k for k, a in enumerate(prep.diff_is_arr) if a]  # flat index of each float leaf
+        by_index = {
+            at[i]: _leaf_report(
+                prep, front.plan, i, x, B, names, reqs, reductions, budget, site_notes,
+                recompute,
             )
+            for i, x in enumerate(prep.diff_leaves)
+        }
+        for (k, path, dtype), x in zip(prep.skipped, prep.other_leaves[prep.n_other :]):
+            by_index[k] = _skipped_report(path, tuple(jnp.shape(x)), dtype, names)
+        leaves = [by_index[k] for k in sorted(by_index)]  # in the order of the tree
         verdict = (independence.verdict(prep, prep.data_axes) if check
                    else independence.Verdict(independence.SKIPPED, "check=False"))
         notes = [_independence_note(verdict)]
@@ -301,6 +314,25 @@ def _independence_note(v):
                 "once on a real batch.")
     return (f"Examples not checked for independence ({v.detail}): run "
             "js.check_per_example(fn) once on a real batch.")
+
+
+def _skipped_report(path, shape, dtype, names):
+    """A non-float array of the differentiated argument(s): not differentiated, as under
+    ``eqx.filter_grad``; every statistic holds None for it."""
+    how = f"non-float leaf ({dtype})"
+    return LeafReport(
+        path,
+        shape,
+        dtype,
+        [],
+        SKIPPED,
+        {n: SKIPPED for n in names},
+        f"{SKIPPED}: {how}; its statistics are None",
+        [],
+        0.0,
+        0.0,
+        {n: how for n in names},
+    )
 
 
 def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_notes, recompute):

@@ -99,6 +99,8 @@ def _footnote(leaf, statistics):
             "fallback (exact per-example gradients of the leaf through the whole model), because:"
         )
         return ("fallback", tuple(reasons)), [head] + reasons
+    if leaf.rule == "skipped":  # a non-float leaf: one line, its dtype
+        return ("skipped", leaf.detail), [leaf.detail]
     if not leaf.hows:  # a report made without per-statistic hows: the detail as it is
         return ("detail", leaf.detail), [leaf.detail]
     groups = {}
@@ -122,6 +124,8 @@ def _footer(report, width):
     lines = [
         f"B={report.batch_size}; statistics: {', '.join(report.statistics)}; "
         f"fallback leaves: {len(fb)}"
+        + (f"; skipped leaves: {len(report.skipped_leaves)}"
+           if report.skipped_leaves else "")
     ]
     flops, mem = report.total_extra_flops, report.total_extra_bytes
     text = f"predicted extra: {flops:.3g}{_NBSP}FLOPs, {_mib(mem)} temporary memory"

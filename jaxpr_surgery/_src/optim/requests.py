@@ -214,12 +214,48 @@ def build_request(*keys: str, clip_norm=None) -> dict[str, _stats.Statistic]:
 # --------------------------------------------------------------------------- #
 # The transformation type
 # --------------------------------------------------------------------------- #
+def float_leaves(params):
+    """``params`` with ``None`` at its non-float arrays (integer and bool buffers, PRNG
+    keys): the leaves `per_example_stat` skips, as ``eqx.filter_grad`` does. Their
+    statistics are None, so the optimizers keep no state and give no update for them,
+    as optax gives for a None gradient."""
+
+    def one(x):
+        is_array = isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+        return None if is_array and not jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+    return None if params is None else jax.tree.map(one, params)
+
+
+def _skipping_nonfloat(init, update):
+    """``init`` and ``update`` that see the parameters' float leaves only (`float_leaves`)."""
+    if getattr(init, "_js_float_leaves", False):
+        return init, update
+
+    @functools.wraps(init)
+    def init_fn(params):
+        return init(float_leaves(params))
+
+    @functools.wraps(update)
+    def update_fn(updates, state, params=None, **extra_args):
+        return update(updates, state, float_leaves(params), **extra_args)
+
+    init_fn._js_float_leaves = True
+    return init_fn, update_fn
+
+
 class PerExampleTransformation(optax.GradientTransformationExtraArgs):
     """An `optax.GradientTransformationExtraArgs` that knows its statistics.
 
     It is an ordinary optax transformation (a ``(init, update)`` pair, usable
     anywhere optax expects one) that also knows which per-example statistics
     its ``update`` consumes. Read them with `stat_request`.
+
+    ``init`` and ``update`` see the float leaves of the parameters only: a non-float
+    array (an integer buffer, a PRNG key), whose statistics `per_example_stat` skips
+    (None, as ``eqx.filter_grad`` gives), gets no state and a ``None`` update, as
+    optax gives for a ``None`` gradient. Apply the updates with ``eqx.apply_updates``
+    (``optax.apply_updates`` cannot add ``None`` to an array).
 
     Attributes:
       init: as in optax.
@@ -242,6 +278,9 @@ class PerExampleTransformation(optax.GradientTransformationExtraArgs):
         stat_request: Mapping[str, Any] | None = None,
         request_fn: Callable[[Any], Mapping[str, Any]] | None = None,
     ):
+        # a non-float parameter (skipped by per_example_stat: its statistics are None)
+        # has no state and its update is None, whatever transform runs inside
+        init, update = _skipping_nonfloat(init, update)
         self = super().__new__(cls, init, update)
         request = dict(stat_request) if stat_request is not None else build_request()
         # With a request_fn, ``_request`` is the request at the initial
