@@ -567,9 +567,7 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
     from jaxpr_surgery._src.sites.generic import composite
 
     def build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key):
-        f = composite(site)
-        in_axes = (None,) + tuple(0 if b else None for b in ext_batched)
-        F = jax.vmap(f, in_axes=in_axes)
+        F = kernel.forward(composite(site), ext_batched)
 
         def fwd_impl(w, ext):
             return F(w, *ext)
@@ -640,8 +638,7 @@ def make_weighted_site_fn(cache):
     from jaxpr_surgery._src.sites.generic import composite
 
     def build(site, kernel, ext_batched, out_dtypes):
-        f = composite(site)
-        F = jax.vmap(f, in_axes=(None,) + tuple(0 if b else None for b in ext_batched))
+        F = kernel.forward(composite(site), ext_batched)
 
         def fwd_impl(w, ext):
             return F(w, *ext)

@@ -1,0 +1,265 @@
+"""Mixture-of-experts layers: grouped matmuls (``jax.lax.ragged_dot``), the one-hot
+dispatch einsum and per-token gathered expert weights, against the per-example
+gradients of a loop over examples (``jax.vmap`` of a ``ragged_dot`` with shared
+weights is not implemented in jax, so the oracle cannot be ``vmap(grad)`` there).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import zoo
+from jax import lax
+
+import jaxpr_surgery as js
+
+
+# --------------------------------------------------------------------------- #
+# Models
+# --------------------------------------------------------------------------- #
+def _head(o, y, wh):
+    lp = jax.nn.log_softmax(o @ wh)
+    return -jnp.mean(jnp.take_along_axis(lp, y[..., None], -1))
+
+
+def ragged_moe(p, batch, drop_last=False):
+    """Top-1 MoE as MoE code writes it: the batch's tokens flattened, sorted by
+    expert, two grouped matmuls, unsorted. ``drop_last``: the last expert's group
+    size is set to 0, so its tokens fall past the groups (zero output)."""
+    x, y = batch
+    B, T, d = x.shape
+    E = p["w1"].shape[0]
+    tok = x.reshape(B * T, d)
+    logits = tok @ p["wr"]
+    eid = jnp.argmax(logits, -1)
+    gate = jnp.max(jax.nn.softmax(logits, -1), -1)
+    order = jnp.argsort(eid)
+    gs = jnp.bincount(eid, length=E).astype(jnp.int32)
+    if drop_last:
+        gs = gs.at[-1].set(0)
+    h = jnp.tanh(lax.ragged_dot(tok[order], p["w1"], gs))
+    o = lax.ragged_dot(h, p["w2"], gs)
+    o = o[jnp.argsort(order)] * gate[:, None]
+    return _head(o.reshape(B, T, d) + x, y, p["wh"])
+
+
+def _moe_params(r, d, f, E, C, dtype):
+    n = lambda *s: jnp.asarray(r.standard_normal(s).astype(np.float32), dtype)  # noqa: E731
+    return dict(wr=n(d, E), w1=n(E, d, f), w2=n(E, f, d) / 2, wh=n(d, C))
+
+
+def make_batch(r, B, T, d, C, dtype):
+    x = jnp.asarray(r.standard_normal((B, T, d)).astype(np.float32), dtype)
+    return x, jnp.asarray(r.integers(0, C, (B, T)), jnp.int32)
+
+
+def make(B, T, d=3, f=4, E=3, C=2, seed=0, dtype=jnp.float32):
+    r = np.random.default_rng(seed)
+    return _moe_params(r, d, f, E, C, dtype), make_batch(r, B, T, d, C, dtype)
+
+
+def per_example_grads(loss, p, batch):
+    """``[B, *leaf]`` per leaf: ``grad`` of the batch-of-one loss, one example at a time."""
+    g1 = jax.jit(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))))
+    B = jax.tree.leaves(batch)[0].shape[0]
+    gs = [g1(p, jax.tree.map(lambda a, b=b: a[b], batch)) for b in range(B)]
+    return jax.tree.map(lambda *a: np.stack([np.asarray(x, np.float64) for x in a]), *gs)
+
+
+# --------------------------------------------------------------------------- #
+# Statistics and their oracles
+# --------------------------------------------------------------------------- #
+def _kron_oracle(g):
+    out = {}
+    for k, x in g.items():
+        ents = []
+        for j in range(1, x.ndim):
+            U = np.moveaxis(x, j, 1).reshape(x.shape[0], x.shape[j], -1)
+            ents.append(np.einsum("bij,bkj->ik", U, U) / x.shape[0])
+        out[k] = tuple(ents)
+    return out
+
+
+def stats_and_oracles(g):
+    """``{name: (statistic, oracle value)}`` from per-example grads ``g``."""
+    o = zoo.oracle_from_grads
+    C = float(np.median(np.sqrt(o(g, "sq_norms"))))
+    leaves = jax.tree.leaves(g)
+    B = leaves[0].shape[0]
+    sq = sum(np.sum(x.reshape(B, -1) ** 2, 1) for x in leaves)
+    out = {
+        "mean": (js.stats.mean(), o(g, "mean")),
+        "sum": (js.stats.sum(), o(g, "sum")),
+        "second_moment": (js.stats.second_moment(), o(g, "second_moment")),
+        "sign_mean": (js.stats.sign_mean(), o(g, "sign_mean")),
+        "abs_mean": (js.stats.abs_mean(), o(g, "abs_mean")),
+        "sq_norms": (js.stats.sq_norms(), o(g, "sq_norms")),
+        "sq_norms_per_leaf": (js.stats.sq_norms(per_leaf=True), o(g, "sq_norms", per_leaf=True)),
+        "norms": (js.stats.norms(), o(g, "norms")),
+        "clipped_mean": (js.stats.clipped_mean(C), o(g, "clipped_mean", clip_norm=C)),
+        "clipped_sum": (js.stats.clipped_sum(C / 3), o(g, "clipped_sum", clip_norm=C / 3)),
+        "pow4": (
+            js.stats.elementwise(lambda v: v**4, multiplicative=True, name="pow4"),
+            o(g, "elementwise", phi=lambda v: v**4),
+        ),
+        "cos": (
+            js.stats.elementwise(jnp.cos, name="cos"), o(g, "elementwise", phi=np.cos),
+        ),
+        "fourth_moment": (js.stats.fourth_moment(), jax.tree.map(lambda x: np.mean(x**4, 0), g)),
+        "gradient_diversity": (
+            js.stats.gradient_diversity(),
+            np.sum(sq) / sum(np.sum(x.sum(0) ** 2) for x in leaves),
+        ),
+        "kron_moments": (js.stats.kron_moments(), _kron_oracle(g)),
+    }
+    if B > 1:
+        out.update(
+            variance=(js.stats.variance(), o(g, "variance")),
+            variance_ddof0=(js.stats.variance(ddof=0), o(g, "variance", ddof=0)),
+            snr=(js.stats.snr(), o(g, "snr")),
+            gradient_noise_scale=(js.stats.gradient_noise_scale(), o(g, "gradient_noise_scale")),
+        )
+    return out
+
+
+def assert_close(actual, expected, rtol, what):
+    """Every leaf within ``rtol`` of the leaf's largest oracle value (per statistic)."""
+    a_leaves = jax.tree.leaves(actual)
+    e_leaves = jax.tree.leaves(expected)
+    assert len(a_leaves) == len(e_leaves), what
+    for a, e in zip(a_leaves, e_leaves):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape, (what, a.shape, e.shape)
+        fin = np.isfinite(e)
+        np.testing.assert_array_equal(np.isfinite(a), fin, err_msg=what)
+        scale = np.max(np.abs(e[fin])) if fin.any() else 0.0
+        np.testing.assert_allclose(a[fin], e[fin], rtol=rtol, atol=rtol * scale, err_msg=what)
+
+
+TOL = {"float64": 1e-10, "float32": 2e-4}
+# sign_mean in float32 (an element of a gradient within rounding of 0 may flip sign) and
+# the ratios of moments (their rounding is amplified where the variance is small)
+LOOSE32 = {"sign_mean": 0.3, "snr": 2e-2, "gradient_noise_scale": 2e-3}
+
+
+def check_all(loss, p, batch, dtype, **options):
+    """Every statistic in one call, and the second moment and clipped mean alone (the
+    direct paths), against the loop over examples."""
+    with zoo.x64() if dtype == "float64" else _null():
+        g = per_example_grads(loss, p, batch)
+        so = stats_and_oracles(g)
+        names = list(so)
+        fn = js.per_example_stat(loss, {k: so[k][0] for k in names}, check=False, **options)
+        out = jax.jit(fn)(p, batch)
+        alone = {
+            k: jax.jit(js.per_example_stat(loss, so[k][0], check=False, **options))(p, batch)
+            for k in ("second_moment", "clipped_mean", "mean")
+        }
+    for k in names:
+        tol = TOL[dtype] if dtype == "float64" else LOOSE32.get(k, TOL[dtype])
+        assert_close(out[k], so[k][1], tol, f"{k} ({dtype})")
+    for k, v in alone.items():
+        assert_close(v, so[k][1], TOL[dtype], f"{k} alone ({dtype})")
+    return g
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                        tree)
+
+
+# --------------------------------------------------------------------------- #
+# ragged_dot
+# --------------------------------------------------------------------------- #
+def test_ragged_dot_vmap_is_not_implemented_in_jax():
+    """Why the engine maps ragged_dot itself (and why the oracle loops): jax.vmap of a
+    ragged_dot with a shared weight raises. If a future jax implements it, the
+    forward of the kernel may become a plain vmap."""
+    p, (x, _) = make(2, 3)
+    gs = jnp.array([[1, 1, 1], [3, 0, 0]], jnp.int32)
+    with pytest.raises(NotImplementedError):
+        jax.vmap(lambda x, gs: lax.ragged_dot(x, p["w1"], gs))(x, gs)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize(
+    "B,T,drop_last",
+    [
+        (4, 5, False),  # tiled per-example products (2 T^2 > g k n)
+        (3, 2, True),  # ghost norms; tokens past the last group
+        (1, 1, False),  # one example with one token: the rank-one rules
+    ],
+)
+def test_ragged_moe_matches_oracle(B, T, drop_last, dtype):
+    p, batch = make(B, T, seed=B + T)
+
+    def loss(p, b):
+        return ragged_moe(p, b, drop_last)
+
+    with zoo.x64() if dtype == "float64" else _null():
+        p, batch = _cast((p, batch), jnp.dtype(dtype))
+        check_all(loss, p, batch, dtype)
+
+
+def test_ragged_moe_explain_names_the_kind_and_rules():
+    p, batch = make(4, 5)
+    r = js.explain(ragged_moe, check=False)(p, batch)
+    rows = {str(leaf.path): leaf for leaf in r.leaves}
+    for w in ("['w1']", "['w2']"):
+        assert rows[w].kinds == ["ragged-dense"], str(r)
+        assert rows[w].rule == "streamed", str(r)
+    assert "grouped" in str(r)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(chunk_size=2),  # chunks: the tile loops continue the running sums
+        dict(memory_budget_bytes=16),  # one example per tile, blocks of outputs
+    ],
+)
+def test_ragged_moe_options(options):
+    with zoo.x64():
+        p, batch = _cast(make(5, 4, seed=3), jnp.float64)
+        g = per_example_grads(ragged_moe, p, batch)
+        so = stats_and_oracles(g)
+        keys = ("mean", "second_moment", "variance", "norms", "clipped_mean", "pow4")
+        out = jax.jit(
+            js.per_example_stat(ragged_moe, {k: so[k][0] for k in keys}, check=False, **options)
+        )(p, batch)
+    for k in keys:
+        assert_close(out[k], so[k][1], 1e-10, f"{k} {options}")
+
+
+def test_ragged_moe_per_example_dots_and_tied_leaf():
+    """Statistics that take the per-example gradient of the leaf from the kernel's
+    ingredients: inner products with a reference, and a weight used by two ragged
+    products (tying: the leaf's G summed over its sites)."""
+
+    def tied(p, batch):
+        q = dict(p, w2=jnp.swapaxes(p["w1"], 1, 2) / 2)  # w1 again, transposed
+        return ragged_moe(q, batch)
+
+    with zoo.x64():
+        p, batch = _cast(make(3, 4, d=3, f=3, seed=5), jnp.float64)
+        ref = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), p)
+        for loss in (ragged_moe, tied):
+            g = per_example_grads(loss, p, batch)
+            stats = (js.stats.per_example_dots(ref), js.stats.second_moment(), js.stats.norms())
+            dots, m2, norms = jax.jit(js.per_example_stat(loss, stats, check=False))(p, batch)
+            dref = sum(
+                np.sum((g[k] * np.asarray(ref[k])).reshape(g[k].shape[0], -1), 1) for k in g
+            )
+            np.testing.assert_allclose(np.asarray(dots), dref, rtol=1e-10)
+            assert_close(m2, zoo.oracle_from_grads(g, "second_moment"), 1e-10, "m2")
+            assert_close(norms, zoo.oracle_from_grads(g, "norms"), 1e-10, "norms")
