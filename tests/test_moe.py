@@ -72,14 +72,14 @@ def per_example_grads(loss, p, batch):
 # Statistics and their oracles
 # --------------------------------------------------------------------------- #
 def _kron_oracle(g):
-    out = {}
-    for k, x in g.items():
+    def one(x):
         ents = []
         for j in range(1, x.ndim):
             U = np.moveaxis(x, j, 1).reshape(x.shape[0], x.shape[j], -1)
             ents.append(np.einsum("bij,bkj->ik", U, U) / x.shape[0])
-        out[k] = tuple(ents)
-    return out
+        return tuple(ents)
+
+    return jax.tree.map(one, g)
 
 
 def stats_and_oracles(g):
@@ -263,3 +263,103 @@ def test_ragged_moe_per_example_dots_and_tied_leaf():
             np.testing.assert_allclose(np.asarray(dots), dref, rtol=1e-10)
             assert_close(m2, zoo.oracle_from_grads(g, "second_moment"), 1e-10, "m2")
             assert_close(norms, zoo.oracle_from_grads(g, "norms"), 1e-10, "norms")
+
+
+def _moe_block(x2, w1, w2, wr, drop_last=False):
+    """One top-1 MoE block on tokens ``x2 [M, d]`` (residual)."""
+    E = w1.shape[0]
+    logits = x2 @ wr
+    eid = jnp.argmax(logits, -1)
+    gate = jnp.max(jax.nn.softmax(logits, -1), -1)
+    order = jnp.argsort(eid)
+    gs = jnp.bincount(eid, length=E).astype(jnp.int32)
+    h = jnp.tanh(lax.ragged_dot(x2[order], w1, gs))
+    o = lax.ragged_dot(h, w2, gs)
+    return x2 + o[jnp.argsort(order)] * gate[:, None]
+
+
+def scanned_remat_moe(p, batch):
+    """Two MoE blocks stacked in ``lax.scan`` under ``jax.checkpoint``."""
+    x, y = batch
+    B, T, d = x.shape
+
+    @jax.checkpoint
+    def layer(h, w):
+        return _moe_block(h, w["w1"], w["w2"], w["wr"]), None
+
+    h, _ = lax.scan(layer, x.reshape(B * T, d), p["layers"])
+    return _head(h.reshape(B, T, d), y, p["wh"])
+
+
+def test_ragged_moe_in_scan_with_remat():
+    """Sites inside ``lax.scan`` (statistics stacked per layer) under
+    ``jax.checkpoint`` (clipped sums by a second, reweighted pass)."""
+    with zoo.x64():
+        r = np.random.default_rng(7)
+        layers = [_moe_params(r, 3, 4, 3, 2, jnp.float64) for _ in range(2)]
+        p = dict(
+            layers={k: jnp.stack([q[k] for q in layers]) for k in ("w1", "w2", "wr")},
+            wh=layers[0]["wh"],
+        )
+        batch = make_batch(r, 3, 4, 3, 2, jnp.float64)
+        g = per_example_grads(scanned_remat_moe, p, batch)
+        so = stats_and_oracles(g)
+        keys = ("mean", "second_moment", "variance", "norms", "clipped_mean")
+        out = jax.jit(
+            js.per_example_stat(scanned_remat_moe, {k: so[k][0] for k in keys}, check=False)
+        )(p, batch)
+    for k in keys:
+        assert_close(out[k], so[k][1], 1e-10, k)
+
+
+def test_frozen_experts_and_generic_ragged_dot():
+    """``ragged_dot`` outside any site (experts not differentiated: LoRA-style
+    fine-tuning of a router and head) maps over the batch without copies of the
+    weights; a ``ragged_dot`` whose parameter is its ungrouped operand takes the
+    generic rule (exact per-example VJP, the operands broadcast)."""
+
+    def frozen(p, experts, batch):
+        return ragged_moe(dict(p, **experts), batch)
+
+    def lhs_param(p, batch):
+        x, _ = batch  # the example's tokens as the grouped operand [2, T, d]
+        rhs = jnp.stack([x[0], 2 * x[0]])
+        m = p["a"].shape[0]
+        o = lax.ragged_dot(p["a"], rhs, jnp.array([2, m - 2], jnp.int32))
+        return jnp.sum(jnp.tanh(o))
+
+    with zoo.x64():
+        p, batch = _cast(make(3, 4, seed=11), jnp.float64)
+        q = {k: p[k] for k in ("wr", "wh")}
+        experts = {k: p[k] for k in ("w1", "w2")}
+        g = per_example_grads(lambda q, b: frozen(q, experts, b), q, batch)
+        m2 = js.per_example_stat(frozen, js.stats.second_moment(), batch_argnums=2, check=False)
+        assert_close(jax.jit(m2)(q, experts, batch), zoo.oracle_from_grads(g, "second_moment"),
+                     1e-10, "frozen experts")
+
+        pa = {"a": jnp.asarray(np.random.default_rng(1).standard_normal((5, 4)))}
+        r = js.explain(lhs_param, check=False)(pa, batch)
+        assert r.leaves[0].kinds == ["generic"], str(r)
+        g = per_example_grads(lhs_param, pa, batch)
+        out = jax.jit(js.per_example_stat(
+            lhs_param, (js.stats.variance(), js.stats.norms()), check=False))(pa, batch)
+    assert_close(out[0], zoo.oracle_from_grads(g, "variance"), 1e-10, "lhs variance")
+    assert_close(out[1], zoo.oracle_from_grads(g, "norms"), 1e-10, "lhs norms")
+
+
+def test_check_per_example_on_ragged_moe():
+    """The check the cross-example error points to runs on a ``ragged_dot`` model (one
+    example at a time where jax cannot vectorise it), passes the plain MoE and
+    catches a load-balancing loss taken over the batch's tokens."""
+
+    def balanced(p, batch):
+        x, _ = batch
+        probs = jax.nn.softmax(x.reshape(-1, x.shape[-1]) @ p["wr"], -1)
+        return ragged_moe(p, batch) + jnp.sum(jnp.square(jnp.mean(probs, 0)))
+
+    p, batch = make(3, 4, seed=2)
+    assert js.check_per_example(ragged_moe)(p, batch) is None
+    with pytest.raises(ValueError, match="interact"):
+        js.check_per_example(balanced)(p, batch)
+    with pytest.raises(ValueError, match="sorts along the batch axis"):
+        js.per_example_stat(ragged_moe, js.stats.mean())(p, batch)

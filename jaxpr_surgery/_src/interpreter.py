@@ -20,6 +20,7 @@ from jaxpr_surgery._src import compat
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.analysis import _CALL_PRIMS
+from jaxpr_surgery._src.sites.base import map_eqn
 
 
 def _bcast(val, B):
@@ -359,6 +360,13 @@ class Evaluator:
 
         The vmapped run is a ``jax.jit`` cached by the run's structure
         (`fingerprint.eqns_key`): the same layer repeated is traced once."""
+        # a primitive jax maps only with every operand batched runs by itself
+        k = next((k for k, e in enumerate(eqns) if e.primitive in compat.BATCH_EVERY_OPERAND), None)
+        if k is not None:
+            self.segment(eqns[:k], env, read)
+            self._map_alone(eqns[k], env, read)
+            self.segment(eqns[k + 1 :], env, read)
+            return
         rest = []
         for eqn in eqns:
             if self.constant_eqn(eqn):
@@ -399,6 +407,19 @@ class Evaluator:
         vals = fn([env[v][0] for v in inputs])
         for v, o in zip(outs, vals):
             env[v] = (o, flag[v])
+
+    def _map_alone(self, eqn, env, read):
+        """``eqn`` of `compat.BATCH_EVERY_OPERAND` (``ragged_dot``) for the batch: jax maps
+        it only with every operand batched, so `sites.base.map_eqn` (a rule for a
+        shared operand, or copies of it)."""
+        ins = [read(v) for v in eqn.invars]
+        vals, flags = [a for a, _ in ins], [f for _, f in ins]
+        if any(flags):
+            outs = map_eqn(eqn, vals, flags, self.B)
+        else:
+            outs = compat.bind_eqn(eqn, vals)
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = (o, any(flags))
 
     # ------------------------------------------------------------------ #
     def site(self, p, env, read, sinks):

@@ -417,6 +417,25 @@ def broadcast_unbatched(vals, batched, B):
     )
 
 
+# primitive object -> ``rule(eqn, vals, batched, B) -> outs or None``: the equation for a
+# batch of ``B`` examples where jax.vmap cannot map it (`compat.BATCH_EVERY_OPERAND`)
+# without copies of its unbatched operands; None: no better way than the copies
+BATCH_RULES: dict = {}
+
+
+def map_eqn(eqn, vals, batched, B):
+    """The outputs of ``eqn`` for a batch of ``B`` examples, ``vals`` batched on axis 0
+    where ``batched`` says, for a primitive of `compat.BATCH_EVERY_OPERAND`: its
+    `BATCH_RULES` entry, else ``jax.vmap`` over every unbatched operand broadcast (a
+    copy per example)."""
+    rule = BATCH_RULES.get(eqn.primitive)
+    outs = rule(eqn, vals, batched, B) if rule is not None else None
+    if outs is not None:
+        return outs
+    vals = broadcast_unbatched(vals, batched, B)
+    return jax.vmap(lambda *a: tuple(compat.bind_eqn(eqn, list(a))))(*vals)
+
+
 def batched_every_operand(f, site, ext_batched):
     """``jax.vmap(f)`` over ``(w, *ext)`` with ``w`` and the unbatched ``ext`` shared,
     except where the site needs every operand batched (`batches_every_operand`): there

@@ -31,6 +31,7 @@ import numpy as np
 from jaxpr_surgery._src import compat, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.sites.base import (
+    BATCH_RULES,
     STREAMED,
     Kernel,
     Rule,
@@ -109,6 +110,37 @@ def grouped_outer(x, d, gid, g):
     return jax.lax.ragged_dot_general(x, d, _counts(gid, g), dn)
 
 
+def ragged_dot_batch(eqn, x, w, gs):
+    """``ragged_dot`` ``eqn`` of every example, ``x [B, ...]`` (its lhs) and ``gs [B, g]``,
+    against one shared ``w``: the site's own equation once, on every example's rows
+    sorted by group, the rows put back in order (the products of each example's own,
+    and their VJP jax's). ``eqn`` is of the form `ragged_canon` accepts."""
+    c = ragged_canon(eqn)
+    B, m, k = x.shape[0], c["N"], c["k"]
+    if c["x_t"]:
+        x = jnp.swapaxes(x, 1, 2)
+    gid = group_ids(gs, m)
+    order = _sorted_rows(gid)
+    xs = x.reshape(B * m, k)[order]
+    counts = _counts(gid.reshape(-1), c["G"]).astype(eqn.invars[2].aval.dtype)
+    (ys,) = compat.bind_eqn(eqn, [xs.T if c["x_t"] else xs, w, counts])
+    y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
+    return y.reshape((B,) + tuple(eqn.outvars[0].aval.shape))
+
+
+def _batch_rule(eqn, vals, batched, B):
+    """`base.BATCH_RULES`: a ``ragged_dot`` outside any site whose weight is shared by the
+    examples (frozen experts) by `ragged_dot_batch`, no copy of the weight."""
+    if batched[1] or ragged_canon(eqn) is None:
+        return None
+    x, w, gs = vals
+    x, gs = broadcast_unbatched((x, jnp.asarray(gs)), (batched[0], batched[2]), B)
+    return [ragged_dot_batch(eqn, x, w, gs)]
+
+
+BATCH_RULES[compat.ragged_dot_p] = _batch_rule
+
+
 def _sorted_rows(gid):
     """The rows of every example ``[B, m]`` in one order, consecutive by group (then by
     example and row), and the group sizes of all of them."""
@@ -146,31 +178,27 @@ class RaggedKernel(DenseKernel):
             self.site.ext_batched[self.site.ext_vars.index(v)]
         )
 
-    def _rows_and_groups(self, ext, B):
-        """``x [B, m, k]`` and the rows' group ids ``[B, m]``, every example's."""
-        x, gs = broadcast_unbatched(
+    def _lhs_and_sizes(self, ext, B):
+        """The site's ``x`` and group sizes for every example (``[B, ...]``)."""
+        return broadcast_unbatched(
             (self._operand(ext, 0), jnp.asarray(self._operand(ext, 2))),
             (self._batched(0), self._batched(2)), B,
         )
+
+    def _rows_and_groups(self, ext, B):
+        """``x [B, m, k]`` and the rows' group ids ``[B, m]``, every example's."""
+        x, gs = self._lhs_and_sizes(ext, B)
         if self.c["x_t"]:
             x = jnp.swapaxes(x, 1, 2)
         return x, group_ids(gs, self.c["N"])
 
     def forward(self, f, ext_batched):
-        """The site for a batch: one ``ragged_dot`` (the site's own equation) of every
-        example's rows sorted by group against the shared weight, the rows put back
-        in order; the same products as each example's own, and their VJP jax's."""
-        eqn, c = self.site.eqn, self.c
+        """The site for a batch: `ragged_dot_batch`, the weight shared (no copies)."""
 
         def F(w, *ext):
             B = next(x.shape[0] for x, b in zip(ext, ext_batched) if b)
-            x, gid = self._rows_and_groups(ext, B)
-            order = _sorted_rows(gid)
-            xs = x.reshape(B * c["N"], c["k"])[order]
-            gs = _counts(gid.reshape(-1), c["G"]).astype(eqn.invars[2].aval.dtype)
-            (ys,) = compat.bind_eqn(eqn, [xs.T if c["x_t"] else xs, w, gs])
-            y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
-            return (y.reshape((B,) + tuple(eqn.outvars[0].aval.shape)),)
+            x, gs = self._lhs_and_sizes(ext, B)
+            return (ragged_dot_batch(self.site.eqn, x, w, gs),)
 
         return F
 
