@@ -321,6 +321,19 @@ def test_frozen_experts_and_generic_ragged_dot():
     def frozen(p, experts, batch):
         return ragged_moe(dict(p, **experts), batch)
 
+    jitted_ragged_dot = jax.jit(lax.ragged_dot)
+
+    def frozen_in_jit(p, experts, batch):  # the frozen products inside a call of their own
+        x, y = batch
+        B, T, d = x.shape
+        tok = x.reshape(B * T, d)
+        eid, gate = _top1(tok, p["wr"])
+        order = jnp.argsort(eid)
+        gs = jnp.bincount(eid, length=experts["w1"].shape[0]).astype(jnp.int32)
+        h = jnp.tanh(jitted_ragged_dot(tok[order], experts["w1"], gs))
+        o = jitted_ragged_dot(h, experts["w2"], gs)[jnp.argsort(order)] * gate[:, None]
+        return _head(o.reshape(B, T, d), y, p["wh"])
+
     def lhs_param(p, batch):
         x, _ = batch  # the example's tokens as the grouped operand [2, T, d]
         rhs = jnp.stack([x[0], 2 * x[0]])
@@ -332,10 +345,11 @@ def test_frozen_experts_and_generic_ragged_dot():
         p, batch = _cast(make(3, 4, seed=11), jnp.float64)
         q = {k: p[k] for k in ("wr", "wh")}
         experts = {k: p[k] for k in ("w1", "w2")}
-        g = per_example_grads(lambda q, b: frozen(q, experts, b), q, batch)
-        m2 = js.per_example_stat(frozen, js.stats.second_moment(), batch_argnums=2, check=False)
-        assert_close(jax.jit(m2)(q, experts, batch), zoo.oracle_from_grads(g, "second_moment"),
-                     1e-10, "frozen experts")
+        for loss in (frozen, frozen_in_jit):
+            g = per_example_grads(lambda q, b, loss=loss: loss(q, experts, b), q, batch)
+            m2 = js.per_example_stat(loss, js.stats.second_moment(), batch_argnums=2, check=False)
+            assert_close(jax.jit(m2)(q, experts, batch), zoo.oracle_from_grads(g, "second_moment"),
+                         1e-10, f"frozen experts ({loss.__name__})")
 
         pa = {"a": jnp.asarray(np.random.default_rng(1).standard_normal((5, 4)))}
         r = js.explain(lhs_param, check=False)(pa, batch)
@@ -363,3 +377,75 @@ def test_check_per_example_on_ragged_moe():
         js.check_per_example(balanced)(p, batch)
     with pytest.raises(ValueError, match="sorts along the batch axis"):
         js.per_example_stat(ragged_moe, js.stats.mean())(p, batch)
+
+
+# --------------------------------------------------------------------------- #
+# Per-token gathered expert weights, and the one-hot dispatch form
+# --------------------------------------------------------------------------- #
+def _top1(x, wr):
+    logits = x @ wr
+    return jnp.argmax(logits, -1), jnp.max(jax.nn.softmax(logits, -1), -1)
+
+
+def gathered_moe(p, batch, gather=lambda w, top: w[top]):
+    """Each token's expert weights gathered (``w[top] : [B, T, d, f]``), then a
+    per-token matmul."""
+    x, y = batch
+    top, gate = _top1(x, p["wr"])
+    h = jnp.tanh(jnp.einsum("btd,btdf->btf", x, gather(p["w1"], top))) * gate[..., None]
+    return _head(h, y, p["wh"])
+
+
+def vmapped_gather(w, top):
+    """``w[i]`` written for one token and mapped over tokens (a batched dynamic slice:
+    a gather with an index per axis of ``w``, in clip mode)."""
+    return jax.vmap(jax.vmap(lambda i: w[i]))(top)
+
+
+def dispatch_moe(p, batch):
+    """The same layer in the one-hot dispatch form: tokens routed by a one-hot einsum,
+    each expert one dense product with its weight (a dense site with the experts as a
+    dot batch axis)."""
+    x, y = batch
+    top, gate = _top1(x, p["wr"])
+    oh = jax.nn.one_hot(top, p["w1"].shape[0], dtype=x.dtype)  # [B, T, E]
+    xe = jnp.einsum("btd,bte->betd", x, oh)
+    he = jnp.einsum("betd,edf->betf", xe, p["w1"])
+    h = jnp.tanh(jnp.einsum("betf,bte->btf", he, oh)) * gate[..., None]
+    return _head(h, y, p["wh"])
+
+
+def _gathered_params(r, d, f, E, C, dtype):
+    n = lambda *s: jnp.asarray(r.standard_normal(s).astype(np.float32), dtype)  # noqa: E731
+    return dict(wr=n(d, E), w1=n(E, d, f), wh=n(f, C))
+
+
+@pytest.mark.parametrize("gather", [lambda w, t: w[t], vmapped_gather], ids=["index", "vmap"])
+def test_gathered_experts_are_row_gathers(gather):
+    """Gathered expert weights are rows of the expert table gathered by token: the
+    embedding rule (segment sums of the tokens routed to one expert), never the
+    per-example table ``[B, E, d, f]``; the dispatch form is a dense site. All three give
+    the statistics of the loop over examples."""
+    with zoo.x64():
+        r = np.random.default_rng(4)
+        p = _gathered_params(r, 3, 4, 3, 2, jnp.float64)
+        batch = make_batch(r, 4, 5, 3, 2, jnp.float64)
+
+        def loss(p, b):
+            return gathered_moe(p, b, gather)
+
+        r1 = js.explain(loss)(p, batch)
+        r2 = js.explain(dispatch_moe)(p, batch)
+        g = per_example_grads(loss, p, batch)
+        so = stats_and_oracles(g)
+        keys = ("mean", "second_moment", "variance", "sign_mean", "norms", "clipped_mean")
+        stats = {k: so[k][0] for k in keys}
+        out = jax.jit(js.per_example_stat(loss, stats))(p, batch)
+        out_d = jax.jit(js.per_example_stat(dispatch_moe, stats))(p, batch)
+    w1 = {str(leaf.path): leaf for leaf in r1.leaves}["['w1']"]
+    assert (w1.kinds, w1.rule) == (["embedding"], "streamed"), str(r1)
+    w1 = {str(leaf.path): leaf for leaf in r2.leaves}["['w1']"]
+    assert (w1.kinds, w1.rule) == (["dense"], "streamed"), str(r2)
+    for k in keys:
+        assert_close(out[k], so[k][1], 1e-10, k)
+        assert_close(out_d[k], so[k][1], 1e-10, f"{k} (dispatch)")

@@ -36,6 +36,24 @@ def _read(env, v):
     return env[v]
 
 
+def _holds_map_alone(eqn, memo):
+    """Whether a jaxpr inside ``eqn`` holds a primitive of `compat.BATCH_EVERY_OPERAND`
+    (jax.vmap of the call would raise: the call is evaluated equation by equation).
+    ``memo``: id(jaxpr) -> (jaxpr, answer), for one trace."""
+    for j in compat.subjaxprs(eqn):
+        j = getattr(j, "jaxpr", j)
+        hit = memo.get(id(j))
+        if hit is None:
+            held = any(
+                e.primitive in compat.BATCH_EVERY_OPERAND or _holds_map_alone(e, memo)
+                for e in j.eqns
+            )
+            hit = memo[id(j)] = (j, held)
+        if hit[1]:
+            return True
+    return False
+
+
 def _segment_key(eqns, inputs, in_flags):
     namer = fp.Namer()
     for i, v in enumerate(inputs):
@@ -75,6 +93,7 @@ class Evaluator:
         self.cache = cache  # fingerprint.TraceCache: runs of equations traced once
         # variables computed from the jaxpr's constants alone (`constant_eqn`)
         self.consts = set()
+        self._holds = {}  # `_holds_map_alone`'s answers by jaxpr
 
     def run(self, jaxpr, consts, vals, flags, sinks, path=(), outer=()):
         """``outer``: ``(var, (value, batched))`` of the enclosing scopes that sites in
@@ -319,10 +338,11 @@ class Evaluator:
         return last
 
     def _special(self, p, eqn):
-        """A site, or a call / remat / scan with a site inside: evaluated by hand."""
+        """A site, or a call / remat / scan with a site inside (or a primitive that jax
+        maps only with every operand batched, `_maps_alone`): evaluated by hand."""
         if p in self.an.sites:
             return True
-        return p in self.an.scopes and (
+        return (p in self.an.scopes or _holds_map_alone(eqn, self._holds)) and (
             eqn.primitive in _CALL_PRIMS
             or eqn.primitive is compat.remat_p
             or eqn.primitive is compat.scan_p
