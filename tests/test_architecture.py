@@ -297,7 +297,8 @@ def test_registry_is_keyed_by_primitive_objects():
         assert prios == sorted(prios, reverse=True)
     assert base._DEFAULT == [GenericKernel]
     assert sorted(base.KERNELS) == [
-        "conv", "dense", "embedding", "generic", "onehot-embedding", "scale-shift"
+        "conv", "dense", "embedding", "generic", "onehot-embedding", "ragged-dense",
+        "scale-shift",
     ]
 
 

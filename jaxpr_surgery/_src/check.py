@@ -94,7 +94,7 @@ def check_per_example(
         batch = _Batch.of(args, nums)
         probe = _Probe.of(fn, args, batch, dnums, has_aux, seed)
         full = probe.value(args)
-        per = jax.vmap(lambda ex: probe.value(probe.one(ex)))(batch.leaves)
+        per = _over_examples(lambda ex: probe.value(probe.one(ex)), batch.leaves, batch.size)
         tol = _Tolerance.for_dtype(jnp.result_type(full), rtol, atol)
         per = np.asarray(per, np.float64)
         kind, reduce = _reduction(float(full), per, batch.size, tol)
@@ -247,14 +247,23 @@ def _reduction(full_v, per, size, tol):
     raise ValueError(_value_message(full_v, mean_v, sum_v))
 
 
+def _over_examples(f, leaves, per_map):
+    """``f`` of every example, ``per_map`` of them vectorised at a time; one at a time
+    where jax cannot vectorise ``fn`` (``jax.vmap`` of a ``ragged_dot`` with weights
+    shared by the examples raises NotImplementedError)."""
+    try:
+        return jax.lax.map(f, leaves, batch_size=per_map if per_map > 1 else None)
+    except NotImplementedError:
+        return jax.lax.map(f, leaves)
+
+
 def _check_gradient(probe, batch, kind, reduce, tol, argnums):
     """The gradient check: fn's derivative along the probe's direction against the
     ``kind`` (mean or sum, by ``reduce``) of the per-example derivatives."""
     dfull_v = float(probe.derivative(probe.args))
     # one example's gradient at a time, a few examples vectorised
-    dper = jax.lax.map(
-        lambda ex: probe.derivative(probe.one(ex)), batch.leaves,
-        batch_size=probe.examples_per_map(),
+    dper = _over_examples(
+        lambda ex: probe.derivative(probe.one(ex)), batch.leaves, probe.examples_per_map()
     )
     dper = np.asarray(dper, np.float64)
     dref, dscale = reduce(dper), reduce(np.abs(dper))

@@ -97,6 +97,7 @@ def _first(*getters):
 # Primitives (objects)
 # --------------------------------------------------------------------------- #
 dot_general_p = _lax.dot_general_p
+ragged_dot_p = _lax.ragged_dot_general_p  # jax.lax.ragged_dot / ragged_dot_general
 conv_p = _conv.conv_general_dilated_p
 gather_p = _slicing.gather_p
 mul_p = _lax.mul_p
@@ -175,6 +176,11 @@ def _vma_cast_prims():
 
 
 vma_cast_prims = _vma_cast_prims()
+
+# Primitives that jax.vmap batches only with every operand batched on axis 0 (any other
+# mix raises "ragged_dot vmap over any dim but 0 - NYI"): the engine broadcasts their
+# unbatched operands to the batch before it maps them.
+BATCH_EVERY_OPERAND = frozenset({ragged_dot_p})
 
 # Primitives of reductions that make examples interact when applied to the
 # batch axis (used by the interaction heuristics of explain).

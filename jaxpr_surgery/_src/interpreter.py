@@ -20,6 +20,7 @@ from jaxpr_surgery._src import compat
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.analysis import _CALL_PRIMS
+from jaxpr_surgery._src.sites.base import map_eqn
 
 
 def _bcast(val, B):
@@ -33,6 +34,24 @@ def _read(env, v):
     if isinstance(v, compat.Literal):
         return v.val, False
     return env[v]
+
+
+def _holds_map_alone(eqn, memo):
+    """Whether a jaxpr inside ``eqn`` holds a primitive of `compat.BATCH_EVERY_OPERAND`
+    (jax.vmap of the call would raise: the call is evaluated equation by equation).
+    ``memo``: id(jaxpr) -> (jaxpr, answer), for one trace."""
+    for j in compat.subjaxprs(eqn):
+        j = getattr(j, "jaxpr", j)
+        hit = memo.get(id(j))
+        if hit is None:
+            held = any(
+                e.primitive in compat.BATCH_EVERY_OPERAND or _holds_map_alone(e, memo)
+                for e in j.eqns
+            )
+            hit = memo[id(j)] = (j, held)
+        if hit[1]:
+            return True
+    return False
 
 
 def _segment_key(eqns, inputs, in_flags):
@@ -74,6 +93,7 @@ class Evaluator:
         self.cache = cache  # fingerprint.TraceCache: runs of equations traced once
         # variables computed from the jaxpr's constants alone (`constant_eqn`)
         self.consts = set()
+        self._holds = {}  # `_holds_map_alone`'s answers by jaxpr
 
     def run(self, jaxpr, consts, vals, flags, sinks, path=(), outer=()):
         """``outer``: ``(var, (value, batched))`` of the enclosing scopes that sites in
@@ -318,10 +338,11 @@ class Evaluator:
         return last
 
     def _special(self, p, eqn):
-        """A site, or a call / remat / scan with a site inside: evaluated by hand."""
+        """A site, or a call / remat / scan with a site inside (or a primitive that jax
+        maps only with every operand batched, `_maps_alone`): evaluated by hand."""
         if p in self.an.sites:
             return True
-        return p in self.an.scopes and (
+        return (p in self.an.scopes or _holds_map_alone(eqn, self._holds)) and (
             eqn.primitive in _CALL_PRIMS
             or eqn.primitive is compat.remat_p
             or eqn.primitive is compat.scan_p
@@ -359,6 +380,13 @@ class Evaluator:
 
         The vmapped run is a ``jax.jit`` cached by the run's structure
         (`fingerprint.eqns_key`): the same layer repeated is traced once."""
+        # a primitive jax maps only with every operand batched runs by itself
+        k = next((k for k, e in enumerate(eqns) if e.primitive in compat.BATCH_EVERY_OPERAND), None)
+        if k is not None:
+            self.segment(eqns[:k], env, read)
+            self._map_alone(eqns[k], env, read)
+            self.segment(eqns[k + 1 :], env, read)
+            return
         rest = []
         for eqn in eqns:
             if self.constant_eqn(eqn):
@@ -399,6 +427,19 @@ class Evaluator:
         vals = fn([env[v][0] for v in inputs])
         for v, o in zip(outs, vals):
             env[v] = (o, flag[v])
+
+    def _map_alone(self, eqn, env, read):
+        """``eqn`` of `compat.BATCH_EVERY_OPERAND` (``ragged_dot``) for the batch: jax maps
+        it only with every operand batched, so `sites.base.map_eqn` (a rule for a
+        shared operand, or copies of it)."""
+        ins = [read(v) for v in eqn.invars]
+        vals, flags = [a for a, _ in ins], [f for _, f in ins]
+        if any(flags):
+            outs = map_eqn(eqn, vals, flags, self.B)
+        else:
+            outs = compat.bind_eqn(eqn, vals)
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = (o, any(flags))
 
     # ------------------------------------------------------------------ #
     def site(self, p, env, read, sinks):
@@ -567,9 +608,7 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
     from jaxpr_surgery._src.sites.generic import composite
 
     def build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key):
-        f = composite(site)
-        in_axes = (None,) + tuple(0 if b else None for b in ext_batched)
-        F = jax.vmap(f, in_axes=in_axes)
+        F = kernel.forward(composite(site), ext_batched)
 
         def fwd_impl(w, ext):
             return F(w, *ext)
@@ -640,8 +679,7 @@ def make_weighted_site_fn(cache):
     from jaxpr_surgery._src.sites.generic import composite
 
     def build(site, kernel, ext_batched, out_dtypes):
-        f = composite(site)
-        F = jax.vmap(f, in_axes=(None,) + tuple(0 if b else None for b in ext_batched))
+        F = kernel.forward(composite(site), ext_batched)
 
         def fwd_impl(w, ext):
             return F(w, *ext)

@@ -273,6 +273,16 @@ class Kernel:
         self.acc = acc_dtype
         self.budget = budget  # bytes per tile of per-example gradients (None: default)
 
+    # the site's value for a batch (the forward pass and its VJP) ---------- #
+    def forward(self, f, ext_batched):
+        """``F(w, *ext) -> outs``: the site's equations for a batch of examples.
+
+        ``f(w, *ext)`` evaluates them for one example (`generic.composite`); ``ext``
+        holds the site's other inputs, batched on axis 0 where ``ext_batched`` says.
+        Here ``jax.vmap(f)`` with the view shared by the examples; kernels whose
+        primitive jax cannot map that way override it (`batched_every_operand`)."""
+        return batched_every_operand(f, self.site, ext_batched)
+
     # inside the backward pass ------------------------------------------- #
     def prepare(self, w, ext, ext_batched, dy):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -411,6 +421,54 @@ class Kernel:
         return Rule(
             MATERIALISED, "per-example VJP", float(2 * B * (out + view)), float(B * view * itemsize)
         )
+
+
+def batches_every_operand(site) -> bool:
+    """Whether the site's equations hold a primitive that ``jax.vmap`` maps only with
+    every operand batched (`compat.BATCH_EVERY_OPERAND`: ``ragged_dot``)."""
+    return any(e.primitive in compat.BATCH_EVERY_OPERAND for e in (*site.pre, site.eqn))
+
+
+def broadcast_unbatched(vals, batched, B):
+    """``vals`` with each unbatched one broadcast to ``[B, ...]``."""
+    return tuple(
+        v if b else jnp.broadcast_to(v, (B,) + jnp.shape(v)) for v, b in zip(vals, batched)
+    )
+
+
+# primitive object -> ``rule(eqn, vals, batched, B) -> outs or None``: the equation for a
+# batch of ``B`` examples where jax.vmap cannot map it (`compat.BATCH_EVERY_OPERAND`)
+# without copies of its unbatched operands; None: no better way than the copies
+BATCH_RULES: dict = {}
+
+
+def map_eqn(eqn, vals, batched, B):
+    """The outputs of ``eqn`` for a batch of ``B`` examples, ``vals`` batched on axis 0
+    where ``batched`` says, for a primitive of `compat.BATCH_EVERY_OPERAND`: its
+    `BATCH_RULES` entry, else ``jax.vmap`` over every unbatched operand broadcast (a
+    copy per example)."""
+    rule = BATCH_RULES.get(eqn.primitive)
+    outs = rule(eqn, vals, batched, B) if rule is not None else None
+    if outs is not None:
+        return outs
+    vals = broadcast_unbatched(vals, batched, B)
+    return jax.vmap(lambda *a: tuple(compat.bind_eqn(eqn, list(a))))(*vals)
+
+
+def batched_every_operand(f, site, ext_batched):
+    """``jax.vmap(f)`` over ``(w, *ext)`` with ``w`` and the unbatched ``ext`` shared,
+    except where the site needs every operand batched (`batches_every_operand`): there
+    they are broadcast to the batch first (``B`` copies of the view, as the
+    per-example VJP of such a site costs anyway)."""
+    if not batches_every_operand(site):
+        return jax.vmap(f, in_axes=(None,) + tuple(0 if b else None for b in ext_batched))
+
+    def F(w, *ext):
+        B = next(x.shape[0] for x, b in zip(ext, ext_batched) if b)
+        w, *ext = broadcast_unbatched((w, *ext), (False, *ext_batched), B)
+        return jax.vmap(f)(w, *ext)
+
+    return F
 
 
 def view_scale(site, ext, dtype):

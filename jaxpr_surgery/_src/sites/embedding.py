@@ -84,10 +84,11 @@ def row_gather_layout(eqn):
       table[None], ids[..., None], axis=1)`` gathers from a ``[1, V, d]`` view), so
       that the table is a ``[V, d]`` reshape of the operand; the gathered rows follow
       the ids' axes in memory (offset axes of size 1 may sit anywhere);
-    * a batched ``dynamic_slice`` of a row of a 2-D table, which is what ``jax.vmap``
-      makes of ``table[i]`` with a scalar ``i`` (``eqx.nn.Embedding``): no collapsed
-      dim, an index pair (row, column) in clip mode, where the column start of a
-      full-width slice is always clamped to 0.
+    * a batched ``dynamic_slice`` of a row of a table, which is what ``jax.vmap``
+      makes of ``table[i]`` with a scalar ``i`` (``eqx.nn.Embedding``, or a token's
+      expert weights ``w[i]`` of a ``[E, d, f]`` table): no collapsed dim, an index per
+      axis of the table in clip mode, where the start of every full-width axis is
+      always clamped to 0.
     """
     from jax.lax import GatherScatterMode
 
@@ -113,14 +114,15 @@ def row_gather_layout(eqn):
             if not ids_axes or not row_axes or max(ids_axes) < min(row_axes):
                 return 1, 0, r
         return None
-    if len(shape) != 2 or sizes != (1, shape[1]):
+    rank = len(shape)
+    if sizes != (1,) + shape[1:]:
         return None
-    if collapsed == () and offs == (out_rank - 2, out_rank - 1) and 0 in smap:
+    if collapsed == () and offs == tuple(range(out_rank - rank, out_rank)) and 0 in smap:
         mode = eqn.params.get("mode")
         if smap == (0,) and ncomp == 1:
             return 1, 0, 0
-        if sorted(smap) == [0, 1] and ncomp == 2 and mode == GatherScatterMode.CLIP:
-            return 2, smap.index(0), 0
+        if sorted(smap) == list(range(rank)) and ncomp == rank and mode == GatherScatterMode.CLIP:
+            return rank, smap.index(0), 0
     return None
 
 

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from jaxpr_surgery._src import compat
 from jaxpr_surgery._src.sites.base import (
     Kernel,
+    batches_every_operand,
+    broadcast_unbatched,
     example_scale,
     register,
     register_default,
@@ -41,16 +43,25 @@ def composite(site):
 
 
 def per_example_vjp(site, w, ext, ext_batched, dy):
-    """G [B, *w.shape]: per-example gradient of the site output w.r.t. ``w``."""
+    """G [B, *w.shape]: per-example gradient of the site output w.r.t. ``w``.
+
+    Where jax maps the site's primitive only with every operand batched
+    (`base.batches_every_operand`: ``ragged_dot``), the view and the unbatched inputs
+    are broadcast to the batch first (the result is ``B`` views anyway)."""
     f = composite(site)
     dys = dy if isinstance(dy, tuple) else (dy,)
 
-    def one(ext_b, dy_b):
-        _, pull = jax.vjp(lambda w_: f(w_, *ext_b), w)
+    def one(w_b, ext_b, dy_b):
+        _, pull = jax.vjp(lambda w_: f(w_, *ext_b), w_b)
         return pull(tuple(dy_b))[0]
 
-    in_axes = (tuple(0 if b else None for b in ext_batched), 0)
-    return jax.vmap(one, in_axes=in_axes)(tuple(ext), dys)
+    w_axis = None
+    if batches_every_operand(site):
+        B = jax.tree.leaves(dys)[0].shape[0]
+        w, *ext = broadcast_unbatched((w, *ext), (False, *ext_batched), B)
+        w_axis, ext_batched = 0, (True,) * len(ext)
+    in_axes = (w_axis, tuple(0 if b else None for b in ext_batched), 0)
+    return jax.vmap(one, in_axes=in_axes)(w, tuple(ext), dys)
 
 
 @register_default
