@@ -39,6 +39,7 @@ from jaxpr_surgery._src.sites.base import (
     example_norm,
     recompute_flagged,
     register,
+    sqrt0,
 )
 from jaxpr_surgery._src.sites.dense import DenseKernel
 
@@ -311,7 +312,7 @@ class RaggedKernel(DenseKernel):
             G = self._tile_G(*xd, b, 1)
             return jnp.stack([jnp.sum(jnp.square(G)), example_norm(lambda cut: G)])
 
-        out = recompute_flagged(exact, (x, dy), jnp.stack([ghost, S.sqrt0(ghost)], -1), bad)
+        out = recompute_flagged(exact, (x, dy), jnp.stack([ghost, sqrt0(ghost)], -1), bad)
         return out[:, 0], out[:, 1]
 
     # reporting ------------------------------------------------------------------ #
@@ -330,12 +331,14 @@ class RaggedKernel(DenseKernel):
                 float(tiling.tile_bytes(t, ft, shape, self.acc) + t * self.tile_extra_bytes()),
             )
 
-        if isinstance(reduction, S.PhiSum) and reduction.phi is None:
+        if reduction.weighted_by_norm:  # a clipped sum: the site computes the norms
+            reduction = S.SqNorms()
+        if reduction.linear:
             return Rule(
                 STREAMED, "grouped contraction (rows sorted by group)", grouped,
                 float(B * N * (k + n) * it),
             )
-        if isinstance(reduction, (S.SqNorms, S.ClippedSum)) and N > 1 and self.use_ghost():
+        if reduction == S.SqNorms() and N > 1 and self.use_ghost():
             return Rule(
                 STREAMED, "ghost norm (token pairs of one group)", float(2 * B * N * N * (k + n)),
                 float(2 * B * N * N * it),
