@@ -265,16 +265,20 @@ def test_ragged_moe_options(options, request):
 def test_ragged_moe_per_example_dots_and_tied_leaf():
     """Statistics that take the per-example gradient of the leaf from the kernel's
     ingredients: inner products with a reference, and a weight used by two ragged
-    products (tying: the leaf's G summed over its sites)."""
+    products or by a ragged product and a generic site (the leaf's G summed over its
+    sites)."""
 
     def tied(p, batch):
         q = dict(p, w2=jnp.swapaxes(p["w1"], 1, 2) / 2)  # w1 again, transposed
         return ragged_moe(q, batch)
 
+    def penalised(p, batch):  # w1 also at a generic site
+        return ragged_moe(p, batch) + 0.1 * jnp.sum(jnp.sin(p["w1"]))
+
     with zoo.x64():
         p, batch = _cast(make(3, 4, d=3, f=3, seed=5), jnp.float64)
         ref = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), p)
-        for loss in (ragged_moe, tied):
+        for loss in (ragged_moe, tied, penalised):
             g = per_example_grads(loss, p, batch)
             stats = (js.stats.per_example_dots(ref), js.stats.second_moment(), js.stats.norms())
             dots, m2, norms = jax.jit(js.per_example_stat(loss, stats, check=False))(p, batch)
