@@ -414,8 +414,8 @@ class PhiSum(ElementwiseReduction):
     def clash(self, other):
         if isinstance(other, PhiSum) and not same_function(self.phi, other.phi):
             return (f"both name their elementwise function name={self.name!r}, but the "
-                    f"functions differ ({function_name(other.phi)} and "
-                    f"{function_name(self.phi)})")
+                    f"functions differ ({function_name(self.phi)} and "
+                    f"{function_name(other.phi)})")
         return None
 
     def describe(self):
