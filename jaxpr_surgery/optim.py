@@ -42,7 +42,8 @@ Families (Roulet & Agarwala, arXiv 2510.00236):
   `micro_adam_var`, `micro_adam_msq` and their ``scale_by_*``;
 * matrix preconditioners: `shampoo` / `scale_by_shampoo` (per-example Kronecker
   moments, or classic Shampoo with ``per_example=False``);
-* differential privacy: `dp_sgd`, `dp_adam`, `dp_aggregate`;
+* differential privacy: `dp_sgd`, `dp_adam`, `dp_aggregate` (per-layer clipping with a
+  pytree of bounds; `dp_sensitivity`);
 * monitoring: `track_gradient_statistics`;
 * schedules: `sqrt_batch_size_scaling`, `adam_sqrt_scaling` (Malladi et al.'s
   full rule);
@@ -61,6 +62,7 @@ from jaxpr_surgery._src.optim.adam import scale_by_micro_adam_msq as scale_by_mi
 from jaxpr_surgery._src.optim.adam import scale_by_micro_adam_var as scale_by_micro_adam_var
 from jaxpr_surgery._src.optim.dp import dp_adam as dp_adam
 from jaxpr_surgery._src.optim.dp import dp_aggregate as dp_aggregate
+from jaxpr_surgery._src.optim.dp import dp_sensitivity as dp_sensitivity
 from jaxpr_surgery._src.optim.dp import dp_sgd as dp_sgd
 from jaxpr_surgery._src.optim.monitor import (
     TrackGradientStatisticsState as TrackGradientStatisticsState,
@@ -118,6 +120,7 @@ __all__ = [
     "dp_aggregate",
     "dp_sgd",
     "dp_adam",
+    "dp_sensitivity",
     "TrackGradientStatisticsState",
     "track_gradient_statistics",
     "sqrt_batch_size_scaling",

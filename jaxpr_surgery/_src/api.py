@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import chunking, compat, engine, independence, tiling
+from jaxpr_surgery._src import chunking, compat, engine, independence, prefix, tiling
 from jaxpr_surgery._src import stats as S
 
 PyTree = Any
@@ -121,6 +121,21 @@ def _flatten_stats(stat):
     return leaves, treedef, reqs, unique
 
 
+class _LeafFlatten:
+    """Trees given per differentiated leaf, as the reductions bound per leaf read them
+    (`Reduction.per_leaf`): ``flatten(tree)`` for a tree shaped like the differentiated
+    arguments, ``flatten.prefix(tree, what, entry)`` for a prefix of their structure."""
+
+    def __init__(self, prep):
+        self._prep = prep
+
+    def __call__(self, tree):
+        return self._prep.flatten_like_diff(tree)
+
+    def prefix(self, tree, what, entry="entry"):
+        return self._prep.prefix_like_diff(tree, what, entry)
+
+
 class _Prepared:
     """Everything derived from the call's arguments, shared by the entry points."""
 
@@ -217,6 +232,20 @@ class _Prepared:
             tree = tuple(tree)  # several argnums: a tuple of their trees
         full = self.diff_tree.flatten_up_to(tree)
         return [x for x, a in zip(full, self.diff_is_arr) if a]
+
+    def prefix_like_diff(self, tree, what, entry="entry"):
+        """For a tree that is a prefix of the differentiated arguments' structure (one
+        value per group of leaves; a single value: one group of all), per array leaf
+        ``(k, path, value)`` of the entry above it (`prefix.leaf_groups`)."""
+        if not self.single and isinstance(tree, list):
+            tree = tuple(tree)  # several argnums: a tuple of their trees
+        entries, groups = prefix.leaf_groups(tree, self.diff_tree, f"{self.name}: {what}", entry)
+        return [(k, *entries[k]) for k, a in zip(groups, self.diff_is_arr) if a]
+
+    def leaf_flatten(self):
+        """The ``flatten`` of `Reduction.per_leaf`: `flatten_like_diff`, with
+        `prefix_like_diff` as its ``prefix``."""
+        return _LeafFlatten(self)
 
     @property
     def data_axes(self):
@@ -390,7 +419,7 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     leaf_avals = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in prep.diff_leaves]
     plan = engine.make_plan(
         closed, an, leaf_avals, reductions, len(prep.ex_leaves), len(prep.other_leaves),
-        out_tree, budget=opts.memory_budget_bytes, flatten=prep.flatten_like_diff,
+        out_tree, budget=opts.memory_budget_bytes, flatten=prep.leaf_flatten(),
         data_axes=prep.data_axes,
     )
     act = functools.cache(lambda: chunking.activation_bytes_of(

@@ -412,27 +412,57 @@ def _combine_shards(plan, i, values, norms_leaf, model_axes):
         norms_leaf[i] = S.Norms().combine_shards(norms_leaf[i], model_axes)
 
 
-def _clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
-    """The clipped sums, weighted by the global norm from the leaves' (finite wherever
-    representable: a float32 norm past 2^64 whose square overflows still clips to
-    ``C g / |g|``): from each leaf's kept ingredients, or a second pass (remat)."""
+def clip_weights(plan, clips, norms_leaf):
+    """Per clipped sum ``plan.reductions[j]`` of ``clips``, per leaf the examples' weights
+    ``c [B]``: each leaf's bound (`Reduction.per_leaf`: a `stats.GroupClip`) weights its
+    examples by the norm over the leaves of its group, combined from the leaves' norms
+    (finite wherever representable: a float32 norm past 2^64 whose square overflows
+    still clips to ``C g / |g|``). A single bound: one group, the global norm."""
     dt = jnp.result_type(*norms_leaf)
-    norm = combine_norms(jnp.stack([x.astype(dt) for x in norms_leaf]))
+    group_norms = {}  # leaves of a group -> their combined norm (shared by clipped sums)
+
+    def norm_of(leaves):
+        if leaves not in group_norms:
+            group_norms[leaves] = combine_norms(
+                jnp.stack([norms_leaf[i].astype(dt) for i in leaves]))
+        return group_norms[leaves]
+
+    out = []
+    for j in clips:
+        bounds = [plan.bound(plan.reductions[j], i) for i in range(len(norms_leaf))]
+        groups = {}
+        for i, b in enumerate(bounds):
+            groups.setdefault(getattr(b, "group", 0), []).append(i)
+        cs = [None] * len(bounds)
+        for leaves in groups.values():
+            # the clip factors of the group's examples: formed here, and only here
+            c = bounds[leaves[0]].example_weights(norm_of(tuple(leaves)))
+            for i in leaves:
+                cs[i] = c
+        out.append(cs)
+    return out
+
+
+def _clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
+    """The clipped sums, each leaf weighted by `clip_weights` (the norm over its group):
+    from each leaf's kept ingredients, or a second pass (remat)."""
     clips = [j for j, r in enumerate(plan.reductions) if r.weighted_by_norm]
-    cs = [plan.reductions[j].example_weights(norm) for j in clips]
+    cs = clip_weights(plan, clips, norms_leaf)
     if plan.clip_recompute:
         sums = _reweighted_sums(plan, ch, cache, cs)
-    for k, (j, c) in enumerate(zip(clips, cs)):
+    for k, j in enumerate(clips):
         for i in range(len(ch.diff)):
-            values[j][i] = sums[k][i] if plan.clip_recompute else deferred[i](c)
+            values[j][i] = sums[k][i] if plan.clip_recompute else deferred[i](cs[k][i])
 
 
 def _reweighted_sums(plan, ch, cache, cs):
-    """``[sum_b c_b g_b per leaf]`` for each weight vector ``c`` of ``cs``: a second
-    forward and backward pass of the per-example losses (remat and all), seeded with
-    ones like the first, in which every site forms its weighted sum from its ``x`` and
-    ``dy`` (interpreter.make_weighted_site_fn) and residual leaves weight their
-    per-example copies' gradients. One pass serves all clipped sums of the plan."""
+    """``[sum_b c_b g_b per leaf]`` for each clipped sum's per-leaf weights ``c`` of
+    ``cs`` (a ``[B]`` vector per leaf): a second forward and backward pass of the
+    per-example losses (remat and all), seeded with ones like the first, in which every
+    site forms its weighted sum from its ``x`` and ``dy`` with its leaf's weights
+    (interpreter.make_weighted_site_fn) and residual leaves weight their per-example
+    copies' gradients. One pass serves all clipped sums of the plan, per-group bounds
+    included."""
     an, B = plan.analysis, ch.B
 
     def sink(s):
@@ -440,7 +470,7 @@ def _reweighted_sums(plan, ch, cache, cs):
         lead = tuple(s.scan_lengths)
         vary = lambda x: compat.make_varying(x, ch.leaf_axes(s.leaf))  # noqa: E731
         return {
-            WEIGHTS: [vary(jnp.broadcast_to(c.astype(k.acc), lead + (B,))) for c in cs],
+            WEIGHTS: [vary(jnp.broadcast_to(c[s.leaf].astype(k.acc), lead + (B,))) for c in cs],
             SUMS: [vary(jnp.zeros(lead + tuple(s.view_shape), k.acc)) for _ in cs],
         }
 
@@ -453,7 +483,7 @@ def _reweighted_sums(plan, ch, cache, cs):
         for i, aval in enumerate(plan.leaf_avals):
             acc = acc_dtype_for(aval.dtype)
             if plan.modes[i] == "residual":
-                v = weighted_sum_materialised(copy_cts[i].astype(acc), c)
+                v = weighted_sum_materialised(copy_cts[i].astype(acc), c[i])
             elif plan.modes[i] == "unused":
                 v = jnp.zeros(aval.shape, acc)
             else:

@@ -48,6 +48,8 @@ class LeafReport:
     under ``eqx.filter_grad``). ``rule`` is the dearest over the requested statistics.
     ``hows`` says, per statistic, how its rule runs (``"contraction"``, ``"ghost
     norm"``, ...); ``detail`` is the same for every statistic in one string.
+    ``clip_groups`` says, for each statistic that clips per group of leaves (a tree of
+    clip bounds), the path of the leaf's group in that tree and its bound.
     """
 
     path: str
@@ -61,6 +63,9 @@ class LeafReport:
     extra_flops: float | None  # estimated FLOPs of its statistics, beyond the plain gradient
     extra_bytes: float | None  # estimated extra temporary memory (per-example tensors, tiles)
     hows: dict = dataclasses.field(default_factory=dict)  # statistic's public name -> how
+    # per-layer clipping: statistic's public name -> (path, bound) of the leaf's group
+    # (the bound None where it is traced)
+    clip_groups: dict = dataclasses.field(default_factory=dict)
 
     @property
     def fallback(self):
@@ -266,7 +271,8 @@ def explain(
         leaves = [by_index[k] for k in sorted(by_index)]  # in the order of the tree
         verdict = (independence.verdict(prep, prep.data_axes) if check
                    else independence.Verdict(independence.SKIPPED, "check=False"))
-        notes = [_independence_note(verdict)]
+        notes = clip_group_notes(front.plan, names, reqs, prep.diff_paths)
+        notes.append(_independence_note(verdict))
         if chunking.whole_for_the_allocator(chunk_size, B, act):
             notes.append(
                 'chunk_size="auto" runs the batch whole although its activations pass '
@@ -420,9 +426,10 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
                     2.0 * B * size,
                     float(tiling.tile_bytes(t, leaf_ft, shape, acc)),
                 )
+            by = " per clip group" if _per_group(r) else ""
             if r.weighted_by_norm and recompute:  # loss with remat
                 rl = dataclasses.replace(
-                    rl, how=rl.how + " then a reweighted backward pass (remat: nothing kept)"
+                    rl, how=rl.how + " then a reweighted backward pass (remat: nothing kept)" + by
                 )
             elif r.weighted_by_norm:  # ingredients x and dy are kept until the norms
                 ing = sum(math.prod(v.aval.shape) for v in s.eqn.outvars) + sum(
@@ -431,7 +438,7 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
                     if batched
                 )
                 rl = dataclasses.replace(
-                    rl, how=rl.how + " then weighted sum", bytes=rl.bytes + B * ing * itemsize
+                    rl, how=rl.how + " then weighted sum" + by, bytes=rl.bytes + B * ing * itemsize
                 )
             shared = rl.how.startswith("tiled products of the shared leaf")
             label = f" [{s.kind}]" if multi and not shared else ""
@@ -485,12 +492,18 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
     leaf_rules = {S.KronSum: kron_rule, dots.DotWith: dots_rule}
     rules, hows, parts, flops, mem = {}, {}, [], 0.0, 0.0
     per_red = {r: rule_of(r) for r in reductions}
+    clip_groups = {}
     for name, req in zip(names, reqs):
         entries = [e for r in req.values() for e in per_red[r]]
         word = _dearest(e[0] for e in entries)
         rules[name] = word
         hows[name] = ", ".join(dict.fromkeys(e[1] for e in entries))
-        parts.append(f"{name}: {word} ({hows[name]})")
+        groups = [_group_of(plan.bound(r, i)) for r in req.values() if _per_group(r)]
+        if groups:
+            clip_groups[name] = groups[0]
+        where = f"; clipped in the group at {groups[0][0]}, bound {_bound_text(groups[0][1])}" \
+            if groups else ""
+        parts.append(f"{name}: {word} ({hows[name]}{where})")
     for entries in per_red.values():
         flops += sum(e[2] for e in entries)
         mem = max([mem] + [e[3] for e in entries])
@@ -517,7 +530,49 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
         float(flops),
         float(mem),
         hows,
+        clip_groups,
     )
+
+
+def _per_group(r) -> bool:
+    """``r`` clips per group of leaves (a tree of bounds), not by the global norm."""
+    return bool(getattr(r, "per_group", False))
+
+
+def _group_of(bound):
+    """``(path, bound)`` of a leaf's clip group (`stats.GroupClip`): the bound a float, or
+    None where it is traced."""
+    C = bound.clip_norm
+    return (bound.path or "<root>", float(C) if isinstance(C, (int, float)) else None)
+
+
+def _bound_text(C):
+    return "traced" if C is None else f"{C:g}"
+
+
+def clip_group_notes(plan, names, reqs, paths):
+    """One line per statistic with per-layer clipping: its groups in the order of their
+    bounds, each with its bound and leaves, and the sensitivity of the clipped sum."""
+    notes = []
+    for name, req in zip(names, reqs):
+        for r in req.values():
+            if not _per_group(r):
+                continue
+            groups = {}
+            for i in range(len(paths)):
+                b = plan.bound(r, i)
+                groups.setdefault(b.group, (_group_of(b), []))[1].append(paths[i])
+            parts = []
+            for (path, C), leaves in (groups[k] for k in sorted(groups)):
+                n = len(leaves)
+                parts.append(f"{path} {_bound_text(C)} ({n} lea{'ves' if n != 1 else 'f'})")
+            bounds = [C for (_, C), _ in groups.values()]
+            sens = (f"; sensitivity sqrt(sum C_k^2) = {math.hypot(*bounds):.4g}"
+                    if None not in bounds else "")
+            notes.append(f"{name}: per-layer clipping, {len(groups)} group"
+                         f"{'s' if len(groups) != 1 else ''} (bound, leaves): "
+                         + ", ".join(parts) + sens + ".")
+    return notes
 
 
 def _annotate(jaxpr, site_notes):

@@ -24,7 +24,8 @@ number of examples):
 * `Norms` -- ``[B]`` array of ``||g_b||``, finite wherever the norm is representable
   (also where its square is not: float32 norms past ``2^64``).
 * `ClippedSum` -- ``sum_b min(1, C / ||g_b||) g_b`` with the *global* norm over every
-  differentiated leaf: weighted by the engine once every leaf's norms are known.
+  differentiated leaf, or per group of leaves with a bound each (per-layer clipping):
+  weighted by the engine once every leaf's norms are known.
 * `KronSum` -- per axis ``j`` of the leaf, ``sum_b U_j(g_b) U_j(g_b)^T`` with
   ``U_j(g) = moveaxis(g, j, 0).reshape(n_j, -1)`` (or its diagonal).
 
@@ -110,8 +111,9 @@ class Reduction(abc.ABC):
       shift_bounded: the running accumulator holds sums against a shift whose rounding
         the tile loop keeps within `MAX_SHIFT_AMPLIFICATION` by calling `recentre`.
       linear: the plain sum of the per-example gradients (kernels contract it).
-      weighted_by_norm: not reduced from the examples alone: the engine weights the
-        examples by `example_weights` of their global norms (clipping).
+      weighted_by_norm: not reduced from the examples alone: the engine weights each
+        leaf's examples by `example_weights` of their norms over the leaf's group
+        (clipping: every leaf, or the leaves under one bound of a tree of bounds).
       knows_total: the accumulator knows the plain sum of its examples (`total`).
     """
 
@@ -246,9 +248,12 @@ class Reduction(abc.ABC):
 
     def per_leaf(self, flatten, leaf_avals):
         """The reduction to compute for each differentiated leaf, where it depends on
-        the leaf (a reference gradient's part: `dots.DotWith`), else None (itself on
-        every leaf). ``flatten(tree)``: a tree shaped like the differentiated arguments
-        as a list per leaf."""
+        the leaf (a reference gradient's part: `dots.DotWith`, a clip bound's group:
+        `ClippedSum`), else None (itself on every leaf). ``flatten(tree)``: a tree shaped
+        like the differentiated arguments as a list per leaf; ``flatten.prefix(tree,
+        name)``: for a tree that is a prefix of theirs (or a single value), per leaf
+        ``(k, path, value)``, the index, path and value of the entry above the leaf
+        (a ``ValueError`` naming ``name`` and the path where the tree does not fit)."""
         del flatten, leaf_avals
         return None
 
@@ -585,15 +590,38 @@ def clip_factor(C, norm):
     return jnp.where(C > 0, c, jnp.nan)
 
 
-@dataclasses.dataclass(frozen=True)
-class ClippedSum(ElementwiseReduction):
-    """``sum_b min(1, clip_norm / ||g_b||) g_b`` with the global per-example norm: the
-    engine weights every example by `example_weights` of its norm over all leaves."""
+def _bound_key(x):
+    """A hashable stand-in for one clip bound: its value, or the traced value itself."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    return ("object", id(x))
 
-    clip_norm: float
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ClippedSum(ElementwiseReduction):
+    """``sum_b min(1, C / ||g_b||) g_b`` with the global per-example norm, or per group
+    of leaves ``sum_b min(1, C_k / ||g_b,k||) g_b,k`` (per-layer clipping).
+
+    ``clip_norm`` is one bound (a float, or a traced scalar inside ``jit``), or a pytree
+    of bounds that is a prefix of the differentiated arguments' structure: each bound
+    clips the part of every example's gradient under it by that part's own norm. The
+    engine binds it to each leaf's group (`GroupClip`, `per_leaf`) and weights every
+    leaf's examples by `example_weights` of the norm over the leaf's group."""
+
+    clip_norm: Any
     weighted_by_norm: ClassVar[bool] = True
     carries: ClassVar[bool] = False
     feature_blocks: ClassVar[str | None] = None
+
+    def _key(self):
+        leaves, tree = jax.tree.flatten(self.clip_norm)
+        return ("clip", tree, tuple(_bound_key(x) for x in leaves))
+
+    def __eq__(self, other):
+        return isinstance(other, ClippedSum) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
 
     def from_examples(self, G):
         raise TypeError(
@@ -610,9 +638,44 @@ class ClippedSum(ElementwiseReduction):
     def combine_axis(self, value, n_local, N, axis_name):
         return jax.lax.psum(value, axis_name)
 
+    def per_leaf(self, flatten, leaf_avals):
+        """Each leaf's group and bound (`GroupClip`): ``flatten.prefix`` maps the tree of
+        bounds onto the leaves (one group of every leaf for a single bound)."""
+        del leaf_avals
+        groups = flatten.prefix(self.clip_norm, "the clip_norm of clipped_sum/clipped_mean",
+                                "bound")
+        return [GroupClip(C, k, path) for k, path, C in groups]
+
     def example_weights(self, norm):
-        """``[B]`` weights of the examples from their global norms: ``min(1, C/norm)``."""
+        """``[B]`` weights of the examples from their norms: ``min(1, C/norm)`` (a single
+        bound; the engine asks each leaf's `GroupClip`)."""
         return clip_factor(self.clip_norm, norm)
+
+    @property
+    def per_group(self):
+        """Per-layer clipping: ``clip_norm`` is a tree of bounds, not a single bound."""
+        return not jax.tree_util.treedef_is_leaf(jax.tree.structure(self.clip_norm))
+
+    def describe(self):
+        return "ClippedSum (per group)" if self.per_group else "ClippedSum"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GroupClip(ClippedSum):
+    """A `ClippedSum` bound to one leaf (engine-internal): the leaf's examples are
+    weighted by ``min(1, clip_norm / norm)`` with ``norm`` the per-example norm over every
+    leaf of its group (``group``: the index of the bound, ``path``: where it sits in the
+    tree of bounds, empty for a single bound)."""
+
+    group: int = 0
+    path: str = ""
+
+    def _key(self):
+        return ("group-clip", self.group, self.path, _bound_key(self.clip_norm))
+
+    def per_leaf(self, flatten, leaf_avals):
+        del flatten, leaf_avals
+        return None
 
 
 def kron_value_shapes(shape, r):

@@ -508,38 +508,90 @@ def norms(per_leaf: bool = False) -> Statistic:
     return _SqNorms(bool(per_leaf), sqrt=True)
 
 
-def _check_clip(clip_norm, name):
-    """A concrete bound (Python, NumPy or JAX scalar) is validated and becomes a float;
-    a traced one is checked where it is used: NaN, zero or negative poisons the result."""
+def _check_bound(clip_norm, name, path=None):
+    """One bound: a concrete one (Python, NumPy or JAX scalar) is validated and becomes a
+    float; a traced one is checked where it is used: NaN, zero or negative poisons the
+    result. ``path``: where it sits in a tree of bounds (None: a single bound)."""
+    what = "clip_norm" if path is None else f"the bound at {path}"
+    if clip_norm is None:
+        raise TypeError(
+            f"{name}(clip_norm=...): {what} is None; give a positive number (float('inf') "
+            "leaves that group unclipped)."
+        )
     if isinstance(clip_norm, bool):
-        raise TypeError(f"{name}(clip_norm=...): expected a number, got {clip_norm!r}.")
+        raise TypeError(f"{name}(clip_norm=...): {what}: expected a number, got {clip_norm!r}.")
     if isinstance(clip_norm, jax.core.Tracer):
         if jnp.ndim(clip_norm) != 0:
             raise ValueError(
-                f"{name}(clip_norm=...): clip_norm must be a scalar, got shape "
-                f"{jnp.shape(clip_norm)}."
+                f"{name}(clip_norm=...): {what} must be a scalar, got shape "
+                f"{jnp.shape(clip_norm)}. For one bound per group of parameters, give a "
+                "pytree of scalars (e.g. a dict with one bound per layer)."
             )
         return clip_norm
     try:
         arr = jnp.asarray(clip_norm) if not isinstance(clip_norm, (int, float)) else None
     except TypeError as e:
-        raise TypeError(f"{name}(clip_norm=...): expected a number, got {clip_norm!r}.") from e
+        raise TypeError(
+            f"{name}(clip_norm=...): {what}: expected a number, got {clip_norm!r}."
+        ) from e
     if arr is not None:
         if arr.ndim != 0 or not jnp.issubdtype(arr.dtype, jnp.number):
             raise ValueError(
-                f"{name}(clip_norm=...): clip_norm must be a real scalar, got {clip_norm!r}."
+                f"{name}(clip_norm=...): {what} must be a real scalar, got {clip_norm!r}. For "
+                "one bound per group of parameters, give a pytree of scalars (e.g. a dict "
+                "with one bound per layer)."
             )
         clip_norm = float(arr)
     if not clip_norm > 0:  # also rejects NaN
         raise ValueError(
-            f"{name}(clip_norm=...): clip_norm must be a positive number (or inf), "
+            f"{name}(clip_norm=...): {what} must be a positive number (or inf), "
             f"got {clip_norm!r}."
         )
     return float(clip_norm)
 
 
+def _check_clip(clip_norm, name):
+    """A single bound (`_check_bound`), or a pytree of bounds, each checked and named by
+    its path; returns it with every concrete bound a float."""
+    flat, tree = jax.tree_util.tree_flatten_with_path(clip_norm, is_leaf=lambda x: x is None)
+    if jax.tree_util.treedef_is_leaf(tree) and len(flat) == 1:
+        return _check_bound(clip_norm, name)
+    if not flat:
+        raise ValueError(
+            f"{name}(clip_norm=...): the tree of bounds {clip_norm!r} holds no bound; give "
+            "one positive number per group of parameters (or a single number)."
+        )
+    return jax.tree.unflatten(
+        tree, [_check_bound(x, name, jax.tree_util.keystr(p)) for p, x in flat]
+    )
+
+
+def _bounds(clip_norm):
+    """The bounds of a single bound or a tree of bounds, as a list."""
+    return jax.tree.leaves(clip_norm)
+
+
 def clipped_mean(clip_norm) -> Statistic:
-    r"""DP-SGD clipped mean \(\frac1B\sum_b g_b\min(1, C/\|g_b\|)\), global norm.
+    r"""DP-SGD clipped mean \(\frac1B\sum_b g_b\min(1, C/\|g_b\|)\), global norm, or
+    per group of parameters with a bound each (per-layer clipping).
+
+    Args:
+      clip_norm: \(C\), a positive number (``inf``: no clipping), also a traced scalar
+        inside ``jit`` (an adaptive bound), clipping each example's gradient by its
+        *global* norm over every differentiated leaf. Or a pytree of such bounds that
+        is a *prefix* of the differentiated arguments' structure (as the extra trees of
+        ``jax.tree.map`` and the masks of ``optax.masked`` are): **per-layer
+        clipping**, each bound \(C_k\) clips the part \(g_{b,k}\) of every
+        example's gradient under it (one leaf, or a subtree as one group) by that
+        part's own norm, \(\sum_b \min(1, C_k/\|g_{b,k}\|)\, g_{b,k}\). The
+        clipped gradient's norm is then at most \(\sqrt{\sum_k C_k^2}\), the
+        sensitivity the DP optimizers of `jaxpr_surgery.optim` calibrate their noise to.
+
+    Raises:
+      ValueError: a concrete bound that is not positive (or NaN), naming its path in a
+        tree of bounds; at call time, a tree of bounds that is not a prefix of the
+        parameters, naming the path that does not fit. A traced bound that is NaN,
+        zero or negative makes the result NaN.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
@@ -550,12 +602,40 @@ def clipped_mean(clip_norm) -> Statistic:
       >>> out = js.per_example_stat(loss, js.stats.clipped_mean(4.0))(jnp.zeros(2), batch)
       >>> print(np.asarray(out, float).round(4))
       [-1.6095 -2.2761]
+
+      Per-layer clipping: one bound per leaf of a dict of parameters.
+
+      >>> loss2 = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["c"] - b["y"]) ** 2)
+      >>> params = {"w": jnp.zeros(2), "c": jnp.zeros(())}
+      >>> out = js.per_example_stat(loss2, js.stats.clipped_mean({"w": 4.0, "c": 1.0}))(
+      ...     params, batch)
+      >>> print(np.asarray(out["w"], float).round(4), np.asarray(out["c"], float).round(4))
+      [-1.6095 -2.2761] -1.0
     """
     return _Clipped(_check_clip(clip_norm, "clipped_mean"), average=True)
 
 
 def clipped_sum(clip_norm) -> Statistic:
-    r"""Clipped sum \(\sum_b g_b\min(1, C/\|g_b\|)\), global norm over all params.
+    r"""Clipped sum \(\sum_b g_b\min(1, C/\|g_b\|)\), global norm over all params, or
+    per group of parameters with a bound each (per-layer clipping).
+
+    Args:
+      clip_norm: \(C\), a positive number (``inf``: no clipping), also a traced scalar
+        inside ``jit`` (an adaptive bound), clipping each example's gradient by its
+        *global* norm over every differentiated leaf. Or a pytree of such bounds that
+        is a *prefix* of the differentiated arguments' structure (as the extra trees of
+        ``jax.tree.map`` and the masks of ``optax.masked`` are): **per-layer
+        clipping**, each bound \(C_k\) clips the part \(g_{b,k}\) of every
+        example's gradient under it (one leaf, or a subtree as one group) by that
+        part's own norm, \(\sum_b \min(1, C_k/\|g_{b,k}\|)\, g_{b,k}\). The
+        clipped gradient's norm is then at most \(\sqrt{\sum_k C_k^2}\), the
+        sensitivity the DP optimizers of `jaxpr_surgery.optim` calibrate their noise to.
+
+    Raises:
+      ValueError: a concrete bound that is not positive (or NaN), naming its path in a
+        tree of bounds; at call time, a tree of bounds that is not a prefix of the
+        parameters, naming the path that does not fit. A traced bound that is NaN,
+        zero or negative makes the result NaN.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
@@ -566,6 +646,15 @@ def clipped_sum(clip_norm) -> Statistic:
       >>> out = js.per_example_stat(loss, js.stats.clipped_sum(4.0))(jnp.zeros(2), batch)
       >>> print(np.asarray(out, float).round(4))
       [-4.8284 -6.8284]
+
+      Per-layer clipping: one bound per leaf of a dict of parameters.
+
+      >>> loss2 = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["c"] - b["y"]) ** 2)
+      >>> params = {"w": jnp.zeros(2), "c": jnp.zeros(())}
+      >>> out = js.per_example_stat(loss2, js.stats.clipped_sum({"w": 4.0, "c": 1.0}))(
+      ...     params, batch)
+      >>> print(np.asarray(out["w"], float).round(4), np.asarray(out["c"], float).round(4))
+      [-4.8284 -6.8284] -3.0
     """
     return _Clipped(_check_clip(clip_norm, "clipped_sum"), average=False)
 
@@ -744,6 +833,8 @@ def validate(stat) -> dict:
                 f"stat: {stat!r}.reductions()[{k!r}] is {r!r}, not a reduction. Use "
                 "js.stats.PhiSum, Centered, SqNorms, Norms or ClippedSum."
             )
-        if isinstance(r, ClippedSum) and isinstance(r.clip_norm, float) and math.isnan(r.clip_norm):
+        if isinstance(r, ClippedSum) and any(
+            isinstance(C, float) and math.isnan(C) for C in _bounds(r.clip_norm)
+        ):
             raise ValueError(f"stat: {stat!r} has a NaN clip_norm.")
     return dict(red)

@@ -10,7 +10,11 @@ divides by the batch size:
   + \mathcal N\big(0, (z C)^2 I\big)\Big)
 \]
 
-with \(C\) = ``clip_norm`` and \(z\) = ``noise_multiplier``. The PRNG
+with \(C\) = ``clip_norm`` and \(z\) = ``noise_multiplier``. With per-layer
+clipping (``clip_norm`` a pytree of bounds \(C_k\), one per group of parameters:
+`jaxpr_surgery.stats.clipped_sum`), each group's part of \(g_b\) is clipped by its own
+norm and \(C\) in the noise is the clipped sum's L2 sensitivity
+\(\sqrt{\sum_k C_k^2}\). The PRNG
 key is an explicit extra arg of ``update``: pass a fresh one every step. Privacy
 accounting (choosing \(z\) for a target \((\varepsilon, \delta)\)) is
 out of scope; use e.g. ``dp_accounting``.
@@ -18,6 +22,7 @@ out of scope; use e.g. ``dp_accounting``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -36,22 +41,44 @@ from jaxpr_surgery._src.optim.requests import (
 )
 from jaxpr_surgery._src.optim.wrappers import chain
 
-__all__ = ["dp_aggregate", "dp_sgd", "dp_adam"]
+__all__ = ["dp_aggregate", "dp_sgd", "dp_adam", "dp_sensitivity"]
+
+
+def _bound_entries(clip_norm):
+    """``[(path, bound)]`` of a single clip bound (path ``""``) or a tree of bounds."""
+    flat = jax.tree_util.tree_flatten_with_path(clip_norm, is_leaf=lambda x: x is None)[0]
+    return [(jax.tree_util.keystr(p), x) for p, x in flat]
+
+
+def _where(path):
+    return f" (the bound at {path})" if path else ""
 
 
 def _check(clip_norm, noise_multiplier, batch_size, owner):
-    if isinstance(clip_norm, (int, float)) and not clip_norm > 0:
-        raise ValueError(f"{owner}(clip_norm=...): must be > 0 (or inf), got {clip_norm!r}.")
+    entries = _bound_entries(clip_norm)
+    if not entries:
+        raise ValueError(
+            f"{owner}(clip_norm=...): the tree of bounds {clip_norm!r} holds no bound; give "
+            "a positive number, or one per group of parameters (per-layer clipping)."
+        )
+    for path, C in entries:
+        if C is None or isinstance(C, bool):
+            raise TypeError(f"{owner}(clip_norm=...): expected a number{_where(path)}, got {C!r}.")
+        if isinstance(C, (int, float)) and not C > 0:
+            raise ValueError(
+                f"{owner}(clip_norm=...): must be > 0 (or inf){_where(path)}, got {C!r}."
+            )
     if isinstance(noise_multiplier, (int, float)):
         if not noise_multiplier >= 0:
             raise ValueError(
                 f"{owner}(noise_multiplier=...): must be >= 0, got {noise_multiplier!r}."
             )
-        if noise_multiplier > 0 and isinstance(clip_norm, (int, float)) and math.isinf(clip_norm):
+        infinite = [p for p, C in entries if isinstance(C, (int, float)) and math.isinf(C)]
+        if noise_multiplier > 0 and infinite:
             raise ValueError(
-                f"{owner}: clip_norm=inf with noise_multiplier={noise_multiplier} adds "
-                "infinite noise. Use a finite clip_norm, or noise_multiplier=0 for "
-                "non-private training."
+                f"{owner}: clip_norm=inf{_where(infinite[0])} with noise_multiplier="
+                f"{noise_multiplier} adds infinite noise. Use a finite clip_norm, or "
+                "noise_multiplier=0 for non-private training."
             )
     injected = isinstance(batch_size, (jax.Array, np.ndarray))  # by inject_hyperparams
     if batch_size is not None and not injected and not (
@@ -85,11 +112,26 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def dp_sensitivity(clip_norm):
+    r"""The L2 sensitivity of a clipped sum to one example: \(C\) for a single bound,
+    \(\sqrt{\sum_k C_k^2}\) for per-group bounds \(C_k\) (each group's part of an
+    example's gradient has norm at most \(C_k\)). A Python float where every bound is
+    one, else a float32 array (a traced bound)."""
+    bounds = jax.tree.leaves(clip_norm)
+    if jax.tree_util.treedef_is_leaf(jax.tree.structure(clip_norm)):
+        return clip_norm
+    if all(_is_number(C) for C in bounds):
+        return math.hypot(*bounds)  # no overflow, inf where a bound is
+    sq = [jnp.square(jnp.asarray(C, jnp.float32)) for C in bounds]
+    return jnp.sqrt(sum(sq[1:], sq[0]))
+
+
 def _clip_norm_check(used, configured, owner):
-    """``None`` if the clip norm ``used`` by the clipping is ``configured``, or
-    a traced boolean that says so; raises where that can be decided now."""
+    """``None`` if the clip norm ``used`` by the clipping is ``configured`` (a bound, or
+    a tree of bounds per group: the same tree, each bound the same), or a traced boolean
+    that says so; raises where that can be decided now."""
     if used is None:
-        if _is_number(configured):
+        if all(_is_number(C) for C in jax.tree.leaves(configured)):
             return None  # statistics computed by hand for a fixed clip norm
         raise ValueError(
             f"{owner}: the clip norm is an injected or traced value ({configured!r}), so "
@@ -98,21 +140,35 @@ def _clip_norm_check(used, configured, owner):
             "js.optim.stat_request(opt, state) from the current state inside the step "
             "(they include it) and pass **js.optim.update_kwargs(stats)."
         )
-    traced = isinstance(used, jax.core.Tracer) or isinstance(configured, jax.core.Tracer)
-    if not traced:
-        u, c = float(jnp.asarray(used)), float(jnp.asarray(configured))
-        if not (u == c or abs(u - c) <= CLIP_NORM_RTOL * abs(c)):
-            raise ValueError(
-                f"{owner}: clipped_sum was clipped at clip_norm={u:g}, but this optimizer's "
-                f"clip norm is {c:g} at this step: the noise would not match the clipping "
-                "(the privacy guarantee would not be the configured one). Build the request "
-                "inside the training step from the current state, "
-                "js.optim.stat_request(opt, state), not once before training."
-            )
+    used_tree, conf_tree = jax.tree.structure(used), jax.tree.structure(configured)
+    if used_tree != conf_tree:
+        raise ValueError(
+            f"{owner}: clipped_sum was clipped with clip_norm of structure {used_tree}, but "
+            f"this optimizer's clip_norm has structure {conf_tree}: the noise would not "
+            "match the clipping (the privacy guarantee would not be the configured one). "
+            "Give the statistic and the optimizer the same bounds: compute "
+            "js.optim.stat_request(opt, state)."
+        )
+    oks = []
+    for (path, u), (_, c) in zip(_bound_entries(used), _bound_entries(configured)):
+        traced = isinstance(u, jax.core.Tracer) or isinstance(c, jax.core.Tracer)
+        if not traced:
+            u, c = float(jnp.asarray(u)), float(jnp.asarray(c))
+            if not (u == c or abs(u - c) <= CLIP_NORM_RTOL * abs(c)):
+                raise ValueError(
+                    f"{owner}: clipped_sum was clipped at clip_norm={u:g}{_where(path)}, but "
+                    f"this optimizer's clip norm is {c:g} at this step: the noise would not "
+                    "match the clipping (the privacy guarantee would not be the configured "
+                    "one). Build the request inside the training step from the current "
+                    "state, js.optim.stat_request(opt, state), not once before training."
+                )
+            continue
+        u = jnp.asarray(u, jnp.float32)
+        c = jnp.asarray(c, jnp.float32)
+        oks.append((u == c) | (jnp.abs(u - c) <= CLIP_NORM_RTOL * c))
+    if not oks:
         return None
-    used = jnp.asarray(used, jnp.float32)
-    configured = jnp.asarray(configured, jnp.float32)
-    return (used == configured) | (jnp.abs(used - configured) <= CLIP_NORM_RTOL * configured)
+    return functools.reduce(jnp.logical_and, oks)
 
 
 def dp_aggregate(
@@ -126,6 +182,11 @@ def dp_aggregate(
       u = \frac{1}{B}\Big(\sum_b g_b \min\big(1, \tfrac{C}{\|g_b\|}\big)
       + \mathcal N\big(0, (z C)^2 I\big)\Big)
     \]
+
+    With per-layer clipping, ``clip_norm`` a pytree of bounds \(C_k\) (a prefix of the
+    parameters' structure, `jaxpr_surgery.stats.clipped_sum`), the clipped sum is
+    \(\sum_b \min(1, C_k/\|g_{b,k}\|)\, g_{b,k}\) per group \(k\) and the noise's
+    \(C\) is its L2 sensitivity \(\sqrt{\sum_k C_k^2}\) (`dp_sensitivity`).
 
     ``updates`` (the non-private batch mean) is ignored. ``update`` takes the
     keyword-only extra args ``clipped_sum`` (statistic
@@ -143,7 +204,8 @@ def dp_aggregate(
 
     Args:
       clip_norm: \(C\), the per-example global-norm bound (``inf``: no
-        clipping, only with ``noise_multiplier=0``).
+        clipping, only with ``noise_multiplier=0``), or a pytree of bounds, one per
+        group of parameters (per-layer clipping; fixed, not injected).
       noise_multiplier: \(z\), the noise standard deviation in units of ``C``.
       batch_size: a fixed denominator \(B\) (e.g. the expected batch size
         under Poisson sampling); ``None`` reads the ``batch_size`` extra arg.
@@ -163,6 +225,11 @@ def dp_aggregate(
       >>> print(np.asarray(u).round(4))
       [0.45 0.6 ]
 
+      Per-layer bounds: the noise is calibrated to \(\sqrt{3^2 + 4^2} = 5\).
+
+      >>> jso.dp_sensitivity({"w": 3.0, "b": 4.0})
+      5.0
+
     References:
       Abadi et al., Deep Learning with Differential Privacy
       <https://arxiv.org/abs/1607.00133>, 2016
@@ -172,6 +239,7 @@ def dp_aggregate(
     no_noise = isinstance(noise_multiplier, (int, float)) and noise_multiplier == 0
     fixed_batch_size = batch_size
     configured_clip_norm = clip_norm
+    noise_sensitivity = dp_sensitivity(clip_norm)
 
     def update_fn(
         updates,
@@ -200,7 +268,7 @@ def dp_aggregate(
         batch_size = require(batch_size, "batch_size", owner)
         if not no_noise:
             key = require(key, "key", owner)
-            noise = _noise_like(key, clipped_sum, noise_multiplier * configured_clip_norm)
+            noise = _noise_like(key, clipped_sum, noise_multiplier * noise_sensitivity)
             clipped_sum = jax.tree.map(jnp.add, clipped_sum, noise)
         out = jax.tree.map(lambda s: s / jnp.asarray(batch_size).astype(s.dtype), clipped_sum)
         if ok is not None:  # traced: a mismatch poisons the update instead of hiding
@@ -238,7 +306,8 @@ def dp_sgd(
 
     Args:
       learning_rate: a float or an optax schedule.
-      clip_norm: \(C\), the per-example global-norm bound.
+      clip_norm: \(C\), the per-example global-norm bound, or a pytree of bounds,
+        one per group of parameters (per-layer clipping, see `dp_aggregate`).
       noise_multiplier: \(z\), the noise standard deviation in units of ``C``.
       batch_size: a fixed denominator; ``None`` reads the ``batch_size`` extra arg.
       momentum: optional heavy-ball momentum decay (`optax.trace`).
@@ -298,7 +367,8 @@ def dp_adam(
 
     Args:
       learning_rate: a float or an optax schedule.
-      clip_norm: \(C\), the per-example global-norm bound.
+      clip_norm: \(C\), the per-example global-norm bound, or a pytree of bounds,
+        one per group of parameters (per-layer clipping, see `dp_aggregate`).
       noise_multiplier: \(z\), the noise standard deviation in units of ``C``.
       batch_size: a fixed denominator; ``None`` reads the ``batch_size`` extra arg.
       b1: decay of Adam's first moment.

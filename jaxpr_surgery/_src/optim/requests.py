@@ -94,7 +94,7 @@ class _ClipNormUsed(_stats.Statistic):
 
     def finalize(self, values, count):
         del values, count
-        return jnp.asarray(self.clip_norm)
+        return jax.tree.map(jnp.asarray, self.clip_norm)  # a bound, or a tree of bounds
 
     def __repr__(self):
         return f"clip_norm_used({self.clip_norm!r})"
@@ -341,6 +341,10 @@ def with_request(tx: optax.GradientTransformation, *keys: str, clip_norm=None):
 def _same_value(x, y) -> bool:
     if x is y:
         return True
+    xs, xt = jax.tree.flatten(x)
+    if not (len(xs) == 1 and xs[0] is x):  # a container (a tree of clip bounds)
+        ys, yt = jax.tree.flatten(y)
+        return xt == yt and all(_same_value(a, b) for a, b in zip(xs, ys))
     if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
         return False  # two traced values: equal only when they are one value
     if isinstance(x, (jax.Array, np.ndarray)) or isinstance(y, (jax.Array, np.ndarray)):
@@ -551,7 +555,8 @@ def stat_request(optimizer_or_name, state=None, *, clip_norm=None) -> dict[str, 
       state: the optimizer's current state (``opt.init(params)`` or the state
         returned by the last ``update``).
       clip_norm: with a name that consumes ``clipped_sum`` (``"dp_sgd"``...), the
-        clip norm of that statistic. Ignored for optimizer objects.
+        clip norm of that statistic (a bound, or a pytree of bounds for per-layer
+        clipping). Ignored for optimizer objects.
 
     Returns:
       A new ``dict`` from extra-arg name to `jaxpr_surgery.stats.Statistic`.

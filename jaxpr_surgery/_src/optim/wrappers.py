@@ -306,9 +306,10 @@ def _convert_floats(x, dtype):
 
 def _holds_tracer(request) -> bool:
     return any(
-        isinstance(v, jax.core.Tracer)
+        isinstance(x, jax.core.Tracer)
         for stat in request.values()
         for v in getattr(stat, "__dict__", {}).values()
+        for x in jax.tree.leaves(v)  # (a tree of clip bounds)
     )
 
 
