@@ -271,8 +271,7 @@ def explain(
         leaves = [by_index[k] for k in sorted(by_index)]  # in the order of the tree
         verdict = (independence.verdict(prep, prep.data_axes) if check
                    else independence.Verdict(independence.SKIPPED, "check=False"))
-        notes = clip_group_notes(front.plan, names, reqs, prep.diff_paths)
-        notes.append(_independence_note(verdict))
+        notes = [_independence_note(verdict)]
         if chunking.whole_for_the_allocator(chunk_size, B, act):
             notes.append(
                 'chunk_size="auto" runs the batch whole although its activations pass '
@@ -280,6 +279,7 @@ def explain(
                 "memory, so large temporaries are not page-faulted on every call and the "
                 "whole batch was the fastest (pass an int chunk_size to bound the memory)."
             )
+        notes.extend(clip_group_notes(front.plan, names, reqs, prep.diff_paths))
         gflops = gmem = None
         if compare_grad:
             gflops, gmem = _grad_cost(f, args, prep)
