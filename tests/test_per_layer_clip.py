@@ -421,6 +421,41 @@ def test_shard_map_axis_name(chunk):
                         jax.tree.map(lambda x: x / 8, g))
 
 
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake) devices: tests/conftest.py")
+def test_tensor_parallel_groups_combine_the_shards_first():
+    """A Megatron MLP on a (data, model) mesh: a column-sharded w1/b1 and a row-sharded w2
+    hold a part of each example's gradient per shard; a group's norm combines the shards'
+    parts (and the group's leaves) before the bound applies."""
+    r = np.random.default_rng(0)
+    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)  # noqa: E731
+    params = {"w1": f(6, 8) / 2, "b1": f(8) / 4, "w2": f(8, 6) / 2, "g": 1 + f(6) / 4}
+    batch = {"x": f(8, 6), "y": f(8, 6)}
+    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "g": P()}
+
+    def body(p, b, psum):
+        h = jnp.tanh((b["x"] * p["g"]) @ p["w1"] + p["b1"])  # column-parallel
+        return jnp.mean((psum(h @ p["w2"]) - b["y"]) ** 2)  # row-parallel
+
+    local = lambda p, b: body(p, b, lambda y: jax.lax.psum(y, "model"))  # noqa: E731
+    full = lambda p, b: body(p, b, lambda y: y)  # noqa: E731
+    g = _grads(full, params, batch)
+    bounds = median_bounds(g, {"w1": 1.0, "b1": 1.0, "w2": 1.0, "g": 1.0})
+    bounds = {"first": {"w1": bounds["w1"], "b1": bounds["b1"]}, "w2": bounds["w2"],
+              "g": bounds["g"]}
+    tree = lambda p: {"first": {"w1": p["w1"], "b1": p["b1"]}, "w2": p["w2"], "g": p["g"]}  # noqa: E731
+    grouped = lambda loss: lambda p, b: loss(  # noqa: E731
+        {"w1": p["first"]["w1"], "b1": p["first"]["b1"], "w2": p["w2"], "g": p["g"]}, b)
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    fn = js.per_example_stat(grouped(local), js.stats.clipped_sum(bounds), axis_name="data")
+    sm = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(tree(specs), P("data")),
+                               out_specs=tree(specs)))
+    ns = lambda s: jax.sharding.NamedSharding(mesh, s)  # noqa: E731
+    got = sm(tree({k: jax.device_put(v, ns(specs[k])) for k, v in params.items()}),
+             jax.device_put(batch, ns(P("data"))))
+    want = clipped_by_hand(tree(g), bounds)
+    assert_close_scaled(got, want, tree(g))
+
+
 # --------------------------------------------------------------------------- #
 # DP optimizers: noise calibrated to sqrt(sum_k C_k^2); the request carries the bounds
 # --------------------------------------------------------------------------- #
