@@ -258,8 +258,9 @@ def dp_aggregate(
             owner,
             "the clipped sum is clipped by each example's norm over every parameter (or "
             "over groups covering them all: per-layer clipping), so it cannot be restricted "
-            "to a subset, and masked groups would draw their noise from one key. Differentiate only the parameters to train privately (their own "
-            "argument, argnums=...) and apply the DP optimizer to them whole.",
+            "to a subset, and masked groups would draw their noise from one key. "
+            "Differentiate only the parameters to train privately (their own argument, "
+            "argnums=...) and apply the DP optimizer to them whole.",
         )
         clipped_sum = require_like(clipped_sum, updates, "clipped_sum", owner)
         ok = _clip_norm_check(clip_norm, configured_clip_norm, owner)
