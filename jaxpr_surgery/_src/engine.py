@@ -414,7 +414,7 @@ def _combine_shards(plan, i, values, norms_leaf, model_axes):
 
 def clip_weights(plan, clips, norms_leaf):
     """Per clipped sum ``plan.reductions[j]`` of ``clips``, per leaf the examples' weights
-    ``c [B]``: each leaf's bound (`Reduction.per_leaf`: a `stats.GroupClip`) weights its
+    ``c [B]``: each leaf's bound (`Reduction.per_leaf`: a `reductions.GroupClip`) weights its
     examples by the norm over the leaves of its group, combined from the leaves' norms
     (finite wherever representable: a float32 norm past 2^64 whose square overflows
     still clips to ``C g / |g|``). A single bound: one group, the global norm."""
