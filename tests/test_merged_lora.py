@@ -47,7 +47,8 @@ class _VariantReference(Reference):
         self.leaves, self.treedef = jax.tree.flatten(self.g)
         self.B = self.leaves[0].shape[0]
         self.norms = np.sqrt(zoo.oracle_from_grads(self.g, "sq_norms"))
-        self._clip = {"median": float(np.median(self.norms)), "all": 0.5 * float(np.min(self.norms))}
+        self._clip = {"median": float(np.median(self.norms)),
+                      "all": 0.5 * float(np.min(self.norms))}
         self._cache = {}
 
 
@@ -125,12 +126,31 @@ def _scanned(dtype):
     return zoo.ZooCase("scanned", loss_fn, params, batch)
 
 
+def _unrolled(dtype):
+    """Four identical merged layers in a Python loop: the interpreter evaluates each
+    layer as one cached block (its site and taps inside)."""
+    r = zoo._Rand(6, dtype)
+    L, B, T, D, R = 4, 4, 3, 5, 2
+    params = [{"A": r.normal((D, R), 0.4), "B": r.normal((R, D), 0.4), "W": r.dense(D, D)}
+              for _ in range(L)]
+    batch = {"x": r.normal((B, T, D)), "y": r.normal((B, T, D))}
+
+    def loss_fn(p, batch):
+        h = batch["x"]
+        for lp in p:
+            h = jnp.tanh(h @ (lp["W"] + 0.5 * lp["A"] @ lp["B"]))
+        return jnp.mean(jnp.square(h - batch["y"]))
+
+    return zoo.ZooCase("unrolled", loss_fn, params, batch)
+
+
 VARIANTS = {
     "one_example": lambda dt: _mlp(dt, B=1),
     "rank_one_no_tokens": lambda dt: _mlp(dt, B=6, T=0, D=5, H=9, R=1),
     "views": _views,
     "shared": _shared,
     "scanned": _scanned,
+    "unrolled": _unrolled,
 }
 # statistics undefined for one example (variance with ddof=1 and what builds on it)
 _NOT_AT_B1 = {"variance", "snr", "gradient_noise_scale"}
@@ -155,7 +175,8 @@ def _check_variant(name, dtype, **options):
     out = run_stat(case, {s: ref.stat(s) for s in ids}, **options)
     prof = PROFILES[dtype]
     for s in ids:
-        assert_tree_close_bound(out[s], ref.oracle(s), ref.bound(s, prof), what=f"{name}/{s}/{dtype}")
+        assert_tree_close_bound(
+            out[s], ref.oracle(s), ref.bound(s, prof), what=f"{name}/{s}/{dtype}")
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -176,9 +197,11 @@ def test_variants_take_the_merged_rule(name):
     assert rep.fallback_leaves == [], str(rep)
     adapters = {"one_example": ["A1", "B1", "A2", "B2", "W2"],
                 "rank_one_no_tokens": ["A1", "B1", "A2", "B2", "W2"],
-                "views": ["At", "Bt", "W"], "shared": [], "scanned": ["A", "B"]}[name]
+                "views": ["At", "Bt", "W"], "shared": [], "scanned": ["A", "B"],
+                "unrolled": [f"[{i}]['{k}']" for i in range(4) for k in "ABW"]}[name]
     for k in adapters:
-        assert rows[f"['{k}']"] == ([LORA], "streamed"), str(rep)
+        k = k if k.startswith("[") else f"['{k}']"
+        assert rows[k] == ([LORA], "streamed"), str(rep)
     if name == "shared":  # the merged weight at two sites, A at a third (dense)
         assert rows["['B']"] == ([LORA, LORA], "streamed"), str(rep)
         assert sorted(rows["['A']"][0]) == ["dense", LORA, LORA], str(rep)
