@@ -34,7 +34,7 @@ from jax import lax
 
 PyTree = Any
 
-__all__ = ["Model", "mlp", "cnn", "transformer", "scan_remat", "n_params"]
+__all__ = ["Model", "mlp", "cnn", "transformer", "scan_remat", "lora", "n_params"]
 
 
 class Model(NamedTuple):
@@ -254,3 +254,38 @@ def scan_remat(T=32, d=128, V=2048, layers=4, heads=4, ff_mult=4, seed=0) -> Mod
             "ff": ff_mult * d, "tied": True, "scan": True, "remat": True,
             "n_params": n_params(params)}
     return Model("scan_remat", loss, params, make_batch, batch_spec, info)
+
+
+# --------------------------------------------------------------------------- #
+# LoRA adapters on a frozen weight (issue 36)
+# --------------------------------------------------------------------------- #
+def lora(T=32, D=256, F=1024, r=8, merged=True, seed=0) -> Model:
+    """One LoRA layer on tokens, adapters only (``W`` frozen, closed over):
+    ``tanh(x @ (W + (alpha / r) A @ B))`` (``merged``) or ``tanh(x @ W + (alpha / r) (x @ A)
+    @ B)``, squared error against a target."""
+    r_ = _Rand(seed)
+    w = r_.dense(D, F)  # frozen
+    params = {"A": r_.normal((D, r), 1.0 / math.sqrt(D)), "B": r_.normal((r, F), 0.02)}
+    scale = 16.0 / r  # alpha / r
+
+    def loss(params, batch):
+        x = batch["x"]
+        if merged:
+            y = x @ (w + scale * (params["A"] @ params["B"]))
+        else:
+            y = x @ w + scale * ((x @ params["A"]) @ params["B"])
+        return jnp.mean(jnp.square(jnp.tanh(y) - batch["y"]))
+
+    def make_batch(B, seed=1):
+        g = np.random.default_rng(seed)
+        return {"x": jnp.asarray(g.standard_normal((B, T, D), dtype=np.float32)),
+                "y": jnp.asarray(g.standard_normal((B, T, F), dtype=np.float32) * 0.5)}
+
+    def batch_spec(B):
+        return {"x": jax.ShapeDtypeStruct((B, T, D), jnp.float32),
+                "y": jax.ShapeDtypeStruct((B, T, F), jnp.float32)}
+
+    name = "merged_lora" if merged else "lora"
+    info = {"model": name, "T": T, "D": D, "F": F, "r": r, "merged": merged,
+            "n_params": n_params(params)}
+    return Model(name, loss, params, make_batch, batch_spec, info)

@@ -298,6 +298,55 @@ def _compare_section(doc, other, md_dir):
     return L + _targets_side_by_side(doc, other, f"jax {ja}", f"jax {jb}")
 
 
+def _lora_section(lora, md_dir):
+    """LoRA adapters merged into the weight (``x @ (W + A @ B)``) beside the unmerged form
+    (``x @ W + (x @ A) @ B``), run in one process: ratios to each form's own grad."""
+    src = os.path.relpath(lora["_path"], md_dir)
+    m = lora["machine"]
+    rows = {(r["regime"], r["method"], r["statistic"]): r for r in lora["results"] if r["ok"]}
+    info = lora["regimes"].get("merged_lora", {})
+    L = ["## Merged LoRA", ""]
+    L.append(" ".join([
+        f"Regime `merged_lora`: {info.get('description', '')}, batch 32.",
+        "It multiplies the data by the merged weight `W + (alpha/r) A @ B` (each adapter a",
+        "`merged-lora` site: a dense site of the data and the cotangent projected through the",
+        "other factor); `lora` is the same function unmerged, `x @ W + (alpha/r) (x @ A) @ B`",
+        f"(two dense sites). Both regimes ran in one process ([{os.path.basename(src)}]({src}),",
+        "`python -m benchmarks.run --regimes merged_lora lora`); each ratio is to `grad` of its",
+        "own form (time / FLOPs / temporary memory). The issue's target: every statistic at",
+        "most 1.2x grad for the merged form (before: 1.8-3.2x, exact per-example gradients of",
+        "both adapters).",
+    ]))
+    load = m.get("loadavg_start")
+    if load and load[0] > (m.get("cpu_count") or 1):
+        L.append("")
+        L.append(f"The machine was shared during the run (load average {load[0]:.1f} at the "
+                 f"start, {m.get('loadavg_end', [0])[0]:.1f} at the end, on "
+                 f"{m.get('cpu_count')} cores): wall-time ratios are noisy; FLOPs and memory "
+                 "are exact.")
+    L.append("")
+    L.append("| method | merged_lora | lora (unmerged) |")
+    L.append("|---|---|---|")
+
+    def cell(regime, method, stat):
+        r = rows.get((regime, method, stat))
+        if r is None:
+            return "-"
+        if method == "grad":
+            return (f"{r['time_median_s'] * 1e3:.1f} ms / {_mib(r['temp_bytes'])} MiB / "
+                    f"{r['flops'] / 1e9:.2f} GF")
+        return f"{r['time_ratio']:.2f} / {r['flops_ratio']:.2f} / {r['temp_ratio']:.2f}"
+
+    keys = sorted({(r["method"], r["statistic"]) for r in lora["results"]},
+                  key=lambda k: (k[0] != "grad", k[0] != "js", k[0], k[1]))
+    for method, stat in keys:
+        label = "grad" if method == "grad" else f"{method}:{stat}"
+        L.append(f"| {label} | {cell('merged_lora', method, stat)} | "
+                 f"{cell('lora', method, stat)} |")
+    L.append("")
+    return L
+
+
 # methods set side by side under the two allocators (largest batch of each regime)
 _ALLOC_COLS = [("js", "second_moment"), ("js", "variance"), ("js", "mean+second_moment"),
                ("js_chunk", "second_moment"), ("micro_grad_mb", "second_moment")]
@@ -365,7 +414,7 @@ def _allocator_section(doc, steady, md_dir):
     return L + _targets_side_by_side(doc, steady, "default malloc", "steady malloc")
 
 
-def render_md(doc, img_paths, md_path, compare=None, steady=None):
+def render_md(doc, img_paths, md_path, compare=None, steady=None, lora=None):
     """Writes the markdown report of ``doc`` to ``md_path``.
 
     Args:
@@ -374,6 +423,8 @@ def render_md(doc, img_paths, md_path, compare=None, steady=None):
       md_path: the page to write.
       compare: the same suite on another jax (`load` with ``"_path"``), or ``None``.
       steady: the same suite with the steady allocator, or ``None``.
+      lora: the ``merged_lora`` and ``lora`` regimes (LoRA adapters, merged and not), or
+        ``None``.
 
     Returns:
       ``md_path``.
@@ -384,6 +435,8 @@ def render_md(doc, img_paths, md_path, compare=None, steady=None):
          + _summary_section(doc) + _targets_section(doc) + _per_regime_section(doc, rel)
          + _max_batch_section(doc, rel) + _chunk_curve_section(doc, rel)
          + _tracing_section(doc))
+    if lora is not None:
+        L += _lora_section(lora, md_dir)
     if steady is not None:
         L += _allocator_section(doc, steady, md_dir)
     if compare is not None:
@@ -753,6 +806,9 @@ def main(argv=None):
     ap.add_argument("--steady", default=os.path.join(HERE, "results", "cpu_steady_alloc.json"),
                     help="results of the same suite with --allocator steady: page faults and "
                          "targets set beside these (skipped where the file does not exist)")
+    ap.add_argument("--lora", default=os.path.join(HERE, "results", "cpu_lora.json"),
+                    help="results of `--regimes merged_lora lora`: a section of their own "
+                         "(skipped where the file does not exist)")
     args = ap.parse_args(argv)
     doc = load(args.inputs)
 
@@ -764,7 +820,7 @@ def main(argv=None):
         return d
 
     paths = {} if args.no_png else plot_regimes(doc, args.img_dir)
-    md = render_md(doc, paths, args.md, side(args.compare), side(args.steady))
+    md = render_md(doc, paths, args.md, side(args.compare), side(args.steady), side(args.lora))
     print(f"wrote {md}" + (f" and {len(paths)} PNG(s) in {args.img_dir}" if paths else ""),
           file=sys.stderr)
 

@@ -57,6 +57,9 @@ QUICK_DEFAULT_REGIMES = ["mlp", "short", "scan_remat", "matrix"]
 # example's moments from its materialised gradient
 MATRIX_PLAN = {"js": (["kron_moments"], ["kron_moments"]),
                "micro_grad_mb": (["kron_moments"], ["kron_moments"])}
+# LoRA adapters only (issue 36): merged ``W + A @ B`` against the unmerged form
+LORA_PLAN = {"js": (ALL_STATS, ALL_STATS),
+             "vmap": (["second_moment", "sq_norms"], ["second_moment", "sq_norms"])}
 
 
 def regimes(quick: bool) -> dict[str, Regime]:
@@ -84,6 +87,12 @@ def regimes(quick: bool) -> dict[str, Regime]:
                                                                   heads=2, name="matrix"), [8],
                              "kron_moments, transformer T=8 d=32 V=64 (quick)", MATRIX_PLAN,
                              maxbatch=False),
+            "merged_lora": Regime("merged_lora", lambda: models.lora(T=4, D=16, F=32, r=2), [4],
+                                  "merged LoRA x @ (W + A @ B), adapters only (quick)",
+                                  LORA_PLAN, maxbatch=False),
+            "lora": Regime("lora", lambda: models.lora(T=4, D=16, F=32, r=2, merged=False), [4],
+                           "unmerged LoRA x @ W + (x @ A) @ B, adapters only (quick)",
+                           LORA_PLAN, maxbatch=False),
         }
     return {
         "mlp": Regime("mlp", lambda: models.mlp(), [32, 256],
@@ -110,5 +119,11 @@ def regimes(quick: bool) -> dict[str, Regime]:
                                                               heads=4, name="matrix"), [32],
                          "kron_moments (max_dim 1024) on the short transformer: per-example "
                          "Kronecker moments", MATRIX_PLAN, maxbatch=False),
+        "merged_lora": Regime("merged_lora", lambda: models.lora(), [32],
+                              "merged LoRA x @ (W + (alpha/r) A @ B), T=32 D=256 F=1024 r=8, "
+                              "adapters only (W frozen)", LORA_PLAN, maxbatch=False),
+        "lora": Regime("lora", lambda: models.lora(merged=False), [32],
+                       "unmerged LoRA x @ W + (alpha/r) (x @ A) @ B, T=32 D=256 F=1024 r=8, "
+                       "adapters only (W frozen)", LORA_PLAN, maxbatch=False),
     }
 

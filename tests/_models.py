@@ -126,10 +126,13 @@ def make_transformer(dtype=jnp.float32, seed=1, batch_size=B):
 
 
 # --------------------------------------------------------------------------- #
-# LoRA + weight decay: leaves without a fast rule (fallback)
+# DoRA-style LoRA + weight decay: leaves without a fast rule (fallback). The merged
+# weight is normalised per column before it meets the data (a merged ``W + A @ B`` alone
+# is served: sites/lora.py)
 # --------------------------------------------------------------------------- #
 def lora_loss(params, batch):
     w = params["W"] + params["A"] @ params["B"]
+    w = w / jnp.sqrt(jnp.sum(jnp.square(w), axis=0, keepdims=True))
     h = jnp.tanh(batch["x"] @ w + params["b"])
     pred = h @ params["head"]
     return jnp.mean(jnp.square(pred[:, 0] - batch["y"])) + 1e-2 * jnp.sum(jnp.square(params["W"]))

@@ -64,7 +64,7 @@ def test_transformer_tied_embedding_multi_site(reports):
 def test_lora_and_weight_decay_fall_back_with_reason(reports):
     rep, params = reports["lora"]
     leaves = _by_path(rep)
-    # W is weight-decayed and summed with A @ B; A and B are combined with each other
+    # the merged W + A @ B is normalised per column (DoRA) before it meets the data
     for k in ("W", "A", "B"):
         leaf = leaves[f"['{k}']"]
         assert leaf.rule == "fallback", str(rep)

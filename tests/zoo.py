@@ -483,6 +483,31 @@ def make_weight_decay_lora(dtype=jnp.float32, key=9) -> ZooCase:
     return ZooCase("weight_decay_lora", loss_fn, params, batch)
 
 
+def make_merged_lora(dtype=jnp.float32, key=17) -> ZooCase:
+    """Merged LoRA on tokens: ``x @ (W1 + (alpha / r) * A1 @ B1)`` with ``W1`` a frozen
+    constant, then the ``[out, in]`` form ``h @ (W2 + s * B2 @ A2).T`` with ``W2`` trained
+    (three leaves at one site), dense head."""
+    r = _Rand(key, dtype)
+    Bn, T, D, H, R, C = 5, 3, 6, 7, 2, 4
+    w1 = r.dense(D, H)  # frozen: closed over, not differentiated
+    params = {
+        "A1": r.normal((D, R), 0.4),
+        "B1": r.normal((R, H), 0.4),
+        "W2": r.dense(H, H),  # [out, in]
+        "B2": r.normal((H, R), 0.4),  # [out, r]
+        "A2": r.normal((R, H), 0.4),  # [r, in]
+        "head": r.dense(H, C),
+    }
+    batch = {"x": r.normal((Bn, T, D)), "y": r.ints((Bn, T), C)}
+
+    def loss_fn(params, batch):
+        h = jnp.tanh(batch["x"] @ (w1 + (8.0 / R) * (params["A1"] @ params["B1"])))
+        h = jnp.tanh(h @ (params["W2"] + 0.5 * (params["B2"] @ params["A2"])).T)
+        return jnp.mean(_xent(h @ params["head"], batch["y"]))
+
+    return ZooCase("merged_lora", loss_fn, params, batch)
+
+
 def make_embedding_modes(dtype=jnp.float32, key=16) -> ZooCase:
     """Embedding lookups with out-of-range / negative ids: ``jnp.take(mode="clip")``,
     ``.at[ids].get(mode="fill", fill_value=0)``, negative ids through ``table[ids]``."""
@@ -725,6 +750,7 @@ ZOO: dict[str, Callable[..., ZooCase]] = {
     "mlp_bf16": make_mlp_bf16,
     "onehot_embedding": make_onehot_embedding,
     "weight_decay_lora": make_weight_decay_lora,
+    "merged_lora": make_merged_lora,
     "embedding_modes": make_embedding_modes,
     "custom_vjp_and_cond": make_custom_vjp_and_cond,
     "flax_linen_mlp": make_flax_linen_mlp,

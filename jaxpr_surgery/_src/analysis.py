@@ -9,14 +9,20 @@ Every variable gets a *tag*:
   factors (``scales``: ``W / 16``, ``-W``, a multiplier passed as an argument),
   optionally followed by parameter-only ops (``pre``) such as broadcasts that
   the site absorbs;
-* `Mixed` -- depends on several leaves (LoRA ``A @ B``) or on a leaf
-  through a construct we do not see into; those leaves are *residual*.
+* `Merged` -- a merged low-rank weight ``W + c * (A @ B)`` (a merged LoRA
+  layer): the product of two views, constant factors, at most one base weight
+  (a constant or a third leaf's view) and layout steps. Where it meets the data
+  in a ``dot_general``, that equation is a site of each of its leaves;
+* `Mixed` -- depends on several leaves in any other way, or on a leaf through a
+  construct we do not see into; those leaves are *residual*.
 
 The first equation where a `PView` meets ``DATA`` is a **site**; the site
 registry (`sites.base.kind_for`, keyed by primitive objects) names the kernel
 that serves it. A leaf whose uses are all sites gets fast rules; any other use
 makes it residual (exact per-example gradients through a per-example copy of
-the leaf).
+the leaf). An equation that is the site of several leaves (a `Merged` weight's)
+is evaluated by the first one's kernel; the others are *taps* of it
+(`Site.tap_of`): they read the same cotangent.
 """
 
 from __future__ import annotations
@@ -160,6 +166,34 @@ class Mixed:
     leaves: frozenset
 
 
+@dataclasses.dataclass(frozen=True)
+class Merged:
+    """A merged low-rank weight ``W + c * (L @ R)`` (a merged LoRA layer), followed by
+    layout steps: every site of it is a site of each of its leaves.
+
+    ``factors``: ``((PView, Var), (PView, Var))`` of ``L`` and ``R``, the product's
+    operands; ``steps``: the parameter-only equations from the product (first) to this
+    value, which its sites apply again; ``scales``: the constant factors of the
+    product (`Scale`); ``frozen``: ``(PView, Var, k)`` of a base weight that is a view
+    of a leaf, added at ``steps[k]`` (None: none, or a constant); ``added``: whether
+    the base weight was added yet.
+    """
+
+    factors: tuple
+    steps: tuple
+    scales: tuple = ()
+    frozen: tuple | None = None
+    added: bool = False
+
+    @property
+    def leaves(self):
+        out = {t.leaf for t, _ in self.factors}
+        return out | {self.frozen[0].leaf} if self.frozen else out
+
+
+_PARAM_TAGS = (PView, Mixed, Merged)  # tags that depend on some parameter leaf
+
+
 @dataclasses.dataclass
 class Site:
     path: tuple
@@ -176,6 +210,15 @@ class Site:
     view_shape: tuple  # shape of ``base`` (per scan slice)
     ext_batched: tuple = ()  # whether each ext var depends on the example
     scales: tuple = ()  # `Scale` factors between the leaf's view and ``base``
+    # a tap: the path of the equation whose own site evaluates it (several sites at
+    # one equation, `Merged`); the tap reads its cotangent. ``path`` is then unique
+    # to the tap (the equation's path, "tap", its rank)
+    tap_of: tuple | None = None
+
+    @property
+    def at(self):
+        """The path of the site's equation."""
+        return self.path if self.tap_of is None else self.tap_of
 
     @property
     def kind(self):
@@ -226,6 +269,13 @@ class Analysis:
     # scale defined outside, e.g. ``jnp.einsum(..., W * c)``): the interpreter binds
     # them in the inner scope
     forwards: dict = dataclasses.field(default_factory=dict)
+    # eqn path -> paths of its taps (`Site.tap_of`), in order
+    taps: dict = dataclasses.field(default_factory=dict)
+
+    def at(self, p):
+        """The sites at the equation at ``p``: its own, then its taps."""
+        s = self.sites.get(p)
+        return [] if s is None else [s] + [self.sites[q] for q in self.taps.get(p, ())]
 
     def rule(self, i):
         info = self.leaves[i]
@@ -333,6 +383,7 @@ class _Analyzer:
         self.primitives = set()
         self.patterns = {}  # Var -> ("bcast"|"iota"|"eq"|"onehot", info): one-hot detection
         self.scope_of = {}  # Var -> path of the jaxpr run that defines it (scale operands)
+        self.groups = []  # [(site, is_factor), ...] of each site of a `Merged` weight
 
     # -- helpers ---------------------------------------------------------- #
     def residual(self, tag, reason):
@@ -344,7 +395,7 @@ class _Analyzer:
     def leaves_of(tag):
         if isinstance(tag, PView):
             return {tag.leaf}
-        if isinstance(tag, Mixed):
+        if isinstance(tag, (Mixed, Merged)):
             return set(tag.leaves)
         return set()
 
@@ -352,7 +403,7 @@ class _Analyzer:
     def parameter_only_call(eqn, tags, has_data):
         """``(tag, var)`` of a call's one parameter input when the call sees no data and
         returns one value (so it can run as a whole at the site), else None."""
-        views = [(t, v) for v, t in zip(eqn.invars, tags) if isinstance(t, (PView, Mixed))]
+        views = [(t, v) for v, t in zip(eqn.invars, tags) if isinstance(t, _PARAM_TAGS)]
         if has_data or len(eqn.outvars) != 1 or len(views) != 1:
             return None
         return views[0] if isinstance(views[0][0], PView) else None
@@ -366,6 +417,9 @@ class _Analyzer:
 
     def to_boundary(self, tag, where):
         """A tag crossing into or out of a sub-jaxpr."""
+        if isinstance(tag, Merged):
+            self.residual(tag, f"a merged weight (W + A @ B) crossing a {where} boundary")
+            return Mixed(frozenset(tag.leaves))
         if isinstance(tag, PView) and tag.pre:
             self.residual(tag, f"transformed outside the {where} where it meets the data")
             return Mixed(frozenset({tag.leaf}))
@@ -435,7 +489,7 @@ class _Analyzer:
         residual leaves on the way."""
         prim = eqn.primitive
         n_out = len(eqn.outvars)
-        params_tags = [t for t in tags if isinstance(t, (PView, Mixed))]
+        params_tags = [t for t in tags if isinstance(t, _PARAM_TAGS)]
         has_data = any(t == DATA for t in tags)
 
         if prim in _CALL_PRIMS:
@@ -454,14 +508,25 @@ class _Analyzer:
         if n_out == 0:  # effects only (jax.debug.print, callbacks): no gradient flows
             return []
 
-        pvars = {v for v, t in zip(eqn.invars, tags) if isinstance(t, (PView, Mixed))}
+        pvars = {v for v, t in zip(eqn.invars, tags) if isinstance(t, _PARAM_TAGS)}
         opaque = compat.subjaxprs(eqn) or prim in compat.custom_prims
-        if opaque or len(pvars) > 1 or any(isinstance(t, Mixed) for t in params_tags):
+        if not opaque:
+            out = self.merged(eqn, tags, path, scan_lengths, has_data)
+            if out is not None:
+                return out
+        if opaque or len(pvars) > 1 or any(isinstance(t, (Mixed, Merged)) for t in params_tags):
             if opaque:
                 self.residual_all(params_tags, f"used inside {prim}" + _at(eqn))
             elif len(pvars) > 1:
                 self.residual_all(
                     params_tags, f"combined with another parameter in {prim}" + _at(eqn)
+                )
+            elif isinstance(params_tags[0], Merged):
+                self.residual(
+                    params_tags[0],
+                    f"a merged weight (W + A @ B) used in {prim}" + _at(eqn)
+                    + " (served: scaling by constants, adding one weight, transposing, "
+                    "then a dot_general with the data)",
                 )
             return [DATA] * n_out if has_data else [Mixed(self.union(params_tags))] * n_out
 
@@ -552,8 +617,103 @@ class _Analyzer:
             ),
             scales=tag.scales,
         )
-        self.sites[path] = site
+        self.sites.setdefault(path, []).append(site)
         self.leaves[tag.leaf].sites.append(site)
+        return site
+
+    # -- merged low-rank weights (`Merged`) --------------------------------- #
+    def merged(self, eqn, tags, path, scan_lengths, has_data):
+        """The tags of ``eqn``'s outputs where it starts, extends or meets the data with
+        a `Merged` weight as served (the product of two views; then constant factors,
+        adding one base weight, layout steps; then a ``dot_general`` with the data),
+        else None: any other use makes the weight's leaves residual (the caller)."""
+        pos = [k for k, t in enumerate(tags) if isinstance(t, _PARAM_TAGS)]
+        ms = [k for k in pos if isinstance(tags[k], Merged)]
+        if not ms:
+            return self.product(eqn, tags, has_data, pos)
+        if len(ms) != 1 or len(eqn.outvars) != 1:
+            return None
+        (k,) = ms
+        m = tags[k]
+        if has_data:
+            if eqn.primitive is not compat.dot_general_p or pos != [k]:
+                return None
+            self.merged_sites(eqn, tags, m, k, path, scan_lengths)
+            return [DATA]
+        if pos == [k]:
+            sc = _scale_step(eqn, k, tags)
+            if sc is not None:  # scales the product (and the base weight once added)
+                frozen = m.frozen
+                if frozen is not None and m.added:
+                    t, v, at = frozen
+                    frozen = (dataclasses.replace(t, scales=t.scales + (sc,)), v, at)
+                return [dataclasses.replace(
+                    m, steps=m.steps + (eqn,), scales=m.scales + (sc,), frozen=frozen)]
+            op = _layout_op(eqn)
+            if (op is not None and op.kind in ("identity", "transpose") and k == 0
+                    and all(_is_literal(v) for v in eqn.invars[1:])):
+                return [dataclasses.replace(m, steps=m.steps + (eqn,))]
+        return self.base_weight(eqn, tags, m, k)
+
+    @staticmethod
+    def base_weight(eqn, tags, m, k):
+        """``[m]`` plus (or minus) a base weight of its shape, a constant or a layout view
+        of another leaf (a `Merged` takes one); else None."""
+        if eqn.primitive not in (compat.add_p, compat.sub_p) or m.added or len(eqn.invars) != 2:
+            return None
+        shape = _shape(eqn.outvars[0])
+        if any(_shape(v) != shape for v in eqn.invars):
+            return None
+        j = 1 - k
+        other = tags[j]
+        neg = (Scale("neg"),) if eqn.primitive is compat.sub_p else ()
+        steps = m.steps + (eqn,)
+        scales = m.scales + (neg if k == 1 else ())
+        if other is None:
+            return [dataclasses.replace(m, steps=steps, scales=scales, added=True)]
+        if isinstance(other, PView) and other.is_layout and other.leaf not in m.leaves:
+            w = dataclasses.replace(other, scales=other.scales + (neg if j == 1 else ()))
+            frozen = (w, eqn.invars[j], len(m.steps))
+            return [dataclasses.replace(m, steps=steps, scales=scales, frozen=frozen, added=True)]
+        return None
+
+    @staticmethod
+    def product(eqn, tags, has_data, pos):
+        """``[Merged]`` where ``eqn`` multiplies two layout views of distinct leaves
+        (2-D, one contracted axis, no batch axes, floating), else None."""
+        import jax.numpy as jnp
+
+        if has_data or eqn.primitive is not compat.dot_general_p or pos != [0, 1]:
+            return None
+        a, b = tags[0], tags[1]
+        if not (isinstance(a, PView) and isinstance(b, PView) and a.is_layout and b.is_layout):
+            return None
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        if a.leaf == b.leaf or lb or rb or len(lc) != 1 or len(rc) != 1:
+            return None
+        if any(len(_shape(v)) != 2 or not jnp.issubdtype(v.aval.dtype, jnp.floating)
+               for v in (*eqn.invars, *eqn.outvars)):
+            return None
+        return [Merged(((a, eqn.invars[0]), (b, eqn.invars[1])), (eqn,))]
+
+    def merged_sites(self, eqn, tags, m, k, path, scan_lengths):
+        """Records the site ``eqn`` (the data times the merged weight ``m``, operand
+        ``k``) of each leaf of ``m``: its factors, and its base weight if a leaf. Each
+        site applies the steps from its view on again (`Site.pre`); the factors' sites
+        take the product's constant factors as their view's."""
+        members = [(t, v, m.steps, m.scales, True) for t, v in m.factors]
+        if m.frozen is not None:
+            t, v, at = m.frozen
+            members.append((t, v, m.steps[at:], (), False))
+        if any(t.depth < len(scan_lengths) for t, *_ in members):
+            self.residual(m, "closed over by lax.scan (used in every iteration)" + _at(eqn))
+            return
+        self.patterns[eqn.invars[k]] = ("merged", m)  # for the kernels' `matches`
+        group = []
+        for t, v, pre, scales, factor in members:
+            tag = dataclasses.replace(t, base=v, pre=pre, scales=t.scales + scales)
+            group.append((self.site(eqn, tags, tag, v, [k], path, scan_lengths), factor))
+        self.groups.append(group)
 
     def track_onehot(self, eqn):
         """Recognises ``one_hot(ids) = convert(eq(broadcast(ids), iota))``."""
@@ -610,7 +770,7 @@ class _Analyzer:
         consts, carry, xs = tags[:nc], tags[nc : nc + ncar], tags[nc + ncar :]
         consts = [self.to_boundary(t, "scan") for t in consts]
         for t in carry:
-            if isinstance(t, (PView, Mixed)):
+            if isinstance(t, _PARAM_TAGS):
                 self.residual(t, "carried through lax.scan")
         xs_in = []
         for v, t in zip(eqn.invars[nc + ncar :], xs):
@@ -625,9 +785,9 @@ class _Analyzer:
         carry = [DATA] * ncar
         outs = self.run(body, consts + carry + xs_in, path, inner_lengths)
         for t in outs:
-            if isinstance(t, (PView, Mixed)):
+            if isinstance(t, _PARAM_TAGS):
                 self.residual(t, "returned from lax.scan")
-        outs = [DATA if isinstance(t, (PView, Mixed)) else t for t in outs]
+        outs = [DATA if isinstance(t, _PARAM_TAGS) else t for t in outs]
         return outs
 
 
@@ -663,30 +823,64 @@ def _at(eqn):
 def analyse_jaxpr(jaxpr, in_tags, n_leaves):
     a = _Analyzer(n_leaves)
     outs = a.run(jaxpr, in_tags, (), ())
-    if outs and isinstance(outs[0], (PView, Mixed)):
+    if outs and isinstance(outs[0], _PARAM_TAGS):
         a.residual(outs[0], "the loss depends on it without passing through example data")
-    # prune sites of residual leaves
-    sites = {p: s for p, s in a.sites.items() if not a.leaves[s.leaf].residual}
+    _merged_residuals(a)
+    # prune sites of residual leaves; at an equation that is the site of several
+    # leaves, the first one left evaluates it and the others are its taps
+    sites, taps = {}, {}
+    for p, group in a.sites.items():
+        active = [s for s in group if not a.leaves[s.leaf].residual]
+        for j, s in enumerate(active):
+            if j:
+                s.tap_of, s.path = p, p + ("tap", j)
+                taps.setdefault(p, []).append(s.path)
+            sites[s.path] = s
+    kept = {id(s) for s in sites.values()}
     for li in a.leaves:
         if li.residual:
-            li.sites = [s for s in li.sites if s.path in sites]
+            li.sites = [s for s in li.sites if id(s) in kept]
         else:
             li.sites = sorted(li.sites, key=lambda s: s.path)
     scopes = set()
-    for p in sites:
-        for k in range(1, len(p)):
-            scopes.add(p[:k])
+    for s in sites.values():
+        for k in range(1, len(s.at)):
+            scopes.add(s.at[:k])
     # a scale defined in an outer scope reaches the site through every eqn between
     forwards = {}
-    for p, s in sites.items():
+    for s in sites.values():
         for sc in s.scales:
             v = sc.operand
             if v is None or _is_literal(v):
                 continue
-            for k in range(len(a.scope_of[v]) + 1, len(p)):
-                fw = forwards.setdefault(p[:k], [])
+            for k in range(len(a.scope_of[v]) + 1, len(s.at)):
+                fw = forwards.setdefault(s.at[:k], [])
                 if v not in fw:
                     fw.append(v)
     return Analysis(
-        a.leaves, sites, scopes, a.primitives, {k: tuple(v) for k, v in forwards.items()}
+        a.leaves, sites, scopes, a.primitives, {k: tuple(v) for k, v in forwards.items()},
+        {p: tuple(q) for p, q in taps.items()},
     )
+
+
+def _merged_residuals(a):
+    """The sites of a merged weight read each other's leaves as values shared by the
+    examples. Where a factor is residual (its value is a per-example copy), so are the
+    other factor and the base weight; a residual base weight is read per example."""
+    reason = "merged (W + A @ B) with a factor that takes exact per-example gradients"
+    changed = True
+    while changed:
+        changed = False
+        for group in a.groups:
+            if not any(a.leaves[s.leaf].residual for s, factor in group if factor):
+                continue
+            for s, _ in group:
+                if not a.leaves[s.leaf].residual:
+                    a.leaves[s.leaf].reasons.append(reason)
+                    changed = True
+    for group in a.groups:
+        copies = [s.base for s, factor in group if not factor and a.leaves[s.leaf].residual]
+        for s, _ in group:
+            s.ext_batched = tuple(
+                b or any(v is c for c in copies) for v, b in zip(s.ext_vars, s.ext_batched)
+            )

@@ -517,7 +517,7 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
             + "; ".join(f"[{k}] {v}" if multi else v for k, v in dict.fromkeys(views))
         )
     for s in info.sites:
-        site_notes[s.path] = {"leaf": path, "kind": s.kind, "rules": rules}
+        site_notes.setdefault(s.at, []).append({"leaf": path, "kind": s.kind, "rules": rules})
     return LeafReport(
         path,
         shape,
@@ -584,13 +584,13 @@ def _annotate(jaxpr, site_notes):
         for k, eqn in enumerate(j.eqns):
             p = path + (k,)
             text = pp(eqn).replace("\n", "\n" + " " * indent)
-            note = site_notes.get(p)
+            notes = site_notes.get(p, ())
             src = compat.source_line(eqn)
-            if note:
+            for note in notes:  # (several: the sites of a merged weight's leaves)
                 rules = ", ".join(f"{n}={w}" for n, w in note["rules"].items())
                 text += f"    # site: {note['leaf']} {note['kind']}: {rules}"
-                if src:
-                    text += f" [{src}]"
+            if notes and src:
+                text += f" [{src}]"
             lines.append(" " * indent + text)
             for sub in compat.subjaxprs(eqn):
                 if any(q[: len(p)] == p and len(q) > len(p) for q in site_notes):

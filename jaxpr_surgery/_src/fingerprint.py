@@ -127,6 +127,7 @@ def site_key(site, kernel) -> tuple:
         comp,
         tuple(namer.ref(v) for v in site.eqn.outvars),
         scales,
+        site.tap_of is not None,  # a tap computes no forward value
     )
 
 

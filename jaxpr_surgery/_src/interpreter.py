@@ -257,8 +257,7 @@ class Evaluator:
                     need(v)
                 continue
             eqns.append(eqn)
-            site = self.an.sites.get(path + (k,))
-            if site is not None:  # a site reads its parameter view and inputs directly
+            for site in self.an.at(path + (k,)):  # sites read their views and inputs
                 need(site.base)
                 for v in site.ext_vars:
                     need(v)
@@ -326,8 +325,7 @@ class Evaluator:
         """var -> index of the last equation that reads it (``len(eqns)``: returned)."""
         last = {}
         for k, eqn in enumerate(jaxpr.eqns):
-            site = self.an.sites.get(path + (k,))
-            extra = (site.base, *site.ext_vars) if site is not None else ()
+            extra = tuple(v for s in self.an.at(path + (k,)) for v in (s.base, *s.ext_vars))
             extra += self.an.forwards.get(path + (k,), ())
             for v in (*eqn.invars, *extra):
                 if not isinstance(v, compat.Literal):
@@ -443,16 +441,23 @@ class Evaluator:
 
     # ------------------------------------------------------------------ #
     def site(self, p, env, read, sinks):
-        site = self.an.sites[p]
-        w, wf = env[site.base]
-        assert not wf, "internal error: parameter view of an active site is batched"
-        ext = []
-        for v, b in zip(site.ext_vars, site.ext_batched):
-            x, f = read(v)
-            if b and not f:
-                x = _bcast(x, self.B)
-            ext.append(x)
-        outs = self.site_fn(site, self.kernels[p], w, tuple(ext), site.ext_batched, sinks[p])
+        """The equation at ``p`` by its site's kernel, then each of its taps (the other
+        sites at it, `analysis.Site.tap_of`), which read its outputs' cotangent."""
+        outs = None
+        for site in self.an.at(p):
+            w, wf = env[site.base]
+            assert not wf, "internal error: parameter view of an active site is batched"
+            ext = []
+            for v, b in zip(site.ext_vars, site.ext_batched):
+                x, f = read(v)
+                if b and not f:
+                    x = _bcast(x, self.B)
+                ext.append(x)
+            args = (self.kernels[site.path], w, tuple(ext), site.ext_batched, sinks[site.path])
+            if outs is None:
+                outs = tuple(self.site_fn(site, *args))
+            else:
+                outs = tuple(self.site_fn.tap(site, outs, *args))
         return list(outs), [True] * len(outs)
 
     def _sub_sinks(self, sinks, p):
@@ -536,6 +541,28 @@ def _site_key(sk, direct, want_ing, sink):
     )
 
 
+def _custom_vjp_tap(stats_impl, keep_sink=False):
+    """A tap's custom_vjp: the identity on the equation's outputs, whose backward pass
+    passes their cotangent on and emits the tap site's statistics (``stats_impl(w, ext,
+    dy, sink)``) as the sink's cotangent; its view and inputs are read, not
+    differentiated (the equation's own site gives their cotangents)."""
+
+    @jax.custom_vjp
+    def call(outs, w, ext, sink):
+        return outs
+
+    def fwd(outs, w, ext, sink):
+        return outs, (w, ext, sink if keep_sink else None)
+
+    def bwd(res, dy):
+        w, ext, sink = res
+        dy, out = stats_impl(w, ext, dy, sink)
+        return dy, None, None, out
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
 def _custom_vjp_call(fwd_impl, bwd_impl, keep_sink=False):
     """The site's custom_vjp: the forward value, and the backward pass that also
     emits the statistics as the sink's cotangent. ``keep_sink``: the backward pass
@@ -608,16 +635,12 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
     from jaxpr_surgery._src.sites.generic import composite
 
     def build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key):
-        F = kernel.forward(composite(site), ext_batched)
+        finish = finish_first and not site.scan_lengths
 
-        def fwd_impl(w, ext):
-            return F(w, *ext)
-
-        def bwd_impl(w, ext, dy, sink):
-            _, pull = jax.vjp(F, w, *ext)
-            finish = finish_first and not site.scan_lengths
-            # the statistics start once the cotangent is there (x and dy through one
-            # barrier), and the data cotangents once they are done (dy and them)
+        def stats_impl(w, ext, dy, sink):
+            """``(dy, statistics)``: the statistics start once the cotangent is there
+            (x and dy through one barrier), and the data cotangents once they are done
+            (dy and them)."""
             sx, sdy = jax.lax.optimization_barrier((ext, dy)) if finish else (ext, dy)
             ctx = kernel.prepare_site(w, sx, ext_batched, sdy)
             B = jax.tree.leaves(dy)[0].shape[0]
@@ -633,23 +656,41 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
             out = jax.tree.map(lambda o, d: o.astype(d), out, sink_dtypes)
             if finish:
                 dy, out = jax.lax.optimization_barrier((dy, out))
+            return dy, out
+
+        keep = CARRY_COUNT in sink_dtypes
+        jit = (lambda f: f) if key is None else jax.jit  # no exact key: traced alone
+        if site.tap_of is not None:
+            return _custom_vjp_tap(jit(stats_impl), keep)
+        F = kernel.forward(composite(site), ext_batched)
+
+        def fwd_impl(w, ext):
+            return F(w, *ext)
+
+        def bwd_impl(w, ext, dy, sink):
+            _, pull = jax.vjp(F, w, *ext)
+            dy, out = stats_impl(w, ext, dy, sink)
             cts = pull(dy)
             return cts[0], tuple(cts[1:]), out
 
-        keep = CARRY_COUNT in sink_dtypes
-        if key is None:  # no exact key: traced for this site alone
-            return _custom_vjp_call(fwd_impl, bwd_impl, keep)
-        return _custom_vjp_call(jax.jit(fwd_impl), jax.jit(bwd_impl), keep)
+        return _custom_vjp_call(jit(fwd_impl), jit(bwd_impl), keep)
 
-    def site_fn(site, kernel, w, ext, ext_batched, sink):
+    def call_of(site, kernel, ext_batched, sink):
         direct, want_ing = reduction_plan(site)
         sk = cache.site_key(site, kernel)
         key = fp.keyed(lambda: _site_key(sk, direct, want_ing, sink))
         sink_dtypes = jax.tree.map(lambda s: s.dtype, sink)
-        call = cache.value(
+        return cache.value(
             key, lambda: build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key)
         )
-        return call(w, ext, sink)
+
+    def site_fn(site, kernel, w, ext, ext_batched, sink):
+        return call_of(site, kernel, ext_batched, sink)(w, ext, sink)
+
+    def tap(site, outs, kernel, w, ext, ext_batched, sink):
+        """``outs`` (the outputs of the equation ``site`` taps), its statistics from
+        their cotangent."""
+        return call_of(site, kernel, ext_batched, sink)(outs, w, ext, sink)
 
     def key_of(site, kernel, sink):
         """The structural key of the call ``site_fn`` makes (None: not keyable)."""
@@ -658,6 +699,7 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
         return fp.keyed(lambda: _site_key(sk, direct, want_ing, sink))
 
     site_fn.key_of = key_of
+    site_fn.tap = tap
     return site_fn
 
 
@@ -679,6 +721,20 @@ def make_weighted_site_fn(cache):
     from jaxpr_surgery._src.sites.generic import composite
 
     def build(site, kernel, ext_batched, out_dtypes):
+        def sums_of(w, ext, dy, weights):
+            ing = kernel.ingredients(kernel.prepare_site(w, ext, ext_batched, dy))
+            return [kernel.weighted_sum(ing, c).astype(d) for c, d in zip(weights, out_dtypes)]
+
+        def zeros(weights):
+            return [compat.make_varying(jnp.zeros_like(c), compat.vma_of(c)) for c in weights]
+
+        if site.tap_of is not None:  # (interpreter._custom_vjp_tap)
+            sums_j = jax.jit(sums_of)
+
+            def stats(w, ext, dy, sink):
+                return dy, {WEIGHTS: zeros(sink[WEIGHTS]), SUMS: sums_j(w, ext, dy, sink[WEIGHTS])}
+
+            return _custom_vjp_tap(stats, keep_sink=True)
         F = kernel.forward(composite(site), ext_batched)
 
         def fwd_impl(w, ext):
@@ -686,8 +742,7 @@ def make_weighted_site_fn(cache):
 
         def bwd_impl(w, ext, dy, weights):
             _, pull = jax.vjp(F, w, *ext)
-            ing = kernel.ingredients(kernel.prepare_site(w, ext, ext_batched, dy))
-            sums = [kernel.weighted_sum(ing, c).astype(d) for c, d in zip(weights, out_dtypes)]
+            sums = sums_of(w, ext, dy, weights)
             cts = pull(dy)
             return cts[0], tuple(cts[1:]), sums
 
@@ -703,8 +758,7 @@ def make_weighted_site_fn(cache):
         def bwd(res, dy):
             w, ext, weights = res
             ct_w, ct_ext, sums = bwd_j(w, ext, dy, weights)
-            zeros = [compat.make_varying(jnp.zeros_like(c), compat.vma_of(c)) for c in weights]
-            return ct_w, ct_ext, {WEIGHTS: zeros, SUMS: sums}
+            return ct_w, ct_ext, {WEIGHTS: zeros(weights), SUMS: sums}
 
         call.defvjp(fwd, bwd)
         return call
@@ -716,11 +770,17 @@ def make_weighted_site_fn(cache):
             tuple((tuple(x.shape), x.dtype) for x in jax.tree.leaves(sink)),
         ))
 
-    def site_fn(site, kernel, w, ext, ext_batched, sink):
+    def call_of(site, kernel, ext_batched, sink):
         key = key_of(site, kernel, sink)
         out_dtypes = [s.dtype for s in sink[SUMS]]
-        call = cache.value(key, lambda: build(site, kernel, ext_batched, out_dtypes))
-        return call(w, ext, sink)
+        return cache.value(key, lambda: build(site, kernel, ext_batched, out_dtypes))
+
+    def site_fn(site, kernel, w, ext, ext_batched, sink):
+        return call_of(site, kernel, ext_batched, sink)(w, ext, sink)
+
+    def tap(site, outs, kernel, w, ext, ext_batched, sink):
+        return call_of(site, kernel, ext_batched, sink)(outs, w, ext, sink)
 
     site_fn.key_of = key_of
+    site_fn.tap = tap
     return site_fn

@@ -5,6 +5,7 @@ from jaxpr_surgery._src.sites import conv as _conv  # noqa: F401
 from jaxpr_surgery._src.sites import dense as _dense  # noqa: F401
 from jaxpr_surgery._src.sites import embedding as _embedding  # noqa: F401
 from jaxpr_surgery._src.sites import generic as _generic  # noqa: F401
+from jaxpr_surgery._src.sites import lora as _lora  # noqa: F401
 from jaxpr_surgery._src.sites import ragged as _ragged  # noqa: F401
 from jaxpr_surgery._src.sites.base import KERNELS as KERNELS
 from jaxpr_surgery._src.sites.base import SITE_RULES as SITE_RULES

@@ -105,6 +105,18 @@ def _canon(site):
     )
 
 
+def canonical(site, c, ext, dy, dtype):
+    """The site's input and output cotangent in the canonical layout ``c`` (`_canon`):
+    ``X [B, K, N, C]`` and ``DY [B, K, N, F]`` in ``dtype``."""
+    x = ext[site.ext_vars.index(site.eqn.invars[c["x_pos"]])]
+    (dy,) = dy
+    B = dy.shape[0]
+    x = jnp.transpose(x, (0,) + tuple(1 + i for i in c["x_perm"]))
+    x = x.reshape(B, c["K"], c["N"], c["C"]).astype(dtype)
+    dy = jnp.transpose(dy, (0,) + tuple(1 + i for i in c["dy_perm"]))
+    return x, dy.reshape(B, c["K"], c["N"], c["F"]).astype(dtype)
+
+
 FALLBACK_TILE_BYTES = 4 << 20  # tiles of the exact variance where the rank-one form cancels
 # The raw variance sum x^2 d^2 - (sum x d)^2 / B (N == 1) is kept where its worst-case
 # rounding error, however the sums are ordered, is at most sqrt(eps) of the result (half
@@ -215,14 +227,7 @@ class DenseKernel(Kernel):
 
     # canonical layout ----------------------------------------------------- #
     def prepare(self, w, ext, ext_batched, dy):
-        c = self.c
-        x = ext[self.site.ext_vars.index(self.site.eqn.invars[c["x_pos"]])]
-        (dy,) = dy
-        B = dy.shape[0]
-        x = jnp.transpose(x, (0,) + tuple(1 + i for i in c["x_perm"]))
-        x = x.reshape(B, c["K"], c["N"], c["C"]).astype(self.acc)
-        dy = jnp.transpose(dy, (0,) + tuple(1 + i for i in c["dy_perm"]))
-        dy = dy.reshape(B, c["K"], c["N"], c["F"]).astype(self.acc)
+        x, dy = canonical(self.site, self.c, ext, dy, self.acc)
         if self.fold_side is not None:
             return self._fold(x, dy, ext)
         return x, dy
