@@ -576,13 +576,10 @@ def mask_examples(w, ext, ext_batched, dy):
     return ext, jax.tree.map(mask, dy)
 
 
-def weigh(direct, w, n0=0, W0=0.0, keys=None):
-    """``direct``'s reductions (those ``keys`` names, None: all) over examples weighted
-    by ``w`` (`stats.Weighted`, counted from ``n0`` examples of weight ``W0``)."""
-    return {
-        k: S.Weighted(r, w, n0, W0) if S.weighs(r) and (keys is None or k in keys) else r
-        for k, r in direct.items()
-    }
+def weigh(direct, w, n0=0, W0=0.0):
+    """``direct``'s reductions over examples weighted by ``w`` (`stats.Weighted`, counted
+    from ``n0`` examples of weight ``W0``)."""
+    return {k: S.Weighted(r, w, n0, W0) if S.weighs(r) else r for k, r in direct.items()}
 
 
 def carried(kernel, ctx, direct, sink, B):
@@ -598,8 +595,8 @@ def carried(kernel, ctx, direct, sink, B):
     run, after = direct, direct
     if EX_WEIGHTS in sink:  # tile loops from the carry count from it, the others from 0
         w, W0 = sink[EX_WEIGHTS], sink[CARRY_WEIGHT]
-        run = {**weigh(direct, w, keys=set(direct) - keys), **weigh(direct, w, n, W0, keys)}
-        after = weigh(direct, w, n, W0)
+        after = weigh(direct, w, n, W0)  # (counted from the carry's first example)
+        run = {k: after[k] if k in keys else r for k, r in weigh(direct, w).items()}
     out = kernel.direct_all(ctx, run, S.Carry({k: init[k] for k in keys}, n) if keys else None)
     for k in set(init) - keys:
         out[k] = after[k].accumulate(init[k], n, out[k], B)

@@ -441,15 +441,19 @@ class Weighted(Reduction):
         if self._cw is None:
             w = self.w
             self._cw = jnp.concatenate([jnp.zeros((1,), w.dtype), jnp.cumsum(w)])
-        k = jnp.clip(jnp.asarray(n) - self.n0, 0, self.w.shape[0])
-        return self.W0 + self._cw[k]
+        return self.W0 + self._cw[jnp.clip(self._index(n), 0, self.w.shape[0])]
+
+    def _index(self, n):
+        """The position in the chunk of the example counted by ``n`` (counts may come
+        as floats: a site's sink holds them in its accumulation dtype)."""
+        return jnp.round(jnp.asarray(n) - self.n0).astype(jnp.int32)
 
     def _tile(self, n, G):
         """The weights of the examples ``G`` holds (from count ``n``) and ``G`` with the
         examples of weight 0 read as zero."""
         b = G.shape[0]
         w = self.w if b == self.w.shape[0] else jax.lax.dynamic_slice_in_dim(
-            self.w, jnp.asarray(n) - self.n0, b)
+            self.w, self._index(n), b)
         keep = (w > 0).reshape((-1,) + (1,) * (G.ndim - 1))
         return w, jnp.where(keep, G, jnp.zeros((), G.dtype))
 
