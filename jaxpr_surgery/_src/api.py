@@ -429,7 +429,7 @@ def _compute(prep, stat, opts: Options, name, spec=None):
     else:  # (a padded example's loss may be NaN: a token mean over no tokens)
         loss_sum = jnp.sum(jnp.where(w > 0, w.astype(loss_b.dtype) * loss_b, 0))
         count = jnp.sum(w)
-        bad = ew.invalid(w, count)
+        bad = ew.invalid(w)  # (and no weight at all: below, once summed over devices)
     if opts.axis_name is not None:
         N = jax.lax.psum(B, opts.axis_name)
         values = {
@@ -446,7 +446,7 @@ def _compute(prep, stat, opts: Options, name, spec=None):
     aux_out = jax.tree.unflatten(front.out_tree, [loss_b] + list(aux))[1]
     loss = loss_sum / count
     if w is not None:
-        loss, result = ew.poison((loss, result), bad)
+        loss, result = ew.poison((loss, result), bad | ~(count > 0))
     return loss, aux_out, result
 
 

@@ -108,10 +108,9 @@ def as_weights(spec, B, name):
     return x
 
 
-def invalid(w, W):
-    """A traced flag: the weights are bad (a negative, NaN or infinite weight, or no
-    weight at all)."""
-    return ~jnp.all(jnp.isfinite(w) & (w >= 0)) | ~(W > 0)
+def invalid(w):
+    """A traced flag: some weight is negative, NaN or infinite."""
+    return ~jnp.all(jnp.isfinite(w) & (w >= 0))
 
 
 def poison(tree, bad):
