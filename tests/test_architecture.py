@@ -177,7 +177,7 @@ LAYERS = (
     ("fused",),
     ("stats", "stats_research", "fingerprint", "independence"),
     ("reductions",),  # the Reduction protocol and the built-in reductions
-    ("views", "norms"),  # a site's view of its leaf; norms past the range of their squares
+    ("views", "norms", "example_weights"),  # a site's view of its leaf; norms past their squares; weights
     ("compat",),
 )
 

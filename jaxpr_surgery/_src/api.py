@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxpr_surgery._src import analysis as A
 from jaxpr_surgery._src import chunking, compat, engine, independence, prefix, tiling
+from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import stats as S
 
 PyTree = Any
@@ -430,44 +431,85 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     return Front(closed, out_tree, an, leaf_avals, plan, cs, act)
 
 
-def _compute(prep, stat, opts: Options, name):
+def _compute(prep, stat, opts: Options, name, spec=None):
+    """``(loss, aux, result)`` of one call; ``spec``: its ``example_weights`` or
+    ``is_padding_example`` (`example_weights.pop`), or None."""
     stat_leaves, stat_tree, reqs, reductions = _flatten_stats(stat)
     axes = prep.data_axes | _axis_names(opts.axis_name)
     check = (lambda: independence.check(prep, name, axes)) if opts.check else None
     front = front_half(prep, reductions, opts, name, check)
     plan, B, data_axes = front.plan, prep.B, prep.data_axes
+    w = None if spec is None else ew.as_weights(spec, B, name)
     if front.chunk is None:
         values, loss_b, aux = engine.run(
-            plan, prep.diff_leaves, prep.ex_leaves, prep.other_leaves, B, data_axes
+            plan, prep.diff_leaves, prep.ex_leaves, prep.other_leaves, B, data_axes,
+            weights=None if w is None else (w, jnp.zeros((), w.dtype)),
         )
     else:
         zero = engine.zero_carry(plan, prep.diff_leaves, data_axes)
         values, loss_b, aux = chunking.run_chunks(
-            lambda d, e, o, b, c: engine.run(plan, d, e, o, b, data_axes, carry=c),
-            prep, int(front.chunk), zero.values, reductions,
+            lambda d, e, o, b, c, wt=None: engine.run(
+                plan, d, e, o, b, data_axes, carry=c, weights=wt),
+            prep, int(front.chunk), zero.values, reductions, w,
         )
     N = B
-    loss_sum = jnp.sum(loss_b)
+    if w is None:
+        loss_sum, count = jnp.sum(loss_b), N
+    else:  # (a padded example's loss may be NaN: a token mean over no tokens)
+        loss_sum = jnp.sum(jnp.where(w > 0, w.astype(loss_b.dtype) * loss_b, 0))
+        count = jnp.sum(w)
+        bad = ew.invalid(w)  # (and no weight at all: below, once summed over devices)
     if opts.axis_name is not None:
         N = jax.lax.psum(B, opts.axis_name)
         values = {
-            j: [reductions[j].combine_axis(v, B, N, opts.axis_name) for v in vals]
+            j: [_weighing(reductions[j], w).combine_axis(v, B, N, opts.axis_name) for v in vals]
             for j, vals in values.items()
         }
         loss_sum = jax.lax.psum(loss_sum, opts.axis_name)
-    result = _finalize(prep, opts, stat_leaves, stat_tree, reqs, reductions, values, N)
+        if w is not None:
+            count = jax.lax.psum(count, opts.axis_name)
+            bad = jax.lax.psum(bad.astype(jnp.int32), opts.axis_name) > 0
+        else:
+            count = N
+    result = _finalize(prep, opts, stat_leaves, stat_tree, reqs, reductions, values, count, w)
     aux_out = jax.tree.unflatten(front.out_tree, [loss_b] + list(aux))[1]
-    return loss_sum / N, aux_out, result
+    loss = loss_sum / count
+    if w is not None:
+        loss, result = ew.poison((loss, result), bad | ~(count > 0))
+    return loss, aux_out, result
 
 
-def _finalize(prep, opts, stat_leaves, stat_tree, reqs, reductions, values, N):
+def _weighing(r, w):
+    """``r`` over the call's examples weighted by ``w`` (None: ``r``)."""
+    return r if w is None or not S.weighs(r) else S.Weighted(r, w)
+
+
+def _ddofs(stat):
+    """``(name, ddof)`` of the statistics in ``stat`` whose estimate divides by
+    ``count - ddof`` (checked against concrete weights)."""
+    leaves = jax.tree.leaves(stat, is_leaf=S.is_statistic)
+    return [(getattr(s, "_name", type(s).__name__), int(s.ddof)) for s in leaves
+            if isinstance(getattr(s, "ddof", None), (int, np.integer))]
+
+
+def _finalize(prep, opts, stat_leaves, stat_tree, reqs, reductions, values, N, weights=None):
     """Every statistic's ``finalize`` of its reductions' values (pytrees shaped like
     the differentiated arguments).
 
     A statistic that reduces per-example values over the batch (quantiles of norms,
     diversity) declares ``whole_batch``: across devices it gets the whole batch's;
-    the others keep each device's own (per-example outputs stay with their device)."""
+    the others keep each device's own (per-example outputs stay with their device).
+    One that declares ``uses_weights`` gets ``weights=`` the examples' weights (None
+    without ``example_weights``; across devices the whole batch's)."""
     whole = {}
+    gathered = []
+
+    def weights_for():
+        if weights is None or opts.axis_name is None:
+            return weights
+        if not gathered:
+            gathered.append(_gather_examples(weights, prep.B, opts.axis_name))
+        return gathered[0]
 
     def value_for(s, r):
         j = reductions.index(r)
@@ -482,7 +524,10 @@ def _finalize(prep, opts, stat_leaves, stat_tree, reqs, reductions, values, N):
     results = []
     for s, req in zip(stat_leaves, reqs):
         vals = {k: prep.unflatten_diff(value_for(s, r), _STATIC) for k, r in req.items()}
-        out = s.finalize(vals, N)
+        if getattr(s, "uses_weights", False):
+            out = s.finalize(vals, N, weights=weights_for())
+        else:
+            out = s.finalize(vals, N)
         results.append(_cast_like(out, prep) if getattr(s, "gradient_like", False) else out)
     return jax.tree.unflatten(stat_tree, results)
 
@@ -566,14 +611,23 @@ def value_and_per_example_stat(
     if not callable(fn):
         raise TypeError(f"{name}: fn must be callable, got {fn!r}.")
 
+    ddofs = _ddofs(stat)
+
     def direct(args, kwargs):
-        # keyword arguments pass through like jax.grad's: neither differentiated nor batched
+        # keyword arguments pass through like jax.grad's: neither differentiated nor
+        # batched; example_weights / is_padding_example are ours (example_weights.py)
+        kwargs, spec = ew.pop(kwargs, name)
         f = functools.partial(fn, **kwargs) if kwargs else fn
         prep = _Prepared(f, args, opts, name)
         if prep.explicit is None:
-            loss, aux, result = _compute(prep, stat, opts, name)
+            loss, aux, result = _compute(prep, stat, opts, name, spec)
         else:
             # inside auto_axes the arguments are new values: prepare them there
+            if spec is not None:
+                raise NotImplementedError(
+                    f"{name}: example_weights with explicitly sharded arguments (sharding "
+                    "in types) are not supported yet; use shard_map with axis_name."
+                )
             loss, aux, result = compat.in_auto_mode(
                 lambda *a: _compute(_Prepared(f, a, opts, name), stat, opts, name),
                 args,
@@ -588,6 +642,9 @@ def value_and_per_example_stat(
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
+        _, spec = ew.pop(kwargs, name)
+        if spec is not None:  # bad concrete weights raise here (traced ones: NaN)
+            ew.check_concrete(spec, name, ddofs)
         leaves, tree = jax.tree.flatten((args, kwargs))
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return direct(args, kwargs)

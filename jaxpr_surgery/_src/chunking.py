@@ -271,7 +271,7 @@ def resolve(chunk_size, B: int, per_example_bytes, acc_bytes=0) -> int | None:
 CHUNK_LOOP = "chunks"  # the name scope of the loops over chunks (tests find them by it)
 
 
-def run_chunks(run, prep, cs, zero, reductions):
+def run_chunks(run, prep, cs, zero, reductions, weights=None):
     """The batch in chunks of ``cs`` examples: ``(values, loss_b, aux)`` as one call.
 
     ``run(diff, ex, other, b, carry)`` evaluates one chunk of ``b`` examples (the
@@ -279,15 +279,29 @@ def run_chunks(run, prep, cs, zero, reductions):
     chunks before it (keyed like ``zero``: ``Reduction.empty`` of every reduction that
     is not per example); ``prep`` holds the differentiated, per-example and other
     leaves. A chunk's computation is a jit per chunk size: the first chunk (peeled)
-    and the loop body share one trace. See `_chunk_loop`."""
+    and the loop body share one trace. See `_chunk_loop`.
+
+    ``weights``: the batch's ``example_weights`` ``[B]`` (or None): each chunk gets its
+    own and the weight of the examples before it, ``run(..., carry, (w, W0))``; the
+    running values are over weighted examples (`stats.Weighted`)."""
     fns = {}
+    ex_leaves = list(prep.ex_leaves)
+    if weights is not None:  # (with the weight before each example: sliced alike)
+        before = jnp.concatenate([jnp.zeros((1,), weights.dtype), jnp.cumsum(weights)[:-1]])
+        ex_leaves += [weights, before]
+        reductions = [S.Weighted(r, weights) if S.weighs(r) else r for r in reductions]
+
+    def call(d, e, o, b, c):
+        if weights is None:
+            return run(d, e, o, b, c)
+        return run(d, e[:-2], o, b, c, (e[-2], e[-1][0]))
 
     def run_chunk(ex_leaves, b, carry):
         if b not in fns:
-            fns[b] = jax.jit(lambda d, e, o, c: run(d, e, o, b, c))
+            fns[b] = jax.jit(lambda d, e, o, c: call(d, e, o, b, c))
         return fns[b](prep.diff_leaves, ex_leaves, prep.other_leaves, carry)
 
-    return _chunk_loop(run_chunk, prep.ex_leaves, prep.B, cs, zero, reductions)
+    return _chunk_loop(run_chunk, ex_leaves, prep.B, cs, zero, reductions)
 
 
 def _chunk_loop(run_chunk, ex_leaves, B, cs, zero, reductions):

@@ -20,6 +20,8 @@ from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.interpreter import (
     CARRY_COUNT,
+    CARRY_WEIGHT,
+    EX_WEIGHTS,
     SUMS,
     WEIGHTS,
     Evaluator,
@@ -61,6 +63,9 @@ class Plan:
     # clipped sums in one pass: every site also keeps its ingredients (x, dy) for the
     # reweighted sum once all norms are known
     keep_for_clip: bool = False
+    # one chunk's ``example_weights``: ``(w [B], W0)``, the weight of the examples of
+    # earlier chunks (set by `run` for its chunk; None: unweighted)
+    weights: Any = None
 
     @property
     def needs_norms(self):
@@ -79,9 +84,16 @@ class Plan:
             req["norms"] = S.Norms()
         return req
 
-    def bound(self, r, i):
-        """``r`` for leaf ``i`` (a reduction that depends on the leaf: `per_leaf`)."""
-        return self.refs[r][i] if r in self.refs else r
+    def bound(self, r, i, carry=None):
+        """``r`` for leaf ``i`` (a reduction that depends on the leaf: `per_leaf`), over
+        the chunk's weighted examples where it has ``example_weights`` (`stats.Weighted`:
+        counted from the chunk's first example, or with ``carry`` from the first of the
+        earlier chunks')."""
+        b = self.refs[r][i] if r in self.refs else r
+        if self.weights is None or not S.weighs(b):
+            return b
+        w, W0 = self.weights
+        return S.Weighted(b, w) if carry is None else S.Weighted(b, w, carry.n, W0)
 
 
 def rkey(j):
@@ -251,6 +263,9 @@ def _carry_sink(plan, site, sink, carry, axes):
     acc = plan.kernels[site.path].acc
     n = jnp.broadcast_to(jnp.asarray(carry.n, acc), tuple(site.scan_lengths))
     sink[CARRY_COUNT] = compat.make_varying(n, axes)
+    if plan.weights is not None:
+        W0 = jnp.broadcast_to(jnp.asarray(plan.weights[1], acc), tuple(site.scan_lengths))
+        sink[CARRY_WEIGHT] = compat.make_varying(W0, axes)
     return sink
 
 
@@ -300,13 +315,20 @@ class _Chunk:
         return sink_cts, copy_cts, loss_b, aux
 
 
-def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
+def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None, weights=None):
     """Evaluates one chunk; returns (values: dict j -> list per leaf, loss_b, aux_flat).
 
     ``carry``: a `stats.Carry` (values keyed like the returned ones; none for
     per-example reductions): the running values of the examples of earlier chunks.
     The values returned are then over those examples and this chunk's: tile loops
-    start from them (no pass over the accumulators to merge), the rest is merged."""
+    start from them (no pass over the accumulators to merge), the rest is merged.
+    ``weights``: ``(w [B], W0)``, the chunk's ``example_weights`` and the weight of the
+    earlier chunks' examples: every reduction is then over the weighted examples
+    (`stats.Weighted`), per-example values read 0 where ``w_b = 0``, and clipped sums
+    weigh each example's clip factor by ``w_b``. Every site reads the examples of
+    weight 0 as zeros (`interpreter.mask_examples`)."""
+    if weights is not None:
+        plan = dataclasses.replace(plan, weights=weights)
     ch = _Chunk(list(diff_leaves), list(ex_leaves), list(other_leaves), B, data_axes)
     cache = fp.TraceCache()  # repeated layers are traced once (fingerprint.py)
     sinks, done = _init_sinks(plan, ch, cache, carry)
@@ -320,11 +342,14 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None):
         _clipped_sums(plan, ch, cache, values, norms_leaf, deferred)
     for j, r in enumerate(plan.reductions):
         if r.per_example:
+            if plan.weights is not None:  # (a padded example's NaN included)
+                keep = plan.weights[0] > 0
+                values[j] = [jnp.where(keep, v, jnp.zeros((), v.dtype)) for v in values[j]]
             continue
         for i in range(len(ch.diff)):
             v = values[j][i]
             if carry is not None and (j, i) not in done:
-                v = plan.bound(r, i).accumulate(carry.values[j][i], carry.n, v, B)
+                v = plan.bound(r, i, carry).accumulate(carry.values[j][i], carry.n, v, B)
             # one type, chunked or not (a chunk loop's carry keeps zero_carry's)
             values[j][i] = _typed(plan, i, v, ch.leaf_axes(i))
     return values, loss_b, aux
@@ -348,6 +373,9 @@ def _init_sinks(plan, ch, cache, carry):
                         _sink_avals(plan, s, ch.B, cache))
         for p, s in sites.items()
     }
+    if plan.weights is not None:
+        for p, s in sites.items():
+            sinks[p] = {**sinks[p], EX_WEIGHTS: _example_weights(plan, s, ch)}
     done = set()
     if carry is not None:
         for p, s in sites.items():
@@ -357,6 +385,14 @@ def _init_sinks(plan, ch, cache, carry):
                 sinks[p] = _carry_sink(plan, s, sinks[p], carry, ch.leaf_axes(s.leaf))
                 done.update((j, s.leaf) for j, r in enumerate(plan.reductions) if r.carries)
     return sinks, done
+
+
+def _example_weights(plan, site, ch):
+    """The chunk's weights as a site's sink entry: stacked over its enclosing scans, in
+    its accumulation dtype."""
+    acc = plan.kernels[site.path].acc
+    w = jnp.broadcast_to(plan.weights[0].astype(acc), tuple(site.scan_lengths) + (ch.B,))
+    return compat.make_varying(w, ch.leaf_axes(site.leaf))
 
 
 def _leaf_values(plan, sink_cts, copy_cts, B, cache):
@@ -377,6 +413,9 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
             deferred[i] = lambda c, aval=aval, acc=acc: jnp.zeros(aval.shape, acc)
         elif mode == "residual":
             G = copy_cts[i].astype(acc)
+            if plan.weights is not None:  # (a padded example's NaN never enters)
+                keep = (plan.weights[0] > 0).reshape((-1,) + (1,) * (G.ndim - 1))
+                G = jnp.where(keep, G, jnp.zeros((), G.dtype))
             for j, r in enumerate(plan.reductions):
                 if not r.weighted_by_norm:
                     values[j][i] = plan.bound(r, i).from_examples(G)
@@ -387,7 +426,7 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
             ct = sink_cts[site.path]
             for j, r in enumerate(plan.reductions):
                 if rkey(j) in ct:
-                    values[j][i] = r.to_leaf(ct[rkey(j)], site, B)
+                    values[j][i] = plan.bound(r, i).to_leaf(ct[rkey(j)], site, B)
             if plan.has_clip:  # the norms came with the other statistics
                 key = next(k for k, r in plan.site_requests().items() if r == S.Norms())
                 norms_leaf[i] = S.Norms().to_leaf(ct[key], site, B)
@@ -437,6 +476,9 @@ def clip_weights(plan, clips, norms_leaf):
         for leaves in groups.values():
             # the clip factors of the group's examples: formed here, and only here
             c = bounds[leaves[0]].example_weights(norm_of(tuple(leaves)))
+            if plan.weights is not None:  # each clipped example weighted (0: removed)
+                w = plan.weights[0]
+                c = jnp.where(w > 0, c * w.astype(c.dtype), jnp.zeros((), c.dtype))
             for i in leaves:
                 cs[i] = c
         out.append(cs)
@@ -469,10 +511,13 @@ def _reweighted_sums(plan, ch, cache, cs):
         k = plan.kernels[s.path]
         lead = tuple(s.scan_lengths)
         vary = lambda x: compat.make_varying(x, ch.leaf_axes(s.leaf))  # noqa: E731
-        return {
+        out = {
             WEIGHTS: [vary(jnp.broadcast_to(c[s.leaf].astype(k.acc), lead + (B,))) for c in cs],
             SUMS: [vary(jnp.zeros(lead + tuple(s.view_shape), k.acc)) for _ in cs],
         }
+        if plan.weights is not None:
+            out[EX_WEIGHTS] = _example_weights(plan, s, ch)
+        return out
 
     sinks = {p: sink(s) for p, s in an.sites.items()}
     ev = Evaluator(an, plan.kernels, make_weighted_site_fn(cache), B, cache)
@@ -483,7 +528,11 @@ def _reweighted_sums(plan, ch, cache, cs):
         for i, aval in enumerate(plan.leaf_avals):
             acc = acc_dtype_for(aval.dtype)
             if plan.modes[i] == "residual":
-                v = weighted_sum_materialised(copy_cts[i].astype(acc), c[i])
+                G = copy_cts[i].astype(acc)
+                if plan.weights is not None:  # (a padded example's NaN never enters)
+                    keep = (plan.weights[0] > 0).reshape((-1,) + (1,) * (G.ndim - 1))
+                    G = jnp.where(keep, G, jnp.zeros((), G.dtype))
+                v = weighted_sum_materialised(G, c[i])
             elif plan.modes[i] == "unused":
                 v = jnp.zeros(aval.shape, acc)
             else:
@@ -718,7 +767,8 @@ class _SharedLeaf:
         self.ft = leaf_feature_tile(B, self.aval.shape, self.acc, plan.budget,
                                     [k for _, k, _ in ings])
         wants_kron = any(S.lookup(SHARED_ROUTES, r) is _kron_route for r in plan.reductions)
-        self.facs = leaf_factors(ings) if wants_kron else None
+        # (weighted Kronecker moments: from tiles of the leaf's weighted examples)
+        self.facs = leaf_factors(ings) if wants_kron and plan.weights is None else None
         self._rescued = {}  # id(sq) -> (sq, norms): one per leaf
         self._sq = None
 
@@ -760,7 +810,8 @@ class _SharedLeaf:
         if plan.needs_norms and None not in todo:
             norms_leaf[i] = self.norms(self.sq_norms())
         if sums:
-            total = weighted(jnp.ones((B,), self.acc))
+            w = jnp.ones((B,), self.acc) if plan.weights is None else plan.weights[0]
+            total = weighted(w.astype(self.acc))
             for j in sums:
                 values[j][i] = total
         if todo:

@@ -584,6 +584,29 @@ def _custom_vjp_call(fwd_impl, bwd_impl, keep_sink=False):
 
 
 CARRY_COUNT = "n"  # the sink entry holding the examples of earlier chunks (`carried`)
+# ``example_weights``: the sink entries holding the chunk's weights ``[B]`` and the
+# weight of the examples of earlier chunks (with `CARRY_COUNT`)
+EX_WEIGHTS, CARRY_WEIGHT = "example_weights", "W"
+
+
+def mask_examples(w, ext, ext_batched, dy):
+    """The site's batched inputs and its cotangents with the examples of weight 0 read
+    as zeros (a padded example's loss may be NaN: a token mean over no tokens), so that
+    nothing computed from them at the site (statistics, norms, clip sums) sees it."""
+    keep = w > 0
+
+    def mask(x):
+        k = keep.reshape((-1,) + (1,) * (jnp.ndim(x) - 1))
+        return jnp.where(k, x, jnp.zeros((), x.dtype))
+
+    ext = tuple(mask(x) if b else x for x, b in zip(ext, ext_batched))
+    return ext, jax.tree.map(mask, dy)
+
+
+def weigh(direct, w, n0=0, W0=0.0):
+    """``direct``'s reductions over examples weighted by ``w`` (`stats.Weighted`, counted
+    from ``n0`` examples of weight ``W0``)."""
+    return {k: S.Weighted(r, w, n0, W0) if S.weighs(r) else r for k, r in direct.items()}
 
 
 def carried(kernel, ctx, direct, sink, B):
@@ -596,9 +619,14 @@ def carried(kernel, ctx, direct, sink, B):
     n = sink[CARRY_COUNT]
     init = {k: sink[k] for k, r in direct.items() if r.carries}
     keys = set(kernel.carried_keys(direct, B)) & set(init)
-    out = kernel.direct_all(ctx, direct, S.Carry({k: init[k] for k in keys}, n) if keys else None)
+    run, after = direct, direct
+    if EX_WEIGHTS in sink:  # tile loops from the carry count from it, the others from 0
+        w, W0 = sink[EX_WEIGHTS], sink[CARRY_WEIGHT]
+        after = weigh(direct, w, n, W0)  # (counted from the carry's first example)
+        run = {k: after[k] if k in keys else r for k, r in weigh(direct, w).items()}
+    out = kernel.direct_all(ctx, run, S.Carry({k: init[k] for k in keys}, n) if keys else None)
     for k in set(init) - keys:
-        out[k] = direct[k].accumulate(init[k], n, out[k], B)
+        out[k] = after[k].accumulate(init[k], n, out[k], B)
     out[CARRY_COUNT] = compat.make_varying(jnp.zeros_like(n), compat.vma_of(n))
     return out
 
@@ -642,23 +670,29 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
             (x and dy through one barrier), and the data cotangents once they are done
             (dy and them)."""
             sx, sdy = jax.lax.optimization_barrier((ext, dy)) if finish else (ext, dy)
+            ex_w = None if sink is None else sink.get(EX_WEIGHTS)
+            if ex_w is not None:
+                sx, sdy = mask_examples(ex_w, sx, ext_batched, sdy)
             ctx = kernel.prepare_site(w, sx, ext_batched, sdy)
             B = jax.tree.leaves(dy)[0].shape[0]
 
             def compute(req):
-                if sink is None:
-                    return kernel.direct_all(ctx, req)
-                return carried(kernel, ctx, req, sink, B)
+                if sink is not None and CARRY_COUNT in sink:
+                    return carried(kernel, ctx, req, sink, B)
+                return kernel.direct_all(ctx, req if ex_w is None else weigh(req, ex_w))
 
             out = direct_norms(kernel, ctx, direct, compute)
             if want_ing:
                 out["ing"] = kernel.ingredients(ctx)
+            for k in (EX_WEIGHTS, CARRY_WEIGHT):  # (inputs: no cotangent)
+                if sink is not None and k in sink:
+                    out[k] = compat.make_varying(jnp.zeros_like(sink[k]), compat.vma_of(sink[k]))
             out = jax.tree.map(lambda o, d: o.astype(d), out, sink_dtypes)
             if finish:
                 dy, out = jax.lax.optimization_barrier((dy, out))
             return dy, out
 
-        keep = CARRY_COUNT in sink_dtypes
+        keep = CARRY_COUNT in sink_dtypes or EX_WEIGHTS in sink_dtypes
         jit = (lambda f: f) if key is None else jax.jit  # no exact key: traced alone
         if site.tap_of is not None:
             return _custom_vjp_tap(jit(stats_impl), keep)
@@ -721,7 +755,9 @@ def make_weighted_site_fn(cache):
     from jaxpr_surgery._src.sites.generic import composite
 
     def build(site, kernel, ext_batched, out_dtypes):
-        def sums_of(w, ext, dy, weights):
+        def sums_of(w, ext, dy, weights, ex_w):
+            if ex_w is not None:  # (the examples of weight 0 read as zeros)
+                ext, dy = mask_examples(ex_w, ext, ext_batched, dy)
             ing = kernel.ingredients(kernel.prepare_site(w, ext, ext_batched, dy))
             return [kernel.weighted_sum(ing, c).astype(d) for c, d in zip(weights, out_dtypes)]
 
@@ -732,7 +768,12 @@ def make_weighted_site_fn(cache):
             sums_j = jax.jit(sums_of)
 
             def stats(w, ext, dy, sink):
-                return dy, {WEIGHTS: zeros(sink[WEIGHTS]), SUMS: sums_j(w, ext, dy, sink[WEIGHTS])}
+                ex_w = sink.get(EX_WEIGHTS)
+                out = {WEIGHTS: zeros(sink[WEIGHTS]),
+                       SUMS: sums_j(w, ext, dy, sink[WEIGHTS], ex_w)}
+                if ex_w is not None:
+                    out[EX_WEIGHTS] = zeros([ex_w])[0]
+                return dy, out
 
             return _custom_vjp_tap(stats, keep_sink=True)
         F = kernel.forward(composite(site), ext_batched)
@@ -740,9 +781,9 @@ def make_weighted_site_fn(cache):
         def fwd_impl(w, ext):
             return F(w, *ext)
 
-        def bwd_impl(w, ext, dy, weights):
+        def bwd_impl(w, ext, dy, weights, ex_w):
             _, pull = jax.vjp(F, w, *ext)
-            sums = sums_of(w, ext, dy, weights)
+            sums = sums_of(w, ext, dy, weights, ex_w)
             cts = pull(dy)
             return cts[0], tuple(cts[1:]), sums
 
@@ -753,12 +794,15 @@ def make_weighted_site_fn(cache):
             return fwd_j(w, ext)
 
         def fwd(w, ext, sink):
-            return fwd_j(w, ext), (w, ext, sink[WEIGHTS])
+            return fwd_j(w, ext), (w, ext, sink[WEIGHTS], sink.get(EX_WEIGHTS))
 
         def bwd(res, dy):
-            w, ext, weights = res
-            ct_w, ct_ext, sums = bwd_j(w, ext, dy, weights)
-            return ct_w, ct_ext, {WEIGHTS: zeros(weights), SUMS: sums}
+            w, ext, weights, ex_w = res
+            ct_w, ct_ext, sums = bwd_j(w, ext, dy, weights, ex_w)
+            out = {WEIGHTS: zeros(weights), SUMS: sums}
+            if ex_w is not None:
+                out[EX_WEIGHTS] = zeros([ex_w])[0]
+            return ct_w, ct_ext, out
 
         call.defvjp(fwd, bwd)
         return call

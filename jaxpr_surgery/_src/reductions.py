@@ -188,6 +188,40 @@ class Reduction(abc.ABC):
         del axis, f0, size
         return self
 
+    # -- example weights (`Weighted`) ------------------------------------------ #
+    def from_weighted(self, G, w):
+        """The value over the examples of ``G [b, *shape]`` weighted by ``w [b]`` (``w_b
+        >= 0``, frequency weights: a weight 2 counts the example twice; ``G_b`` is zero
+        where ``w_b`` is). Needed for ``example_weights`` by every reduction that is not
+        per example; the counts its `merge` then receives are sums of weights."""
+        del G, w
+        raise NotImplementedError(
+            f"example_weights: the reduction {self.describe()} has no weighted form. "
+            "Define from_weighted(G, w) on it (the value over the examples of G weighted "
+            "by w, whose merges then receive sums of weights as counts), or call without "
+            "example_weights."
+        )
+
+    #: ``d`` where the value is homogeneous of degree ``d`` in the examples' gradients
+    #: (the value over ``s_b g_b`` is the one over ``g_b`` weighted by ``s_b^d``, for
+    #: ``s_b >= 0``): example weights then scale the cotangents by ``w_b^(1/d)`` and
+    #: the kernels' fast rules serve (`Weighted.scaled`). None: not homogeneous.
+    weight_degree: ClassVar[int | None] = None
+
+    def scaled(self):
+        """``(inner, s [B])`` where this reduction's value is ``inner``'s over the
+        examples' gradients scaled by ``s_b``, else None (`Weighted`)."""
+        return None
+
+    def add_weighted(self, acc, W, G, w):
+        """`add_examples` with weights: ``acc`` holds examples of total weight ``W``."""
+        v = self.from_weighted(G, w)
+        return v if acc is None else self.accumulate(acc, W, v, jnp.sum(w))
+
+    def start_weighted(self, acc, W, G, w):
+        """`start_examples` with weights."""
+        return self.add_weighted(acc, W, G, w)
+
     # -- derived: values -------------------------------------------------------- #
     def zeros(self, shape, dtype, B):
         """The value over ``B`` examples whose gradient is zero (a leaf the loss does
@@ -286,6 +320,11 @@ class ElementwiseReduction(Reduction):
         return SDS(tuple(shape), dtype)
 
 
+def _per_example(w, G):
+    """Weights ``w [b]`` broadcast against ``G [b, ...]`` in its dtype."""
+    return w.astype(G.dtype).reshape((-1,) + (1,) * (G.ndim - 1))
+
+
 def _is_moments(x):
     return isinstance(x, (Moments, Shifted))
 
@@ -310,7 +349,8 @@ def merge_moments(a: Moments, na, b: Moments, nb) -> Moments:
     is float64 under ``jax_enable_x64``).
     """
     dt = jnp.result_type(a.mean)
-    w = jnp.asarray(nb / (na + nb), dt)
+    tot = na + nb  # (0 only for weighted examples of weight 0: nothing to merge)
+    w = jnp.asarray(nb / jnp.where(jnp.asarray(tot) > 0, tot, 1), dt)
     delta = b.mean - a.mean
     return Moments(a.mean + delta * w, a.m2 + b.m2 + jnp.square(delta) * (jnp.asarray(na, dt) * w))
 
@@ -330,7 +370,8 @@ class Shifted(NamedTuple):
 
 def shifted_moments(s: Shifted, n) -> Moments:
     """The `Moments` of ``n`` examples from their `Shifted` sums."""
-    d = s.s1 / jnp.asarray(n, jnp.result_type(s.s1))
+    n = jnp.asarray(n, jnp.result_type(s.s1))
+    d = s.s1 / jnp.where(n > 0, n, 1)  # (n = 0: weighted examples of weight 0, s1 = 0)
     return Moments(s.shift + d, jnp.maximum(s.s2 - s.s1 * d, 0))
 
 
@@ -348,6 +389,149 @@ def merge_shifted(a: Shifted, na, b: Moments, nb) -> Shifted:
     d = b.mean - K
     nb = jnp.asarray(nb, dt)
     return Shifted(K, a.s1 + nb * d, a.s2 + b.m2 + nb * jnp.square(d))
+
+
+# --------------------------------------------------------------------------- #
+# Example weights
+# --------------------------------------------------------------------------- #
+def weighs(r) -> bool:
+    """Whether ``example_weights`` enter ``r`` through `Weighted` (not a per-example
+    value, masked afterwards, nor a clipped sum, whose clip factors the engine weighs)."""
+    return not (r.per_example or r.weighted_by_norm)
+
+
+class Weighted(Reduction):
+    """``inner`` over examples weighted by ``w_b >= 0`` (``example_weights``), run by the
+    same tile loops, chunks and devices as any reduction: those speak in counts of
+    examples, which this wrapper turns into sums of weights for ``inner`` (whose
+    ``*_weighted`` methods take the weights themselves).
+
+    The examples are those of one chunk, ``w`` their weights; a count ``n`` is a number
+    of examples from an origin: ``n0`` examples of total weight ``W0`` came before the
+    chunk (its tile loops continue a carry of them) or, with ``n0 = W0 = 0``, the
+    chunk's own examples are counted from its first. ``W(n) = W0 + sum(w[:n - n0])``.
+    An example of weight 0 is removed exactly: its gradient is read as zero (a padded
+    example's NaN never enters).
+    """
+
+    def __init__(self, inner, w, n0=0, W0=0.0):
+        self.inner, self.w, self.n0, self.W0 = inner, w, n0, W0
+        self._cw = None
+
+    # (reductions that compare equal are computed once: wrappers of one call's weights)
+    def __eq__(self, other):
+        return (isinstance(other, Weighted) and self.inner == other.inner
+                and self.w is other.w and self.n0 is other.n0 and self.W0 is other.W0)
+
+    def __hash__(self):
+        return hash((Weighted, self.inner, id(self.w)))
+
+    def __repr__(self):
+        return f"Weighted({self.inner!r})"
+
+    per_example = property(lambda self: self.inner.per_example)
+    carries = property(lambda self: self.inner.carries)
+    feature_blocks = property(lambda self: self.inner.feature_blocks)
+    shift_bounded = property(lambda self: self.inner.shift_bounded)
+    linear = property(lambda self: self.inner.linear)
+    weighted_by_norm = property(lambda self: self.inner.weighted_by_norm)
+    knows_total = property(lambda self: self.inner.knows_total)
+
+    def at(self, n0, W0):
+        """The same weights counted from ``n0`` examples of weight ``W0`` before."""
+        return Weighted(self.inner, self.w, n0, W0)
+
+    def W(self, n):
+        """The weight of the examples counted by ``n``."""
+        if self._cw is None:
+            w = self.w
+            self._cw = jnp.concatenate([jnp.zeros((1,), w.dtype), jnp.cumsum(w)])
+        return self.W0 + self._cw[jnp.clip(self._index(n), 0, self.w.shape[0])]
+
+    def _index(self, n):
+        """The position in the chunk of the example counted by ``n`` (counts may come
+        as floats: a site's sink holds them in its accumulation dtype)."""
+        return jnp.round(jnp.asarray(n) - self.n0).astype(jnp.int32)
+
+    def _tile(self, n, G):
+        """The weights of the examples ``G`` holds (from count ``n``) and ``G`` with the
+        examples of weight 0 read as zero."""
+        b = G.shape[0]
+        w = self.w if b == self.w.shape[0] else jax.lax.dynamic_slice_in_dim(
+            self.w, self._index(n), b)
+        keep = (w > 0).reshape((-1,) + (1,) * (G.ndim - 1))
+        return w, jnp.where(keep, G, jnp.zeros((), G.dtype))
+
+    def scaled(self):
+        d = self.inner.weight_degree
+        if not d:
+            return None
+        w = self.w
+        return self.inner, (w if d == 1 else jnp.sqrt(w) if d == 2 else w ** (1.0 / d))
+
+    def aval(self, shape, dtype, B):
+        return self.inner.aval(shape, dtype, B)
+
+    def from_examples(self, G):  # every example of the chunk
+        w, G = self._tile(self.n0, G)
+        return self.inner.from_weighted(G, w)
+
+    def merge(self, a, na, b, nb):  # (a: the first na examples, b the nb after them)
+        return self.inner.merge(a, self.W(na), b, self.W(na + nb) - self.W(na))
+
+    def empty(self, shape, dtype):
+        return self.inner.empty(shape, dtype)
+
+    def accumulate(self, acc, n, value, m):
+        Wn = self.W(n)
+        return self.inner.accumulate(acc, Wn, value, self.W(n + m) - Wn)
+
+    def add_examples(self, acc, n, G):
+        w, G = self._tile(n, G)
+        return self.inner.add_weighted(acc, self.W(n), G, w)
+
+    def start_examples(self, acc, n, G):
+        w, G = self._tile(n, G)
+        return self.inner.start_weighted(acc, self.W(n), G, w)
+
+    def finish(self, acc, n):
+        return self.inner.finish(acc, self.W(n))
+
+    def recentre(self, acc, n):
+        return self.inner.recentre(acc, self.W(n))
+
+    def total(self, acc, n):
+        return self.inner.total(acc, self.W(n))
+
+    def block(self, axis, f0, size):
+        return Weighted(self.inner.block(axis, f0, size), self.w, self.n0, self.W0)
+
+    def zeros(self, shape, dtype, B):  # the chunk's examples, all of gradient zero
+        del B
+        W = jnp.sum(self.w).astype(dtype)
+        return self.inner.from_weighted(jnp.zeros((1,) + tuple(shape), dtype), W[None])
+
+    def combine_axis(self, value, n_local, N, axis_name):  # (the whole local batch)
+        del n_local, N
+        W = jnp.sum(self.w)
+        return self.inner.combine_axis(value, W, jax.lax.psum(W, axis_name), axis_name)
+
+    def to_leaf(self, value, site, B):
+        if type(self.inner).to_leaf is not Reduction.to_leaf:
+            return self.inner.to_leaf(value, site, B)
+        return Reduction.to_leaf(self, value, site, B)  # (fills with `zeros` above)
+
+    def from_leaf(self, value, site):
+        return self.inner.from_leaf(value, site)
+
+    def direct_ok(self, site):
+        return self.inner.direct_ok(site)
+
+    def combine_shards(self, value, axes):
+        return self.inner.combine_shards(value, axes)
+
+    def describe(self):
+        return self.inner.describe()
 
 
 class Carry(NamedTuple):
@@ -385,6 +569,8 @@ class PhiSum(ElementwiseReduction):
     multiplicative: bool = False
     name: str | None = None
     _builtin: bool = dataclasses.field(default=False, repr=False)
+    # phi(s g) = s^d phi(g) for s >= 0 (`Reduction.weight_degree`; None: unknown)
+    _degree: int | None = dataclasses.field(default=None, repr=False)
 
     def _key(self):
         # A user's name never aliases a built-in reduction of the same name.
@@ -401,11 +587,18 @@ class PhiSum(ElementwiseReduction):
     def linear(self):
         return self.phi is None
 
+    @property
+    def weight_degree(self):
+        return 1 if self.phi is None else (self._degree or None)
+
     def apply(self, g):
         return g if self.phi is None else self.phi(g)
 
     def from_examples(self, G):
         return jnp.sum(self.apply(G), axis=0)
+
+    def from_weighted(self, G, w):
+        return jnp.tensordot(w.astype(G.dtype), self.apply(G), axes=(0, 0))
 
     def merge(self, a, na, b, nb):
         return a + b
@@ -467,10 +660,32 @@ class Centered(ElementwiseReduction):
             return self.start_examples(None, 0, G)
         return self._add(acc, G)
 
+    def from_weighted(self, G, w):
+        wb = _per_example(w, G)
+        W = jnp.sum(wb, axis=0)
+        m = jnp.sum(wb * G, axis=0) / jnp.where(W > 0, W, 1)
+        return Moments(m, jnp.sum(wb * jnp.square(G - m), axis=0))
+
+    def start_weighted(self, acc, W, G, w):
+        wb = _per_example(w, G)
+        Wt = jnp.sum(wb, axis=0)
+        mu = jnp.sum(wb * G, axis=0) / jnp.where(Wt > 0, Wt, 1)
+        if acc is None:
+            return self._add(Shifted(mu, None, None), G, wb)
+        return self._add(acc._replace(shift=jnp.where(jnp.asarray(W) > 0, acc.shift, mu)), G, wb)
+
+    def add_weighted(self, acc, W, G, w):
+        if acc is None:
+            return self.start_weighted(None, W, G, w)
+        return self._add(acc, G, _per_example(w, G))
+
     @staticmethod
-    def _add(acc, G):
+    def _add(acc, G, wb=None):
         d = G - acc.shift
-        s1, s2 = jnp.sum(d, axis=0), jnp.sum(jnp.square(d), axis=0)
+        if wb is None:
+            s1, s2 = jnp.sum(d, axis=0), jnp.sum(jnp.square(d), axis=0)
+        else:
+            s1, s2 = jnp.sum(wb * d, axis=0), jnp.sum(wb * jnp.square(d), axis=0)
         if acc.s1 is None:
             return Shifted(acc.shift, s1, s2)
         return Shifted(acc.shift, acc.s1 + s1, acc.s2 + s2)
@@ -505,6 +720,9 @@ class CenteredAbout(ElementwiseReduction):
     def from_examples(self, G):
         return Moments(self.mean, jnp.sum(jnp.square(G - self.mean), axis=0))
 
+    def from_weighted(self, G, w):  # (``mean``: the weighted mean)
+        return Moments(self.mean, jnp.sum(_per_example(w, G) * jnp.square(G - self.mean), axis=0))
+
     def merge(self, a, na, b, nb):
         return Moments(a.mean, a.m2 + b.m2)
 
@@ -528,6 +746,10 @@ class _ExampleNorms(Reduction):
 
     def zeros(self, shape, dtype, B):
         return jnp.zeros((B,), dtype)
+
+    def from_weighted(self, G, w):  # per-example values: the weights do not enter
+        del w
+        return self.from_examples(G)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -689,6 +911,7 @@ class KronSum(Reduction):
 
     max_dim: int
     carries: ClassVar[bool] = False
+    weight_degree: ClassVar[int] = 2
 
     def aval(self, shape, dtype, B):
         return tuple(SDS(s, dtype) for s in kron_value_shapes(shape, self))
@@ -705,6 +928,9 @@ class KronSum(Reduction):
             else:
                 out.append(jnp.sum(jnp.square(U), axis=(0, 2)))
         return tuple(out)
+
+    def from_weighted(self, G, w):  # sum_b w_b U U^T = sum_b (sqrt(w_b) U)(sqrt(w_b) U)^T
+        return self.from_examples(G * jnp.sqrt(_per_example(w, G)))
 
     def merge(self, a, na, b, nb):
         return tuple(x + y for x, y in zip(a, b))
@@ -747,10 +973,10 @@ class KronSum(Reduction):
         return tuple(out)
 
 
-SQUARE = PhiSum(jnp.square, multiplicative=True, name="square", _builtin=True)
+SQUARE = PhiSum(jnp.square, multiplicative=True, name="square", _builtin=True, _degree=2)
 SIGN = PhiSum(jnp.sign, multiplicative=True, name="sign", _builtin=True)
-ABS = PhiSum(jnp.abs, multiplicative=True, name="abs", _builtin=True)
-SUM = PhiSum(None, multiplicative=True, name="identity", _builtin=True)
+ABS = PhiSum(jnp.abs, multiplicative=True, name="abs", _builtin=True, _degree=1)
+SUM = PhiSum(None, multiplicative=True, name="identity", _builtin=True, _degree=1)
 
 
 # --------------------------------------------------------------------------- #

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import compat  # noqa: F401
+from jaxpr_surgery._src.example_weights import effective_size
 from jaxpr_surgery._src.norms import combine_norms
 from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names, re-exported
     ABS,
@@ -39,6 +40,7 @@ from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names
     Reduction,
     Shifted,
     SqNorms,
+    Weighted,
     acc_dtype_for,
     clip_factor,
     function_name,
@@ -50,6 +52,7 @@ from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names
     recentre,
     same_function,
     shifted_moments,
+    weighs,
 )
 
 PyTree = Any
@@ -163,6 +166,15 @@ def check_count(count, ddof, name):
         )
 
 
+def per_dof(x, count, ddof):
+    """``x / (count - ddof)``; NaN where a traced ``count`` (a sum of example weights,
+    a psum over devices) is not above ``ddof`` (a concrete one raised: `check_count`)."""
+    if isinstance(count, (int, np.integer)):
+        return x / (count - ddof)
+    count = jnp.asarray(count, jnp.result_type(x))
+    return jnp.where(count > ddof, x / jnp.where(count > ddof, count - ddof, 1), jnp.nan)
+
+
 def _tree_div(tree, count):
     return jax.tree.map(lambda s: s / count, tree)
 
@@ -220,7 +232,7 @@ class _Variance(Statistic):
     def finalize(self, values, count):
         check_count(count, self.ddof, "variance")
         return jax.tree.map(
-            lambda m: m.m2 / (count - self.ddof),
+            lambda m: per_dof(m.m2, count, self.ddof),
             values["c"],
             is_leaf=lambda x: isinstance(x, Moments),
         )
@@ -272,6 +284,7 @@ def _safe_ratio(num, den):
 
 class _Snr(Statistic):
     _name = "snr"
+    uses_weights = True  # (the bias correction divides by the effective batch size)
 
     def __init__(self, ddof: int, bias_corrected: bool = False):
         self.ddof = ddof
@@ -280,14 +293,15 @@ class _Snr(Statistic):
     def reductions(self):
         return {"c": Centered()}
 
-    def finalize(self, values, count):
+    def finalize(self, values, count, weights=None):
         check_count(count, self.ddof, "snr")
+        n_eff = effective_size(weights, count)
 
         def one(m):
-            var = m.m2 / (count - self.ddof)
+            var = per_dof(m.m2, count, self.ddof)
             sig = jnp.square(m.mean)
-            if self.bias_corrected:  # E[mean^2] = mu^2 + sigma^2 / B
-                sig = sig - var / count
+            if self.bias_corrected:  # E[mean^2] = mu^2 + sigma^2 / B (B_eff: weighted)
+                sig = sig - var / n_eff
             return _safe_ratio(sig, var).astype(m.mean.dtype)
 
         return jax.tree.map(one, values["c"], is_leaf=lambda x: isinstance(x, Moments))
@@ -315,16 +329,18 @@ class NoiseScaleComponents(NamedTuple):
         return _safe_ratio(self.trace_cov, self.grad_sq_norm)
 
 
-def _noise_pieces(values, count, ddof):
+def _noise_pieces(values, count, ddof, weights=None):
     moments = jax.tree.leaves(values["c"], is_leaf=lambda x: isinstance(x, Moments))
     dtype = jnp.result_type(jnp.float32, *[m.mean.dtype for m in moments])
-    tr = _builtin_sum(jnp.sum(m.m2.astype(dtype)) for m in moments) / (count - ddof)
+    tr = per_dof(_builtin_sum(jnp.sum(m.m2.astype(dtype)) for m in moments), count, ddof)
     g2 = _builtin_sum(jnp.sum(jnp.square(m.mean.astype(dtype))) for m in moments)
-    return NoiseScaleComponents(g2 - tr / count, tr, jnp.asarray(count, dtype))
+    n = jnp.asarray(effective_size(weights, count), dtype)  # (Kish's, with weights)
+    return NoiseScaleComponents(g2 - tr / n, tr, n)
 
 
 class _NoiseScale(Statistic):
     _name = "gradient_noise_scale"
+    uses_weights = True
 
     def __init__(self, ddof: int):
         self.ddof = ddof
@@ -332,20 +348,22 @@ class _NoiseScale(Statistic):
     def reductions(self):
         return {"c": Centered()}
 
-    def finalize(self, values, count):
+    def finalize(self, values, count, weights=None):
         check_count(count, self.ddof, "gradient_noise_scale")
-        return _noise_pieces(values, count, self.ddof).noise_scale
+        return _noise_pieces(values, count, self.ddof, weights).noise_scale
 
 
 class _NoiseComponents(Statistic):
     _name = "noise_scale_components"
+    uses_weights = True
+    ddof = 1
 
     def reductions(self):
         return {"c": Centered()}
 
-    def finalize(self, values, count):
+    def finalize(self, values, count, weights=None):
         check_count(count, 1, "noise_scale_components")
-        return _noise_pieces(values, count, 1)
+        return _noise_pieces(values, count, 1, weights)
 
 
 class _KronMoments(Statistic):

@@ -15,11 +15,12 @@ import numpy as np
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.norms import combine_norms
 
-CUBE = S.PhiSum(lambda g: g * g * g, multiplicative=True, name="cube", _builtin=True)
+CUBE = S.PhiSum(lambda g: g * g * g, multiplicative=True, name="cube", _builtin=True,
+               _degree=3)
 ABS_CUBE = S.PhiSum(lambda g: jnp.abs(g) ** 3, multiplicative=True, name="abs cube",
-                    _builtin=True)
+                    _builtin=True, _degree=3)
 FOURTH = S.PhiSum(lambda g: jnp.square(jnp.square(g)), multiplicative=True, name="fourth",
-                  _builtin=True)
+                  _builtin=True, _degree=4)
 
 _is_moments = lambda x: isinstance(x, S.Moments)  # noqa: E731
 
@@ -36,6 +37,7 @@ class _Fourth(S.Statistic):
 
 class _Kurtosis(S.Statistic):
     _name = "kurtosis"
+    ddof = 1  # (needs more than one example: checked against concrete weights)
 
     def reductions(self):
         return {"s": S.SUM, "c": S.Centered(), "p3": CUBE, "a3": ABS_CUBE, "p4": FOURTH}
@@ -65,14 +67,16 @@ class _Kurtosis(S.Statistic):
 class _Diversity(S.Statistic):
     _name = "gradient_diversity"
     whole_batch = True  # sums the per-example norms over the batch
+    uses_weights = True  # (weighted: sum_b w_b |g_b|^2 / |sum_b w_b g_b|^2)
 
     def reductions(self):
         return {"n": S.SqNorms(), "s": S.SUM}
 
-    def finalize(self, values, count):
+    def finalize(self, values, count, weights=None):
         leaves = jax.tree.leaves(values["n"])
         dt = jnp.result_type(jnp.float32, *[x.dtype for x in leaves])
-        num = sum(jnp.sum(x.astype(dt)) for x in leaves)
+        w = 1 if weights is None else weights.astype(dt)
+        num = sum(jnp.sum(w * x.astype(dt)) for x in leaves)
         den = sum(jnp.sum(jnp.square(x.astype(dt))) for x in jax.tree.leaves(values["s"]))
         return S._safe_ratio(num, den)
 
@@ -80,6 +84,7 @@ class _Diversity(S.Statistic):
 class _NormQuantiles(S.Statistic):
     _name = "norm_quantiles"
     whole_batch = True  # quantiles over the batch of the per-example norms
+    uses_weights = True  # (over the examples of positive weight)
 
     def __init__(self, q, per_leaf):
         self.q = q  # a float (scalar results) or a tuple of floats
@@ -88,13 +93,18 @@ class _NormQuantiles(S.Statistic):
     def reductions(self):
         return {"n": S.Norms()}
 
-    def finalize(self, values, count):
+    def finalize(self, values, count, weights=None):
         q = jnp.asarray(self.q)
+        if weights is None:
+            quantile = jnp.quantile
+        else:  # the examples of weight 0 left out (each other one counted once)
+            def quantile(n, q):
+                return jnp.nanquantile(jnp.where(weights > 0, n, jnp.nan), q)
         if self.per_leaf:
-            return jax.tree.map(lambda n: jnp.quantile(n, q), values["n"])
+            return jax.tree.map(lambda n: quantile(n, q), values["n"])
         leaves = jax.tree.leaves(values["n"])
         dt = jnp.result_type(*leaves)
-        return jnp.quantile(combine_norms(jnp.stack([x.astype(dt) for x in leaves])), q)
+        return quantile(combine_norms(jnp.stack([x.astype(dt) for x in leaves])), q)
 
 
 def fourth_moment() -> S.Statistic:

@@ -200,6 +200,11 @@ def stacked(fn, depth):
     return fn
 
 
+def times_examples(a, s):
+    """``a [B, ...]`` with example ``b`` times ``s_b`` (in ``a``'s dtype)."""
+    return a * s.astype(a.dtype).reshape((-1,) + (1,) * (a.ndim - 1))
+
+
 def weighted_sum_materialised(G, c):
     return jnp.tensordot(c.astype(G.dtype), G, axes=(0, 0))
 
@@ -300,10 +305,31 @@ class Kernel:
         the output cotangent; kernels scale theirs (here: a materialised ``G``)."""
         return ctx * c
 
+    def scale_examples(self, ctx, s):
+        """The context of each example's gradient times its ``s_b`` (``s [B]``); here
+        the materialised ``G``."""
+        return times_examples(ctx, s)
+
     def fast_rule(self, reduction):
-        """This site's `Fast` rule for ``reduction``, or None (from the examples)."""
+        """This site's `Fast` rule for ``reduction``, or None (from the examples). A
+        reduction over weighted examples (`stats.Weighted`) whose value is its inner
+        one's over scaled gradients (`Reduction.scaled`) takes the inner one's rule on
+        the scaled context: weights cost nothing where the inner one is fast."""
         fast = S.lookup(self.FAST, reduction)
-        return fast if fast is not None and fast.applies(self, reduction) else None
+        if fast is not None:
+            return fast if fast.applies(self, reduction) else None
+        scaled = reduction.scaled()
+        if scaled is None:
+            return None
+        inner, s = scaled
+        fast = self.fast_rule(inner)
+        if fast is None:
+            return None
+        rule = fast.rule
+        return Fast(
+            lambda k, ctx, r: fast.value(k, k.scale_examples(ctx, s), inner),
+            rule=rule and (lambda k, r, B: rule(k, inner, B)),
+        )
 
     def direct(self, ctx, reduction):
         fast = self.fast_rule(reduction)

@@ -38,6 +38,7 @@ from jaxpr_surgery._src.sites.base import (
     register,
     scale_examples,
     sqrt0,
+    times_examples,
 )
 
 
@@ -214,6 +215,10 @@ class DenseKernel(Kernel):
     def scale(self, ctx, c):
         x, dy = ctx
         return x, dy * c.astype(dy.dtype)
+
+    def scale_examples(self, ctx, s):
+        x, dy = ctx
+        return x, times_examples(dy, s)
 
     def token_matmuls(self):
         return self.c["N"] > 1

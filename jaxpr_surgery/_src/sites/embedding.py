@@ -28,6 +28,7 @@ from jaxpr_surgery._src.sites.base import (
     example_scale,
     register,
     scale_examples,
+    times_examples,
 )
 
 
@@ -161,6 +162,10 @@ class EmbeddingKernel(Kernel):
     def scale(self, ctx, c):
         ids, valid, dy = ctx
         return ids, valid, dy * c.astype(dy.dtype)
+
+    def scale_examples(self, ctx, s):
+        ids, valid, dy = ctx
+        return ids, valid, times_examples(dy, s)
 
     def gathers_rows(self):
         return self.V, self.d

@@ -1,0 +1,356 @@
+"""``example_weights`` / ``is_padding_example``: every statistic is the weighted one.
+
+Oracle: frequency weights. With integer weights, the weighted statistic equals the
+statistic of the batch in which example ``b`` appears ``w_b`` times (a weight 0 removes
+it), computed from ``vmap(grad)`` of the per-example loss and reduced in numpy float64;
+per-example outputs (norms) read 0 at weight 0. The noise scale's batch size is Kish's
+effective size ``W^2 / sum w^2``: it is checked with 0/1 weights (the batch without the
+padded examples) and against its formula.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import zoo
+
+import jaxpr_surgery as js
+
+STATS = ("mean", "sum", "second_moment", "variance", "sign_mean", "abs_mean",
+         "fourth_moment", "kurtosis", "gradient_diversity", "kron_moments")
+
+
+def _f64(t):
+    return jax.tree.map(lambda x: np.asarray(x, np.float64), t)
+
+
+def _oracle(g, name, **kw):
+    """Every statistic of ``STATS`` (and the clipped ones) from per-example grads."""
+    if name in zoo.STAT_NAMES:
+        return zoo.oracle_from_grads(g, name, **kw)
+    g = _f64(g)
+    if name == "fourth_moment":
+        return jax.tree.map(lambda x: (x**4).mean(0), g)
+    if name == "kurtosis":
+        def k(x):
+            m = x.mean(0)
+            return ((x - m) ** 4).mean(0) / ((x - m) ** 2).mean(0) ** 2
+        return jax.tree.map(k, g)
+    if name == "gradient_diversity":
+        leaves = jax.tree.leaves(g)
+        return (sum((x**2).sum() for x in leaves) / sum((x.sum(0) ** 2).sum() for x in leaves))
+    if name == "kron_moments":
+        def kr(x):
+            out = []
+            for j in range(1, x.ndim):
+                U = np.moveaxis(x, j, 1).reshape(x.shape[0], x.shape[j], -1)
+                full = x.shape[j] <= 256
+                out.append(np.einsum("bir,bjr->ij", U, U) if full else (U**2).sum((0, 2)))
+            return tuple(o / x.shape[0] for o in out)
+        return jax.tree.map(kr, g)
+    raise ValueError(name)
+
+
+def _repeat(g, w):
+    return jax.tree.map(lambda x: np.repeat(np.asarray(x), w, axis=0), g)
+
+
+def _close(actual, expected, rtol, what):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        fin = np.abs(e[np.isfinite(e)])
+        scale = float(fin.max()) if fin.size else 0.0
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale + 1e-300, err_msg=what)
+
+
+def _int_weights(B, seed=0):
+    w = np.random.default_rng(seed).integers(0, 4, size=B)
+    w[0], w[-1] = 0, 2  # a removed example, a doubled one
+    if w.sum() < 3:
+        w[1:3] = 1
+    return w
+
+
+def _request(clip):
+    req = {n: getattr(js.stats, n)() for n in STATS}
+    req["clipped_mean"] = js.stats.clipped_mean(clip)
+    req["sq_norms"] = js.stats.sq_norms()
+    req["norms_per_leaf"] = js.stats.norms(per_leaf=True)
+    return req
+
+
+def _check_case(name, dtype, chunk_size, rtol, seed=0):
+    with zoo.x64():
+        ref_case = zoo.get_case(name, jnp.float64)
+        g = _f64(zoo.per_example_grads(ref_case))
+    case = zoo.get_case(name, dtype) if dtype != jnp.float64 else ref_case
+    B = jax.tree.leaves(case.batch)[0].shape[0]
+    w = _int_weights(B, seed)
+    clip = float(np.median(np.sqrt(zoo.oracle_from_grads(g, "sq_norms"))))
+    gr = _repeat(g, w)
+
+    def run():
+        f = js.per_example_stat(case.loss_fn, _request(clip), chunk_size=chunk_size)
+        return f(case.params, case.batch, example_weights=jnp.asarray(w, dtype))
+
+    if dtype == jnp.float64:
+        with zoo.x64():
+            out = run()
+    else:
+        out = run()
+    for n in STATS:
+        kr = rtol * (1e4 if n == "kurtosis" and dtype != jnp.float64 else 1)
+        _close(out[n], _oracle(gr, n), kr, f"{name} {n}")
+    _close(out["clipped_mean"], zoo.oracle_from_grads(gr, "clipped_mean", clip_norm=clip), rtol,
+           f"{name} clipped_mean")
+    keep = w > 0
+    _close(out["sq_norms"], zoo.oracle_from_grads(g, "sq_norms") * keep, rtol, f"{name} sq_norms")
+    assert np.all(np.asarray(out["sq_norms"])[~keep] == 0)
+    per_leaf = zoo.oracle_from_grads(g, "norms", per_leaf=True)
+    _close(out["norms_per_leaf"], jax.tree.map(lambda x: x * keep, per_leaf), rtol,
+           f"{name} norms")
+
+
+# Models that take every route: dense/rank-one (mlp), conv patches (cnn), token sites,
+# tied embedding and attention (transformer), layers in a scan under remat (clipped
+# sums by a second pass), a scan with closed-over weights (rnn), residual leaves
+# (custom_vjp_and_cond), a one-hot embedding.
+CASES = ("mlp", "cnn", "transformer", "transformer_scan_remat", "rnn", "custom_vjp_and_cond",
+         "onehot_embedding")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_weighted_matches_frequency_oracle_f64(name):
+    _check_case(name, jnp.float64, None, 1e-9)
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_weighted_f32(name):
+    _check_case(name, jnp.float32, None, 2e-4)
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer", "transformer_scan_remat"])
+def test_weighted_in_chunks(name):
+    # chunks of 3 (the batch is no multiple of 3): carries count weights, not examples
+    _check_case(name, jnp.float64, 3, 1e-9, seed=1)
+
+
+def _tiny():
+    """A token model whose loss is written the way LM trainers write it."""
+    rng = np.random.default_rng(0)
+    B, T, V, d = 5, 6, 11, 4
+    params = {"emb": jnp.asarray(rng.normal(size=(V, d)), jnp.float32),
+              "w": jnp.asarray(rng.normal(size=(d, V)) / 2, jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(V,)) / 4, jnp.float32)}
+    ids = jnp.asarray(rng.integers(0, V, size=(B, T)), jnp.int32)
+    mask = np.ones((B, T), np.float32)
+    mask[1, 3:] = 0
+    mask[3, :] = 0  # a fully padded example
+    mask[4, 1:] = 0
+    return params, {"ids": ids, "mask": jnp.asarray(mask)}
+
+
+def _nll(params, batch):
+    h = jnp.tanh(params["emb"][batch["ids"]])
+    logits = h @ params["w"] + params["b"]
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["ids"][..., None], -1)[..., 0]
+
+
+def _token_mean_per_example(params, batch):
+    """Per example: its own token mean (NaN for an example without tokens)."""
+    nll = _nll(params, batch)
+    m = batch["mask"]
+    return jnp.mean(jnp.sum(m * nll, -1) / jnp.sum(m, -1))
+
+
+def test_token_count_weights_give_grad_of_token_normalised_loss():
+    params, batch = _tiny()
+
+    def batch_loss(p, b):  # what an LM trainer writes: the batch's token count
+        return jnp.sum(b["mask"] * _nll(p, b)) / jnp.sum(b["mask"])
+
+    with pytest.raises(js.CrossExampleError):
+        js.per_example_stat(batch_loss, js.stats.mean())(params, batch)
+    counts = jnp.sum(batch["mask"], -1)
+    f = js.value_and_per_example_stat(_token_mean_per_example,
+                                      {"mean": js.stats.mean(), "var": js.stats.variance()})
+    loss, out = f(params, batch, example_weights=counts)
+    expect = jax.grad(batch_loss)(params, batch)
+    _close(out["mean"], expect, 1e-5, "mean")
+    np.testing.assert_allclose(loss, batch_loss(params, batch), rtol=1e-6)
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
+
+
+def test_padding_removes_examples_exactly_even_with_nan_loss():
+    params, batch = _tiny()
+    pad = jnp.asarray([False, False, False, True, False])
+    req = {"mean": js.stats.mean(), "var": js.stats.variance(), "m2": js.stats.second_moment(),
+           "sign": js.stats.sign_mean(), "snr": js.stats.snr(bias_corrected=True),
+           "noise": js.stats.noise_scale_components(), "q": js.stats.norm_quantiles((0.0, 0.5, 1.0)),
+           "norms": js.stats.norms(), "clip": js.stats.clipped_mean(0.3),
+           "div": js.stats.gradient_diversity(), "kurt": js.stats.kurtosis()}
+    out = js.per_example_stat(_token_mean_per_example, req)(params, batch, is_padding_example=pad)
+    keep = np.flatnonzero(~np.asarray(pad))
+    sub = jax.tree.map(lambda x: x[keep], batch)
+    ref = js.per_example_stat(_token_mean_per_example, req)(params, sub)
+    for k in req:
+        if k == "norms":
+            np.testing.assert_allclose(np.asarray(out[k])[keep], ref[k], rtol=1e-5)
+            assert float(out[k][3]) == 0.0
+        else:
+            _close(out[k], ref[k], 2e-5, k)
+    # the same through weights, in chunks of two (the padded example alone in one)
+    f = js.per_example_stat(_token_mean_per_example, req, chunk_size=2)
+    out2 = f(params, batch, example_weights=jnp.asarray([1.0, 1, 1, 0, 1]))
+    for k in req:
+        _close(out2[k], out[k], 2e-5, k)
+
+
+def test_noise_scale_uses_the_effective_batch_size():
+    with zoo.x64():
+        case = zoo.get_case("mlp", jnp.float64)
+        g = _f64(zoo.per_example_grads(case))
+        B = jax.tree.leaves(g)[0].shape[0]
+        w = np.random.default_rng(3).uniform(0.2, 2.0, size=B)
+        out = js.per_example_stat(case.loss_fn, js.stats.noise_scale_components())(
+            case.params, case.batch, example_weights=jnp.asarray(w))
+        W = w.sum()
+        n_eff = W**2 / np.sum(w**2)
+        leaves = jax.tree.leaves(g)
+        mu = [np.tensordot(w, x, (0, 0)) / W for x in leaves]
+        tr = sum(np.tensordot(w, (x - m) ** 2, (0, 0)).sum() for x, m in zip(leaves, mu)) / (W - 1)
+        g2 = sum((m**2).sum() for m in mu) - tr / n_eff
+        np.testing.assert_allclose(out.batch_size, n_eff, rtol=1e-12)
+        np.testing.assert_allclose(out.trace_cov, tr, rtol=1e-10)
+        np.testing.assert_allclose(out.grad_sq_norm, g2, rtol=1e-9)
+
+
+def test_float_weights_variance_is_frequency_weighted():
+    with zoo.x64():
+        case = zoo.get_case("transformer", jnp.float64)
+        g = _f64(zoo.per_example_grads(case))
+        B = jax.tree.leaves(g)[0].shape[0]
+        w = np.random.default_rng(4).uniform(0.0, 3.0, size=B)
+        out = js.per_example_stat(case.loss_fn, (js.stats.mean(), js.stats.variance()))(
+            case.params, case.batch, example_weights=jnp.asarray(w))
+        W = w.sum()
+        mu = jax.tree.map(lambda x: np.tensordot(w, x, (0, 0)) / W, g)
+        var = jax.tree.map(lambda x, m: np.tensordot(w, (x - m) ** 2, (0, 0)) / (W - 1), g, mu)
+        _close(out[0], mu, 1e-9, "mean")
+        _close(out[1], var, 1e-9, "variance")
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake CPU) devices: conftest.py")
+def test_weights_under_shard_map_split_with_the_batch():
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("data",))
+    case = zoo.get_case("mlp", jnp.float32)
+    B = jax.tree.leaves(case.batch)[0].shape[0]
+    n = (B // 4) * 4
+    batch = jax.tree.map(lambda x: x[:n], case.batch)
+    w = jnp.asarray(_int_weights(n, 5), jnp.float32)
+    req = {"mean": js.stats.mean(), "var": js.stats.variance(), "m2": js.stats.second_moment(),
+           "q": js.stats.norm_quantiles(0.5), "noise": js.stats.gradient_noise_scale()}
+    f = js.per_example_stat(case.loss_fn, req, axis_name="data")
+    sharded = jax.jit(jax.shard_map(
+        lambda p, b, w: f(p, b, example_weights=w), mesh=mesh,
+        in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=True))
+    split = jax.sharding.NamedSharding(mesh, P("data"))
+    rep = jax.sharding.NamedSharding(mesh, P())
+    out = sharded(jax.device_put(case.params, rep), jax.device_put(batch, split),
+                  jax.device_put(w, split))
+    ref = js.per_example_stat(case.loss_fn, req)(case.params, batch, example_weights=w)
+    for k in req:
+        _close(out[k], ref[k], 2e-5, k)
+
+
+def test_weights_compose_with_jit_vmap_and_grad():
+    params, batch = _tiny()
+    f = js.per_example_stat(_token_mean_per_example, js.stats.mean())
+    ws = jnp.asarray([[1.0, 2, 1, 0, 1], [0.0, 1, 3, 0, 2]])
+    many = jax.jit(jax.vmap(lambda w: f(params, batch, example_weights=w)))(ws)
+    for k in range(2):
+        one = f(params, batch, example_weights=ws[k])
+        _close(jax.tree.map(lambda x: x[k], many), one, 1e-6, "vmap")
+    # a derivative through the weights (float64, central differences)
+    with zoo.x64():
+        p64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params)
+        b64 = {"ids": batch["ids"], "mask": jnp.asarray(batch["mask"], jnp.float64)}
+        g = js.per_example_stat(_token_mean_per_example, js.stats.variance())
+        proj = jnp.asarray(np.random.default_rng(1).normal(size=p64["w"].shape))
+
+        def total(w):
+            return jnp.sum(proj * g(p64, b64, example_weights=w)["w"])
+
+        w0 = jnp.asarray([1.0, 2, 1, 0.5, 1])
+        gw = jax.grad(total)(w0)
+        for b in (0, 2):
+            e = jnp.zeros(5).at[b].set(1e-5)
+            fd = (total(w0 + e) - total(w0 - e)) / 2e-5
+            np.testing.assert_allclose(gw[b], fd, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "w, err, match",
+    [
+        (np.array([1.0, -1, 1, 1, 1]), ValueError, "negative at examples \\[1\\]"),
+        (np.array([1.0, np.nan, 1, 1, 1]), ValueError, "NaN or inf"),
+        (np.zeros(5), ValueError, "every example has weight 0"),
+        (np.ones(4), ValueError, "shape \\(5,\\)"),
+        (np.array([1.0, 0, 0, 0, 0]), ValueError, "variance\\(ddof=1\\) divides by W - ddof"),
+    ],
+)
+def test_bad_weights_raise(w, err, match):
+    params, batch = _tiny()
+    f = js.per_example_stat(_token_mean_per_example, js.stats.variance())
+    with pytest.raises(err, match=match):
+        f(params, batch, example_weights=jnp.asarray(w))
+
+
+def test_bad_traced_weights_poison_and_argument_errors():
+    params, batch = _tiny()
+    f = js.per_example_stat(_token_mean_per_example, js.stats.mean())
+    out = jax.jit(lambda w: f(params, batch, example_weights=w))(
+        jnp.asarray([1.0, -1, 1, 1, 1]))
+    assert all(np.all(np.isnan(x)) for x in jax.tree.leaves(out))
+    with pytest.raises(ValueError, match="not both"):
+        f(params, batch, example_weights=jnp.ones(5), is_padding_example=jnp.zeros(5, bool))
+    with pytest.raises(TypeError, match="bool"):
+        f(params, batch, is_padding_example=jnp.zeros(5))
+
+
+def test_reduction_without_weighted_form_says_so():
+    class MaxAbs(js.stats.Reduction):
+        def aval(self, shape, dtype, B):
+            return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+        def from_examples(self, G):
+            return jnp.max(jnp.abs(G), axis=0)
+
+        def merge(self, a, na, b, nb):
+            return jnp.maximum(a, b)
+
+        def __eq__(self, other):
+            return isinstance(other, MaxAbs)
+
+        def __hash__(self):
+            return 1
+
+    class Stat(js.stats.Statistic):
+        def reductions(self):
+            return {"m": MaxAbs()}
+
+        def finalize(self, values, count):
+            return values["m"]
+
+    params, batch = _tiny()
+    f = js.per_example_stat(_token_mean_per_example, Stat())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(NotImplementedError, match="MaxAbs has no weighted form"):
+            f(params, batch, example_weights=jnp.ones(5))
