@@ -177,7 +177,8 @@ LAYERS = (
     ("fused",),
     ("stats", "stats_research", "fingerprint", "independence"),
     ("reductions",),  # the Reduction protocol and the built-in reductions
-    ("views", "norms", "example_weights"),  # a site's view of its leaf; norms past their squares; weights
+    # a site's view of its leaf; norms past the range of their squares; example weights
+    ("views", "norms", "example_weights"),
     ("compat",),
 )
 

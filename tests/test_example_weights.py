@@ -190,7 +190,8 @@ def test_padding_removes_examples_exactly_even_with_nan_loss():
     pad = jnp.asarray([False, False, False, True, False])
     req = {"mean": js.stats.mean(), "var": js.stats.variance(), "m2": js.stats.second_moment(),
            "sign": js.stats.sign_mean(), "snr": js.stats.snr(bias_corrected=True),
-           "noise": js.stats.noise_scale_components(), "q": js.stats.norm_quantiles((0.0, 0.5, 1.0)),
+           "noise": js.stats.noise_scale_components(),
+           "q": js.stats.norm_quantiles((0.0, 0.5, 1.0)),
            "norms": js.stats.norms(), "clip": js.stats.clipped_mean(0.3),
            "div": js.stats.gradient_diversity(), "kurt": js.stats.kurtosis()}
     out = js.per_example_stat(_token_mean_per_example, req)(params, batch, is_padding_example=pad)
@@ -276,7 +277,7 @@ def test_weights_compose_with_jit_vmap_and_grad():
     many = jax.jit(jax.vmap(lambda w: f(params, batch, example_weights=w)))(ws)
     for k in range(2):
         one = f(params, batch, example_weights=ws[k])
-        _close(jax.tree.map(lambda x: x[k], many), one, 1e-6, "vmap")
+        _close(jax.tree.map(lambda x, k=k: x[k], many), one, 1e-6, "vmap")
     # a derivative through the weights (float64, central differences)
     with zoo.x64():
         p64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params)
