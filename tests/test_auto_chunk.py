@@ -150,11 +150,18 @@ def _chunk_loops(loss, stat, params, batch, chunk_size="auto"):
     ))
 
 
-@pytest.mark.parametrize("name", ["transformer", "tied"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 # B=8: four chunks of 2, the first before a loop of 3; B=7: two chunks of 3, the
-# first before a loop of 1, and a remainder of 1
-@pytest.mark.parametrize("B,chunk,loops", [(8, 2, 3), (7, 3, 1)])
+# first before a loop of 1, and a remainder of 1. Each model, dtype and shape once
+# (a pairwise cover of the 2 x 2 x 2 grid: each case compiles every statistic twice).
+@pytest.mark.parametrize(
+    "name,dtype,B,chunk,loops",
+    [
+        ("transformer", jnp.float64, 8, 2, 3),
+        ("transformer", jnp.float32, 7, 3, 1),
+        ("tied", jnp.float32, 8, 2, 3),
+        ("tied", jnp.float64, 7, 3, 1),
+    ],
+)
 def test_default_is_chunked_when_activations_exceed_the_budget(monkeypatch, name, dtype, B,
                                                                chunk, loops):
     if not tiling.prefer_per_example():

@@ -355,3 +355,14 @@ def test_reduction_without_weighted_form_says_so():
         warnings.simplefilter("ignore")
         with pytest.raises(NotImplementedError, match="MaxAbs has no weighted form"):
             f(params, batch, example_weights=jnp.ones(5))
+
+
+def test_explain_reports_the_weights():
+    params, batch = _tiny()
+    req = {"v": js.stats.variance(), "m2": js.stats.second_moment()}
+    w = jnp.asarray([1.0, 2, 1, 0, 1])
+    text = str(js.explain(_token_mean_per_example, req)(params, batch, example_weights=w))
+    assert "example_weights: every statistic over the weighted examples" in text, text
+    assert "4 of 5 examples weighted" in text and "Centered read the weights" in text, text
+    with pytest.raises(ValueError, match="negative"):
+        js.explain(_token_mean_per_example, req)(params, batch, example_weights=-w)

@@ -580,7 +580,8 @@ def value_and_per_example_stat(
 
     The loss is the mean of the per-example losses \(\frac1B\sum_b l_b\)
     (equal to ``fn(params, batch)`` for a batch-mean loss without cross-example
-    interaction). With ``has_aux=True`` the first output is ``(loss, aux)``
+    interaction); with ``example_weights`` (see `per_example_stat`) the weighted mean
+    \(\sum_b w_b l_b / \sum_b w_b\). With ``has_aux=True`` the first output is ``(loss, aux)``
     where ``aux`` holds the per-example aux outputs stacked on axis 0.
 
     Returns:
@@ -736,7 +737,14 @@ def per_example_stat(
 
     Returns:
       A function with the signature of ``fn`` returning ``stat``'s structure
-      filled with values.
+      filled with values. It also takes two reserved keyword-only arguments, never
+      passed to ``fn``: ``example_weights`` (``[B]``, ``w_b >= 0``: every statistic
+      is then the weighted one, ``W = sum_b w_b`` in place of ``B``; a weight 0
+      removes an example exactly, NaN gradient and all; per-example outputs read 0
+      there) and ``is_padding_example`` (``[B]`` bool, jax_privacy's name: the
+      weights ``1 - mask``). Under ``axis_name`` each device passes its own
+      examples' weights. Bad concrete weights raise a ``ValueError``; traced ones
+      make every result NaN. See docs/howto/lm_losses.md.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxpr_surgery as js

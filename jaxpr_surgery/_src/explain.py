@@ -10,8 +10,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpr_surgery._src import chunking, compat, dots, explain_table, independence, kron, tiling
+from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared, front_half
 from jaxpr_surgery._src.engine import (
@@ -249,6 +251,7 @@ def explain(
     )
 
     def run(*args, **kwargs):
+        kwargs, spec = ew.pop(kwargs, "explain")
         f = functools.partial(fn, **kwargs) if kwargs else fn
         opts = Options(argnums, batch_argnums, keep_batch_dim, has_aux, None, False, None)
         opts = dataclasses.replace(opts, chunk_size=chunk_size, memory_budget_bytes=budget)
@@ -272,6 +275,8 @@ def explain(
         verdict = (independence.verdict(prep, prep.data_axes) if check
                    else independence.Verdict(independence.SKIPPED, "check=False"))
         notes = [_independence_note(verdict)]
+        if spec is not None:
+            notes.append(_weights_note(spec, prep, reductions))
         if chunking.whole_for_the_allocator(chunk_size, B, act):
             notes.append(
                 'chunk_size="auto" runs the batch whole although its activations pass '
@@ -320,6 +325,27 @@ def _independence_note(v):
                 "once on a real batch.")
     return (f"Examples not checked for independence ({v.detail}): run "
             "js.check_per_example(fn) once on a real batch.")
+
+
+def _weights_note(spec, prep, reductions):
+    """What ``example_weights`` / ``is_padding_example`` change (checked as the
+    statistics' function checks them)."""
+    ew.check_concrete(spec, "explain")
+    w = ew.as_weights(spec, prep.B, "explain")
+    kind = spec[0]
+    text = f"{kind}: every statistic over the weighted examples"
+    if not isinstance(w, jax.core.Tracer):
+        wn = np.asarray(w, np.float64)
+        text += (f" (W = {wn.sum():g}, {int((wn > 0).sum())} of {prep.B} examples weighted, "
+                 f"effective batch size {wn.sum() ** 2 / np.sum(wn ** 2):.3g})")
+    slow = sorted({r.describe() for r in reductions
+                   if S.weighs(r) and not r.weight_degree})
+    text += ("; the examples of weight 0 are read as zeros at every layer. Homogeneous "
+             "reductions keep the rules above (the weights scale the cotangents)")
+    if slow:
+        text += (f"; {', '.join(slow)} read the weights in tiles of per-example products "
+                 "where the rule above is a contraction")
+    return text + "."
 
 
 def _skipped_report(path, shape, dtype, names):

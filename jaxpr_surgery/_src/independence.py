@@ -1142,9 +1142,11 @@ def check(prep, name, data_axes=frozenset()):
             "of the batch interact, so per-example gradients of this loss are not defined: "
             "every statistic would describe each example alone in a batch of one, and "
             "mean() would differ from jax.grad. Fix: normalise per example (e.g. divide each "
-            "example's token sum by its own token count, then take the mean over examples; "
-            "run batch norm in inference mode; take negatives from outside the batch), or "
-            "pass check=False to compute the statistics of the batch-of-one losses anyway."
+            "example's token sum by its own token count, take the mean over examples, and "
+            "pass example_weights=<each example's token count> to the returned function: "
+            "mean() is then jax.grad of the loss normalised by the batch's token count; run "
+            "batch norm in inference mode; take negatives from outside the batch), or pass "
+            "check=False to compute the statistics of the batch-of-one losses anyway."
         )
     if v.kind == UNDECIDED:
         warnings.warn(
