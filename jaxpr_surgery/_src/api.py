@@ -218,6 +218,16 @@ class _Prepared:
         full = self.diff_tree.flatten_up_to(tree)
         return [x for x, a in zip(full, self.diff_is_arr) if a]
 
+    def layout(self) -> LeafLayout:
+        """The static layout of the differentiated argument(s) (`LeafLayout`)."""
+        return LeafLayout(
+            self.diff_tree,
+            tuple(self.diff_is_arr),
+            tuple(tuple(jnp.shape(x)) for x in self.diff_leaves),
+            tuple(jnp.dtype(x.dtype) for x in self.diff_leaves),
+            tuple(self.diff_paths),
+        )
+
     @property
     def data_axes(self):
         """The shard_map axes the examples vary over (empty outside typed shard_map)."""
@@ -401,8 +411,34 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     return Front(closed, out_tree, an, leaf_avals, plan, cs, act)
 
 
-def _compute(prep, stat, opts: Options, name):
-    stat_leaves, stat_tree, reqs, reductions = _flatten_stats(stat)
+@dataclasses.dataclass(frozen=True)
+class Reduced:
+    """What one call computes before any statistic's ``finalize``: the shared half of
+    `per_example_stat` and `jaxpr_surgery.per_example_partial`.
+
+    Attributes:
+      values: reduction index -> list over the differentiated leaves of its value over
+        the batch, combined across devices with ``axis_name`` (per-example values stay
+        each device's own ``[B]``).
+      whole: with ``axis_name`` only, reduction index -> list per leaf of the whole
+        batch's per-example values ``[N]``, for the reductions a ``whole_batch``
+        statistic reads (empty otherwise).
+      count: the number of examples ``N`` (over every device with ``axis_name``).
+      loss: the mean of the per-example losses.
+      aux: the per-example aux outputs (``has_aux``), else None.
+    """
+
+    values: dict
+    whole: dict
+    count: Any
+    loss: Any
+    aux: Any
+
+
+def reduce_call(prep, flat, opts: Options, name) -> Reduced:
+    """Runs the call and reduces its per-example gradients: every reduction's value of
+    ``flat`` (`_flatten_stats`), before any statistic's ``finalize``."""
+    stat_leaves, _, reqs, reductions = flat
     axes = prep.data_axes | _axis_names(opts.axis_name)
     check = (lambda: independence.check(prep, name, axes)) if opts.check else None
     front = front_half(prep, reductions, opts, name, check)
@@ -419,6 +455,7 @@ def _compute(prep, stat, opts: Options, name):
         )
     N = B
     loss_sum = jnp.sum(loss_b)
+    whole = {}
     if opts.axis_name is not None:
         N = jax.lax.psum(B, opts.axis_name)
         values = {
@@ -426,36 +463,48 @@ def _compute(prep, stat, opts: Options, name):
             for j, vals in values.items()
         }
         loss_sum = jax.lax.psum(loss_sum, opts.axis_name)
-    result = _finalize(prep, opts, stat_leaves, stat_tree, reqs, reductions, values, N)
+        # statistics reducing per-example values over the batch (quantiles of norms,
+        # diversity) get the whole batch's; the others keep each device's own
+        for s, req in zip(stat_leaves, reqs):
+            if not getattr(s, "whole_batch", False):
+                continue
+            for r in req.values():
+                j = reductions.index(r)
+                if r.per_example and j not in whole:
+                    whole[j] = [_gather_examples(v, B, opts.axis_name) for v in values[j]]
     aux_out = jax.tree.unflatten(front.out_tree, [loss_b] + list(aux))[1]
-    return loss_sum / N, aux_out, result
+    return Reduced(values, whole, N, loss_sum / N, aux_out)
 
 
-def _finalize(prep, opts, stat_leaves, stat_tree, reqs, reductions, values, N):
+def finalize_values(layout, flat, values, whole, count):
     """Every statistic's ``finalize`` of its reductions' values (pytrees shaped like
-    the differentiated arguments).
+    the differentiated arguments by ``layout``, a `LeafLayout`), in ``flat``'s tree.
 
-    A statistic that reduces per-example values over the batch (quantiles of norms,
-    diversity) declares ``whole_batch``: across devices it gets the whole batch's;
-    the others keep each device's own (per-example outputs stay with their device)."""
-    whole = {}
+    ``values``/``whole`` as in `Reduced`: a statistic that reduces per-example values
+    over the batch (quantiles of norms, diversity) declares ``whole_batch`` and gets
+    ``whole``'s values where there are some (across devices); the others keep each
+    device's own (per-example outputs stay with their device)."""
+    stat_leaves, stat_tree, reqs, reductions = flat
 
     def value_for(s, r):
         j = reductions.index(r)
-        if opts.axis_name is None or not r.per_example:
-            return values[j]
-        if not getattr(s, "whole_batch", False):
-            return values[j]
-        if j not in whole:
-            whole[j] = [_gather_examples(v, prep.B, opts.axis_name) for v in values[j]]
-        return whole[j]
+        if getattr(s, "whole_batch", False) and j in whole:
+            return whole[j]
+        return values[j]
 
     results = []
     for s, req in zip(stat_leaves, reqs):
-        vals = {k: prep.unflatten_diff(value_for(s, r), _STATIC) for k, r in req.items()}
-        out = s.finalize(vals, N)
-        results.append(_cast_like(out, prep) if getattr(s, "gradient_like", False) else out)
+        vals = {k: layout.unflatten(value_for(s, r)) for k, r in req.items()}
+        out = s.finalize(vals, count)
+        results.append(layout.cast_like(out) if getattr(s, "gradient_like", False) else out)
     return jax.tree.unflatten(stat_tree, results)
+
+
+def _compute(prep, stat, opts: Options, name):
+    flat = _flatten_stats(stat)
+    red = reduce_call(prep, flat, opts, name)
+    result = finalize_values(prep.layout(), flat, red.values, red.whole, red.count)
+    return red.loss, red.aux, result
 
 
 _STATIC = None  # the value of every statistic at a static (non-array) parameter leaf
@@ -468,18 +517,40 @@ def _axis_names(axis_name):
     return frozenset(axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,))
 
 
-def _cast_like(result, prep):
-    """Gradient-like statistics (mean, sum, clipped sums) come back in the parameters'
-    dtypes, like ``jax.grad``; the others stay in their (at least float32) dtype."""
-    try:
-        params = prep.unflatten_diff(prep.diff_leaves, _STATIC)
-        if jax.tree.structure(result) != jax.tree.structure(params):
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """The static layout of the differentiated argument(s): their tree, which of its
+    leaves are differentiated (float arrays), and those leaves' shapes and dtypes.
+    Statistics' values (one per differentiated leaf) become pytrees shaped like the
+    arguments through it; two calls on parameters of one structure, shapes and dtypes
+    have equal layouts."""
+
+    tree: Any  # the PyTreeDef of the differentiated argument(s)
+    is_arr: tuple  # per flat leaf: differentiated
+    shapes: tuple  # per differentiated leaf
+    dtypes: tuple  # per differentiated leaf
+    paths: tuple = dataclasses.field(default=(), compare=False)
+
+    def unflatten(self, leaves, static=None):
+        """A tree like the differentiated argument(s) from one value per differentiated
+        leaf; the other leaves get ``static``."""
+        it = iter(leaves)
+        return jax.tree.unflatten(self.tree, [next(it) if a else static for a in self.is_arr])
+
+    def cast_like(self, result):
+        """Gradient-like statistics (mean, sum, clipped sums) come back in the parameters'
+        dtypes, like ``jax.grad``; the others stay in their (at least float32) dtype."""
+        try:
+            params = self.unflatten(
+                [jax.ShapeDtypeStruct(s, d) for s, d in zip(self.shapes, self.dtypes)], _STATIC
+            )
+            if jax.tree.structure(result) != jax.tree.structure(params):
+                return result
+            return jax.tree.map(
+                lambda r, p: r.astype(p.dtype) if jnp.shape(r) == p.shape else r, result, params
+            )
+        except Exception:  # noqa: BLE001 - result not shaped like params
             return result
-        return jax.tree.map(
-            lambda r, p: r.astype(p.dtype) if jnp.shape(r) == jnp.shape(p) else r, result, params
-        )
-    except Exception:  # noqa: BLE001 - result not shaped like params
-        return result
 
 
 CHUNK_LOOP = chunking.CHUNK_LOOP  # the name scope of the loops over chunks (tests find them by it)
@@ -521,7 +592,24 @@ def value_and_per_example_stat(
       >>> bool(jnp.allclose(m, jax.grad(loss)(w, b)))
       True
     """
-    opts = Options(
+    opts = make_options(argnums, batch_argnums, keep_batch_dim, has_aux, chunk_size, strict,
+                        axis_name, memory_budget_bytes, check)
+    name = "value_and_per_example_stat"
+    _flatten_stats(stat)  # validate early
+    if not callable(fn):
+        raise TypeError(f"{name}: fn must be callable, got {fn!r}.")
+
+    def body(prep):
+        loss, aux, result = _compute(prep, stat, opts, name)
+        return ((loss, aux) if opts.has_aux else loss), result
+
+    return entry(fn, opts, name, body)
+
+
+def make_options(argnums, batch_argnums, keep_batch_dim, has_aux, chunk_size, strict,
+                 axis_name, memory_budget_bytes, check) -> Options:
+    """The `Options` of an entry point's keyword arguments."""
+    return Options(
         argnums,
         batch_argnums,
         bool(keep_batch_dim),
@@ -532,29 +620,26 @@ def value_and_per_example_stat(
         memory_budget_bytes,
         bool(check),
     )
-    name = "value_and_per_example_stat"
-    _flatten_stats(stat)  # validate early
-    if not callable(fn):
-        raise TypeError(f"{name}: fn must be callable, got {fn!r}.")
+
+
+def entry(fn, opts: Options, name: str, body):
+    """The function an entry point returns: ``body(prep)`` of the `_Prepared` call.
+
+    Keyword arguments pass through like jax.grad's: neither differentiated nor batched.
+    Eager calls are compiled once per argument structure (jax.jit then caches per shape
+    and dtype), so they neither re-trace nor re-analyse; under a transformation (jit,
+    grad, vmap, pmap, shard_map) the computation is traced into the caller's."""
 
     def direct(args, kwargs):
-        # keyword arguments pass through like jax.grad's: neither differentiated nor batched
         f = functools.partial(fn, **kwargs) if kwargs else fn
         prep = _Prepared(f, args, opts, name)
         if prep.explicit is None:
-            loss, aux, result = _compute(prep, stat, opts, name)
-        else:
-            # inside auto_axes the arguments are new values: prepare them there
-            loss, aux, result = compat.in_auto_mode(
-                lambda *a: _compute(_Prepared(f, a, opts, name), stat, opts, name),
-                args,
-                *prep.explicit,
-            )
-        return ((loss, aux) if opts.has_aux else loss), result
+            return body(prep)
+        # inside auto_axes the arguments are new values: prepare them there
+        return compat.in_auto_mode(
+            lambda *a: body(_Prepared(f, a, opts, name)), args, *prep.explicit
+        )
 
-    # Eager calls are compiled once per argument structure (jax.jit then caches per
-    # shape and dtype), so they neither re-trace nor re-analyse; under a transformation
-    # (jit, grad, vmap, pmap, shard_map) the computation is traced into the caller's.
     compiled = {}
 
     @functools.wraps(fn)
