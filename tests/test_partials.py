@@ -18,13 +18,11 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpr_surgery as js
 
-SPLITS = {  # the zoo batch as uneven micro-batches (3 and 2 partials)
-    "mlp": ((3, 2, 1), (4, 2)),
-    "transformer": ((1, 4, 1), (5, 1)),
-    "cnn": ((3, 1, 1), (2, 3)),
+SPLITS = {  # the zoo batch as uneven micro-batches (few distinct sizes: few compiles)
+    "mlp": (1, 4, 1),
+    "transformer": (1, 4, 1),
+    "cnn": (3, 1, 1),
 }
-PER_EXAMPLE = ("sq_norms", "sq_norms_per_leaf", "norms", "norms_per_leaf", "dots",
-               "dots_per_leaf", "cosines")
 
 
 def _pieces(batch, sizes):
@@ -77,37 +75,34 @@ def _assert_close(actual, expected, dtype, what):
                                    err_msg=what)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("case_name", ["mlp", "transformer", "cnn"])
+@pytest.mark.parametrize(("case_name", "dtype"), [("transformer", "float64"), ("cnn", "float64"),
+                                               ("mlp", "float32")])
 def test_merged_partials_equal_the_concatenated_batch(case_name, dtype):
-    if dtype == "float32" and case_name != "mlp":
-        pytest.skip("float32 on one model keeps the suite fast; float64 on all three")
     case = zoo.get_case(case_name, dtype)
     with zoo._maybe_x64(case.params):
         stats = _request(case_name, case)
         part = jax.jit(js.per_example_partial(case.loss_fn, stats))
         whole = jax.jit(js.per_example_stat(case.loss_fn, stats))(case.params, case.batch)
-        for sizes in SPLITS[case_name]:
-            parts = [part(case.params, b) for b in _pieces(case.batch, sizes)]
-            assert all(jax.tree.structure(p) == jax.tree.structure(parts[0]) for p in parts)
-            merged = js.merge_partials(*parts)
-            assert int(merged.num_examples) == sum(sizes)
-            assert float(merged.total_weight) == sum(sizes)
-            assert merged.example_weights is None and merged.per_example
-            out = jax.tree.map(np.asarray, js.finalize_partial(merged))
-            for k, v in out.items():
-                _assert_close(v, whole[k], dtype, f"{case_name} {sizes} {k}")
-            # against the vmap(grad) oracle of the whole batch, with the suite's error model
-            for sid in STAT_IDS:
-                check_against_reference(out[sid], case_name, sid, dtype)
-            # merged one at a time (a running partial) in either grouping
-            if len(parts) == 3:
-                left = js.merge_partials(js.merge_partials(parts[0], parts[1]), parts[2])
-                right = js.merge_partials(parts[0], js.merge_partials(parts[1], parts[2]))
-                for m in (left, right):
-                    again = js.finalize_partial(m)
-                    for k in ("variance", "gradient_noise_scale", "kurtosis", "sq_norms"):
-                        _assert_close(again[k], whole[k], dtype, f"{case_name} regrouped {k}")
+        sizes = SPLITS[case_name]
+        parts = [part(case.params, b) for b in _pieces(case.batch, sizes)]
+        assert all(jax.tree.structure(p) == jax.tree.structure(parts[0]) for p in parts)
+        merged = js.merge_partials(*parts)
+        assert int(merged.num_examples) == sum(sizes)
+        assert float(merged.total_weight) == sum(sizes)
+        assert merged.example_weights is None and merged.per_example
+        assert jax.tree.structure(merged) == jax.tree.structure(parts[0])
+        out = jax.tree.map(np.asarray, js.finalize_partial(merged))
+        for k, v in out.items():
+            _assert_close(v, whole[k], dtype, f"{case_name} {sizes} {k}")
+        # against the vmap(grad) oracle of the whole batch, with the suite's error model
+        for sid in STAT_IDS:
+            check_against_reference(out[sid], case_name, sid, dtype)
+        # two partials at a time (uneven: 5 + 1 and 1 + 5), in either grouping: the
+        # same values as the three at once
+        for pair in (js.merge_partials(js.merge_partials(parts[0], parts[1]), parts[2]),
+                     js.merge_partials(parts[0], js.merge_partials(parts[1], parts[2]))):
+            _assert_close(jax.tree.leaves(pair), jax.tree.leaves(merged), dtype,
+                          f"{case_name} regrouped")
 
 
 def test_finalize_of_one_partial_is_per_example_stat():
