@@ -186,7 +186,13 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
       >>> int(state.gradient_step), int(state.mini_step)
       (1, 0)
       >>> print(np.asarray(params).round(4))
-      [0.1 0.1]
+      [0.0843 0.1317]
+      >>> inner = js.optim.micro_adam_var(0.1)  # one step on the 4 examples together
+      >>> s = js.per_example_stat(loss, js.optim.stat_request(inner))(jnp.zeros(2), batch)
+      >>> u, _ = inner.update(s["mean"], inner.init(jnp.zeros(2)), jnp.zeros(2),
+      ...                     **js.optim.update_kwargs(s))
+      >>> bool(jnp.allclose(params, u, rtol=1e-5))
+      True
     """
     if isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer)) or every_k < 1:
         raise ValueError(
