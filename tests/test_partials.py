@@ -75,8 +75,11 @@ def _assert_close(actual, expected, dtype, what):
                                    err_msg=what)
 
 
-@pytest.mark.parametrize(("case_name", "dtype"), [("transformer", "float64"), ("cnn", "float64"),
-                                               ("mlp", "float32")])
+@pytest.mark.parametrize(("case_name", "dtype"), [
+    pytest.param("transformer", "float64", marks=pytest.mark.slow),  # the oracle matrix's
+    pytest.param("cnn", "float64", marks=pytest.mark.slow),
+    ("mlp", "float32"),
+])
 def test_merged_partials_equal_the_concatenated_batch(case_name, dtype):
     case = zoo.get_case(case_name, dtype)
     with zoo._maybe_x64(case.params):
@@ -269,37 +272,51 @@ def test_mismatched_partials_raise():
     with pytest.raises(ValueError, match=r"partial 1 was computed for parameters of another "
                                          r"structure"):
         js.merge_partials(var, p1)
-    # other shapes
-    loss2, params2, batch2 = M.make_mlp(seed=8, batch_size=3)
-    wider = jax.tree.map(lambda x: jnp.concatenate([x, x], -1) if x.ndim == 2 else x, params2)
-    wider["l1"]["b"] = jnp.concatenate([params2["l1"]["b"]] * 2)
-    wider["l2"]["w"] = jnp.concatenate([params2["l2"]["w"]] * 2, 0)[:, : params2["l2"]["w"]
-                                                                     .shape[1]]
-    p2 = js.per_example_partial(loss2, js.stats.variance())(wider, batch2)
-    with pytest.raises(ValueError, match=r"other shapes or dtypes \(leaf \['l1'\]\['b'\]"):
+    # other dtypes
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    p2 = js.per_example_partial(loss, js.stats.variance())(half, batch)
+    with pytest.raises(ValueError, match=r"other shapes or dtypes \(leaf \['l1'\]\['b'\]: "
+                                         r"bfloat16\[7\] instead of float32\[7\]"):
         js.merge_partials(var, p2)
-    with pytest.raises(TypeError, match=r"argument 1 is a dict, not a partial"):
+    with pytest.raises(TypeError, match=r"argument 1 is of type dict, not a partial"):
         js.merge_partials(var, {"mean": 0})
     with pytest.raises(TypeError, match=r"expected one or more partials"):
         js.merge_partials()
-    with pytest.raises(TypeError, match=r"finalize_partial: argument 0 is a int"):
+    with pytest.raises(TypeError, match=r"finalize_partial: argument 0 is of type int"):
         js.finalize_partial(3)
     with pytest.raises(TypeError, match=r"per_example_partial: fn must be callable"):
         js.per_example_partial(3, js.stats.mean())
     assert js.merge_partials(var) is var
 
 
+@pytest.mark.skipif(jax.device_count() < NDEV, reason=f"needs {NDEV} devices")
 def test_partials_with_and_without_axis_name_do_not_merge():
-    p = js.Partial  # the internal fields: a with-axis partial holds whole-batch values
-    loss, params, batch = M.make_mlp(seed=9, batch_size=3)
-    q = js.per_example_partial(loss, js.stats.norm_quantiles())(params, batch)
-    fake = jax.tree_util.tree_unflatten(
-        jax.tree.structure(q), jax.tree.leaves(q))  # same structure: merges
-    js.merge_partials(q, fake)
-    with_axis = p.__new__(p)
-    for s in p.__slots__:
-        setattr(with_axis, s, getattr(q, s))
-    with_axis._whole = {0: q._values[0]}
-    with pytest.raises(ValueError, match=r"partial 1 was computed with axis_name and the first "
-                                         r"without"):
-        js.merge_partials(q, with_axis)
+    """A partial with axis_name holds the whole batch's norms for norm_quantiles; one
+    without holds the device's own: they do not merge (raised while tracing)."""
+    loss, params, batch = M.make_mlp(seed=9, batch_size=4)
+    stat = js.stats.norm_quantiles()
+
+    def both(params, batch):
+        across = js.per_example_partial(loss, stat, axis_name="d")(params, batch)
+        local = js.per_example_partial(loss, stat)(params, batch)
+        return js.finalize_partial(js.merge_partials(across, local))
+
+    mesh = jax.make_mesh((NDEV,), ("d",), devices=jax.devices()[:NDEV])
+    sm = jax.shard_map(both, mesh=mesh, in_specs=(P(), P("d")), out_specs=P(), check_vma=False)
+    rep, split = (jax.sharding.NamedSharding(mesh, P()), jax.sharding.NamedSharding(mesh, P("d")))
+    with pytest.raises(ValueError, match=r"partial 1 was computed without axis_name and the "
+                                         r"first with"):
+        jax.jit(sm)(jax.device_put(params, rep), jax.device_put(batch, split))
+
+
+def test_partials_with_and_without_example_weights_do_not_merge():
+    """The example_weights field (None until weighted calls exist) must agree."""
+    loss, params, batch = M.make_mlp(seed=10, batch_size=2)
+    p = js.per_example_partial(loss, js.stats.variance())(params, batch)
+    leaves, treedef = jax.tree.flatten(p)
+    weighted = jax.tree.unflatten(treedef, leaves)
+    weighted.example_weights = jnp.ones(2)
+    merged = js.merge_partials(weighted, weighted)
+    assert merged.example_weights.shape == (4,) and merged.per_example
+    with pytest.raises(ValueError, match=r"partial 1 has no example_weights and the first has"):
+        js.merge_partials(weighted, p)

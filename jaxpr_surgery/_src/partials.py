@@ -306,7 +306,7 @@ def _check_compatible(a: Partial, b: Partial, i: int, name: str):
 def _check_partial(p, i, name):
     if not isinstance(p, Partial):
         raise TypeError(
-            f"{name}: argument {i} is a {type(p).__name__}, not a partial. Build partials "
+            f"{name}: argument {i} is of type {type(p).__name__}, not a partial. Build partials "
             "with js.per_example_partial(fn, stat)(params, batch)."
         )
 
@@ -332,7 +332,7 @@ def merge_partials(*partials: Partial) -> Partial:
     sums add, centred moments combine by Chan's rule (exact, no cancellation),
     per-example values (norms, dots) concatenate in the order of the arguments.
     `finalize_partial` of the result is what `per_example_stat` returns on the
-    concatenated batches. Works eagerly and under ``jit``, ``scan``, ``vmap``.
+    concatenated batches. Works eagerly, under ``jit`` and in ``lax.scan``.
 
     Args:
       *partials: one or more partials of one request (`per_example_partial` with equal
