@@ -21,6 +21,10 @@ from jaxpr_surgery._src.independence import CrossExampleError as CrossExampleErr
 from jaxpr_surgery._src.independence import (  # noqa: E402
     CrossExampleWarning as CrossExampleWarning,
 )
+from jaxpr_surgery._src.partials import Partial as Partial  # noqa: E402
+from jaxpr_surgery._src.partials import finalize_partial as finalize_partial  # noqa: E402
+from jaxpr_surgery._src.partials import merge_partials as merge_partials  # noqa: E402
+from jaxpr_surgery._src.partials import per_example_partial as per_example_partial  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -29,6 +33,10 @@ __all__ = [
     "optim",
     "per_example_stat",
     "value_and_per_example_stat",
+    "per_example_partial",
+    "merge_partials",
+    "finalize_partial",
+    "Partial",
     "explain",
     "Report",
     "check_per_example",

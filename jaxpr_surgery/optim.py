@@ -31,7 +31,9 @@ does not mask statistics: use `chain`, `named_chain`, `masked`,
 ``js.optim.chain(js.optim.track_gradient_statistics(),
 optax.clip_by_global_norm(1.0), js.optim.micro_adam_var(1e-3))``.
 `stat_request` refuses an optax wrapper hiding a request, and
-``optax.MultiSteps`` around an optimizer that needs more than the mean.
+``optax.MultiSteps`` around an optimizer that needs more than the mean: use
+`accumulate`, which takes one step every ``k`` micro-batches on their exact
+statistics (merged partials, `jaxpr_surgery.per_example_partial`).
 ``stat_request("dp_sgd", clip_norm=1.0)`` also accepts optimizer names.
 
 Families (Roulet & Agarwala, arXiv 2510.00236):
@@ -48,9 +50,15 @@ Families (Roulet & Agarwala, arXiv 2510.00236):
 * schedules: `sqrt_batch_size_scaling`, `adam_sqrt_scaling` (Malladi et al.'s
   full rule);
 * optax's wrappers keeping requests: `chain`, `named_chain`, `masked`,
-  `partition`, `multi_transform`, `inject_hyperparams`.
+  `partition`, `multi_transform`, `inject_hyperparams`;
+* gradient accumulation over micro-batches: `accumulate`.
 """
 
+from jaxpr_surgery._src.optim.accumulate import AccumulateState as AccumulateState
+from jaxpr_surgery._src.optim.accumulate import (
+    AccumulatingTransformation as AccumulatingTransformation,
+)
+from jaxpr_surgery._src.optim.accumulate import accumulate as accumulate
 from jaxpr_surgery._src.optim.adam import ScaleByMicroAdamState as ScaleByMicroAdamState
 from jaxpr_surgery._src.optim.adam import adam as adam
 from jaxpr_surgery._src.optim.adam import micro_adam as micro_adam
@@ -97,6 +105,9 @@ __all__ = [
     "partition",
     "multi_transform",
     "inject_hyperparams",
+    "accumulate",
+    "AccumulatingTransformation",
+    "AccumulateState",
     "example_count",
     "stat_request",
     "update_kwargs",

@@ -232,7 +232,9 @@ DOCTEST_MODULES = [
     "jaxpr_surgery._src.optim.sign",
     "jaxpr_surgery._src.optim.shampoo",
     "jaxpr_surgery._src.optim.wrappers",
+    "jaxpr_surgery._src.optim.accumulate",
     "jaxpr_surgery._src.dots",
+    "jaxpr_surgery._src.partials",
 ]
 
 

@@ -234,6 +234,16 @@ class _Prepared:
         full = self.diff_tree.flatten_up_to(tree)
         return [x for x, a in zip(full, self.diff_is_arr) if a]
 
+    def layout(self) -> LeafLayout:
+        """The static layout of the differentiated argument(s) (`LeafLayout`)."""
+        return LeafLayout(
+            self.diff_tree,
+            tuple(self.diff_is_arr),
+            tuple(tuple(jnp.shape(x)) for x in self.diff_leaves),
+            tuple(jnp.dtype(x.dtype) for x in self.diff_leaves),
+            tuple(self.diff_paths),
+        )
+
     def prefix_like_diff(self, tree, what, entry="entry"):
         """For a tree that is a prefix of the differentiated arguments' structure (one
         value per group of leaves; a single value: one group of all), per array leaf
@@ -431,10 +441,44 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     return Front(closed, out_tree, an, leaf_avals, plan, cs, act)
 
 
-def _compute(prep, stat, opts: Options, name, spec=None):
-    """``(loss, aux, result)`` of one call; ``spec``: its ``example_weights`` or
-    ``is_padding_example`` (`example_weights.pop`), or None."""
-    stat_leaves, stat_tree, reqs, reductions = _flatten_stats(stat)
+@dataclasses.dataclass(frozen=True)
+class Reduced:
+    """What one call computes before any statistic's ``finalize``: the shared half of
+    `per_example_stat` and `jaxpr_surgery.per_example_partial`.
+
+    Attributes:
+      values: reduction index -> list over the differentiated leaves of its value over
+        the batch, combined across devices with ``axis_name`` (per-example values stay
+        each device's own ``[B]``).
+      whole: with ``axis_name`` only, reduction index -> list per leaf of the whole
+        batch's per-example values ``[N]``, for the reductions a ``whole_batch``
+        statistic reads (empty otherwise).
+      count: the number of examples ``N`` (over every device with ``axis_name``), or
+        with ``example_weights`` their total weight ``W``.
+      loss: the (weighted) mean of the per-example losses.
+      aux: the per-example aux outputs (``has_aux``), else None.
+      num_examples: ``N``.
+      weights: the whole batch's ``example_weights`` (gathered across devices with
+        ``axis_name``: ``[N]``), else None.
+      bad: with weights, a traced flag: some weight is negative, NaN or infinite, or
+        none is positive (every result is then NaN: `example_weights.poison`).
+    """
+
+    values: dict
+    whole: dict
+    count: Any
+    loss: Any
+    aux: Any
+    num_examples: Any = None
+    weights: Any = None
+    bad: Any = None
+
+
+def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
+    """Runs the call and reduces its per-example gradients: every reduction's value of
+    ``flat`` (`_flatten_stats`), before any statistic's ``finalize``. ``spec``: the
+    call's ``example_weights`` or ``is_padding_example`` (`example_weights.pop`)."""
+    stat_leaves, _, reqs, reductions = flat
     axes = prep.data_axes | _axis_names(opts.axis_name)
     check = (lambda: independence.check(prep, name, axes)) if opts.check else None
     front = front_half(prep, reductions, opts, name, check)
@@ -453,12 +497,15 @@ def _compute(prep, stat, opts: Options, name, spec=None):
             prep, int(front.chunk), zero.values, reductions, w,
         )
     N = B
+    bad = None
     if w is None:
         loss_sum, count = jnp.sum(loss_b), N
     else:  # (a padded example's loss may be NaN: a token mean over no tokens)
         loss_sum = jnp.sum(jnp.where(w > 0, w.astype(loss_b.dtype) * loss_b, 0))
         count = jnp.sum(w)
         bad = ew.invalid(w)  # (and no weight at all: below, once summed over devices)
+    whole = {}
+    whole_w = w
     if opts.axis_name is not None:
         N = jax.lax.psum(B, opts.axis_name)
         values = {
@@ -466,17 +513,25 @@ def _compute(prep, stat, opts: Options, name, spec=None):
             for j, vals in values.items()
         }
         loss_sum = jax.lax.psum(loss_sum, opts.axis_name)
-        if w is not None:
+        if w is None:
+            count = N
+        else:
             count = jax.lax.psum(count, opts.axis_name)
             bad = jax.lax.psum(bad.astype(jnp.int32), opts.axis_name) > 0
-        else:
-            count = N
-    result = _finalize(prep, opts, stat_leaves, stat_tree, reqs, reductions, values, count, w)
+            whole_w = _gather_examples(w, B, opts.axis_name)
+        # statistics reducing per-example values over the batch (quantiles of norms,
+        # diversity) get the whole batch's; the others keep each device's own
+        for s, req in zip(stat_leaves, reqs):
+            if not getattr(s, "whole_batch", False):
+                continue
+            for r in req.values():
+                j = reductions.index(r)
+                if r.per_example and j not in whole:
+                    whole[j] = [_gather_examples(v, B, opts.axis_name) for v in values[j]]
     aux_out = jax.tree.unflatten(front.out_tree, [loss_b] + list(aux))[1]
-    loss = loss_sum / count
-    if w is not None:
-        loss, result = ew.poison((loss, result), bad | ~(count > 0))
-    return loss, aux_out, result
+    if bad is not None:
+        bad = bad | ~(count > 0)
+    return Reduced(values, whole, count, loss_sum / count, aux_out, N, whole_w, bad)
 
 
 def _weighing(r, w):
@@ -492,44 +547,44 @@ def _ddofs(stat):
             if isinstance(getattr(s, "ddof", None), (int, np.integer))]
 
 
-def _finalize(prep, opts, stat_leaves, stat_tree, reqs, reductions, values, N, weights=None):
+def finalize_values(layout, flat, values, whole, count, weights=None):
     """Every statistic's ``finalize`` of its reductions' values (pytrees shaped like
-    the differentiated arguments).
+    the differentiated arguments by ``layout``, a `LeafLayout`), in ``flat``'s tree.
 
-    A statistic that reduces per-example values over the batch (quantiles of norms,
-    diversity) declares ``whole_batch``: across devices it gets the whole batch's;
-    the others keep each device's own (per-example outputs stay with their device).
-    One that declares ``uses_weights`` gets ``weights=`` the examples' weights (None
-    without ``example_weights``; across devices the whole batch's)."""
-    whole = {}
-    gathered = []
-
-    def weights_for():
-        if weights is None or opts.axis_name is None:
-            return weights
-        if not gathered:
-            gathered.append(_gather_examples(weights, prep.B, opts.axis_name))
-        return gathered[0]
+    ``values``/``whole`` as in `Reduced`: a statistic that reduces per-example values
+    over the batch (quantiles of norms, diversity) declares ``whole_batch`` and gets
+    ``whole``'s values where there are some (across devices); the others keep each
+    device's own (per-example outputs stay with their device). A statistic that
+    declares ``uses_weights`` gets ``weights=`` the whole batch's example weights (None
+    without ``example_weights``)."""
+    stat_leaves, stat_tree, reqs, reductions = flat
 
     def value_for(s, r):
         j = reductions.index(r)
-        if opts.axis_name is None or not r.per_example:
-            return values[j]
-        if not getattr(s, "whole_batch", False):
-            return values[j]
-        if j not in whole:
-            whole[j] = [_gather_examples(v, prep.B, opts.axis_name) for v in values[j]]
-        return whole[j]
+        if getattr(s, "whole_batch", False) and j in whole:
+            return whole[j]
+        return values[j]
 
     results = []
     for s, req in zip(stat_leaves, reqs):
-        vals = {k: prep.unflatten_diff(value_for(s, r), _STATIC) for k, r in req.items()}
+        vals = {k: layout.unflatten(value_for(s, r)) for k, r in req.items()}
         if getattr(s, "uses_weights", False):
-            out = s.finalize(vals, N, weights=weights_for())
+            out = s.finalize(vals, count, weights=weights)
         else:
-            out = s.finalize(vals, N)
-        results.append(_cast_like(out, prep) if getattr(s, "gradient_like", False) else out)
+            out = s.finalize(vals, count)
+        results.append(layout.cast_like(out) if getattr(s, "gradient_like", False) else out)
     return jax.tree.unflatten(stat_tree, results)
+
+
+def _compute(prep, stat, opts: Options, name, spec=None):
+    flat = _flatten_stats(stat)
+    red = reduce_call(prep, flat, opts, name, spec)
+    result = finalize_values(prep.layout(), flat, red.values, red.whole, red.count,
+                             red.weights)
+    loss = red.loss
+    if red.bad is not None:  # bad traced weights: NaN, never a number
+        loss, result = ew.poison((loss, result), red.bad)
+    return loss, red.aux, result
 
 
 _STATIC = None  # the value of every statistic at a static (non-array) parameter leaf
@@ -542,18 +597,40 @@ def _axis_names(axis_name):
     return frozenset(axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,))
 
 
-def _cast_like(result, prep):
-    """Gradient-like statistics (mean, sum, clipped sums) come back in the parameters'
-    dtypes, like ``jax.grad``; the others stay in their (at least float32) dtype."""
-    try:
-        params = prep.unflatten_diff(prep.diff_leaves, _STATIC)
-        if jax.tree.structure(result) != jax.tree.structure(params):
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """The static layout of the differentiated argument(s): their tree, which of its
+    leaves are differentiated (float arrays), and those leaves' shapes and dtypes.
+    Statistics' values (one per differentiated leaf) become pytrees shaped like the
+    arguments through it; two calls on parameters of one structure, shapes and dtypes
+    have equal layouts."""
+
+    tree: Any  # the PyTreeDef of the differentiated argument(s)
+    is_arr: tuple  # per flat leaf: differentiated
+    shapes: tuple  # per differentiated leaf
+    dtypes: tuple  # per differentiated leaf
+    paths: tuple = dataclasses.field(default=(), compare=False)
+
+    def unflatten(self, leaves, static=None):
+        """A tree like the differentiated argument(s) from one value per differentiated
+        leaf; the other leaves get ``static``."""
+        it = iter(leaves)
+        return jax.tree.unflatten(self.tree, [next(it) if a else static for a in self.is_arr])
+
+    def cast_like(self, result):
+        """Gradient-like statistics (mean, sum, clipped sums) come back in the parameters'
+        dtypes, like ``jax.grad``; the others stay in their (at least float32) dtype."""
+        try:
+            params = self.unflatten(
+                [jax.ShapeDtypeStruct(s, d) for s, d in zip(self.shapes, self.dtypes)], _STATIC
+            )
+            if jax.tree.structure(result) != jax.tree.structure(params):
+                return result
+            return jax.tree.map(
+                lambda r, p: r.astype(p.dtype) if jnp.shape(r) == p.shape else r, result, params
+            )
+        except Exception:  # noqa: BLE001 - result not shaped like params
             return result
-        return jax.tree.map(
-            lambda r, p: r.astype(p.dtype) if jnp.shape(r) == jnp.shape(p) else r, result, params
-        )
-    except Exception:  # noqa: BLE001 - result not shaped like params
-        return result
 
 
 CHUNK_LOOP = chunking.CHUNK_LOOP  # the name scope of the loops over chunks (tests find them by it)
@@ -580,8 +657,7 @@ def value_and_per_example_stat(
 
     The loss is the mean of the per-example losses \(\frac1B\sum_b l_b\)
     (equal to ``fn(params, batch)`` for a batch-mean loss without cross-example
-    interaction); with ``example_weights`` (see `per_example_stat`) the weighted mean
-    \(\sum_b w_b l_b / \sum_b w_b\). With ``has_aux=True`` the first output is ``(loss, aux)``
+    interaction). With ``has_aux=True`` the first output is ``(loss, aux)``
     where ``aux`` holds the per-example aux outputs stacked on axis 0.
 
     Returns:
@@ -596,7 +672,24 @@ def value_and_per_example_stat(
       >>> bool(jnp.allclose(m, jax.grad(loss)(w, b)))
       True
     """
-    opts = Options(
+    opts = make_options(argnums, batch_argnums, keep_batch_dim, has_aux, chunk_size, strict,
+                        axis_name, memory_budget_bytes, check)
+    name = "value_and_per_example_stat"
+    _flatten_stats(stat)  # validate early
+    if not callable(fn):
+        raise TypeError(f"{name}: fn must be callable, got {fn!r}.")
+
+    def body(prep, spec):
+        loss, aux, result = _compute(prep, stat, opts, name, spec)
+        return ((loss, aux) if opts.has_aux else loss), result
+
+    return entry(fn, opts, name, body, _ddofs(stat))
+
+
+def make_options(argnums, batch_argnums, keep_batch_dim, has_aux, chunk_size, strict,
+                 axis_name, memory_budget_bytes, check) -> Options:
+    """The `Options` of an entry point's keyword arguments."""
+    return Options(
         argnums,
         batch_argnums,
         bool(keep_batch_dim),
@@ -607,38 +700,36 @@ def value_and_per_example_stat(
         memory_budget_bytes,
         bool(check),
     )
-    name = "value_and_per_example_stat"
-    _flatten_stats(stat)  # validate early
-    if not callable(fn):
-        raise TypeError(f"{name}: fn must be callable, got {fn!r}.")
 
-    ddofs = _ddofs(stat)
+
+def entry(fn, opts: Options, name: str, body, ddofs=()):
+    """The function an entry point returns: ``body(prep, spec)`` of the `_Prepared`
+    call and its ``example_weights`` / ``is_padding_example`` (``spec``, or None;
+    example_weights.py: never passed to ``fn``; concrete ones are checked against the
+    ``(name, ddof)`` of ``ddofs`` first).
+
+    Other keyword arguments pass through like jax.grad's: neither differentiated nor
+    batched. Eager calls are compiled once per argument structure (jax.jit then caches
+    per shape and dtype), so they neither re-trace nor re-analyse; under a
+    transformation (jit, grad, vmap, pmap, shard_map) the computation is traced into
+    the caller's."""
 
     def direct(args, kwargs):
-        # keyword arguments pass through like jax.grad's: neither differentiated nor
-        # batched; example_weights / is_padding_example are ours (example_weights.py)
         kwargs, spec = ew.pop(kwargs, name)
         f = functools.partial(fn, **kwargs) if kwargs else fn
         prep = _Prepared(f, args, opts, name)
         if prep.explicit is None:
-            loss, aux, result = _compute(prep, stat, opts, name, spec)
-        else:
-            # inside auto_axes the arguments are new values: prepare them there
-            if spec is not None:
-                raise NotImplementedError(
-                    f"{name}: example_weights with explicitly sharded arguments (sharding "
-                    "in types) are not supported yet; use shard_map with axis_name."
-                )
-            loss, aux, result = compat.in_auto_mode(
-                lambda *a: _compute(_Prepared(f, a, opts, name), stat, opts, name),
-                args,
-                *prep.explicit,
+            return body(prep, spec)
+        if spec is not None:
+            raise NotImplementedError(
+                f"{name}: example_weights with explicitly sharded arguments (sharding in "
+                "types) are not supported yet; use shard_map with axis_name."
             )
-        return ((loss, aux) if opts.has_aux else loss), result
+        # inside auto_axes the arguments are new values: prepare them there
+        return compat.in_auto_mode(
+            lambda *a: body(_Prepared(f, a, opts, name), None), args, *prep.explicit
+        )
 
-    # Eager calls are compiled once per argument structure (jax.jit then caches per
-    # shape and dtype), so they neither re-trace nor re-analyse; under a transformation
-    # (jit, grad, vmap, pmap, shard_map) the computation is traced into the caller's.
     compiled = {}
 
     @functools.wraps(fn)
@@ -737,14 +828,7 @@ def per_example_stat(
 
     Returns:
       A function with the signature of ``fn`` returning ``stat``'s structure
-      filled with values. It also takes two reserved keyword-only arguments, never
-      passed to ``fn``: ``example_weights`` (``[B]``, ``w_b >= 0``: every statistic
-      is then the weighted one, ``W = sum_b w_b`` in place of ``B``; a weight 0
-      removes an example exactly, NaN gradient and all; per-example outputs read 0
-      there) and ``is_padding_example`` (``[B]`` bool, jax_privacy's name: the
-      weights ``1 - mask``). Under ``axis_name`` each device passes its own
-      examples' weights. Bad concrete weights raise a ``ValueError``; traced ones
-      make every result NaN. See docs/howto/lm_losses.md.
+      filled with values.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxpr_surgery as js

@@ -485,7 +485,9 @@ def _refuse_wrapped(tx, owner: str) -> None:
             "of the last micro-batch alone, so the update would silently mix the "
             "accumulated mean with one micro-batch's statistics. Compute the statistics "
             "of the whole batch in one call instead: js.value_and_per_example_stat(..., "
-            "chunk_size=k) bounds memory like accumulation does and stays exact. "
+            "chunk_size=k) bounds memory like accumulation does and stays exact; or "
+            "accumulate micro-batches exactly with js.optim.accumulate(opt, every_k), "
+            "which merges their statistics (js.per_example_partial). "
             "(MultiSteps is exact for js.optim optimizers that need only the mean.)"
         )
     fix = (
@@ -512,6 +514,10 @@ def request_of(tx, state=None, *, owner: str = "stat_request") -> dict[str, Any]
         package that needs more than the mean.
       TypeError: if ``tx`` is not a transformation.
     """
+    accumulated = getattr(tx, "_js_accumulates", None)  # js.optim.accumulate(inner, k)
+    if accumulated is not None:
+        return request_of(accumulated, None if state is None else state.inner_state,
+                          owner=owner)
     if isinstance(tx, PerExampleTransformation):
         if tx.request_fn is None:
             return dict(tx._request)

@@ -15,7 +15,8 @@ updates as optax's, and:
   hyperparameters*, read from the state (``stat_request(opt, state)``) when a
   statistic depends on one (a clip norm).
 
-`optax.MultiSteps` has no counterpart: see `stat_request`'s error.
+`optax.MultiSteps`'s counterpart is `accumulate` (accumulate.py): it merges the
+micro-batches' statistics exactly.
 """
 
 from __future__ import annotations

@@ -1,0 +1,259 @@
+r"""Gradient accumulation with exact statistics: one optimizer step every ``k`` micro-batches.
+
+`optax.MultiSteps` averages the mean gradient over its micro-batches and hands the
+inner optimizer the other statistics of the last micro-batch alone. `accumulate`
+instead keeps the running *partial* of the micro-batches (`per_example_partial`:
+every reduction's value, merged exactly) in its state, and on the ``k``-th
+micro-batch finalizes it and runs the inner optimizer on the statistics of the ``k``
+micro-batches together: the same update, state and parameters as one step on their
+concatenation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxpr_surgery._src import api
+from jaxpr_surgery._src.optim.requests import request_of, update_kwargs
+from jaxpr_surgery._src.partials import (
+    Partial,
+    finalize_partial,
+    merge_values,
+    weight_dtype,
+)
+from jaxpr_surgery._src.reductions import acc_dtype_for
+
+__all__ = ["AccumulateState", "AccumulatingTransformation", "accumulate"]
+
+_OWNER = "accumulate"
+
+
+class AccumulateState(NamedTuple):
+    """State of `accumulate`.
+
+    Attributes:
+      mini_step: micro-batches accumulated since the last optimizer step (int32);
+        0 right after an update that took a step.
+      gradient_step: optimizer steps taken (int32).
+      inner_state: the state of the wrapped optimizer.
+      sums: the running partial's values: per reduction of the request, per
+        differentiated parameter leaf, its value over the micro-batches so far (in the
+        accumulation dtype of the leaf, at least float32).
+      num_examples: examples accumulated since the last step (int32).
+      total_weight: their total weight (float), the count of merges and ``finalize``.
+    """
+
+    mini_step: jax.Array
+    gradient_step: jax.Array
+    inner_state: Any
+    sums: tuple
+    num_examples: jax.Array
+    total_weight: jax.Array
+
+
+class AccumulatingTransformation(optax.GradientTransformationExtraArgs):
+    """The transformation `accumulate` returns: ``update`` takes a micro-batch's partial.
+
+    Attributes:
+      init: ``init(params) -> AccumulateState``.
+      update: ``update(partial, state, params=None, **extra_args)``: ``partial`` is the
+        micro-batch's `jaxpr_surgery.Partial` of ``stat_request(acc, state)``;
+        ``extra_args`` (a DP noise ``key``) go to the inner update.
+      inner: the wrapped optimizer.
+      every_k: micro-batches per optimizer step.
+    """
+
+    def __new__(cls, init, update, inner, every_k):
+        self = super().__new__(cls, init, update)
+        self.inner = inner
+        self.every_k = every_k
+        self._js_accumulates = inner  # read by requests.request_of
+        return self
+
+    def __reduce__(self):
+        return (accumulate, (self.inner, self.every_k))
+
+    def _replace(self, **kwargs):
+        raise TypeError("accumulate(...): rebuild it with js.optim.accumulate(inner, every_k).")
+
+
+def _zero_value(r, shape, dtype):
+    """The value of reduction ``r`` over no examples (the identity of its merge)."""
+    aval = r.aval(tuple(shape), dtype, 0)
+    empty = r.empty(tuple(shape), dtype)
+    if jax.tree.structure(empty) == jax.tree.structure(aval):
+        return empty
+    # an accumulator of another form than the value (Centered: Shifted sums)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aval)
+
+
+def _float_leaves(params):
+    """The differentiated leaves of ``params``, as `per_example_stat` takes them."""
+    return [x for x in jax.tree.leaves(params)
+            if api._is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+
+
+def _refuse_per_example(reductions, stats, owner):
+    per = [r.describe() for r in reductions if r.per_example]
+    if per:
+        raise ValueError(
+            f"{owner}: the request holds per-example statistics ({', '.join(per)}; from "
+            f"{stats}), whose values grow by one entry per example: they cannot be "
+            "accumulated in an optimizer state of fixed shape. Request them in a separate "
+            "js.per_example_stat call (or merge their partials outside the state)."
+        )
+
+
+def _check_partial(partial, request, state, owner):
+    if not isinstance(partial, Partial):
+        raise TypeError(
+            f"{owner}: update() takes the partial of a micro-batch as its first argument, "
+            f"got {type(partial).__name__}: compute it with "
+            "js.per_example_partial(loss_fn, js.optim.stat_request(acc, state))(params, "
+            "batch). (An accumulating optimizer is outermost: it cannot be chained after "
+            "another transformation, which would hand it gradients.)"
+        )
+    spec = partial._spec
+    want = api._flatten_stats(dict(request))
+    if spec.stat_tree != want[1] or [type(s) for s in spec.stats] != [type(s) for s in want[0]]:
+        raise ValueError(
+            f"{owner}: the partial holds {spec.describe()}, but the optimizer requests "
+            f"{sorted(request)}: compute it for js.optim.stat_request(acc, state)."
+        )
+    if partial.per_example:
+        _refuse_per_example(spec.reductions, spec.describe(), owner)
+        raise ValueError(f"{owner}: partials with example_weights cannot be accumulated yet.")
+    a, b = jax.tree.structure(state.sums), jax.tree.structure(partial._values)
+    shapes_a = [np.shape(x) for x in jax.tree.leaves(state.sums)]
+    shapes_b = [np.shape(x) for x in jax.tree.leaves(partial._values)]
+    if a != b or shapes_a != shapes_b:
+        raise ValueError(
+            f"{owner}: the partial's values do not match the accumulator of the state "
+            "(parameters of another structure or shapes than those given to init?): "
+            f"{_short(b, shapes_b)} instead of {_short(a, shapes_a)}."
+        )
+
+
+def _short(tree, shapes):
+    text = f"{tree} with shapes {shapes}"
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def accumulate(inner: optax.GradientTransformation, every_k: int) -> AccumulatingTransformation:
+    r"""One step of ``inner`` every ``every_k`` micro-batches, on their exact statistics.
+
+    The `optax.MultiSteps` of this package, exact for every optimizer: the state keeps
+    the running *partial* of the micro-batches (`jaxpr_surgery.per_example_partial`),
+    merged exactly (sums add, variances by Chan's rule). On the ``every_k``-th
+    micro-batch, the statistics of all of them together are finalized and ``inner``
+    takes one step with them; the other calls return zero updates and leave ``inner``'s
+    state alone. ``every_k`` calls give the same updates, state and parameters as one
+    step of ``inner`` on the concatenated micro-batches (up to rounding), also with
+    micro-batches of different sizes (statistics weigh every example alike).
+
+    ``update(partial, state, params=None, **extra_args)`` takes the micro-batch's
+    partial in place of the gradient; ``extra_args`` (the DP noise ``key``) reach the
+    inner update. The request is ``inner``'s: ``js.optim.stat_request(acc, state)``.
+    Statistics per example (``sq_norms``, ``norms``) cannot be accumulated in a state
+    of fixed shape and raise a ``ValueError``.
+
+    Args:
+      inner: an optimizer of `jaxpr_surgery.optim`, or any optax transformation
+        (which needs only the mean).
+      every_k: micro-batches per optimizer step (a positive int).
+
+    Returns:
+      An `AccumulatingTransformation` with state `AccumulateState`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, 1.0]]),
+      ...          "y": jnp.array([1.0, 2.0, 3.0, 4.0])}
+      >>> acc = js.optim.accumulate(js.optim.micro_adam_var(0.1), every_k=2)
+      >>> params = jnp.zeros(2)
+      >>> state = acc.init(params)
+      >>> for micro in ({k: v[:3] for k, v in batch.items()}, {k: v[3:] for k, v in batch.items()}):
+      ...     request = js.optim.stat_request(acc, state)
+      ...     partial = js.per_example_partial(loss, request)(params, micro)
+      ...     updates, state = acc.update(partial, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> int(state.gradient_step), int(state.mini_step)
+      (1, 0)
+      >>> print(np.asarray(params).round(4))
+      [0.0843 0.1317]
+      >>> inner = js.optim.micro_adam_var(0.1)  # one step on the 4 examples together
+      >>> s = js.per_example_stat(loss, js.optim.stat_request(inner))(jnp.zeros(2), batch)
+      >>> u, _ = inner.update(s["mean"], inner.init(jnp.zeros(2)), jnp.zeros(2),
+      ...                     **js.optim.update_kwargs(s))
+      >>> bool(jnp.allclose(params, u, rtol=1e-5))
+      True
+    """
+    if isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer)) or every_k < 1:
+        raise ValueError(
+            f"{_OWNER}(every_k=...): expected a positive int (micro-batches per optimizer "
+            f"step), got {every_k!r}."
+        )
+    every_k = int(every_k)
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(f"{_OWNER}: expected an optax transformation, got {inner!r}.")
+
+    def init_fn(params):
+        inner_state = inner.init(params)
+        request = request_of(inner, inner_state, owner=_OWNER)
+        stats, _, _, reductions = api._flatten_stats(dict(request))
+        _refuse_per_example(reductions, sorted(request), _OWNER)
+        leaves = _float_leaves(params)
+        sums = tuple(
+            tuple(_zero_value(r, np.shape(x), acc_dtype_for(jnp.result_type(x))) for x in leaves)
+            for r in reductions
+        )
+        zero = jnp.zeros([], jnp.int32)
+        return AccumulateState(zero, zero, inner_state, sums, zero,
+                               jnp.zeros([], weight_dtype(sums)))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        partial = updates
+        request = request_of(inner, state.inner_state, owner=_OWNER)
+        _check_partial(partial, request, state, _OWNER)
+        spec = partial._spec
+        wdt = state.total_weight.dtype
+        sums = merge_values(spec.reductions, state.sums, state.total_weight,
+                            partial._values, partial.total_weight)
+        # the state keeps its dtypes (a scan carry): the accumulation dtype of each leaf
+        sums = jax.tree.map(lambda x, s: x.astype(s.dtype), sums, state.sums)
+        n = state.num_examples + jnp.asarray(partial.num_examples).astype(jnp.int32)
+        w = state.total_weight + jnp.asarray(partial.total_weight).astype(wdt)
+
+        def step(sums, n, w, inner_state):
+            stats = finalize_partial(Partial(spec, sums, {}, n, w, None))
+            return inner.update(stats["mean"], inner_state, params,
+                                **update_kwargs(stats, **extra_args))
+
+        out = jax.eval_shape(step, sums, n, w, state.inner_state)
+
+        def emit(operands):
+            sums, n, w, inner_state = operands
+            new_updates, inner_state = step(sums, n, w, inner_state)
+            zeros = jax.tree.map(jnp.zeros_like, (sums, n, w))
+            return (new_updates, inner_state) + zeros
+
+        def wait(operands):
+            sums, n, w, inner_state = operands
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out[0])
+            return zeros, inner_state, sums, n, w
+
+        now = state.mini_step + 1 >= every_k
+        new_updates, inner_state, sums, n, w = jax.lax.cond(
+            now, emit, wait, (sums, n, w, state.inner_state)
+        )
+        mini = jnp.where(now, 0, state.mini_step + 1).astype(jnp.int32)
+        gstep = (state.gradient_step + now.astype(jnp.int32)).astype(jnp.int32)
+        return new_updates, AccumulateState(mini, gstep, inner_state, sums, n, w)
+
+    return AccumulatingTransformation(init_fn, update_fn, inner, every_k)
