@@ -75,7 +75,7 @@ def run(quick=False, reps=None):
         for stat in STATS:
             f = js.per_example_stat(model.loss, js_stat(stat))
             plain, fl0, m0 = _compiled(f, params, batch)
-            weighted, fl1, m1 = _compiled(lambda p, b, f=f: f(p, b, example_weights=w),
+            weighted, fl1, m1 = _compiled(lambda p, b, f=f, w=w: f(p, b, example_weights=w),
                                           params, batch)
             t_grad, t0, t1 = _time([grad_c, plain, weighted], (params, batch), reps)
             rows.append({
