@@ -120,7 +120,7 @@ def _check_case(name, dtype, chunk_size, rtol, seed=0):
 # sums by a second pass), a scan with closed-over weights (rnn), residual leaves
 # (custom_vjp_and_cond), a one-hot embedding.
 CASES = ("mlp", "cnn", "transformer", "transformer_scan_remat", "rnn", "custom_vjp_and_cond",
-         "onehot_embedding")
+         "equinox_mlp")
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -366,3 +366,20 @@ def test_explain_reports_the_weights():
     assert "4 of 5 examples weighted" in text and "Centered read the weights" in text, text
     with pytest.raises(ValueError, match="negative"):
         js.explain(_token_mean_per_example, req)(params, batch, example_weights=-w)
+
+
+def test_weighted_partials_merge_to_one_weighted_call():
+    params, batch = _tiny()
+    w = jnp.asarray([2.0, 1, 0, 0, 3])
+    req = {"mean": js.stats.mean(), "var": js.stats.variance(), "q": js.stats.norm_quantiles(0.5),
+           "noise": js.stats.noise_scale_components(), "norms": js.stats.norms()}
+    f = js.per_example_partial(_token_mean_per_example, req)
+    cut = [(0, 2), (2, 4), (4, 5)]  # the middle part all padding (one example's loss NaN)
+    parts = [f(params, jax.tree.map(lambda x, a=a, b=b: x[a:b], batch), example_weights=w[a:b])
+             for a, b in cut]
+    out = js.finalize_partial(js.merge_partials(*parts))
+    ref = js.per_example_stat(_token_mean_per_example, req)(params, batch, example_weights=w)
+    for k in req:
+        _close(out[k], ref[k], 2e-5, k)
+    with pytest.raises(ValueError, match="example_weights"):
+        js.merge_partials(parts[0], f(params, batch))
