@@ -166,7 +166,8 @@ def test_internal_import_scan_allows_public_jax(source):
 # optim) is placed as a whole. Modules beside the main line (api/explain -> engine ->
 # interpreter -> sites -> tiling -> stats -> compat) sit where their imports put them.
 LAYERS = (
-    ("api", "check", "explain", "explain_table", "optim"),  # entry points (explain builds on api)
+    # entry points (explain and partials build on api)
+    ("api", "check", "explain", "explain_table", "optim", "partials"),
     ("chunking",),  # sizes chunks by lowering the engine
     ("engine",),
     ("interpreter",),
@@ -177,8 +178,9 @@ LAYERS = (
     ("fused",),
     ("stats", "stats_research", "fingerprint", "independence"),
     ("reductions",),  # the Reduction protocol and the built-in reductions
-    # a site's view of its leaf; norms past the range of their squares; example weights
-    ("views", "norms", "example_weights"),
+    # a site's view of its leaf; norms past the range of their squares; example weights;
+    # trees given as a prefix of the parameters'
+    ("views", "norms", "example_weights", "prefix"),
     ("compat",),
 )
 
@@ -298,8 +300,8 @@ def test_registry_is_keyed_by_primitive_objects():
         assert prios == sorted(prios, reverse=True)
     assert base._DEFAULT == [GenericKernel]
     assert sorted(base.KERNELS) == [
-        "conv", "dense", "embedding", "generic", "onehot-embedding", "ragged-dense",
-        "scale-shift",
+        "conv", "dense", "embedding", "generic", "merged-lora", "onehot-embedding",
+        "ragged-dense", "scale-shift",
     ]
 
 
