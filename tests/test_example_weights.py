@@ -29,30 +29,7 @@ def _f64(t):
 
 
 def _oracle(g, name, **kw):
-    """Every statistic of ``STATS`` (and the clipped ones) from per-example grads."""
-    if name in zoo.STAT_NAMES:
-        return zoo.oracle_from_grads(g, name, **kw)
-    g = _f64(g)
-    if name == "fourth_moment":
-        return jax.tree.map(lambda x: (x**4).mean(0), g)
-    if name == "kurtosis":
-        def k(x):
-            m = x.mean(0)
-            return ((x - m) ** 4).mean(0) / ((x - m) ** 2).mean(0) ** 2
-        return jax.tree.map(k, g)
-    if name == "gradient_diversity":
-        leaves = jax.tree.leaves(g)
-        return (sum((x**2).sum() for x in leaves) / sum((x.sum(0) ** 2).sum() for x in leaves))
-    if name == "kron_moments":
-        def kr(x):
-            out = []
-            for j in range(1, x.ndim):
-                U = np.moveaxis(x, j, 1).reshape(x.shape[0], x.shape[j], -1)
-                full = x.shape[j] <= 256
-                out.append(np.einsum("bir,bjr->ij", U, U) if full else (U**2).sum((0, 2)))
-            return tuple(o / x.shape[0] for o in out)
-        return jax.tree.map(kr, g)
-    raise ValueError(name)
+    return zoo.oracle_from_grads(g, name, **kw)
 
 
 def _repeat(g, w):

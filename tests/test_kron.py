@@ -20,18 +20,9 @@ MAX_DIMS = (1024, 4)  # every axis a full matrix / most axes diagonal
 
 
 def kron_np(g, max_dim):
-    """Oracle: per-leaf tuple of (1/B) sum_b U_j U_j^T from numpy ``g [B, *shape]``."""
-    g = np.asarray(g, np.float64)
-    B = g.shape[0]
-    out = []
-    for j in range(1, g.ndim):
-        n = g.shape[j]
-        u = np.moveaxis(g, j, 1).reshape(B, n, int(np.prod(g.shape[1:j] + g.shape[j + 1 :])))
-        if n <= max_dim:
-            out.append(np.einsum("bir,bjr->ij", u, u) / B)
-        else:
-            out.append(np.sum(u * u, axis=(0, 2)) / B)
-    return tuple(out)
+    """Oracle: per-leaf tuple of (1/B) sum_b U_j U_j^T from numpy ``g [B, *shape]``
+    (the zoo's, tests/zoo.py)."""
+    return zoo.kron_np(g, max_dim)
 
 
 def oracle(grads, max_dim):

@@ -15,18 +15,13 @@ CASES = ["mlp", "transformer", "transformer_scan_remat", "embedding_modes", "cnn
 
 
 def _oracle(g, B):
+    """The zoo's oracle (tests/zoo.py) of each research statistic, as lists per leaf."""
+    o = zoo.oracle_from_grads
     leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(g)]
-    fourth = [np.mean(x**4, 0) for x in leaves]
-    kurt = []
-    for x in leaves:
-        c = x - x.mean(0)
-        var = np.mean(c**2, 0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            kurt.append(np.where(var > 0, np.mean(c**4, 0) / var**2, np.nan))
-    sq = sum(np.sum(x.reshape(B, -1) ** 2, 1) for x in leaves)
-    div = sq.sum() / sum(np.sum(x.sum(0) ** 2) for x in leaves)
     per_leaf = [np.sqrt(np.sum(x.reshape(B, -1) ** 2, 1)) for x in leaves]
-    return fourth, kurt, div, per_leaf, np.sqrt(sq)
+    glob = np.sqrt(sum(np.sum(x.reshape(B, -1) ** 2, 1) for x in leaves))
+    return (jax.tree.leaves(o(g, "fourth_moment")), jax.tree.leaves(o(g, "kurtosis")),
+            o(g, "gradient_diversity"), per_leaf, glob)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

@@ -859,7 +859,26 @@ STAT_NAMES = (
     "elementwise",
     "snr",
     "gradient_noise_scale",
+    "fourth_moment",
+    "kurtosis",
+    "gradient_diversity",
+    "norm_quantiles",
+    "kron_moments",
 )
+
+
+def kron_np(x, max_dim=1024):
+    """Per axis ``j`` of one leaf's ``x [B, *shape]``: ``(1/B) sum_b U_j U_j^T`` (its
+    diagonal where the axis is longer than ``max_dim``), numpy float64."""
+    x = np.asarray(x, np.float64)
+    B = x.shape[0]
+    out = []
+    for j in range(1, x.ndim):
+        n = x.shape[j]
+        u = np.moveaxis(x, j, 1).reshape(B, n, int(np.prod(x.shape[1:j] + x.shape[j + 1:])))
+        out.append(np.einsum("bir,bjr->ij", u, u) / B if n <= max_dim
+                   else np.sum(u * u, axis=(0, 2)) / B)
+    return tuple(out)
 
 
 def oracle_from_grads(g: PyTree, stat_name: str, **kw) -> PyTree:
@@ -919,6 +938,26 @@ def oracle_from_grads(g: PyTree, stat_name: str, **kw) -> PyTree:
         tr = sum(np.square(x - x.mean(0)).sum() for x in leaves) / (B - ddof)
         g2 = sum(np.square(x.mean(0)).sum() for x in leaves) - tr / B  # unbiased |G|^2
         return np.asarray(tr / g2 if g2 > 0 else (np.inf if tr > 0 else 0.0))
+    if stat_name == "fourth_moment":
+        return tm(lambda x: (x**4).mean(0), g)
+    if stat_name == "kurtosis":  # population moments; NaN where the variance is 0
+
+        def kurt(x):
+            c = x - x.mean(0)
+            var = np.mean(c**2, 0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return np.where(var > 0, np.mean(c**4, 0) / var**2, np.nan)
+
+        return tm(kurt, g)
+    if stat_name == "gradient_diversity":
+        return np.asarray(_global_sq_norms(g).sum() / sum(np.sum(x.sum(0) ** 2) for x in leaves))
+    if stat_name == "norm_quantiles":
+        q = kw.get("q", (0.1, 0.5, 0.9))
+        if kw.get("per_leaf", True):
+            return tm(lambda x: np.quantile(np.sqrt(np.sum(x.reshape(B, -1) ** 2, 1)), q), g)
+        return np.quantile(np.sqrt(_global_sq_norms(g)), q)
+    if stat_name == "kron_moments":
+        return tm(lambda x: kron_np(x, kw.get("max_dim", 1024)), g)
     raise ValueError(f"unknown statistic {stat_name!r}; known: {STAT_NAMES}")
 
 
