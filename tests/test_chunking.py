@@ -139,9 +139,9 @@ def test_each_chunk_size_is_traced_once(chunk, monkeypatch):
     sizes = []
     run = engine.run
 
-    def counting(plan, diff, ex, other, b, axes, carry=None):
+    def counting(plan, diff, ex, other, b, axes, carry=None, weights=None):
         sizes.append(b)
-        return run(plan, diff, ex, other, b, axes, carry=carry)
+        return run(plan, diff, ex, other, b, axes, carry=carry, weights=weights)
 
     monkeypatch.setattr(engine, "run", counting)
     loss, params, batch = M.get("mlp")

@@ -460,8 +460,9 @@ class Reduced:
       num_examples: ``N``.
       weights: the whole batch's ``example_weights`` (gathered across devices with
         ``axis_name``: ``[N]``), else None.
-      bad: with weights, a traced flag: some weight is negative, NaN or infinite, or
-        none is positive (every result is then NaN: `example_weights.poison`).
+      bad: with weights, a traced flag: some weight is negative, NaN or infinite
+        (every result is then NaN: `example_weights.poison`; a call's results also
+        where no weight is positive, a partial's not: another call may bring some).
     """
 
     values: dict
@@ -529,8 +530,6 @@ def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
                 if r.per_example and j not in whole:
                     whole[j] = [_gather_examples(v, B, opts.axis_name) for v in values[j]]
     aux_out = jax.tree.unflatten(front.out_tree, [loss_b] + list(aux))[1]
-    if bad is not None:
-        bad = bad | ~(count > 0)
     return Reduced(values, whole, count, loss_sum / count, aux_out, N, whole_w, bad)
 
 
@@ -582,8 +581,8 @@ def _compute(prep, stat, opts: Options, name, spec=None):
     result = finalize_values(prep.layout(), flat, red.values, red.whole, red.count,
                              red.weights)
     loss = red.loss
-    if red.bad is not None:  # bad traced weights: NaN, never a number
-        loss, result = ew.poison((loss, result), red.bad)
+    if red.bad is not None:  # bad traced weights (or none positive): NaN, never a number
+        loss, result = ew.poison((loss, result), red.bad | ~(red.count > 0))
     return loss, red.aux, result
 
 
@@ -702,11 +701,12 @@ def make_options(argnums, batch_argnums, keep_batch_dim, has_aux, chunk_size, st
     )
 
 
-def entry(fn, opts: Options, name: str, body, ddofs=()):
+def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False):
     """The function an entry point returns: ``body(prep, spec)`` of the `_Prepared`
     call and its ``example_weights`` / ``is_padding_example`` (``spec``, or None;
     example_weights.py: never passed to ``fn``; concrete ones are checked against the
-    ``(name, ddof)`` of ``ddofs`` first).
+    ``(name, ddof)`` of ``ddofs`` first, and refused all zero unless ``all_zero_ok``: a
+    partial's examples may all be padding).
 
     Other keyword arguments pass through like jax.grad's: neither differentiated nor
     batched. Eager calls are compiled once per argument structure (jax.jit then caches
@@ -736,7 +736,7 @@ def entry(fn, opts: Options, name: str, body, ddofs=()):
     def wrapped(*args, **kwargs):
         _, spec = ew.pop(kwargs, name)
         if spec is not None:  # bad concrete weights raise here (traced ones: NaN)
-            ew.check_concrete(spec, name, ddofs)
+            ew.check_concrete(spec, name, ddofs, all_zero_ok)
         leaves, tree = jax.tree.flatten((args, kwargs))
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return direct(args, kwargs)

@@ -35,7 +35,7 @@ def _is_traced(x):
     return isinstance(x, jax.core.Tracer)
 
 
-def check_concrete(spec, name, ddofs=()):
+def check_concrete(spec, name, ddofs=(), all_zero_ok=False):
     """Raises on bad concrete weights: negative, NaN or infinite, all zero, or a total
     weight not above a statistic's ``ddof`` (its estimate divides by ``W - ddof``).
     Traced weights are checked where the results are formed (`poison`)."""
@@ -67,6 +67,8 @@ def check_concrete(spec, name, ddofs=()):
             raise ValueError(f"{name}: example_weights is negative at examples {bad}; weights "
                              "must be >= 0 (0 removes an example).")
         W = float(arr.sum())
+        if all_zero_ok:
+            return
         if W <= 0:
             raise ValueError(
                 f"{name}: every example has weight 0 ({kind}): no example is left to take "

@@ -491,4 +491,4 @@ def per_example_partial(
         flat = api._flatten_stats(stat)
         return from_reduced(flat, prep.layout(), api.reduce_call(prep, flat, opts, name, spec))
 
-    return api.entry(fn, opts, name, body)
+    return api.entry(fn, opts, name, body, all_zero_ok=True)
