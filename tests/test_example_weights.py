@@ -105,12 +105,12 @@ def test_weighted_matches_frequency_oracle_f64(name):
     _check_case(name, jnp.float64, None, 1e-9)
 
 
-@pytest.mark.parametrize("name", ["mlp", "transformer"])
+@pytest.mark.parametrize("name", ["transformer"])
 def test_weighted_f32(name):
     _check_case(name, jnp.float32, None, 2e-4)
 
 
-@pytest.mark.parametrize("name", ["mlp", "transformer", "transformer_scan_remat"])
+@pytest.mark.parametrize("name", ["mlp", "transformer_scan_remat"])
 def test_weighted_in_chunks(name):
     # chunks of 3 (the batch is no multiple of 3): carries count weights, not examples
     _check_case(name, jnp.float64, 3, 1e-9, seed=1)
