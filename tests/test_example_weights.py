@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import zoo
+from test_reduction_protocol import MaxAbs
 
 import jaxpr_surgery as js
 
@@ -303,22 +304,6 @@ def test_bad_traced_weights_poison_and_argument_errors():
 
 
 def test_reduction_without_weighted_form_says_so():
-    class MaxAbs(js.stats.Reduction):
-        def aval(self, shape, dtype, B):
-            return jax.ShapeDtypeStruct(tuple(shape), dtype)
-
-        def from_examples(self, G):
-            return jnp.max(jnp.abs(G), axis=0)
-
-        def merge(self, a, na, b, nb):
-            return jnp.maximum(a, b)
-
-        def __eq__(self, other):
-            return isinstance(other, MaxAbs)
-
-        def __hash__(self):
-            return 1
-
     class Stat(js.stats.Statistic):
         def reductions(self):
             return {"m": MaxAbs()}

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxpr_surgery._src import api
 from jaxpr_surgery._src import example_weights as ew
+from jaxpr_surgery._src.reductions import equal_as_bool as _equal
 from jaxpr_surgery._src.reductions import same_function
 
 PyTree = Any
@@ -33,15 +34,6 @@ __all__ = ["Partial", "per_example_partial", "merge_partials", "finalize_partial
 # --------------------------------------------------------------------------- #
 # The static part: the request and the parameters' layout
 # --------------------------------------------------------------------------- #
-def _equal(a, b) -> bool:
-    """``a == b`` as a bool; False where that is not a bool or raises (arrays, tracers)."""
-    try:
-        eq = a == b
-        return bool(eq) if isinstance(eq, (bool, np.bool_)) else False
-    except Exception:  # noqa: BLE001 - an object whose == raises is not equal
-        return False
-
-
 def _same_value(a, b) -> bool:
     """One attribute of two statistics is the same: one object, equal values, equal
     concrete arrays or the same function; two tracers only when they are one."""

@@ -993,7 +993,7 @@ def same_function(f, g, _seen=None) -> bool:
     with the same environment (a lambda built afresh by each ``reductions()`` call),
     also through ``functools.partial`` and wrappers (``__wrapped__``). When in doubt:
     not the same."""
-    if f is g or _equal(f, g):
+    if f is g or equal_as_bool(f, g):
         return True
     seen = set() if _seen is None else _seen
     if (id(f), id(g)) in seen:  # a closure that refers to itself
@@ -1036,7 +1036,7 @@ def _filled(cell) -> bool:
     return True
 
 
-def _equal(a, b) -> bool:
+def equal_as_bool(a, b) -> bool:
     """``a == b`` as a bool, False where that is not a bool (arrays) or raises."""
     try:
         eq = a == b
@@ -1048,6 +1048,7 @@ def _equal(a, b) -> bool:
 def _same_value(a, b, seen) -> bool:
     if isinstance(a, tuple) and isinstance(b, tuple):  # a keyword default: (name, value)
         return len(a) == len(b) and all(_same_value(x, y, seen) for x, y in zip(a, b))
-    return a is b or _equal(a, b) or (callable(a) and callable(b) and same_function(a, b, seen))
+    return (a is b or equal_as_bool(a, b)
+            or (callable(a) and callable(b) and same_function(a, b, seen)))
 
 
