@@ -248,6 +248,32 @@ def test_weights_under_shard_map_split_with_the_batch():
         _close(out[k], ref[k], 2e-5, k)
 
 
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake CPU) devices: conftest.py")
+def test_weights_with_explicitly_sharded_arguments():
+    """Sharding in types (Explicit mesh axes): the weights go into auto mode with the batch."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    case = zoo.get_case("mlp", jnp.float32)
+    n = (jax.tree.leaves(case.batch)[0].shape[0] // 4) * 4
+    batch = jax.tree.map(lambda x: x[:n], case.batch)
+    w = _int_weights(n, 6)
+    req = {"mean": js.stats.mean(), "var": js.stats.variance(), "norms": js.stats.norms()}
+    f = js.per_example_stat(case.loss_fn, req)
+    ref = f(case.params, batch, example_weights=w)
+    placed = (jax.device_put(case.params, NamedSharding(mesh, P())),
+              jax.device_put(batch, NamedSharding(mesh, P("d"))))
+    wd = jax.device_put(jnp.asarray(w, jnp.float32), NamedSharding(mesh, P("d")))
+    for out in (f(*placed, example_weights=wd), jax.jit(f)(*placed, example_weights=wd)):
+        for k in req:
+            _close(out[k], ref[k], 2e-5, k)
+    with pytest.raises(ValueError, match="example_weights"):
+        f(*placed, example_weights=-np.ones(n))
+    g = jax.tree.map(lambda x: x[:n], _f64(zoo.per_example_grads(case)))
+    _close(ref["mean"], _oracle(_repeat(g, w), "mean"), 2e-5, "mean vs the frequency oracle")
+
+
 def test_weights_compose_with_jit_vmap_and_grad():
     params, batch = _tiny()
     f = js.per_example_stat(_token_mean_per_example, js.stats.mean())

@@ -720,14 +720,15 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False):
         prep = _Prepared(f, args, opts, name)
         if prep.explicit is None:
             return body(prep, spec)
-        if spec is not None:
-            raise NotImplementedError(
-                f"{name}: example_weights with explicitly sharded arguments (sharding in "
-                "types) are not supported yet; use shard_map with axis_name."
+        # inside auto_axes the arguments (and the weights) are new values: prepare them there
+        if spec is None:
+            return compat.in_auto_mode(
+                lambda *a: body(_Prepared(f, a, opts, name), None), args, *prep.explicit
             )
-        # inside auto_axes the arguments are new values: prepare them there
+        kind, w = spec
         return compat.in_auto_mode(
-            lambda *a: body(_Prepared(f, a, opts, name), None), args, *prep.explicit
+            lambda w, *a: body(_Prepared(f, a, opts, name), (kind, w)),
+            (jnp.asarray(w), *args), *prep.explicit,
         )
 
     compiled = {}
