@@ -137,6 +137,33 @@ class _LeafFlatten:
         return self._prep.prefix_like_diff(tree, what, entry)
 
 
+def _batch_size(bflat, name) -> int:
+    """The examples of the batch's leaves ``[(path, leaf)]``: each an array with the same
+    leading size >= 1, else a clear error."""
+    sizes = {}
+    for p, x in bflat:
+        if not _is_array(x):
+            raise TypeError(
+                f"{name}: batch leaf {_path_str(p)} is a {type(x).__name__}; every leaf of the "
+                "batch argument(s) must be an array with examples on axis 0."
+            )
+        if np.ndim(x) == 0:
+            raise ValueError(
+                f"{name}: batch leaf {_path_str(p)} is a scalar; every batch leaf needs a "
+                "leading example axis."
+            )
+        sizes[_path_str(p)] = int(np.shape(x)[0])
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"{name}: batch leaves have different leading sizes {sizes}; every leaf of the "
+            "batch must hold the same number of examples on axis 0."
+        )
+    B = next(iter(sizes.values()))
+    if B == 0:
+        raise ValueError(f"{name}: the batch is empty (0 examples); statistics need B >= 1.")
+    return B
+
+
 class _Prepared:
     """Everything derived from the call's arguments, shared by the entry points."""
 
@@ -189,27 +216,7 @@ class _Prepared:
             raise ValueError(
                 f"{name}: the batch argument(s) batch_argnums={self.batch_argnums} hold no arrays."
             )
-        sizes = {}
-        for p, x in bflat:
-            if not _is_array(x):
-                raise TypeError(
-                    f"{name}: batch leaf {_path_str(p)} is a {type(x).__name__}; every leaf of the "
-                    "batch argument(s) must be an array with examples on axis 0."
-                )
-            if np.ndim(x) == 0:
-                raise ValueError(
-                    f"{name}: batch leaf {_path_str(p)} is a scalar; every batch leaf needs a "
-                    "leading example axis."
-                )
-            sizes[_path_str(p)] = int(np.shape(x)[0])
-        if len(set(sizes.values())) > 1:
-            raise ValueError(
-                f"{name}: batch leaves have different leading sizes {sizes}; every leaf of the "
-                "batch must hold the same number of examples on axis 0."
-            )
-        self.B = next(iter(sizes.values()))
-        if self.B == 0:
-            raise ValueError(f"{name}: the batch is empty (0 examples); statistics need B >= 1.")
+        self.B = _batch_size(bflat, name)
         self.ex_leaves = [jnp.asarray(x) for _, x in bflat]
         # mesh axes in Explicit mode (sharding in types): computed in Auto mode
         self.explicit = compat.explicit_mesh_axes([*self.ex_leaves, *self.diff_leaves])

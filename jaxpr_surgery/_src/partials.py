@@ -24,7 +24,7 @@ import numpy as np
 from jaxpr_surgery._src import api
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src.reductions import equal_as_bool as _equal
-from jaxpr_surgery._src.reductions import same_function
+from jaxpr_surgery._src.stats import same_statistic
 
 PyTree = Any
 
@@ -34,39 +34,6 @@ __all__ = ["Partial", "per_example_partial", "merge_partials", "finalize_partial
 # --------------------------------------------------------------------------- #
 # The static part: the request and the parameters' layout
 # --------------------------------------------------------------------------- #
-def _same_value(a, b) -> bool:
-    """One attribute of two statistics is the same: one object, equal values, equal
-    concrete arrays or the same function; two tracers only when they are one."""
-    if a is b:
-        return True
-    if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
-        return False
-    if isinstance(a, (jax.Array, np.ndarray)) or isinstance(b, (jax.Array, np.ndarray)):
-        try:
-            return bool(np.array_equal(np.asarray(a), np.asarray(b)))
-        except Exception:  # noqa: BLE001 - not comparable
-            return False
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return (type(a) is type(b) and len(a) == len(b)
-                and all(_same_value(x, y) for x, y in zip(a, b)))
-    if callable(a) and callable(b) and not hasattr(a, "reductions"):
-        return same_function(a, b)
-    return _equal(a, b)
-
-
-def _same_stat(a, b) -> bool:
-    """Two statistics compute the same thing: one object, or one type with the same
-    attributes (``js.stats.variance(1)`` built twice)."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    va, vb = getattr(a, "__dict__", None), getattr(b, "__dict__", None)
-    if va is None or vb is None:
-        return _equal(a, b)
-    return va.keys() == vb.keys() and all(_same_value(va[k], vb[k]) for k in va)
-
-
 def _short(text: str, n: int = 240) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
@@ -111,7 +78,7 @@ class _Spec:
                         f"{a.dtypes[k]}{list(a.shapes[k])})")
             return f"was computed for {what}"
         if (self.stat_tree != other.stat_tree or len(self.stats) != len(other.stats)
-                or not all(_same_stat(x, y) for x, y in zip(self.stats, other.stats))):
+                or not all(same_statistic(x, y) for x, y in zip(self.stats, other.stats))):
             return (f"holds other statistics ({other.describe()}) than the first "
                     f"({self.describe()})")
         if len(self.reductions) != len(other.reductions) or not all(

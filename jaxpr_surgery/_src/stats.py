@@ -11,6 +11,7 @@ user's statistic is a first-class citizen.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -43,6 +44,7 @@ from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names
     Weighted,
     acc_dtype_for,
     clip_factor,
+    equal_as_bool,
     function_name,
     gather_over_axis,
     is_norms,
@@ -150,6 +152,48 @@ class Statistic(abc.ABC):
 
 def is_statistic(x) -> bool:
     return isinstance(x, Statistic)
+
+
+def same_statistic(a, b) -> bool:
+    """``a`` and ``b`` compute the same thing: one object, or one type with the same
+    attributes (``js.stats.variance(1)`` built twice; the same clip bounds, concrete
+    arrays equal elementwise; the same function, also a lambda built afresh). Two
+    traced values are the same only when they are one value. When in doubt: not the
+    same. (Partials refuse to merge, and optimizers' requests to share, statistics that
+    are not.)"""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    va, vb = getattr(a, "__dict__", None), getattr(b, "__dict__", None)
+    if va is None or vb is None:
+        return _same_value(a, b)
+    return va.keys() == vb.keys() and all(_same_value(va[k], vb[k]) for k in va)
+
+
+def _same_value(a, b) -> bool:
+    """One attribute of two statistics (`same_statistic`)."""
+    if a is b:
+        return True
+    if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+        return False
+    if isinstance(a, Statistic) or isinstance(b, Statistic):  # a statistic of statistics
+        return same_statistic(a, b)
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):  # a reduction: field by
+        return type(a) is type(b) and all(  # field (its == compares a key, e.g. a name)
+            _same_value(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, (jax.Array, np.ndarray)) or isinstance(b, (jax.Array, np.ndarray)):
+        try:
+            return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+        except Exception:  # noqa: BLE001 - not comparable
+            return False
+    if callable(a) and callable(b):
+        return same_function(a, b)
+    la, ta = jax.tree.flatten(a)
+    if not (len(la) == 1 and la[0] is a):  # a container: a tree of clip bounds, a tuple
+        lb, tb = jax.tree.flatten(b)
+        return ta == tb and all(_same_value(x, y) for x, y in zip(la, lb))
+    return equal_as_bool(a, b)
 
 
 def check_count(count, ddof, name):

@@ -338,37 +338,12 @@ def with_request(tx: optax.GradientTransformation, *keys: str, clip_norm=None):
 # --------------------------------------------------------------------------- #
 # Merging requests
 # --------------------------------------------------------------------------- #
-def _same_value(x, y) -> bool:
-    if x is y:
-        return True
-    xs, xt = jax.tree.flatten(x)
-    if not (len(xs) == 1 and xs[0] is x):  # a container (a tree of clip bounds)
-        ys, yt = jax.tree.flatten(y)
-        return xt == yt and all(_same_value(a, b) for a, b in zip(xs, ys))
-    if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
-        return False  # two traced values: equal only when they are one value
-    if isinstance(x, (jax.Array, np.ndarray)) or isinstance(y, (jax.Array, np.ndarray)):
-        return bool(np.array_equal(np.asarray(x), np.asarray(y)))
-    return x == y
-
-
-def _same_stat(a, b) -> bool:
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    va, vb = getattr(a, "__dict__", None), getattr(b, "__dict__", None)
-    if va is None or vb is None:
-        return a == b
-    return va.keys() == vb.keys() and all(_same_value(va[k], vb[k]) for k in va)
-
-
 def merge_requests(requests, owner: str = "chain") -> dict[str, Any]:
     """The union of ``requests``; raises if two give one name different statistics."""
     merged: dict[str, Any] = build_request()
     for request in requests:
         for k, stat in request.items():
-            if k in merged and not _same_stat(merged[k], stat):
+            if k in merged and not _stats.same_statistic(merged[k], stat):
                 raise ValueError(
                     f"{owner}: two transformations request different statistics under the "
                     f"extra arg {k!r}: {merged[k]!r} and {stat!r} (e.g. two clip norms). "
