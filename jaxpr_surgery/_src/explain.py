@@ -274,17 +274,8 @@ def explain(
         leaves = [by_index[k] for k in sorted(by_index)]  # in the order of the tree
         verdict = (independence.verdict(prep, prep.data_axes) if check
                    else independence.Verdict(independence.SKIPPED, "check=False"))
-        notes = [_independence_note(verdict)]
-        if spec is not None:
-            notes.append(_weights_note(spec, prep, reductions))
-        if chunking.whole_for_the_allocator(chunk_size, B, act):
-            notes.append(
-                'chunk_size="auto" runs the batch whole although its activations pass '
-                f"{_mib(chunking.CPU_CHUNK_BYTES)}: this process's allocator keeps freed "
-                "memory, so large temporaries are not page-faulted on every call and the "
-                "whole batch was the fastest (pass an int chunk_size to bound the memory)."
-            )
-        notes.extend(clip_group_notes(front.plan, names, reqs, prep.diff_paths))
+        notes = _notes(verdict, spec, prep, front.plan, reductions, names, reqs,
+                       chunking.whole_for_the_allocator(chunk_size, B, act))
         gflops = gmem = None
         if compare_grad:
             gflops, gmem = _grad_cost(f, args, prep)
@@ -308,6 +299,22 @@ def explain(
         )
 
     return run
+
+
+def _notes(verdict, spec, prep, plan, reductions, names, reqs, whole_for_allocator):
+    """The report's notes: independence, weights, the allocator's chunk, clip groups."""
+    notes = [_independence_note(verdict)]
+    if spec is not None:
+        notes.append(_weights_note(spec, prep, reductions))
+    if whole_for_allocator:
+        notes.append(
+            'chunk_size="auto" runs the batch whole although its activations pass '
+            f"{_mib(chunking.CPU_CHUNK_BYTES)}: this process's allocator keeps freed "
+            "memory, so large temporaries are not page-faulted on every call and the "
+            "whole batch was the fastest (pass an int chunk_size to bound the memory)."
+        )
+    notes.extend(clip_group_notes(plan, names, reqs, prep.diff_paths))
+    return notes
 
 
 def _independence_note(v):
