@@ -202,7 +202,25 @@ def _temp(f, p, b):
     return jax.jit(f).lower(p, b).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("name", ["mlp", "transformer", "tied", "lora"])
+def _untied_embedding():
+    """A table gathered by ids (not tied to an output layer) under a dense head."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    r = np.random.default_rng(4)
+    V, d, B, T = 4096, 32, 8, 16
+    p = {"emb": jnp.asarray(r.normal(size=(V, d)) * 0.1, jnp.float32),
+         "w": jnp.asarray(r.normal(size=(d, 4)), jnp.float32)}
+    b = {"tok": jnp.asarray(r.integers(0, V, (B, T))),
+         "y": jnp.asarray(r.normal(size=(B, T, 4)), jnp.float32)}
+
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(p["emb"][b["tok"]]) @ p["w"] - b["y"]) ** 2)
+
+    return loss, p, b
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer", "tied", "lora", "embedding"])
 def test_predicted_memory_within_1_5x_of_xla(name):
     """grad's temporary memory plus explain's predicted extra is within 1.5x of XLA's
     memory_analysis() of the statistic (benchmark-like models, several statistics)."""
@@ -218,10 +236,13 @@ def test_predicted_memory_within_1_5x_of_xla(name):
     elif name == "transformer":
         m = BM.transformer(T=16, d=64, V=256, layers=1, heads=2, name="t")
         loss, params, batch = m.loss, m.params, m.make_batch(8)
+    elif name == "embedding":  # (E[g^2] and E[sign] by segment sums under jit too, no
+        loss, params, batch = _untied_embedding()  # [B, V, d] per-example tables)
     else:
         loss, params, batch = M.get({"tied": "transformer", "lora": "lora"}[name])
     for stat in (js.stats.second_moment(), js.stats.variance(), js.stats.sq_norms(),
-                 js.stats.clipped_mean(1.0)):
+                 js.stats.clipped_mean(1.0)) + ((js.stats.sign_mean(),) if name == "embedding"
+                                                 else ()):
         rep = js.explain(loss, stat, compare_grad=True)(params, batch)
         measured = _temp(js.per_example_stat(loss, stat), params, batch)
         pred = rep.predicted_temp_bytes

@@ -66,8 +66,9 @@ def unpack_ids(packed):
 def _phi_zero_is_zero(reduction):
     if reduction.phi is None:
         return True
-    try:
-        z = np.asarray(reduction.phi(jnp.zeros((1,), jnp.float32)))
+    try:  # (concretely also while a jit traces the statistics: rules are chosen then)
+        with jax.ensure_compile_time_eval():
+            z = np.asarray(reduction.phi(jnp.zeros((1,), jnp.float32)))
     except Exception:  # noqa: BLE001 - phi not evaluable concretely
         return False
     return bool(np.all(z == 0))
