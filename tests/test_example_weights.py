@@ -98,6 +98,7 @@ def _check_case(name, dtype, chunk_size, rtol, seed=0):
 # sums by a second pass), a scan with closed-over weights (rnn), residual leaves
 # (custom_vjp_and_cond), a one-hot embedding.
 CASES = ("mlp", "cnn", "transformer", "transformer_scan_remat", "rnn", "custom_vjp_and_cond",
+         "embedding_modes",
          "equinox_mlp")
 
 
@@ -351,7 +352,13 @@ def test_explain_reports_the_weights():
     w = jnp.asarray([1.0, 2, 1, 0, 1])
     text = str(js.explain(_token_mean_per_example, req)(params, batch, example_weights=w))
     assert "example_weights: every statistic over the weighted examples" in text, text
-    assert "4 of 5 examples weighted" in text and "Centered read the weights" in text, text
+    flat = " ".join(text.split())  # (the notes are wrapped)
+    assert "4 of 5 examples weighted" in flat and "The rules above run weighted" in flat, text
+    # the rules are those of the unweighted call (weighted forms of the same rules)
+    plain = js.explain(_token_mean_per_example, req)(params, batch)
+    assert [leaf.rules for leaf in plain.leaves] == [
+        leaf.rules for leaf in js.explain(_token_mean_per_example, req)(
+            params, batch, example_weights=w).leaves]
     with pytest.raises(ValueError, match="negative"):
         js.explain(_token_mean_per_example, req)(params, batch, example_weights=-w)
 

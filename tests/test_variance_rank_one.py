@@ -167,3 +167,57 @@ def test_grouped_raw_form_differentiates():
         return jnp.sum(jnp.var(g, axis=0, ddof=1) * u)
 
     np.testing.assert_allclose(ours, jax.jit(jax.grad(ref_var))(w), rtol=2e-3, atol=1e-6)
+
+
+def _weights(B, seed=0):
+    w = np.random.default_rng(seed).integers(0, 4, size=B).astype(np.float64)
+    w[0], w[-1] = 0.0, 2.5  # a removed example, a fractional weight
+    return w
+
+
+def _weighted_oracle(g, w):
+    """Frequency-weighted variance ``sum_b w_b (g_b - m)^2 / (W - 1)`` in float64."""
+    W = w.sum()
+    m = np.tensordot(w, g, 1) / W
+    return np.tensordot(w, np.square(g - m), 1) / (W - 1)
+
+
+@pytest.mark.parametrize("B,ratio", [(7, 0.0), (32, 1.0), (300, 1.0), (301, 3.0),
+                                     (32, 1e3), (300, 1e4)])
+def test_weighted_variance_through_the_threshold(B, ratio):
+    """example_weights at a rank-one site: the raw weighted sums (in groups past 128
+    examples, merged by their weights), and where they cancel the exact weighted tiles;
+    against the frequency-weighted oracle."""
+    w = _weights(B, B)
+    loss, wt, batch = _model(B, ratio, jnp.float32)
+    f = jax.jit(js.per_example_stat(loss, js.stats.variance()))
+    got = np.asarray(f(wt, batch, example_weights=jnp.asarray(w, jnp.float32)))
+    g, _ = _oracle(B, ratio)
+    np.testing.assert_allclose(got, _weighted_oracle(g, w), rtol=2e-2)
+    with x64():
+        loss, wt, batch = _model(B, ratio, jnp.float64)
+        f = jax.jit(js.per_example_stat(loss, js.stats.variance()))
+        got = np.asarray(f(wt, batch, example_weights=w))
+    np.testing.assert_allclose(got, _weighted_oracle(_oracle(B, ratio, jnp.float64)[0], w),
+                               rtol=1e-9)
+
+
+def test_weighted_raw_form_is_the_rule_taken(monkeypatch):
+    """Weights keep the rank-one rule (no tile loop over the examples): with the exact
+    branch returning NaN and the generic path raising, the result is still right where
+    the raw form cannot cancel."""
+    def boom(*a, **k):
+        raise AssertionError("the tile loop over per-example products was traced")
+
+    def nan(self, x, d, w):
+        z = jnp.full((self.c["K"], self.c["C"], self.c["F"]), jnp.nan, self.acc)
+        return S.Moments(self.to_view(z), self.to_view(z))
+
+    B = 40
+    w = _weights(B, 1)
+    loss, wt, batch = _model(B, 1.0, jnp.float32)
+    monkeypatch.setattr(dense.DenseKernel, "_centered_tiles", nan)
+    monkeypatch.setattr(dense.DenseKernel, "from_examples", boom)
+    got = np.asarray(jax.jit(js.per_example_stat(loss, js.stats.variance()))(
+        wt, batch, example_weights=jnp.asarray(w, jnp.float32)))
+    np.testing.assert_allclose(got, _weighted_oracle(_oracle(B, 1.0)[0], w), rtol=1e-4)

@@ -345,14 +345,11 @@ def _weights_note(spec, prep, reductions):
         wn = np.asarray(w, np.float64)
         text += (f" (W = {wn.sum():g}, {int((wn > 0).sum())} of {prep.B} examples weighted, "
                  f"effective batch size {wn.sum() ** 2 / np.sum(wn ** 2):.3g})")
-    slow = sorted({r.describe() for r in reductions
-                   if S.weighs(r) and not r.weight_degree})
-    text += ("; the examples of weight 0 are read as zeros at every layer. Homogeneous "
-             "reductions keep the rules above (the weights scale the cotangents)")
-    if slow:
-        text += (f"; {', '.join(slow)} read the weights in tiles of per-example products "
-                 "where the rule above is a contraction")
-    return text + "."
+    del reductions
+    return text + ("; the examples of weight 0 are read as zeros at every layer. The rules "
+                   "above run weighted: homogeneous reductions on scaled cotangents, signs "
+                   "and centred moments by weighted rank-one and segment-sum forms, tile "
+                   "loops weighing each example.")
 
 
 def _skipped_report(path, shape, dtype, names):

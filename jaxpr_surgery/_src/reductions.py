@@ -213,6 +213,12 @@ class Reduction(abc.ABC):
         examples' gradients scaled by ``s_b``, else None (`Weighted`)."""
         return None
 
+    def weighted_parts(self):
+        """``(inner, w [B])`` where this reduction is ``inner`` over the examples weighted
+        by ``w`` (its value ``inner.from_weighted(G, w)``), else None (`Weighted`): the
+        key of the kernels' weighted rules (`Kernel.FAST_WEIGHTED`)."""
+        return None
+
     def add_weighted(self, acc, W, G, w):
         """`add_examples` with weights: ``acc`` holds examples of total weight ``W``."""
         v = self.from_weighted(G, w)
@@ -461,6 +467,9 @@ class Weighted(Reduction):
             self.w, self._index(n), b)
         keep = (w > 0).reshape((-1,) + (1,) * (G.ndim - 1))
         return w, jnp.where(keep, G, jnp.zeros((), G.dtype))
+
+    def weighted_parts(self):
+        return self.inner, self.w
 
     def scaled(self):
         d = self.inner.weight_degree

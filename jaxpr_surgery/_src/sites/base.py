@@ -235,6 +235,11 @@ class Kernel:
     of `materialise` here; tiles of them in kernels that stream)."""
 
     FAST: ClassVar[dict] = {}
+    #: weighted rules, keyed by the class of the reduction weighted (`stats.Weighted`):
+    #: `Fast` entries whose ``value(kernel, ctx, inner, w)`` is ``inner``'s weighted value
+    #: over the site's examples (``inner.from_weighted(G, w)``; the examples of weight 0
+    #: are zeros in ``ctx``), for reductions whose weights do not fold into the cotangents
+    FAST_WEIGHTED: ClassVar[dict] = {}
 
     kind = "?"  # display name of the layer kind (explain); never used for dispatch
     anchors: tuple = ()  # primitive objects whose sites this kernel may serve
@@ -312,12 +317,22 @@ class Kernel:
 
     def fast_rule(self, reduction):
         """This site's `Fast` rule for ``reduction``, or None (from the examples). A
-        reduction over weighted examples (`stats.Weighted`) whose value is its inner
-        one's over scaled gradients (`Reduction.scaled`) takes the inner one's rule on
-        the scaled context: weights cost nothing where the inner one is fast."""
+        reduction over weighted examples (`stats.Weighted`) takes the kernel's weighted
+        rule of its inner one (`FAST_WEIGHTED`) if there is one; else, if its value is
+        the inner one's over scaled gradients (`Reduction.scaled`), the inner one's rule
+        on the scaled context: weights cost nothing where the inner one is fast."""
         fast = S.lookup(self.FAST, reduction)
         if fast is not None:
             return fast if fast.applies(self, reduction) else None
+        parts = reduction.weighted_parts()
+        wfast = parts and S.lookup(self.FAST_WEIGHTED, parts[0])
+        if wfast is not None and wfast.applies(self, parts[0]):
+            inner, w = parts
+            wrule = wfast.rule
+            return Fast(
+                lambda k, ctx, r: wfast.value(k, ctx, inner, w),
+                rule=wrule and (lambda k, r, B: wrule(k, inner, B)),
+            )
         scaled = reduction.scaled()
         if scaled is None:
             return None

@@ -418,8 +418,11 @@ class DenseKernel(Kernel):
         conv's raw input, whose patches would be formed for the whole batch)."""
         return type(self).tokens is DenseKernel.tokens
 
-    def _centered_rank_one(self, x, d):
-        """Centred moments of ``G_b = x_b d_b^T`` (N == 1).
+    def _centered_rank_one(self, x, d, w=None):
+        """Centred moments of ``G_b = x_b d_b^T`` (N == 1); with example weights ``w``
+        the weighted ones (`Centered.from_weighted`: sums ``sum_b w_b ...`` and the
+        groups merged by their weights; where they may have cancelled, the exact
+        weighted sums over tiles of ``G``).
 
         First the raw form ``m2 = sum_b x_b^2 d_b^2 - (sum_b x_b d_b)^2 / B``: two
         contractions, about second_moment's cost. Its rounding error is at most
@@ -433,10 +436,12 @@ class DenseKernel(Kernel):
         al.: ``m2 = m2_a + m2_b + delta^2 n_a n_b / n``, exact and cancellation-free)."""
         hi = jax.lax.Precision.HIGHEST  # the bound assumes products in the dtype's precision
 
-        def raw(xg, dg):  # one group: mean, m2, and whether its terms may have cancelled
-            s2 = jnp.einsum("bkc,bkf->kcf", jnp.square(xg), jnp.square(dg), precision=hi)
-            p = jnp.einsum("bkc,bkf->kcf", xg, dg, precision=hi)
-            mean = p / xg.shape[0]
+        def raw(xg, dg, wg=None):  # one group: mean, m2, whether its terms may have cancelled
+            wd = dg if wg is None else dg * wg.astype(dg.dtype)[:, None, None]
+            s2 = jnp.einsum("bkc,bkf->kcf", jnp.square(xg), dg * wd, precision=hi)
+            p = jnp.einsum("bkc,bkf->kcf", xg, wd, precision=hi)
+            n = xg.shape[0] if wg is None else jnp.sum(wg).astype(p.dtype)
+            mean = p / (n if wg is None else jnp.where(n > 0, n, 1))
             m2 = s2 - p * mean
             return mean, m2, jnp.any(m2 < naive_tau(xg.shape[0], self.acc) * s2)
 
@@ -445,28 +450,43 @@ class DenseKernel(Kernel):
             return m.mean, m.m2, a[2] | b[2]
 
         acc, seen, b0 = None, 0, 0
+        wt = jnp.zeros((x.shape[0],), self.acc) if w is None else w.astype(self.acc)
         for count, size in raw_groups(x.shape[0], self.acc):
             xs = x[b0 : b0 + count * size].reshape((count, size) + x.shape[1:])
             ds = d[b0 : b0 + count * size].reshape((count, size) + d.shape[1:])
+            ws = wt[b0 : b0 + count * size].reshape((count, size))
             b0 += count * size
             if acc is None:  # the first group starts the sums
-                acc, seen = raw(xs[0], ds[0]), size
-                xs, ds, count = xs[1:], ds[1:], count - 1
+                acc = raw(xs[0], ds[0], None if w is None else ws[0])
+                seen = size if w is None else jnp.sum(ws[0])
+                xs, ds, ws, count = xs[1:], ds[1:], ws[1:], count - 1
             if count == 0:
                 continue
 
             def body(carry, g, size=size):
-                a, na = carry
-                return (merge(a, na, raw(*g), size), na + size), None
+                (a, na), (xg, dg, wg) = carry, g
+                ng = size if w is None else jnp.sum(wg)  # the group's count or weight
+                return (merge(a, na, raw(xg, dg, None if w is None else wg), ng), na + ng), None
 
-            acc = jax.lax.scan(body, (acc, jnp.asarray(seen, self.acc)), (xs, ds))[0][0]
-            seen += count * size
+            acc = jax.lax.scan(body, (acc, jnp.asarray(seen, self.acc)), (xs, ds, ws))[0][0]
+            seen = seen + (count * size if w is None else jnp.sum(ws))
         mean, m2, ill = acc
         return jax.lax.cond(
             ill,
-            lambda: self._centered_expansion(x, d),
+            lambda: self._centered_expansion(x, d) if w is None else self._centered_tiles(
+                x, d, w),
             lambda: S.Moments(self.to_view(mean), self.to_view(jnp.maximum(m2, 0))),
         )
+
+    def _centered_tiles(self, x, d, w):
+        """Weighted centred moments of ``G_b = x_b d_b^T`` from tiles of ``G`` (exact;
+        where the raw weighted sums may have cancelled)."""
+        small = min(self.budget or tiling.DEFAULT_MEMORY_BUDGET_BYTES, FALLBACK_TILE_BYTES)
+        m = self.tiled(
+            x[:, :, None], d[:, :, None], [S.Weighted(S.Centered(), w)], budget=small,
+            tokens=lambda t: t,  # x is canonical already
+        )[0]
+        return S.Moments(self.to_view(m.mean), self.to_view(m.m2))
 
     def _centered_expansion(self, x, d):
         """Centred moments of ``G_b = x_b d_b^T`` by rank-one expansions in centred ``x``
@@ -693,6 +713,20 @@ def _centered_value(k, ctx, r):
     return k._centered_rank_one(k.tokens(x)[:, :, 0], dy[:, :, 0])
 
 
+def _weighted_phi_value(k, ctx, r, w):
+    """``sum_b w_b phi(x_b)^T phi(dy_b)`` at a rank-one site (phi multiplicative): the
+    weights after phi, for phis they do not fold into (sign)."""
+    x, dy = ctx
+    x0, d0 = k.tokens(x)[:, :, 0], dy[:, :, 0]
+    wd = w.astype(d0.dtype)[:, None, None] * r.apply(d0)
+    return k.to_view(jnp.einsum("bkc,bkf->kcf", r.apply(x0), wd))
+
+
+def _weighted_centered_value(k, ctx, r, w):
+    x, dy = ctx
+    return k._centered_rank_one(k.tokens(x)[:, :, 0], dy[:, :, 0], w)
+
+
 def _centered_rule(k, r, B):
     # two contractions and their [K, C, F] sums (a group's and the running ones where
     # the batch is taken in groups); the centred expansion runs only where they cancel
@@ -719,4 +753,13 @@ DenseKernel.FAST = {
     ),
     S.Centered: Fast(_centered_value, lambda k, r: k.c["N"] == 1, _centered_rule),
     S.KronSum: Fast(kron_value),
+}
+# weighted rules where the weights do not fold into the cotangents (Kernel.FAST_WEIGHTED)
+DenseKernel.FAST_WEIGHTED = {
+    S.PhiSum: Fast(
+        _weighted_phi_value,
+        lambda k, r: r.multiplicative and not r.linear and k.c["N"] == 1,
+        _phi_rule,
+    ),
+    S.Centered: Fast(_weighted_centered_value, lambda k, r: k.c["N"] == 1, _centered_rule),
 }

@@ -209,23 +209,35 @@ class EmbeddingKernel(Kernel):
 
     # reductions ----------------------------------------------------------------- #
     # (the fast rules: `FAST`, after the class; the others from per-example tables)
-    def phi_sum(self, ctx, reduction):
-        """``sum_b phi(G_b)`` where ``phi(0) = 0``: phi of each row's segment sum."""
+    def phi_sum(self, ctx, reduction, w=None):
+        """``sum_b phi(G_b)`` where ``phi(0) = 0``: phi of each row's segment sum (with
+        example weights ``w``: ``sum_b w_b phi(G_b)``, the weights after phi)."""
         ids, valid, dy = ctx
+        wb = None if w is None else w.astype(dy.dtype)[:, None, None]
         if reduction.linear:
-            return self._view(self._scatter(ids, dy))
+            return self._view(self._scatter(ids, dy if wb is None else dy * wb))
         s, first = self._segments(ids, valid, dy)
-        return self._view(self._scatter(ids, jnp.where(first[..., None], reduction.apply(s), 0)))
+        rows = reduction.apply(s) if wb is None else wb * reduction.apply(s)
+        return self._view(self._scatter(ids, jnp.where(first[..., None], rows, 0)))
 
-    def centered(self, ctx, reduction):
-        """Centred moments: rows no example uses add ``B - n_row`` zero gradients."""
+    def centered(self, ctx, reduction, w=None):
+        """Centred moments: rows no example uses add ``B - n_row`` zero gradients (with
+        example weights ``w``, `Centered.from_weighted`: ``W - `` the weight of the
+        examples using the row)."""
         ids, valid, dy = ctx
-        B = ids.shape[0]
         s, first = self._segments(ids, valid, dy)
-        mean = self._scatter(ids, dy) / B
-        n_row = self._scatter(ids, first.astype(dy.dtype))
-        dev = jnp.where(first[..., None], jnp.square(s - mean[ids]), 0)
-        m2 = self._scatter(ids, dev) + (B - n_row)[:, None] * jnp.square(mean)
+        if w is None:
+            W, wt, wb = ids.shape[0], first.astype(dy.dtype), None
+        else:
+            wb = w.astype(dy.dtype)
+            W = jnp.sum(wb)
+            wt, wb = jnp.where(first, wb[:, None], 0), wb[:, None, None]
+        mean = self._scatter(ids, dy if wb is None else dy * wb)
+        mean = mean / (W if w is None else jnp.where(W > 0, W, 1))
+        n_row = self._scatter(ids, wt)
+        dev = jnp.square(s - mean[ids])
+        dev = jnp.where(first[..., None], dev if wb is None else wb * dev, 0)
+        m2 = self._scatter(ids, dev) + (W - n_row)[:, None] * jnp.square(mean)
         return S.Moments(self._view(mean), self._view(m2))
 
     def _row_axes(self):
@@ -351,6 +363,14 @@ EmbeddingKernel.FAST = {
             [k.kron_factors(ctx)], tuple(k.site.view_shape), r, k.acc, k.budget
         )
     ),
+}
+# weighted rules: the weights after phi, and weighted centred moments (Kernel.FAST_WEIGHTED)
+EmbeddingKernel.FAST_WEIGHTED = {
+    S.PhiSum: Fast(
+        lambda k, ctx, r, w: k.phi_sum(ctx, r, w),
+        lambda k, r: r.linear or _phi_zero_is_zero(r),
+    ),
+    S.Centered: Fast(lambda k, ctx, r, w: k.centered(ctx, r, w)),
 }
 
 
