@@ -378,3 +378,21 @@ def test_weighted_partials_merge_to_one_weighted_call():
         _close(out[k], ref[k], 2e-5, k)
     with pytest.raises(ValueError, match="example_weights"):
         js.merge_partials(parts[0], f(params, batch))
+
+
+@pytest.mark.parametrize("B,T", [(5, 3), (4, 1)])  # T=1: the rank-one rules, weighted
+def test_weighted_ragged_moe(B, T):
+    """Grouped-matmul MoE (jax.lax.ragged_dot sites) under weights: the frequency oracle
+    from a loop of per-example grads (vmap cannot map ragged_dot)."""
+    import test_moe as TM
+
+    with zoo.x64():
+        p, batch = TM._cast(TM.make(B, T, seed=B + T), jnp.float64)
+        g = TM.per_example_grads(TM.ragged_moe, p, batch)
+        w = np.array([0, 2, 1, 3, 1][:B])
+        req = {n: getattr(js.stats, n)() for n in ("variance", "sign_mean", "second_moment",
+                                                   "mean")}
+        # (check=False: the batch-wide sort of the dispatch couples examples for the check)
+        out = js.per_example_stat(TM.ragged_moe, req, check=False)(p, batch, example_weights=w)
+    for n in req:
+        _close(out[n], _oracle(_repeat(g, w), n), 1e-9, n)
