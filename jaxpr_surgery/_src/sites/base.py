@@ -58,6 +58,36 @@ class Rule:
     how: str  # e.g. "ghost norm", "tiled per-example products (1 example/tile)"
     flops: float  # estimated extra FLOPs
     bytes: float  # estimated extra temporary memory
+    # the forms the cost model weighed for this rule (`Candidate`s, the chosen first);
+    # empty where there is one form
+    candidates: tuple = ()
+
+
+# The cost model that chooses between forms of one statistic at a site (ghost norms or
+# per-example products, ...): a form costs its FLOPs plus `BYTE_FLOPS` per byte it moves
+# through memory (a CPU core does a few FLOPs in the time it moves a byte; a GPU more).
+BYTE_FLOPS = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One form of a statistic at a site, as the cost model weighs it (explain shows
+    them): ``flops`` and ``traffic`` (bytes moved through memory) for a batch of ``B``,
+    ``bytes`` of temporary memory."""
+
+    how: str
+    flops: float
+    traffic: float
+    bytes: float
+
+    @property
+    def cost(self) -> float:
+        return self.flops + BYTE_FLOPS * self.traffic
+
+
+def cheapest(candidates):
+    """The candidates sorted by `Candidate.cost`, cheapest first (ties: given order)."""
+    return tuple(sorted(candidates, key=lambda c: c.cost))
 
 
 def _own(cls, name):
