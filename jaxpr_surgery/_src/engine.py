@@ -22,6 +22,7 @@ from jaxpr_surgery._src.interpreter import (
     CARRY_COUNT,
     CARRY_WEIGHT,
     EX_WEIGHTS,
+    KEPT,
     SUMS,
     WEIGHTS,
     Evaluator,
@@ -29,6 +30,7 @@ from jaxpr_surgery._src.interpreter import (
     make_weighted_site_fn,
 )
 from jaxpr_surgery._src.norms import combine_norms
+from jaxpr_surgery._src.reductions import KeptExamples
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
     Candidate,
@@ -148,7 +150,12 @@ def make_plan(
 def _site_request(plan, site):
     mode = plan.modes[site.leaf]
     if mode == "direct":
-        return plan.site_requests(), plan.keep_for_clip
+        req = plan.site_requests()
+        if plan.keep_for_clip and plan.kernels[site.path].keeps_products_for_clip():
+            # the norms' tile loop keeps each G_b for the clipped sum: no contraction
+            # after the norms, and less memory than x and dy (`keeps_products_for_clip`)
+            req[KEPT] = KeptExamples()
+        return req, plan.keep_for_clip
     return {}, True
 
 
@@ -184,7 +191,9 @@ def _sink_avals(plan, site, B, cache):
         return jax.tree.map(lambda x: SDS(lead + tuple(x.shape), x.dtype), a)
 
     out = {k: aval(r) for k, r in direct.items()}
-    if not want_ing:
+    if KEPT in out:  # the products kept are the ingredients
+        out["ing"] = out.pop(KEPT)
+    if not want_ing or "ing" in out:
         return out
     # the ingredients: as the kernel states them, else traced once for repeated layers
     ing = kernel.ingredient_avals(B)

@@ -463,6 +463,12 @@ class Kernel:
     def weighted_sum(self, ing, c):
         return weighted_sum_materialised(self.materialise(ing), c)
 
+    def keeps_products_for_clip(self) -> bool:
+        """Whether, for a clipped sum, the site keeps its per-example gradients
+        (`reductions.KeptExamples`, from the tile loop of its norms) rather than its
+        ingredients; its `weighted_sum` then takes them."""
+        return False
+
     def dots(self, ctx, ref):
         """``[B]``: ``<G_b, ref>`` with ``ref`` in the view's layout."""
         G = self.materialise(ctx)

@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxpr_surgery._src import compat, dots, fused, kron, tiling
 from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.reductions import KeptExamples
 from jaxpr_surgery._src.sites.base import (
     STREAMED,
     Candidate,
@@ -378,7 +379,8 @@ class DenseKernel(Kernel):
         for k, r, v in zip(keys, reds, vals):
             # per-example values stay [B]; the others (Moments, or Shifted when carried)
             # go to the view's layout
-            out[k] = v if r.per_example else jax.tree.map(self.to_view, v)
+            kept = isinstance(r, KeptExamples)  # [B, K, C, F] -> [B, *view]
+            out[k] = v if r.per_example and not kept else jax.tree.map(self.to_view, v)
         return out
 
     # tiles ------------------------------------------------------------------ #
@@ -634,8 +636,24 @@ class DenseKernel(Kernel):
         return self.ghost_sq_and_norms(ing)
 
     def weighted_sum(self, ing, c):
+        if not isinstance(ing, tuple):  # G_b kept for the clip (`keeps_products_for_clip`)
+            return jnp.tensordot(c.astype(ing.dtype), ing, axes=(0, 0))
         x, dy = ing
         return self.contract(x, dy, c)
+
+    def keeps_products_for_clip(self):
+        """A clipped sum at a long-sequence site keeps each ``G_b`` from the tile loop
+        of its norms (formed there anyway: products cost less than the ghost form,
+        `use_ghost`) and sums ``c_b G_b`` once the global norms are known, instead of
+        keeping ``x`` and ``dy`` for one more contraction ``x^T (c dy)``: that
+        contraction's FLOPs (a weight gradient's) saved, and ``G_b`` (``C F``) takes
+        less memory than ``x_b`` and ``dy_b`` (``N (C + F)``) wherever the products win
+        on FLOPs. Plain dense sites only (the canonical layout)."""
+        c = self.c
+        return (
+            type(self) is DenseKernel and c["N"] > 1 and not self.use_ghost()
+            and c["C"] * c["F"] <= c["N"] * (c["C"] + c["F"])
+        )
 
     def has_scaled_sq_norms(self):
         return self.c["N"] == 1
