@@ -205,4 +205,7 @@ def test_clipped_mean_explain_names_one_pass():
     no second backward pass without remat."""
     rep = _report(stat=js.stats.clipped_mean(1.0))
     how = _leaf(rep, "fc").hows["clipped_mean"]
-    assert "weighted sum" in how and "backward pass" not in how
+    assert "kept for the weighted sum" in how and "backward pass" not in how, how
+    # a site where the ghost form wins keeps x and dy instead
+    how = _leaf(_report(T=4, stat=js.stats.clipped_mean(1.0)), "fc").hows["clipped_mean"]
+    assert how.startswith("ghost norm") and how.endswith("then weighted sum"), how

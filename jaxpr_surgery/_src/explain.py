@@ -485,6 +485,12 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
                 rl = dataclasses.replace(
                     rl, how=rl.how + " then a reweighted backward pass (remat: nothing kept)" + by
                 )
+            elif r.weighted_by_norm and plan.modes[i] == "direct" and k.keeps_products_for_clip():
+                # the norms' products G_b are kept for the weighted sum (engine._site_request)
+                rl = dataclasses.replace(
+                    rl, how=rl.how + ", kept for the weighted sum" + by,
+                    bytes=rl.bytes + B * math.prod(s.view_shape) * itemsize,
+                )
             elif r.weighted_by_norm:  # ingredients x and dy are kept until the norms
                 ing = sum(math.prod(v.aval.shape) for v in s.eqn.outvars) + sum(
                     math.prod(v.aval.shape)
@@ -541,6 +547,7 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
             f"{why})",
             2.0 * B * size * (1 + sum(min(n, r.max_dim) for n in shape)),
             float(t * size * itemsize),
+            (),
         )
 
     # reductions with a rule of their own over the leaf's sites, keyed by type
