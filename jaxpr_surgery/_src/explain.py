@@ -458,15 +458,16 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
         if own is not None:
             return [own(r)]
         out = []
-        for s, k in zip(info.sites, ks):
+        for n, (s, k) in enumerate(zip(info.sites, ks)):
             reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
+            shared_text = _cost_text(shared_cands) if n == 0 else ""  # once per leaf
             rl = k.rule(S.SqNorms() if r == S.Norms() else r, B)  # same rule
             rl = dataclasses.replace(rl, how=rl.how + _cost_text(rl.candidates))
             linear = r.linear
             norms = S.is_norms(r) or r.weighted_by_norm
             if multi and norms and ghost_cross:
                 rl = dataclasses.replace(
-                    rl, how=rl.how + " + ghost cross terms" + _cost_text(shared_cands),
+                    rl, how=rl.how + " + ghost cross terms" + shared_text,
                     candidates=rl.candidates + shared_cands,
                 )
             elif multi and (r in tiled or (linear and sum_rides) or norms):
@@ -475,7 +476,7 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
                 rl = Rule(
                     STREAMED,
                     f"tiled products of the shared leaf ({tiling.describe(t, leaf_ft, shape)})"
-                    + _cost_text(cands),
+                    + (shared_text if norms else ""),
                     2.0 * B * size,
                     float(tiling.tile_bytes(t, leaf_ft, shape, acc)),
                     cands,
