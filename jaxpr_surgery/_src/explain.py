@@ -18,11 +18,11 @@ from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared, front_half
 from jaxpr_surgery._src.engine import (
     clips_by_recompute,
-    shared_norms_by_ghost,
-    shared_norm_candidates,
     leaf_feature_tile,
     multi_site_routes,
     needs_norms,
+    shared_norm_candidates,
+    shared_norms_by_ghost,
 )
 from jaxpr_surgery._src.sites.base import (
     FALLBACK,
