@@ -441,10 +441,24 @@ def render_md(doc, img_paths, md_path, compare=None, steady=None, lora=None):
         L += _allocator_section(doc, steady, md_dir)
     if compare is not None:
         L += _compare_section(doc, compare, md_dir)
+    L += _long_sequences_section()
     L += _errors_section(doc)
     with open(md_path, "w") as f:
         f.write("\n".join(L))
     return md_path
+
+
+LONG_SEQUENCES_MD = os.path.join(ROOT, "benchmarks", "results", "long_sequences.md")
+
+
+def _long_sequences_section():
+    """The long-sequence profile (issue 40), written by hand from the shared scale check
+    and XLA's cost analysis (it needs presets too slow for this suite), kept in
+    `LONG_SEQUENCES_MD`."""
+    if not os.path.exists(LONG_SEQUENCES_MD):
+        return []
+    with open(LONG_SEQUENCES_MD) as f:
+        return [f.read().rstrip(), ""]
 
 
 def _header_section():

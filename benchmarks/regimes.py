@@ -53,6 +53,10 @@ QUICK_PLAN = {"js": (["second_moment", "sq_norms", "mean+second_moment"],) * 2,
 QUICK_PLAN_SCAN = {"js": (["second_moment"], ["second_moment"]),
                    "vmap": (["second_moment"], ["second_moment"])}
 QUICK_DEFAULT_REGIMES = ["mlp", "short", "scan_remat", "matrix"]
+# long sequences (T >= 4d, issue 40): every statistic against grad, E[g^2] by vmap(grad)
+LONG_CONTEXT_STATS = ["second_moment", "sign_mean", "variance", "sq_norms", "clipped_mean"]
+LONG_CONTEXT_PLAN = {"js": (LONG_CONTEXT_STATS, LONG_CONTEXT_STATS),
+                     "vmap": (["second_moment"], ["second_moment"])}
 # per-example Kronecker moments (matrix_check.py): js against micro_grad forming each
 # example's moments from its materialised gradient
 MATRIX_PLAN = {"js": (["kron_moments"], ["kron_moments"]),
@@ -79,6 +83,11 @@ def regimes(quick: bool) -> dict[str, Regime]:
             "vocab": Regime("vocab", lambda: models.transformer(T=4, d=8, V=512, layers=1, heads=2,
                                                                 name="vocab"), [8],
                             "transformer T=4 d=8 V=512 tied (quick)", QUICK_PLAN, maxbatch=False),
+            "long_context": Regime("long_context",
+                                   lambda: models.transformer(T=64, d=16, V=64, layers=1, heads=2,
+                                                              name="long_context"), [2],
+                                   "transformer T=64 d=16 V=64 (T = 4d, quick)",
+                                   LONG_CONTEXT_PLAN, maxbatch=False),
             "scan_remat": Regime("scan_remat", lambda: models.scan_remat(T=8, d=16, V=32, layers=2,
                                                                          heads=2), [8],
                                  "scan over 2 remat layers T=8 d=16 (quick)", QUICK_PLAN_SCAN,
@@ -107,6 +116,11 @@ def regimes(quick: bool) -> dict[str, Regime]:
         "long": Regime("long", lambda: models.transformer(T=128, d=64, V=1024, layers=2, heads=4,
                                                           name="long"), [8, 32],
                        "transformer LM T=128 d=64 V=1024 L=2 H=4 (T >= d)", FULL_PLAN),
+        "long_context": Regime("long_context",
+                               lambda: models.transformer(T=1024, d=256, V=8192, layers=2,
+                                                          heads=4, name="long_context"), [4],
+                               "transformer LM T=1024 d=256 V=8192 L=2 H=4, tied (T = 4d)",
+                               LONG_CONTEXT_PLAN, maxbatch=False),
         "vocab": Regime("vocab", lambda: models.transformer(T=16, d=64, V=32768, layers=1,
                                                             heads=4, name="vocab"), [8, 32],
                         "transformer LM T=16 d=64 V=32768 L=1, tied (large vocab)", FULL_PLAN,

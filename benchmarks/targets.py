@@ -19,6 +19,7 @@ def evaluate_targets(rows, tracing=None):
         for B in t.batches(reg):
             _against_single(t, reg, B)
     _tokens(t)
+    _long_context(t)
     for reg in t.regimes:
         for B in t.batches(reg):
             _equal_memory(t, reg, B)
@@ -112,6 +113,23 @@ def _tokens(t):
                       t.ok_value(reg, B, "js", s, "time_ratio"), tmax)
                 t.add("tokens_mem", "tokens: js E[g^2]/E[sign] default temp memory <= 1.3x grad",
                       reg, B, s, t.ok_value(reg, B, "js", s, "temp_ratio"), 1.3)
+
+
+# long sequences (T >= 4d, issue 40): time against grad per statistic
+LONG_CONTEXT = {"second_moment": 1.05, "sign_mean": 1.05, "variance": 1.2, "sq_norms": 1.1,
+                "clipped_mean": 1.35}
+
+
+def _long_context(t):
+    """Long sequences: each statistic's time against grad, and its temp memory at most
+    1.3x grad's (plus the result, which XLA counts among the outputs)."""
+    reg = "long_context"
+    for B in t.batches(reg):
+        for s, tmax in LONG_CONTEXT.items():
+            t.add("long_context_time", f"long context: js {s} time <= {tmax}x grad", reg, B, s,
+                  t.ok_value(reg, B, "js", s, "time_ratio"), tmax)
+            t.add("long_context_mem", "long context: js temp memory <= 1.3x grad", reg, B, s,
+                  t.ok_value(reg, B, "js", s, "temp_ratio"), 1.3)
 
 
 def _equal_memory(t, reg, B):

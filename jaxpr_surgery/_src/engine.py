@@ -22,6 +22,7 @@ from jaxpr_surgery._src.interpreter import (
     CARRY_COUNT,
     CARRY_WEIGHT,
     EX_WEIGHTS,
+    KEPT,
     SUMS,
     WEIGHTS,
     Evaluator,
@@ -29,9 +30,12 @@ from jaxpr_surgery._src.interpreter import (
     make_weighted_site_fn,
 )
 from jaxpr_surgery._src.norms import combine_norms
+from jaxpr_surgery._src.reductions import KeptExamples
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
+    Candidate,
     acc_dtype_for,
+    cheapest,
     direct_norms,
     example_norm,
     flagged_norms,
@@ -146,7 +150,12 @@ def make_plan(
 def _site_request(plan, site):
     mode = plan.modes[site.leaf]
     if mode == "direct":
-        return plan.site_requests(), plan.keep_for_clip
+        req = plan.site_requests()
+        if plan.keep_for_clip and plan.kernels[site.path].keeps_products_for_clip():
+            # the norms' tile loop keeps each G_b for the clipped sum: no contraction
+            # after the norms, and less memory than x and dy (`keeps_products_for_clip`)
+            req[KEPT] = KeptExamples()
+        return req, plan.keep_for_clip
     return {}, True
 
 
@@ -182,7 +191,9 @@ def _sink_avals(plan, site, B, cache):
         return jax.tree.map(lambda x: SDS(lead + tuple(x.shape), x.dtype), a)
 
     out = {k: aval(r) for k, r in direct.items()}
-    if not want_ing:
+    if KEPT in out:  # the products kept are the ingredients
+        out["ing"] = out.pop(KEPT)
+    if not want_ing or "ing" in out:
         return out
     # the ingredients: as the kernel states them, else traced once for repeated layers
     ing = kernel.ingredient_avals(B)
@@ -615,6 +626,50 @@ def ghost_cross_ok(sites, kernels):
     )
 
 
+def shared_norm_candidates(sites, kernels, B, shape, acc):
+    """The two forms of a shared leaf's per-example squared norms, cheapest first
+    (`sites.base.cheapest`): each site's own norms (its cheapest form) plus the ghost
+    cross terms of every pair (``2 T N d`` FLOPs per example and pair: ``T`` ids, ``N``
+    tokens of the dense site), or the squares of tiles of the leaf's summed ``G_b``
+    (each site's contribution, about its weight-gradient FLOPs, plus the leaf through
+    memory). At long sequences the cross terms grow as ``T N`` and the tiles win."""
+    it = jnp.dtype(acc).itemsize
+    size = int(np.prod(shape))
+    own = 0.0
+    for k in kernels:
+        rl = k.rule(S.SqNorms(), B)
+        own += min((c.cost for c in rl.candidates), default=rl.flops)
+    cross = 0.0
+    for a in range(len(sites)):
+        for b in range(a + 1, len(sites)):
+            ka, kb = kernels[a], kernels[b]
+            sa, sb = sites[a], sites[b]
+            if ka.dense_layout() is not None:
+                sa, ka, sb, kb = sb, kb, sa, ka
+            table, c = ka.gathers_rows(), kb.dense_layout()
+            if table is None or c is None:
+                continue
+            T = int(np.prod(sa.eqn.outvars[0].aval.shape)) // table[1]
+            cross += 2.0 * B * T * c["N"] * table[1] + 2.0 * B * T * c["N"]
+    ghost = Candidate("own norms + ghost cross terms", own + cross, 0.0, 0.0)
+    tiles = Candidate(
+        "tiles of the shared leaf's products",
+        sum(k.rule(S.SUM, B).flops for k in kernels) + 2.0 * B * size,
+        2.0 * B * size * it, 0.0,
+    )
+    return cheapest([ghost, tiles])
+
+
+def shared_norms_by_ghost(sites, kernels, B, shape, acc):
+    """A shared leaf's norms from its sites' own forms and ghost cross terms: where
+    every pair has one (`ghost_cross_ok`) and the cost model finds them cheaper than
+    tiles of the leaf's summed ``G`` (`shared_norm_candidates`). The engine and
+    `explain` both decide by this function."""
+    return ghost_cross_ok(sites, kernels) and (
+        shared_norm_candidates(sites, kernels, B, shape, acc)[0].how.startswith("own")
+    )
+
+
 def _cross_fast(sa, ka, inga, sb, kb, ingb):
     """<G_a, G_b> per example (ghost form), or None when there is no cheap formula."""
     rows_on = cross_layout(sa, ka, sb, kb)
@@ -762,8 +817,8 @@ class _SharedLeaf:
         self.acc = S.acc_dtype_for(self.aval.dtype)
         self.mat = _leaf_mat(ings, self.acc)
         # (only norms ask; the layout check is numpy work)
-        self.ghost_ok = plan.needs_norms and ghost_cross_ok(
-            [s for s, _, _ in ings], [k for _, k, _ in ings])
+        self.ghost_ok = plan.needs_norms and shared_norms_by_ghost(
+            [s for s, _, _ in ings], [k for _, k, _ in ings], B, self.aval.shape, self.acc)
         self.ft = leaf_feature_tile(B, self.aval.shape, self.acc, plan.budget,
                                     [k for _, k, _ in ings])
         wants_kron = any(S.lookup(SHARED_ROUTES, r) is _kron_route for r in plan.reductions)

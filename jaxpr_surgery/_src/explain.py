@@ -18,10 +18,11 @@ from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared, front_half
 from jaxpr_surgery._src.engine import (
     clips_by_recompute,
-    ghost_cross_ok,
     leaf_feature_tile,
     multi_site_routes,
     needs_norms,
+    shared_norm_candidates,
+    shared_norms_by_ghost,
 )
 from jaxpr_surgery._src.sites.base import (
     FALLBACK,
@@ -68,6 +69,11 @@ class LeafReport:
     # per-layer clipping: statistic's public name -> (path, bound) of the leaf's group
     # (the bound None where it is traced)
     clip_groups: dict = dataclasses.field(default_factory=dict)
+    # statistic's public name -> the forms the cost model weighed for it (`Candidate`s:
+    # how, FLOPs, bytes moved, temporary bytes; per site, the chosen one first), where
+    # it had a choice (per-example norms: ghost form or products, a shared leaf's cross
+    # terms or tiles)
+    candidates: dict = dataclasses.field(default_factory=dict)
 
     @property
     def fallback(self):
@@ -161,6 +167,14 @@ class Report:
 
     def __str__(self):
         return self.format()
+
+
+def _cost_text(cands):
+    """`` (cost model: chosen's cost vs the other's)`` for explain's table, or ``""``
+    where there was no choice."""
+    if len(cands) < 2:
+        return ""
+    return f" (cost model: {cands[0].cost:.2g} vs {cands[1].how} {cands[1].cost:.2g})"
 
 
 def _mib(b):
@@ -413,7 +427,8 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
         )
     ks = [plan.kernels[s.path] for s in info.sites]  # the kernels the engine runs
     multi = len(info.sites) > 1
-    ghost_cross = multi and needs_norms(reductions) and ghost_cross_ok(info.sites, ks)
+    ghost_cross = multi and needs_norms(reductions) and shared_norms_by_ghost(
+        info.sites, ks, B, shape, acc)
     leaf_tile = tiling.leaf_tile(B, shape, acc, budget, ks)  # as the engine sizes it
     leaf_ft = leaf_feature_tile(B, shape, acc, budget, ks) if multi else None
 
@@ -436,30 +451,50 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
         idx, sum_rides = multi_site_routes(reds, ghost_cross, kron_ok, leaf_ft)
         tiled = {reds[j] for j in idx if j is not None}
 
+    shared_cands = (
+        shared_norm_candidates(info.sites, ks, B, shape, acc)
+        if multi and needs_norms(reductions) else ()
+    )
+
     def rule_of(r):
-        """(word, how, flops, bytes) of one reduction over the leaf's sites."""
+        """(word, how, flops, bytes, candidates) of one reduction over the leaf's sites."""
         own = S.lookup(leaf_rules, r)
         if own is not None:
             return [own(r)]
         out = []
-        for s, k in zip(info.sites, ks):
+        for n, (s, k) in enumerate(zip(info.sites, ks)):
             reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
+            shared_text = _cost_text(shared_cands) if n == 0 else ""  # once per leaf
             rl = k.rule(S.SqNorms() if r == S.Norms() else r, B)  # same rule
+            rl = dataclasses.replace(rl, how=rl.how + _cost_text(rl.candidates))
             linear = r.linear
-            if multi and S.is_norms(r) and ghost_cross:
-                rl = dataclasses.replace(rl, how=rl.how + " + ghost cross terms")
-            elif multi and (r in tiled or (linear and sum_rides)):
+            norms = S.is_norms(r) or r.weighted_by_norm
+            if multi and norms and ghost_cross:
+                rl = dataclasses.replace(
+                    rl, how=rl.how + " + ghost cross terms" + shared_text,
+                    candidates=rl.candidates + shared_cands,
+                )
+            elif multi and (r in tiled or (linear and sum_rides) or norms):
                 t = leaf_tile
+                cands = shared_cands if norms else ()
                 rl = Rule(
                     STREAMED,
-                    f"tiled products of the shared leaf ({tiling.describe(t, leaf_ft, shape)})",
+                    f"tiled products of the shared leaf ({tiling.describe(t, leaf_ft, shape)})"
+                    + (shared_text if norms else ""),
                     2.0 * B * size,
                     float(tiling.tile_bytes(t, leaf_ft, shape, acc)),
+                    cands,
                 )
             by = " per clip group" if _per_group(r) else ""
             if r.weighted_by_norm and recompute:  # loss with remat
                 rl = dataclasses.replace(
                     rl, how=rl.how + " then a reweighted backward pass (remat: nothing kept)" + by
+                )
+            elif r.weighted_by_norm and plan.modes[i] == "direct" and k.keeps_products_for_clip():
+                # the norms' products G_b are kept for the weighted sum (engine._site_request)
+                rl = dataclasses.replace(
+                    rl, how=rl.how + ", kept for the weighted sum" + by,
+                    bytes=rl.bytes + B * math.prod(s.view_shape) * itemsize,
                 )
             elif r.weighted_by_norm:  # ingredients x and dy are kept until the norms
                 ing = sum(math.prod(v.aval.shape) for v in s.eqn.outvars) + sum(
@@ -472,7 +507,7 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
                 )
             shared = rl.how.startswith("tiled products of the shared leaf")
             label = f" [{s.kind}]" if multi and not shared else ""
-            out.append((rl.word, rl.how + label, rl.flops * reps, rl.bytes))
+            out.append((rl.word, rl.how + label, rl.flops * reps, rl.bytes, rl.candidates))
         return out
 
     def dots_rule(r):
@@ -480,10 +515,11 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
         else tiles of the leaf's exact per-example gradients (engine._leaf_dots)."""
         if all(kron.leaf_map(s) is not None for s in info.sites):
             fl = sum(k.rule(S.SUM, B).flops for k in ks)  # one more contraction per site
-            return (STREAMED, "contraction with the reference", fl, 0.0)
+            return (STREAMED, "contraction with the reference", fl, 0.0, ())
         t = leaf_tile
         return (MATERIALISED, f"exact per-example gradients of the leaf ({t} "
-                f"example{'s' if t > 1 else ''}/tile)", 2.0 * B * size, float(t * size * itemsize))
+                f"example{'s' if t > 1 else ''}/tile)", 2.0 * B * size, float(t * size * itemsize),
+                ())
 
     def kron_rule(r):
         """Token grams where every site has token factors lining up in leaf axes (one
@@ -504,10 +540,10 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
             t = tiling.tile_size(B, it_bytes, budget, batched_ok=not per_ex)
             how = "token grams" + (" of the tied sites" if multi else "")
             how += f" ({t} example{'s' if t > 1 else ''}/tile)"
-            return (STREAMED, how, kron.flops(metas, r, B), float(t * it_bytes))
+            return (STREAMED, how, kron.flops(metas, r, B), float(t * it_bytes), ())
         if not multi and kron.leaf_map(info.sites[0]) is not None:
             rl = ks[0].rule(r, B)  # a generic site: its own per-example VJP
-            return (rl.word, rl.how, rl.flops, rl.bytes)
+            return (rl.word, rl.how, rl.flops, rl.bytes, ())
         t = leaf_tile
         why = "a layer inside lax.scan or a reshaped view" if not multi else "sites do not line up"
         return (
@@ -516,18 +552,20 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
             f"{why})",
             2.0 * B * size * (1 + sum(min(n, r.max_dim) for n in shape)),
             float(t * size * itemsize),
+            (),
         )
 
     # reductions with a rule of their own over the leaf's sites, keyed by type
     leaf_rules = {S.KronSum: kron_rule, dots.DotWith: dots_rule}
     rules, hows, parts, flops, mem = {}, {}, [], 0.0, 0.0
     per_red = {r: rule_of(r) for r in reductions}
-    clip_groups = {}
+    clip_groups, cands = {}, {}
     for name, req in zip(names, reqs):
         entries = [e for r in req.values() for e in per_red[r]]
         word = _dearest(e[0] for e in entries)
         rules[name] = word
         hows[name] = ", ".join(dict.fromkeys(e[1] for e in entries))
+        cands[name] = list(dict.fromkeys(c for e in entries for c in e[4]))
         groups = [_group_of(plan.bound(r, i)) for r in req.values() if _per_group(r)]
         if groups:
             clip_groups[name] = groups[0]
@@ -561,6 +599,7 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
         float(mem),
         hows,
         clip_groups,
+        {k: v for k, v in cands.items() if v},
     )
 
 

@@ -583,6 +583,9 @@ def _custom_vjp_call(fwd_impl, bwd_impl, keep_sink=False):
     return call
 
 
+# the request key of a site's per-example products kept for a clipped sum in place of
+# its ingredients (engine._site_request, `reductions.KeptExamples`)
+KEPT = "kept"
 CARRY_COUNT = "n"  # the sink entry holding the examples of earlier chunks (`carried`)
 # ``example_weights``: the sink entries holding the chunk's weights ``[B]`` and the
 # weight of the examples of earlier chunks (with `CARRY_COUNT`)
@@ -682,8 +685,8 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
                 return kernel.direct_all(ctx, req if ex_w is None else weigh(req, ex_w))
 
             out = direct_norms(kernel, ctx, direct, compute)
-            if want_ing:
-                out["ing"] = kernel.ingredients(ctx)
+            if want_ing:  # (per-example products kept from the tile loop: those)
+                out["ing"] = out.pop(KEPT) if KEPT in out else kernel.ingredients(ctx)
             for k in (EX_WEIGHTS, CARRY_WEIGHT):  # (inputs: no cotangent)
                 if sink is not None and k in sink:
                     out[k] = compat.make_varying(jnp.zeros_like(sink[k]), compat.vma_of(sink[k]))

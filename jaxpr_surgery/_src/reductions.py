@@ -801,6 +801,30 @@ class Norms(_ExampleNorms):
         return ms * sqrt0(jax.lax.psum(jnp.square(value / ms), axes))
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptExamples(Reduction):
+    """The per-example gradients themselves, ``[B, *leaf]`` (engine-internal): what a
+    site keeps for a clipped sum where its tile loop forms them for the norms anyway
+    (`sites.dense.DenseKernel.keeps_products_for_clip`), in place of its input and
+    cotangent. Never a user's statistic."""
+
+    per_example: ClassVar[bool] = True
+    carries: ClassVar[bool] = False
+    feature_blocks: ClassVar[str | None] = None  # whole examples (leading B)
+
+    def aval(self, shape, dtype, B):
+        return SDS((B,) + tuple(shape), dtype)
+
+    def from_examples(self, G):
+        return G
+
+    def merge(self, a, na, b, nb):
+        return jnp.concatenate([a, b], axis=0)
+
+    def zeros(self, shape, dtype, B):
+        return jnp.zeros((B,) + tuple(shape), dtype)
+
+
 def is_norms(r) -> bool:
     """``r`` is a per-example norm reduction (`SqNorms` or `Norms`): an array ``[B]``
     per leaf, computed by the same rules (sites.base.direct_norms)."""

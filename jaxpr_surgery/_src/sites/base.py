@@ -58,6 +58,36 @@ class Rule:
     how: str  # e.g. "ghost norm", "tiled per-example products (1 example/tile)"
     flops: float  # estimated extra FLOPs
     bytes: float  # estimated extra temporary memory
+    # the forms the cost model weighed for this rule (`Candidate`s, the chosen first);
+    # empty where there is one form
+    candidates: tuple = ()
+
+
+# The cost model that chooses between forms of one statistic at a site (ghost norms or
+# per-example products, ...): a form costs its FLOPs plus `BYTE_FLOPS` per byte it moves
+# through memory (a CPU core does a few FLOPs in the time it moves a byte; a GPU more).
+BYTE_FLOPS = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One form of a statistic at a site, as the cost model weighs it (explain shows
+    them): ``flops`` and ``traffic`` (bytes moved through memory) for a batch of ``B``,
+    ``bytes`` of temporary memory."""
+
+    how: str
+    flops: float
+    traffic: float
+    bytes: float
+
+    @property
+    def cost(self) -> float:
+        return self.flops + BYTE_FLOPS * self.traffic
+
+
+def cheapest(candidates):
+    """The candidates sorted by `Candidate.cost`, cheapest first (ties: given order)."""
+    return tuple(sorted(candidates, key=lambda c: c.cost))
 
 
 def _own(cls, name):
@@ -447,6 +477,12 @@ class Kernel:
 
     def weighted_sum(self, ing, c):
         return weighted_sum_materialised(self.materialise(ing), c)
+
+    def keeps_products_for_clip(self) -> bool:
+        """Whether, for a clipped sum, the site keeps its per-example gradients
+        (`reductions.KeptExamples`, from the tile loop of its norms) rather than its
+        ingredients; its `weighted_sum` then takes them."""
+        return False
 
     def dots(self, ctx, ref):
         """``[B]``: ``<G_b, ref>`` with ``ref`` in the view's layout."""

@@ -18,6 +18,7 @@ dims. Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -26,11 +27,14 @@ import numpy as np
 
 from jaxpr_surgery._src import compat, dots, fused, kron, tiling
 from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.reductions import KeptExamples
 from jaxpr_surgery._src.sites.base import (
     STREAMED,
+    Candidate,
     Fast,
     Kernel,
     Rule,
+    cheapest,
     example_norm,
     example_scale,
     pre_scales,
@@ -118,6 +122,7 @@ def canonical(site, c, ext, dy, dtype):
     return x, dy.reshape(B, c["K"], c["N"], c["F"]).astype(dtype)
 
 
+GHOST, PRODUCTS = "ghost norm", "per-example products"  # the forms of `norm_candidates`
 FALLBACK_TILE_BYTES = 4 << 20  # tiles of the exact variance where the rank-one form cancels
 # The raw variance sum x^2 d^2 - (sum x d)^2 / B (N == 1) is kept where its worst-case
 # rounding error, however the sums are ordered, is at most sqrt(eps) of the result (half
@@ -227,8 +232,33 @@ class DenseKernel(Kernel):
         return self.c
 
     def use_ghost(self):
+        """Per-example squared norms by the ghost form (else from per-example products):
+        the cheaper of the two by the cost model (`norm_candidates`)."""
+        return self.c["N"] > 1 and self.norm_candidates()[0].how == GHOST
+
+    def norm_candidates(self, B=1):
+        """The two forms of the per-example squared norms at a site with a token axis,
+        cheapest first (`base.cheapest`): the ghost form ``sum (X X^T) * (DY DY^T)``,
+        ``2 N^2 (C + F)`` FLOPs per example and block, its two ``N x N`` grams through
+        memory; and the per-example products ``G_b = X_b^T DY_b``, ``2 N C F`` FLOPs, ``G_b``
+        through memory. The ghost form wins while ``N (C + F) < C F``: below about
+        ``min(C, F)`` tokens, so at long sequences (``T`` beyond the width) the products,
+        whose FLOPs are those of the weight gradient itself."""
         c = self.c
-        return 2 * c["N"] ** 2 <= c["C"] * c["F"]
+        K, N, C, F = c["K"], c["N"], c["C"], c["F"]
+        it = jnp.dtype(self.acc).itemsize
+        io = B * K * N * (C + F) * it  # reading X and DY
+        ghost = Candidate(
+            GHOST, float(2 * B * K * N * N * (C + F) + 2 * B * K * N * N),
+            float(io + 4 * B * K * N * N * it), float(2 * B * K * N * N * it),
+        )
+        t, ft = self.tile(B), self.feature_tile(B)
+        products = Candidate(
+            PRODUCTS, float(2 * B * K * N * C * F + 2 * B * K * C * F),
+            float(io + 2 * B * K * C * F * it),
+            float(tiling.tile_bytes(t, ft, (K, C, F), self.acc)),
+        )
+        return cheapest([ghost, products])
 
     # canonical layout ----------------------------------------------------- #
     def prepare(self, w, ext, ext_batched, dy):
@@ -349,7 +379,8 @@ class DenseKernel(Kernel):
         for k, r, v in zip(keys, reds, vals):
             # per-example values stay [B]; the others (Moments, or Shifted when carried)
             # go to the view's layout
-            out[k] = v if r.per_example else jax.tree.map(self.to_view, v)
+            kept = isinstance(r, KeptExamples)  # [B, K, C, F] -> [B, *view]
+            out[k] = v if r.per_example and not kept else jax.tree.map(self.to_view, v)
         return out
 
     # tiles ------------------------------------------------------------------ #
@@ -625,8 +656,24 @@ class DenseKernel(Kernel):
         return self.ghost_sq_and_norms(ing)
 
     def weighted_sum(self, ing, c):
+        if not isinstance(ing, tuple):  # G_b kept for the clip (`keeps_products_for_clip`)
+            return jnp.tensordot(c.astype(ing.dtype), ing, axes=(0, 0))
         x, dy = ing
         return self.contract(x, dy, c)
+
+    def keeps_products_for_clip(self):
+        """A clipped sum at a long-sequence site keeps each ``G_b`` from the tile loop
+        of its norms (formed there anyway: products cost less than the ghost form,
+        `use_ghost`) and sums ``c_b G_b`` once the global norms are known, instead of
+        keeping ``x`` and ``dy`` for one more contraction ``x^T (c dy)``: that
+        contraction's FLOPs (a weight gradient's) saved, and ``G_b`` (``C F``) takes
+        less memory than ``x_b`` and ``dy_b`` (``N (C + F)``) wherever the products win
+        on FLOPs. Plain dense sites only (the canonical layout)."""
+        c = self.c
+        return (
+            type(self) is DenseKernel and c["N"] > 1 and not self.use_ghost()
+            and c["C"] * c["F"] <= c["N"] * (c["C"] + c["F"])
+        )
 
     def has_scaled_sq_norms(self):
         return self.c["N"] == 1
@@ -655,8 +702,12 @@ class DenseKernel(Kernel):
             reduction = S.SqNorms()
         fast = self.fast_rule(reduction)
         if fast is not None and fast.rule is not None:
-            return fast.rule(self, reduction, B)
-        return self.tiled_rule(reduction, B)
+            rule = fast.rule(self, reduction, B)
+        else:
+            rule = self.tiled_rule(reduction, B)
+        if reduction == S.SqNorms() and self.c["N"] > 1:  # the cost model's choice
+            rule = dataclasses.replace(rule, candidates=self.norm_candidates(B))
+        return rule
 
     def tiled_rule(self, reduction, B):
         """The rule of a reduction read from tiles of ``G_b`` (or a fused kernel's)."""

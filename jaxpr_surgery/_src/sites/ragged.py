@@ -168,6 +168,12 @@ class RaggedKernel(DenseKernel):
     def dense_layout(self):
         return None  # its ingredients hold the tokens and their groups, not the dispatch
 
+    def use_ghost(self):
+        """Ghost norms where the token pairs take at most half of ``G``'s memory (its
+        ghost form pairs the tokens of one group only: not `DenseKernel`'s cost model)."""
+        c = self.c
+        return 2 * c["N"] ** 2 <= c["C"] * c["F"]
+
     # operands ----------------------------------------------------------------- #
     def _operand(self, ext, i):
         v = self.site.eqn.invars[i]
