@@ -209,3 +209,38 @@ def test_clipped_mean_explain_names_one_pass():
     # a site where the ghost form wins keeps x and dy instead
     how = _leaf(_report(T=4, stat=js.stats.clipped_mean(1.0)), "fc").hows["clipped_mean"]
     assert how.startswith("ghost norm") and how.endswith("then weighted sum"), how
+
+
+def test_weighted_clipping_with_kept_products():
+    """example_weights through the kept products of the clipped sums (global and
+    per-leaf bounds), the norms and the tile loops, whole and in chunks of 2: the
+    frequency oracle (example b repeated w_b times) in float64."""
+    import zoo
+
+    with x64():
+        B = 5
+        p, batch = make_long(B=B, T=64, dtype=jnp.float64)
+        g = jax.tree.map(np.asarray, per_example_grads(long_loss, p, batch))
+        w = np.array([0, 2, 1, 3, 1])
+        rep = jax.tree.map(lambda x: np.repeat(x, w, axis=0), g)
+        bounds = {k: CLIP * (1 + i % 3) for i, k in enumerate(p)}
+        req = {"clipped_mean": js.stats.clipped_mean(CLIP), "variance": js.stats.variance(),
+               "sq_norms": js.stats.sq_norms(), "per_leaf": js.stats.clipped_sum(bounds)}
+
+        def per_leaf(x, c):
+            n = np.sqrt((x.reshape(x.shape[0], -1) ** 2).sum(1))
+            return np.tensordot(np.minimum(1.0, c / np.maximum(n, 1e-300)), x, 1)
+
+        want = {
+            "clipped_mean": zoo.oracle_from_grads(rep, "clipped_mean", clip_norm=CLIP),
+            "variance": zoo.oracle_from_grads(rep, "variance"),
+            "sq_norms": np.where(w > 0, zoo.oracle_from_grads(g, "sq_norms"), 0.0),
+            "per_leaf": {k: per_leaf(rep[k], bounds[k]) for k in rep},
+        }
+        for chunk in (None, 2):
+            out = jax.jit(js.per_example_stat(long_loss, req, chunk_size=chunk))(
+                p, batch, example_weights=w)
+            for k in req:
+                for a, e in zip(jax.tree.leaves(out[k]), jax.tree.leaves(want[k])):
+                    np.testing.assert_allclose(np.asarray(a), e, rtol=1e-8,
+                                               atol=1e-10 * np.abs(e).max(), err_msg=k)
