@@ -389,176 +389,16 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
     """Leaf ``i``'s report from the `engine.Plan` the statistics run (its analysis,
     modes and kernels). ``recompute``: clipped sums by a second backward pass
     (engine.clips_by_recompute)."""
-    an = plan.analysis
-    info = an.leaves[i]
+    info = plan.analysis.leaves[i]
     path, shape, dtype = prep.diff_paths[i], tuple(jnp.shape(x)), str(x.dtype)
-    size = math.prod(shape)
-    acc = acc_dtype_for(x.dtype)
-    itemsize = jnp.dtype(acc).itemsize
     kinds = [s.kind for s in info.sites]
-    if info.residual:
-        why = "; ".join(info.reasons)
-        return LeafReport(
-            path,
-            shape,
-            dtype,
-            kinds,
-            FALLBACK,
-            {n: FALLBACK for n in names},
-            "exact per-example gradients: " + why,
-            list(info.reasons),
-            float(2 * B * size),
-            float(B * size * itemsize),
-            {n: "exact per-example gradients" for n in names},
-        )
-    if not info.sites:
-        return LeafReport(
-            path,
-            shape,
-            dtype,
-            [],
-            UNUSED,
-            {n: UNUSED for n in names},
-            "does not affect the loss: zeros",
-            [],
-            0.0,
-            0.0,
-            {n: "does not affect the loss: zeros" for n in names},
-        )
-    ks = [plan.kernels[s.path] for s in info.sites]  # the kernels the engine runs
-    multi = len(info.sites) > 1
-    ghost_cross = multi and needs_norms(reductions) and shared_norms_by_ghost(
-        info.sites, ks, B, shape, acc)
-    leaf_tile = tiling.leaf_tile(B, shape, acc, budget, ks)  # as the engine sizes it
-    leaf_ft = leaf_feature_tile(B, shape, acc, budget, ks) if multi else None
-
-    def kron_streams():
-        """Token grams serve `KronSum` (every site's token factors line up in leaf axes)."""
-        ok = all(
-            (kron.leaf_axes(s) if multi else kron.leaf_map(s)) is not None
-            and hasattr(k, "kron_meta")
-            for s, k in zip(info.sites, ks)
-        ) and (not multi or len({k.kron_meta()[1] for k in ks}) == 1)
-        return ok and (not multi or all(not k.kron_meta()[0][1] for k in ks))  # no block dims
-
-    # which reductions the engine reads from tiles of the leaf's summed G, and whether
-    # the plain sums ride in that loop: the engine's own decision
-    tiled = set()
-    sum_rides = False
-    if multi:
-        kron_ok = kron_streams()  # (asked only of Kronecker moments)
-        reds = list(reductions)
-        idx, sum_rides = multi_site_routes(reds, ghost_cross, kron_ok, leaf_ft)
-        tiled = {reds[j] for j in idx if j is not None}
-
-    shared_cands = (
-        shared_norm_candidates(info.sites, ks, B, shape, acc)
-        if multi and needs_norms(reductions) else ()
-    )
-
-    def rule_of(r):
-        """(word, how, flops, bytes, candidates) of one reduction over the leaf's sites."""
-        own = S.lookup(leaf_rules, r)
-        if own is not None:
-            return [own(r)]
-        out = []
-        for n, (s, k) in enumerate(zip(info.sites, ks)):
-            reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
-            shared_text = _cost_text(shared_cands) if n == 0 else ""  # once per leaf
-            rl = k.rule(S.SqNorms() if r == S.Norms() else r, B)  # same rule
-            rl = dataclasses.replace(rl, how=rl.how + _cost_text(rl.candidates))
-            linear = r.linear
-            norms = S.is_norms(r) or r.weighted_by_norm
-            if multi and norms and ghost_cross:
-                rl = dataclasses.replace(
-                    rl, how=rl.how + " + ghost cross terms" + shared_text,
-                    candidates=rl.candidates + shared_cands,
-                )
-            elif multi and (r in tiled or (linear and sum_rides) or norms):
-                t = leaf_tile
-                cands = shared_cands if norms else ()
-                rl = Rule(
-                    STREAMED,
-                    f"tiled products of the shared leaf ({tiling.describe(t, leaf_ft, shape)})"
-                    + (shared_text if norms else ""),
-                    2.0 * B * size,
-                    float(tiling.tile_bytes(t, leaf_ft, shape, acc)),
-                    cands,
-                )
-            by = " per clip group" if _per_group(r) else ""
-            if r.weighted_by_norm and recompute:  # loss with remat
-                rl = dataclasses.replace(
-                    rl, how=rl.how + " then a reweighted backward pass (remat: nothing kept)" + by
-                )
-            elif r.weighted_by_norm and plan.modes[i] == "direct" and k.keeps_products_for_clip():
-                # the norms' products G_b are kept for the weighted sum (engine._site_request)
-                rl = dataclasses.replace(
-                    rl, how=rl.how + ", kept for the weighted sum" + by,
-                    bytes=rl.bytes + B * math.prod(s.view_shape) * itemsize,
-                )
-            elif r.weighted_by_norm:  # ingredients x and dy are kept until the norms
-                ing = sum(math.prod(v.aval.shape) for v in s.eqn.outvars) + sum(
-                    math.prod(v.aval.shape)
-                    for v, batched in zip(s.ext_vars, s.ext_batched)
-                    if batched
-                )
-                rl = dataclasses.replace(
-                    rl, how=rl.how + " then weighted sum" + by, bytes=rl.bytes + B * ing * itemsize
-                )
-            shared = rl.how.startswith("tiled products of the shared leaf")
-            label = f" [{s.kind}]" if multi and not shared else ""
-            out.append((rl.word, rl.how + label, rl.flops * reps, rl.bytes, rl.candidates))
-        return out
-
-    def dots_rule(r):
-        """Each site's contraction of the reference where its view permutes the leaf;
-        else tiles of the leaf's exact per-example gradients (engine._leaf_dots)."""
-        if all(kron.leaf_map(s) is not None for s in info.sites):
-            fl = sum(k.rule(S.SUM, B).flops for k in ks)  # one more contraction per site
-            return (STREAMED, "contraction with the reference", fl, 0.0, ())
-        t = leaf_tile
-        return (MATERIALISED, f"exact per-example gradients of the leaf ({t} "
-                f"example{'s' if t > 1 else ''}/tile)", 2.0 * B * size, float(t * size * itemsize),
-                ())
-
-    def kron_rule(r):
-        """Token grams where every site has token factors lining up in leaf axes (one
-        site, or a tied embedding); else tiles of the leaf's exact per-example gradients."""
-        if kron_streams():
-            metas = [k.kron_meta()[0] for k in ks]
-            tok = sum(m[0] for m in metas)
-            it_bytes = itemsize * (
-                2
-                * sum(
-                    m[0] * math.prod(m[2]) * math.prod(m[1])
-                    + m[0] * math.prod(m[3]) * math.prod(m[1])
-                    for m in metas
-                )
-                + 4 * tok * tok
-            )
-            per_ex = tiling.prefer_per_example() and tok > 1
-            t = tiling.tile_size(B, it_bytes, budget, batched_ok=not per_ex)
-            how = "token grams" + (" of the tied sites" if multi else "")
-            how += f" ({t} example{'s' if t > 1 else ''}/tile)"
-            return (STREAMED, how, kron.flops(metas, r, B), float(t * it_bytes), ())
-        if not multi and kron.leaf_map(info.sites[0]) is not None:
-            rl = ks[0].rule(r, B)  # a generic site: its own per-example VJP
-            return (rl.word, rl.how, rl.flops, rl.bytes, ())
-        t = leaf_tile
-        why = "a layer inside lax.scan or a reshaped view" if not multi else "sites do not line up"
-        return (
-            MATERIALISED,
-            f"exact per-example gradients of the leaf ({t} example{'s' if t > 1 else ''}/tile; "
-            f"{why})",
-            2.0 * B * size * (1 + sum(min(n, r.max_dim) for n in shape)),
-            float(t * size * itemsize),
-            (),
-        )
-
-    # reductions with a rule of their own over the leaf's sites, keyed by type
-    leaf_rules = {S.KronSum: kron_rule, dots.DotWith: dots_rule}
+    if info.residual or not info.sites:
+        return _trivial_report(info, path, shape, dtype, kinds, names, B,
+                               jnp.dtype(acc_dtype_for(x.dtype)).itemsize)
+    leaf = _LeafRules(plan, i, info, B, shape, acc_dtype_for(x.dtype), budget, reductions,
+                      recompute)
     rules, hows, parts, flops, mem = {}, {}, [], 0.0, 0.0
-    per_red = {r: rule_of(r) for r in reductions}
+    per_red = {r: leaf.rule_of(r) for r in reductions}
     clip_groups, cands = {}, {}
     for name, req in zip(names, reqs):
         entries = [e for r in req.values() for e in per_red[r]]
@@ -582,25 +422,169 @@ def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_note
     if views:
         parts.append(
             "view (the rules run on it): "
-            + "; ".join(f"[{k}] {v}" if multi else v for k, v in dict.fromkeys(views))
+            + "; ".join(f"[{k}] {v}" if leaf.multi else v for k, v in dict.fromkeys(views))
         )
     for s in info.sites:
         site_notes.setdefault(s.at, []).append({"leaf": path, "kind": s.kind, "rules": rules})
     return LeafReport(
-        path,
-        shape,
-        dtype,
-        kinds,
-        _dearest(rules.values()),
-        rules,
-        "; ".join(parts),
-        [],
-        float(flops),
-        float(mem),
-        hows,
-        clip_groups,
-        {k: v for k, v in cands.items() if v},
+        path, shape, dtype, kinds, _dearest(rules.values()), rules, "; ".join(parts), [],
+        float(flops), float(mem), hows, clip_groups, {k: v for k, v in cands.items() if v},
     )
+
+
+def _trivial_report(info, path, shape, dtype, kinds, names, B, itemsize):
+    """The report of a leaf computed from exact per-example gradients (no site rule
+    serves it), or of one that does not affect the loss."""
+    if info.residual:
+        size = math.prod(shape)
+        return LeafReport(
+            path, shape, dtype, kinds, FALLBACK, {n: FALLBACK for n in names},
+            "exact per-example gradients: " + "; ".join(info.reasons), list(info.reasons),
+            float(2 * B * size), float(B * size * itemsize),
+            {n: "exact per-example gradients" for n in names},
+        )
+    return LeafReport(
+        path, shape, dtype, [], UNUSED, {n: UNUSED for n in names},
+        "does not affect the loss: zeros", [], 0.0, 0.0,
+        {n: "does not affect the loss: zeros" for n in names},
+    )
+
+
+class _LeafRules:
+    """How the engine computes each reduction over one leaf's sites: its kernels, and
+    for a leaf with several sites the routes the engine decides (`multi_site_routes`,
+    the tied norms' cost model). `rule_of` gives ``(word, how, flops, bytes,
+    candidates)`` entries, one per site (or one for the leaf)."""
+
+    def __init__(self, plan, i, info, B, shape, acc, budget, reductions, recompute):
+        self.plan, self.i, self.info, self.B, self.shape = plan, i, info, B, shape
+        self.size, self.acc, self.budget = math.prod(shape), acc, budget
+        self.itemsize = jnp.dtype(acc).itemsize
+        self.recompute = recompute
+        self.ks = ks = [plan.kernels[s.path] for s in info.sites]  # what the engine runs
+        self.multi = multi = len(info.sites) > 1
+        norms = multi and needs_norms(reductions)
+        self.ghost_cross = norms and shared_norms_by_ghost(info.sites, ks, B, shape, acc)
+        self.leaf_tile = tiling.leaf_tile(B, shape, acc, budget, ks)  # as the engine sizes it
+        self.leaf_ft = leaf_feature_tile(B, shape, acc, budget, ks) if multi else None
+        # which reductions the engine reads from tiles of the leaf's summed G, and whether
+        # the plain sums ride in that loop: the engine's own decision
+        self.tiled, self.sum_rides = set(), False
+        if multi:
+            reds = list(reductions)
+            idx, self.sum_rides = multi_site_routes(
+                reds, self.ghost_cross, self.kron_streams(), self.leaf_ft)
+            self.tiled = {reds[j] for j in idx if j is not None}
+        self.shared_cands = (
+            shared_norm_candidates(info.sites, ks, B, shape, acc) if norms else ())
+        # reductions with a rule of their own over the leaf's sites, keyed by type
+        self.leaf_rules = {S.KronSum: self.kron_rule, dots.DotWith: self.dots_rule}
+
+    def kron_streams(self):
+        """Token grams serve `KronSum` (every site's token factors line up in leaf axes)."""
+        multi, ks = self.multi, self.ks
+        ok = all(
+            (kron.leaf_axes(s) if multi else kron.leaf_map(s)) is not None
+            and hasattr(k, "kron_meta")
+            for s, k in zip(self.info.sites, ks)
+        ) and (not multi or len({k.kron_meta()[1] for k in ks}) == 1)
+        return ok and (not multi or all(not k.kron_meta()[0][1] for k in ks))  # no block dims
+
+    def rule_of(self, r):
+        """The entries of one reduction over the leaf's sites."""
+        own = S.lookup(self.leaf_rules, r)
+        if own is not None:
+            return [own(r)]
+        return [self._site_rule(r, n, s, k)
+                for n, (s, k) in enumerate(zip(self.info.sites, self.ks))]
+
+    def _site_rule(self, r, n, s, k):
+        B, multi, itemsize = self.B, self.multi, self.itemsize
+        reps = math.prod(s.scan_lengths) if s.scan_lengths else 1
+        shared_text = _cost_text(self.shared_cands) if n == 0 else ""  # once per leaf
+        rl = k.rule(S.SqNorms() if r == S.Norms() else r, B)  # same rule
+        rl = dataclasses.replace(rl, how=rl.how + _cost_text(rl.candidates))
+        norms = S.is_norms(r) or r.weighted_by_norm
+        if multi and norms and self.ghost_cross:
+            rl = dataclasses.replace(
+                rl, how=rl.how + " + ghost cross terms" + shared_text,
+                candidates=rl.candidates + self.shared_cands,
+            )
+        elif multi and (r in self.tiled or (r.linear and self.sum_rides) or norms):
+            t, ft, shape = self.leaf_tile, self.leaf_ft, self.shape
+            rl = Rule(
+                STREAMED,
+                f"tiled products of the shared leaf ({tiling.describe(t, ft, shape)})"
+                + (shared_text if norms else ""),
+                2.0 * B * self.size,
+                float(tiling.tile_bytes(t, ft, shape, self.acc)),
+                self.shared_cands if norms else (),
+            )
+        by = " per clip group" if _per_group(r) else ""
+        if r.weighted_by_norm and self.recompute:  # loss with remat
+            rl = dataclasses.replace(
+                rl, how=rl.how + " then a reweighted backward pass (remat: nothing kept)" + by
+            )
+        elif (r.weighted_by_norm and self.plan.modes[self.i] == "direct"
+              and k.keeps_products_for_clip()):
+            # the norms' products G_b are kept for the weighted sum (engine._site_request)
+            rl = dataclasses.replace(
+                rl, how=rl.how + ", kept for the weighted sum" + by,
+                bytes=rl.bytes + B * math.prod(s.view_shape) * itemsize,
+            )
+        elif r.weighted_by_norm:  # ingredients x and dy are kept until the norms
+            ing = sum(math.prod(v.aval.shape) for v in s.eqn.outvars) + sum(
+                math.prod(v.aval.shape) for v, batched in zip(s.ext_vars, s.ext_batched)
+                if batched
+            )
+            rl = dataclasses.replace(
+                rl, how=rl.how + " then weighted sum" + by, bytes=rl.bytes + B * ing * itemsize
+            )
+        shared = rl.how.startswith("tiled products of the shared leaf")
+        label = f" [{s.kind}]" if multi and not shared else ""
+        return (rl.word, rl.how + label, rl.flops * reps, rl.bytes, rl.candidates)
+
+    def dots_rule(self, r):
+        """Each site's contraction of the reference where its view permutes the leaf;
+        else tiles of the leaf's exact per-example gradients (engine._leaf_dots)."""
+        if all(kron.leaf_map(s) is not None for s in self.info.sites):
+            fl = sum(k.rule(S.SUM, self.B).flops for k in self.ks)  # one more per site
+            return (STREAMED, "contraction with the reference", fl, 0.0, ())
+        t = self.leaf_tile
+        return (MATERIALISED, f"exact per-example gradients of the leaf ({t} "
+                f"example{'s' if t > 1 else ''}/tile)", 2.0 * self.B * self.size,
+                float(t * self.size * self.itemsize), ())
+
+    def kron_rule(self, r):
+        """Token grams where every site has token factors lining up in leaf axes (one
+        site, or a tied embedding); else tiles of the leaf's exact per-example gradients."""
+        B, multi, ks = self.B, self.multi, self.ks
+        if self.kron_streams():
+            metas = [k.kron_meta()[0] for k in ks]
+            tok = sum(m[0] for m in metas)
+            it_bytes = self.itemsize * (
+                2 * sum(m[0] * math.prod(m[2]) * math.prod(m[1])
+                        + m[0] * math.prod(m[3]) * math.prod(m[1]) for m in metas)
+                + 4 * tok * tok
+            )
+            per_ex = tiling.prefer_per_example() and tok > 1
+            t = tiling.tile_size(B, it_bytes, self.budget, batched_ok=not per_ex)
+            how = "token grams" + (" of the tied sites" if multi else "")
+            how += f" ({t} example{'s' if t > 1 else ''}/tile)"
+            return (STREAMED, how, kron.flops(metas, r, B), float(t * it_bytes), ())
+        if not multi and kron.leaf_map(self.info.sites[0]) is not None:
+            rl = ks[0].rule(r, B)  # a generic site: its own per-example VJP
+            return (rl.word, rl.how, rl.flops, rl.bytes, ())
+        t = self.leaf_tile
+        why = "a layer inside lax.scan or a reshaped view" if not multi else "sites do not line up"
+        return (
+            MATERIALISED,
+            f"exact per-example gradients of the leaf ({t} example{'s' if t > 1 else ''}/tile; "
+            f"{why})",
+            2.0 * B * self.size * (1 + sum(min(n, r.max_dim) for n in self.shape)),
+            float(t * self.size * self.itemsize),
+            (),
+        )
 
 
 def _per_group(r) -> bool:
