@@ -11,6 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpr_surgery as js
 
+pytestmark = pytest.mark.slow
+
 CASES = [n for n in zoo.ZOO if n not in zoo.LOW_PRECISION]
 
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import zoo
 
 import jaxpr_surgery as js
 from jaxpr_surgery._src.sites.embedding import canonical_ids, pack_ids, unpack_ids
@@ -15,6 +16,9 @@ from jaxpr_surgery._src.sites.embedding import canonical_ids, pack_ids, unpack_i
 def _per_example_grads(loss, params, batch):
     one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
     return jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch)
+
+
+_o = zoo.oracle_from_grads  # the oracle (tests/zoo.py), numpy float64
 
 
 def _x64(fn):
@@ -60,9 +64,9 @@ def test_narrow_ids(kind, id_dtype):
         loss, (js.stats.mean(), js.stats.second_moment(), js.stats.sq_norms()))(table, b)
     g = _per_example_grads(loss, table, b)
     np.testing.assert_allclose(m, jax.grad(loss)(table, b), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(m, g.mean(0), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(m2, (g**2).mean(0), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(sq, (g**2).sum((1, 2)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m, _o(g, "mean"), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m2, _o(g, "second_moment"), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sq, _o(g, "sq_norms"), rtol=1e-5, atol=1e-6)
 
 
 def test_canonical_ids_keep_meaning():
@@ -101,9 +105,8 @@ def test_tied_leaf_large_ids_exact():
         table, {"ids": ids})
     g = _per_example_grads(loss, table, {"ids": ids})
     rows = np.arange(2**24 - 2, V)
-    np.testing.assert_allclose(np.asarray(m)[rows], np.asarray(g.mean(0))[rows],
-                               rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(sq, (g**2).sum((1, 2)), rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(m)[rows], _o(g, "mean")[rows], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(sq, _o(g, "sq_norms"), rtol=1e-4)
 
 
 # --------------------------------------------------------------------------- #
@@ -141,10 +144,10 @@ def test_user_names_do_not_alias_builtins(name):
                "abs": js.stats.abs_mean(), "identity": js.stats.mean()}[name]
     got_cube, got_b = js.per_example_stat(loss, (cube, builtin))(w, b)
     g = _per_example_grads(loss, w, b)
-    np.testing.assert_allclose(got_cube, (g**3).mean(0), rtol=1e-5)
-    ref = {"square": (g**2).mean(0), "sign": jnp.sign(g).mean(0), "abs": jnp.abs(g).mean(0),
-           "identity": g.mean(0)}[name]
-    np.testing.assert_allclose(got_b, ref, rtol=1e-5)
+    np.testing.assert_allclose(got_cube, _o(g, "elementwise", phi=lambda x: x**3), rtol=1e-5)
+    ref = {"square": "second_moment", "sign": "sign_mean", "abs": "abs_mean",
+           "identity": "mean"}[name]
+    np.testing.assert_allclose(got_b, _o(g, ref), rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- #
@@ -177,9 +180,7 @@ def test_ghost_norms_cancellation_float32_vs_float64(which):
     def ref():
         l64, W64, b64 = _cancel_case(jnp.float64, which)
         g = _per_example_grads(l64, W64, b64)
-        n2 = (g**2).sum((1, 2))
-        cf = jnp.minimum(1.0, 1e-2 / jnp.sqrt(n2))
-        return np.asarray(n2), np.asarray((g * cf[:, None, None]).mean(0))
+        return _o(g, "sq_norms"), _o(g, "clipped_mean", clip_norm=1e-2)
 
     n2, cm_ref = _x64(ref)
     assert np.all(np.asarray(sq) >= 0)
@@ -380,7 +381,7 @@ def test_debug_print_of_parameters_is_no_fallback(capsys):
     assert rep.fallback_leaves == [], str(rep)
     m2 = js.per_example_stat(loss, js.stats.second_moment())(w, b)
     g = _per_example_grads(loss, w, b)
-    np.testing.assert_allclose(m2, (g**2).mean(0), rtol=1e-5)
+    np.testing.assert_allclose(m2, _o(g, "second_moment"), rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- #
@@ -413,9 +414,8 @@ def test_conv_statistics_match_oracle(cfg):
                  js.stats.sq_norms(), js.stats.clipped_mean(0.5))
         out = jax.jit(js.per_example_stat(loss, stats))(w64, b64)
         g = _per_example_grads(loss, w64, b64)
-        n2 = (g**2).reshape(g.shape[0], -1).sum(1)
-        ref = (g.mean(0), (g**2).mean(0), g.var(0, ddof=1), n2,
-               (g * jnp.minimum(1, 0.5 / jnp.sqrt(n2))[:, None, None, None, None]).mean(0))
+        ref = (_o(g, "mean"), _o(g, "second_moment"), _o(g, "variance"), _o(g, "sq_norms"),
+               _o(g, "clipped_mean", clip_norm=0.5))
         for a, e in zip(out, ref, strict=True):
             np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
         rep = js.explain(loss)(w64, b64)
@@ -468,11 +468,11 @@ def test_parameter_only_calls_are_sites_not_fallbacks(kind, dtype):
             loss, (js.stats.mean(), js.stats.variance(), js.stats.sq_norms()))(p, b)
         g = _per_example_grads(loss, p, b)
         tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-11)
+        mean, var = _o(g, "mean"), _o(g, "variance")
         for k in p:
-            np.testing.assert_allclose(got[0][k], g[k].mean(0), **tol)
-            np.testing.assert_allclose(got[1][k], jnp.var(g[k], 0, ddof=1), **tol)
-        sq = sum((x.reshape(B, -1) ** 2).sum(1) for x in jax.tree.leaves(g))
-        np.testing.assert_allclose(got[2], sq, **tol)
+            np.testing.assert_allclose(got[0][k], mean[k], **tol)
+            np.testing.assert_allclose(got[1][k], var[k], **tol)
+        np.testing.assert_allclose(got[2], _o(g, "sq_norms"), **tol)
 
     if dtype == jnp.float64:
         _x64(run)

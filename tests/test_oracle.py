@@ -34,6 +34,8 @@ from conftest import (
 
 import jaxpr_surgery as js
 
+pytestmark = pytest.mark.slow
+
 CASES = zoo.CORE_ZOO
 DTYPES = ["float32", "float64"]
 SINGLE = os.environ.get("JS_TEST_SINGLE", "") not in ("", "0")
