@@ -158,6 +158,15 @@ def make_lora(dtype=jnp.float32, seed=2, batch_size=B):
 MODELS = {"mlp": make_mlp, "transformer": make_transformer}
 
 
+def lin_case():
+    """A linear least-squares model's ``(w, batch)``, float32, B = 6 (for the API tests)."""
+    r = np.random.default_rng(5)
+    w = jnp.asarray(r.standard_normal(3), jnp.float32)
+    b = {"x": jnp.asarray(r.standard_normal((6, 3)), jnp.float32),
+         "y": jnp.asarray(r.standard_normal(6), jnp.float32)}
+    return w, b
+
+
 # --------------------------------------------------------------------------- #
 # Statistics and the oracle
 # --------------------------------------------------------------------------- #

@@ -654,8 +654,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 # --------------------------------------------------------------------------- #
 # The quick subset for contributors: pytest -m "not slow". A slow module says so itself
-# (``pytestmark = pytest.mark.slow``); test_architecture checks every module whose
-# tests take long is marked.
+# (``pytestmark = pytest.mark.slow``).
 # --------------------------------------------------------------------------- #
 
 

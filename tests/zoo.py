@@ -816,6 +816,19 @@ def _per_example_value_and_grads(case: ZooCase):
     return v, g
 
 
+def vmap_grads(loss, params, batch) -> PyTree:
+    """``jax.vmap(jax.grad(per-example loss))`` of any ``loss(params, batch)`` (a mean over
+    the batch): leaves ``[B, *leaf]``, in the params' dtype, as jax arrays."""
+    one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
+    return jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch)
+
+
+def in_x64(fn):
+    """``fn()`` with float64 enabled (``with x64(): return fn()``)."""
+    with x64():
+        return fn()
+
+
 def per_example_grads(case: ZooCase) -> PyTree:
     """``vmap(grad(per_example_loss))`` as a pytree of numpy arrays ``[B, *leaf]``.
 
