@@ -1,6 +1,6 @@
 """Small self-contained models (plain JAX) and a vmap(grad) oracle for the
 composition tests (jit, grad, vmap, pmap, shard_map, sharded jit, chunking,
-errors, tripwire, explain).
+errors, primitive coverage, explain).
 
 Every model is ``make_<name>(dtype=jnp.float32, seed=...) -> (loss, params, batch)``
 with ``loss(params, batch)`` a scalar *mean* over ``B = 8`` examples that do not

@@ -155,6 +155,24 @@ STATS: dict[str, StatSpec] = {
 
 STAT_IDS = list(STATS)
 
+#: One statistic per kind of reduction (stats.Statistic.reductions): the others of STATS
+#: differ from these in their finalize only, which sees the same reduced values. For the
+#: tests of the loops that reduce (tiles, feature blocks, chunks): each kind once.
+REDUCTION_STAT_IDS = [
+    "mean",  # SUM
+    "second_moment",  # PhiSum: square
+    "sign_mean",  # PhiSum: sign
+    "abs_mean",  # PhiSum: abs
+    "elementwise_sabs",  # a user's multiplicative PhiSum
+    "elementwise_cos",  # a user's PhiSum that is not multiplicative
+    "variance",  # Centered
+    "kurtosis",  # SUM, Centered and the PhiSums cube, |cube|, fourth power
+    "sq_norms_per_leaf",  # SqNorms
+    "norms",  # Norms
+    "clipped_mean",  # ClippedSum
+    "kron_moments_diag",  # KronSum (full matrices and diagonals)
+]
+
 
 # --------------------------------------------------------------------------- #
 # Tolerance profiles

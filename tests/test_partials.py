@@ -40,13 +40,8 @@ def _request(case_name, case):
     reference_grad = jax.tree.map(lambda x: jnp.cos(jnp.arange(x.size, dtype=x.dtype))
                                   .reshape(x.shape), case.params)
     stats.update({
-        "fourth_moment": js.stats.fourth_moment(),
-        "kurtosis": js.stats.kurtosis(),
-        "gradient_diversity": js.stats.gradient_diversity(),
-        "norm_quantiles": js.stats.norm_quantiles((0.0, 0.3, 0.5, 1.0)),
-        "norm_quantiles_global": js.stats.norm_quantiles(0.5, per_leaf=False),
+        "norm_quantile_scalar": js.stats.norm_quantiles(0.5, per_leaf=False),
         "noise_scale_components": js.stats.noise_scale_components(),
-        "kron_moments": js.stats.kron_moments(max_dim=6),
         "dots": js.stats.per_example_dots(reference_grad),
         "dots_per_leaf": js.stats.per_example_dots(reference_grad, per_leaf=True),
         "cosines": js.stats.per_example_cosines(reference_grad),

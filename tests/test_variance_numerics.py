@@ -98,7 +98,7 @@ def test_raw_form_within_its_bound_where_kept(monkeypatch, B, ratio):
 def test_float32_through_the_threshold(B, ratio):
     got, (_, ref) = _variance(B, ratio), _oracle(B, ratio)
     # the centred forms behind the raw one hold the near-cancelling elements to the
-    # same tolerance as tests/test_one_pass_centred.py
+    # same tolerance as the one-pass centred sums below
     np.testing.assert_allclose(got, ref, rtol=2e-2)
 
 
