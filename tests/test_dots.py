@@ -29,17 +29,11 @@ def _reference(params, seed=0):
 
 
 def _oracle(grads, ref):
-    """numpy: per-example dots per leaf and the global cosines."""
-    g = jax.tree.leaves(grads)
-    rf = [np.asarray(x, np.float64) for x in jax.tree.leaves(ref)]
-    assert len(g) == len(rf)
-    per_leaf = [np.einsum("bi,i->b", np.asarray(a, np.float64).reshape(a.shape[0], -1),
-                          b.reshape(-1)) for a, b in zip(g, rf)]
-    dot = sum(per_leaf)
-    gn = np.sqrt(sum(np.sum(np.asarray(a, np.float64).reshape(a.shape[0], -1) ** 2, 1)
-                     for a in g))
-    rn = np.sqrt(sum(np.sum(b**2) for b in rf))
-    return per_leaf, dot, dot / (gn * rn)
+    """The zoo's oracle: per-example dots per leaf, their sum and the global cosines."""
+    o = zoo.oracle_from_grads
+    return (jax.tree.leaves(o(grads, "per_example_dots", reference=ref, per_leaf=True)),
+            o(grads, "per_example_dots", reference=ref),
+            o(grads, "per_example_cosines", reference=ref))
 
 
 @pytest.mark.parametrize("name", CASES)

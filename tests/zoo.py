@@ -885,6 +885,8 @@ STAT_NAMES = (
     "gradient_diversity",
     "norm_quantiles",
     "kron_moments",
+    "per_example_dots",
+    "per_example_cosines",
 )
 
 
@@ -909,9 +911,9 @@ def oracle_from_grads(g: PyTree, stat_name: str, *, xp=np, **kw) -> PyTree:
     returns numpy arrays (pytree like params, a ``[B]`` array, a pytree of ``[B]``
     arrays, or a scalar as the statistic says). ``xp=jnp``: the same formulas in JAX in
     the gradients' own dtype, differentiable (the second-order tests differentiate the
-    oracle); ``elementwise``, ``norm_quantiles`` and ``kron_moments`` are numpy only.
-    Options as the constructors in ``js.stats`` take them (``clip_norm``, ``ddof``,
-    ``per_leaf``, ``phi``, ``q``, ``max_dim``).
+    oracle); ``elementwise``, ``norm_quantiles``, ``kron_moments`` and the dots and
+    cosines are numpy only. Options as the constructors in ``js.stats`` take them
+    (``clip_norm``, ``ddof``, ``per_leaf``, ``phi``, ``q``, ``max_dim``, ``reference``).
     """
     if xp is np:
         g = _f64(g)
@@ -991,6 +993,19 @@ def oracle_from_grads(g: PyTree, stat_name: str, *, xp=np, **kw) -> PyTree:
         return np.quantile(np.sqrt(_global_sq_norms(g)), q)
     if stat_name == "kron_moments":
         return tm(lambda x: kron_np(x, kw.get("max_dim", 1024)), g)
+    if stat_name in ("per_example_dots", "per_example_cosines"):
+        # kw["reference"]: a pytree like the gradients' leaves (None where a leaf has none)
+        refs = [np.asarray(r, np.float64) for r in jax.tree.leaves(kw["reference"])]
+        assert len(refs) == len(leaves), (len(refs), len(leaves))
+        per_leaf = [x.reshape(B, -1) @ r.reshape(-1) for x, r in zip(leaves, refs, strict=True)]
+        dots = sum(per_leaf)
+        if stat_name == "per_example_dots":
+            if kw.get("per_leaf", False):
+                return jax.tree.unflatten(jax.tree.structure(g), per_leaf)
+            return dots
+        den = np.sqrt(_global_sq_norms(g)) * np.sqrt(sum(np.sum(r**2) for r in refs))
+        with quiet():
+            return np.where(den > 0, dots / np.where(den > 0, den, 1.0), 0.0)
     raise ValueError(f"unknown statistic {stat_name!r}; known: {STAT_NAMES}")
 
 
