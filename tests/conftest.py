@@ -85,11 +85,13 @@ def _phi_sabs(g):  # g * |g|: odd, multiplicative
 
 @dataclasses.dataclass(frozen=True)
 class StatSpec:
-    """``make(clip)`` builds the statistic; ``oracle_name``/``oracle_kw(clip)`` the oracle."""
+    """``make(clip, params)`` builds the statistic; ``oracle_name`` and
+    ``oracle_kw(clip, params)`` the oracle's call (``params``: the case's, for statistics
+    that take a pytree like them)."""
 
-    make: Callable[[float], Any]
+    make: Callable[[float, Any], Any]
     oracle_name: str
-    oracle_kw: Callable[[float], dict]
+    oracle_kw: Callable[[float, Any], dict]
 
 
 def _spec(name, ctor_kw=None, oracle_name=None, oracle_kw=None, clip=None):
@@ -97,13 +99,13 @@ def _spec(name, ctor_kw=None, oracle_name=None, oracle_kw=None, clip=None):
     oracle_kw = dict(oracle_kw if oracle_kw is not None else ctor_kw)
     ctor = name
 
-    def make(c):
+    def make(c, params=None):
         kw = dict(ctor_kw)
         if clip is not None:
             kw["clip_norm"] = c
         return getattr(_js().stats, ctor)(**kw)
 
-    def okw(c):
+    def okw(c, params=None):
         kw = dict(oracle_kw)
         if clip is not None:
             kw["clip_norm"] = c
@@ -113,10 +115,36 @@ def _spec(name, ctor_kw=None, oracle_name=None, oracle_kw=None, clip=None):
 
 
 def _elementwise_spec(phi, multiplicative, name):
-    def make(c):
+    def make(c, params=None):
         return _js().stats.elementwise(phi, multiplicative=multiplicative, name=name)
 
-    return StatSpec(make, "elementwise", lambda c: {"phi": phi})
+    return StatSpec(make, "elementwise", lambda c, params=None: {"phi": phi})
+
+
+def dots_reference(params):
+    """A fixed random pytree like the float leaves of ``params`` (``None`` elsewhere), as
+    float32 numpy arrays: the same values for a case's float32 and float64 instances."""
+
+    def one(i, x):
+        if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact):
+            return None
+        r = np.random.default_rng((1234, i))
+        return r.standard_normal(np.shape(x)).astype(np.float32)
+
+    leaves, tree = jax.tree.flatten(params)
+    return jax.tree.unflatten(tree, [one(i, x) for i, x in enumerate(leaves)])
+
+
+def _dots_spec(name, per_leaf=None):
+    ctor_kw = {} if per_leaf is None else {"per_leaf": per_leaf}
+
+    def make(c, params):
+        return getattr(_js().stats, name)(dots_reference(params), **ctor_kw)
+
+    def okw(c, params):
+        return {"reference": dots_reference(params), **ctor_kw}
+
+    return StatSpec(make, name, okw)
 
 
 #: levels of the ``norm_quantiles`` specs: the extremes (min, max) and interpolated ones
@@ -151,6 +179,10 @@ STATS: dict[str, StatSpec] = {
     "norm_quantiles_global": _spec("norm_quantiles", {"q": QUANTILES, "per_leaf": False}),
     "kron_moments": _spec("kron_moments"),  # every axis a full matrix
     "kron_moments_diag": _spec("kron_moments", {"max_dim": 4}),  # most axes their diagonal
+    # inner products with a reference gradient (a fixed random pytree like the params)
+    "per_example_dots": _dots_spec("per_example_dots"),
+    "per_example_dots_per_leaf": _dots_spec("per_example_dots", per_leaf=True),
+    "per_example_cosines": _dots_spec("per_example_cosines"),
 }
 
 STAT_IDS = list(STATS)
@@ -231,13 +263,13 @@ class Reference:
 
     def stat(self, stat_id: str):
         spec = STATS[stat_id]
-        return spec.make(self.clip(stat_id))
+        return spec.make(self.clip(stat_id), self.case.params)
 
     def oracle(self, stat_id: str):
         if stat_id not in self._cache:
             spec = STATS[stat_id]
             self._cache[stat_id] = zoo.oracle_from_grads(
-                self.g, spec.oracle_name, **spec.oracle_kw(self.clip(stat_id))
+                self.g, spec.oracle_name, **spec.oracle_kw(self.clip(stat_id), self.case.params)
             )
         return self._cache[stat_id]
 
@@ -270,7 +302,7 @@ class Reference:
     def bound(self, stat_id: str, prof: Profile):
         """Allowed |actual - oracle| (pytree like the oracle's value)."""
         spec = STATS[stat_id]
-        name, kw = spec.oracle_name, spec.oracle_kw(self.clip(stat_id))
+        name, kw = spec.oracle_name, spec.oracle_kw(self.clip(stat_id), self.case.params)
         G, E, B = self.leaves, self.grad_err(prof), self.B
         val = self.oracle(stat_id)
         s = prof.safety
@@ -405,6 +437,19 @@ class Reference:
             else:
                 d = sum(flat_sq_err(g, e) for g, e in zip(G, E, strict=True))
                 b = np.full(nq, dnorm(d, self.norms**2))
+        elif name in ("per_example_dots", "per_example_cosines"):
+            R = [np.abs(np.asarray(r, np.float64)) for r in jax.tree.leaves(kw["reference"])]
+            # |<g_b + e_b, r> - <g_b, r>| <= <e_b, |r|>, per leaf
+            per = [(e * r).reshape(B, -1).sum(1) for e, r in zip(E, R, strict=True)]
+            if name == "per_example_dots":
+                b = jax.tree.unflatten(self.treedef, per) if kw.get("per_leaf") else sum(per)
+            else:
+                n, rn = self.norms, np.sqrt(sum(np.sum(r * r) for r in R))
+                dn = sum(flat_sq_err(g, e) for g, e in zip(G, E, strict=True)) / (
+                    2 * np.maximum(n, 1e-300))
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    r = sum(per) / (n * rn) + np.abs(val) * dn / n
+                b = np.where(n > 0, r, 0.0)
         elif name == "kron_moments":
             md = kw.get("max_dim", 1024)
             # every term of an entry is a product of two gradient entries: perturb |g| by e
@@ -625,7 +670,9 @@ def naive_stat(case, stat_id: str, ref: Reference):
     """The statistic from ``vmap(grad)`` in the case's own precision (a correct baseline)."""
     spec = STATS[stat_id]
     g = zoo.per_example_grads(case)
-    return zoo.oracle_from_grads(g, spec.oracle_name, **spec.oracle_kw(ref.clip(stat_id)))
+    return zoo.oracle_from_grads(
+        g, spec.oracle_name, **spec.oracle_kw(ref.clip(stat_id), ref.case.params)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -640,13 +687,23 @@ def js():
 # and per zoo case. With plain ``-n N`` (``--dist load``) this scheduler sends
 # all tests whose parameters name the same zoo case to one worker, so a case is
 # compiled by one worker only; other tests are distributed one by one as with
-# ``load``. (``--dist loadgroup`` + ``xdist_group`` marks would do this, but
+# ``load`` (except the modules of SHARED_FIXTURE_MODULES, kept whole). (``--dist
+# loadgroup`` + ``xdist_group`` marks would do this, but
 # xdist 3.8 renames node ids through ``item._nodeid``, which pytest 9.2 no
 # longer reads.) Another ``--dist`` mode is left alone.
 _ZOO_NAMES = sorted(zoo.ZOO, key=len, reverse=True)
 
+#: Modules whose module-scoped fixture is expensive (a subprocess running the benchmark
+#: or reproduction quick modes, a compiled multi-device reference): their tests stay on
+#: one worker, so the fixture runs once.
+SHARED_FIXTURE_MODULES = ("test_reproduce_quick.py", "test_benchmarks_quick.py",
+                          "test_across_devices.py")
+
 
 def _zoo_scope(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    if module.rsplit("/", 1)[-1] in SHARED_FIXTURE_MODULES:
+        return f"module::{module}"
     i = nodeid.find("[")
     if i >= 0:
         params = nodeid[i + 1 : nodeid.rfind("]")]

@@ -153,6 +153,7 @@ def _chunk_loops(loss, stat, params, batch, chunk_size="auto"):
 # B=8: four chunks of 2, the first before a loop of 3; B=7: two chunks of 3, the
 # first before a loop of 1, and a remainder of 1. Each model, dtype and shape once
 # (a pairwise cover of the 2 x 2 x 2 grid: each case compiles every statistic).
+@pytest.mark.slow  # every statistic compiled in chunks on the transformer
 @pytest.mark.parametrize(
     "name,dtype,B,chunk,loops",
     [

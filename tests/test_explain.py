@@ -205,6 +205,7 @@ def _temp(f, p, b):
     return jax.jit(f).lower(p, b).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # compiles four statistics and grad per model
 @pytest.mark.parametrize("name", ["mlp", "transformer", "tied", "lora"])
 def test_predicted_memory_within_1_5x_of_xla(name):
     """grad's temporary memory plus explain's predicted extra is within 1.5x of XLA's

@@ -20,6 +20,8 @@ import jaxpr_surgery as js
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src import tiling
 
+pytestmark = pytest.mark.slow
+
 # token-axis dense sites, tied tables, layers inside a scan
 CASES = ["transformer", "transformer_rms_swiglu", "transformer_scan_remat"]
 

@@ -25,7 +25,8 @@ from conftest import (
 pytestmark = pytest.mark.slow
 
 FRAMEWORK_STATS = ["mean", "second_moment", "variance", "sq_norms", "clipped_mean",
-                   "kron_moments", "kron_moments_diag"]
+                   "kron_moments", "kron_moments_diag", "per_example_dots_per_leaf",
+                   "per_example_cosines"]
 DTYPES = ["float32", "float64"]
 
 _MODULE = {

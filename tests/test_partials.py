@@ -37,14 +37,9 @@ def _request(case_name, case):
     """Every statistic of js.stats (the conftest list with its clip norms, and the rest)."""
     ref = reference(case_name)
     stats = {sid: ref.stat(sid) for sid in STAT_IDS}
-    reference_grad = jax.tree.map(lambda x: jnp.cos(jnp.arange(x.size, dtype=x.dtype))
-                                  .reshape(x.shape), case.params)
     stats.update({
         "norm_quantile_scalar": js.stats.norm_quantiles(0.5, per_leaf=False),
         "noise_scale_components": js.stats.noise_scale_components(),
-        "dots": js.stats.per_example_dots(reference_grad),
-        "dots_per_leaf": js.stats.per_example_dots(reference_grad, per_leaf=True),
-        "cosines": js.stats.per_example_cosines(reference_grad),
         "example_count": js.optim.example_count(),
     })
     return stats
