@@ -18,8 +18,6 @@ from jax import lax
 import jaxpr_surgery as js
 from jaxpr_surgery._src import compat
 
-pytestmark = pytest.mark.slow
-
 try:
     import zoo
 except ImportError:  # pragma: no cover - zoo.py is owned by another test module

@@ -14,8 +14,6 @@ import zoo
 
 import jaxpr_surgery as js
 
-pytestmark = pytest.mark.slow
-
 
 def test_kurtosis_of_gaussian_and_cancellation():
     r = np.random.default_rng(0)
