@@ -1,12 +1,13 @@
 """Small self-contained models (plain JAX) and a vmap(grad) oracle for the
 composition tests (jit, grad, vmap, pmap, shard_map, sharded jit, chunking,
-errors, tripwire, explain).
+errors, primitive coverage, explain).
 
 Every model is ``make_<name>(dtype=jnp.float32, seed=...) -> (loss, params, batch)``
 with ``loss(params, batch)`` a scalar *mean* over ``B = 8`` examples that do not
-interact. ``oracle(loss, params, batch)`` returns every statistic of ``api.md``
-computed from ``jax.vmap(jax.grad(per_example_loss))`` (reductions in numpy
-float64), and ``STATS`` pairs each statistic's name with its constructor.
+interact. ``oracle(loss, params, batch)`` returns every statistic of ``STATS``
+computed from ``jax.vmap(jax.grad(per_example_loss))`` by the zoo's oracle
+(``zoo.oracle_from_grads``: reductions in numpy float64), and ``STATS`` pairs each
+statistic's name with its constructor.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import zoo
 
 import jaxpr_surgery as js
 
@@ -156,6 +158,15 @@ def make_lora(dtype=jnp.float32, seed=2, batch_size=B):
 MODELS = {"mlp": make_mlp, "transformer": make_transformer}
 
 
+def lin_case():
+    """A linear least-squares model's ``(w, batch)``, float32, B = 6 (for the API tests)."""
+    r = np.random.default_rng(5)
+    w = jnp.asarray(r.standard_normal(3), jnp.float32)
+    b = {"x": jnp.asarray(r.standard_normal((6, 3)), jnp.float32),
+         "y": jnp.asarray(r.standard_normal(6), jnp.float32)}
+    return w, b
+
+
 # --------------------------------------------------------------------------- #
 # Statistics and the oracle
 # --------------------------------------------------------------------------- #
@@ -195,57 +206,22 @@ def per_example_grads(loss, params, batch):
     return jax.vmap(jax.grad(per_example_loss(loss)), in_axes=(None, 0))(params, batch)
 
 
-def stats_from_grads(g, clip_norm=CLIP, xp=np):
-    """Every statistic of ``api.md`` from per-example grads ``g`` (leaves ``[B, ...]``).
-
-    ``xp=np``: reductions in numpy float64 (the oracle). ``xp=jnp``: the same
-    formulas in JAX (differentiable; used by the second-order tests).
-    """
-    if xp is np:
-        g = jax.tree.map(lambda a: np.asarray(a, dtype=np.float64), g)
-    tm = jax.tree.map
-    leaves = jax.tree.leaves(g)
-    n = leaves[0].shape[0]
-    sq = sum(xp.sum(xp.square(x).reshape(n, -1), axis=1) for x in leaves)
-    norm = xp.sqrt(sq)
-    safe = xp.where(norm > 0, norm, 1.0)
-    factor = xp.where(norm > 0, xp.minimum(1.0, clip_norm / safe), 1.0)
-    mean = tm(lambda x: x.mean(0), g)
-    var = tm(lambda x: xp.square(x - x.mean(0)).sum(0) / (n - 1), g)
-
-    def snr(m, v):
-        sig = xp.square(m)
-        out = xp.where(v > 0, sig / xp.where(v > 0, v, 1.0), xp.where(sig > 0, xp.inf, 0.0))
-        return xp.where(xp.isnan(sig) | xp.isnan(v), xp.nan, out)  # NaN in, NaN out
-
-    clipped_sum = tm(lambda x: xp.tensordot(factor, x, axes=(0, 0)), g)
-    return {
-        "mean": mean,
-        "sum": tm(lambda x: x.sum(0), g),
-        "second_moment": tm(lambda x: xp.square(x).mean(0), g),
-        "variance": var,
-        "sign_mean": tm(lambda x: xp.sign(x).mean(0), g),
-        "abs_mean": tm(lambda x: xp.abs(x).mean(0), g),
-        "sq_norms": sq,
-        "norms": norm,
-        "clipped_mean": tm(lambda x: x / n, clipped_sum),
-        "clipped_sum": clipped_sum,
-        "snr": tm(snr, mean, var),
-        "gradient_noise_scale": _gns(mean, var, n, xp),
-    }
+def oracle_kwargs(name, clip_norm=CLIP):
+    """The options of statistic ``name`` of :data:`STATS` for ``zoo.oracle_from_grads``."""
+    return {"clip_norm": clip_norm} if name.startswith("clipped_") else {}
 
 
-def _gns(mean, var, B, xp):
-    """Unbiased simple noise scale: tr / (|mean|^2 - tr / B), inf where that is <= 0."""
-    tr = sum(xp.sum(v) for v in jax.tree.leaves(var))
-    g2 = sum(xp.sum(xp.square(m)) for m in jax.tree.leaves(mean)) - tr / B
-    return xp.where(g2 > 0, tr / xp.where(g2 > 0, g2, 1), xp.inf) + 0 * (tr + g2)
+def stats_of_grads(g, names=STAT_NAMES, clip_norm=CLIP, xp=np):
+    """``{name: zoo.oracle_from_grads(g, name)}`` for the statistics of :data:`STATS`:
+    numpy float64, or ``xp=jnp`` in JAX (differentiable, for the second-order tests)."""
+    return {k: zoo.oracle_from_grads(g, k, xp=xp, **oracle_kwargs(k, clip_norm)) for k in names}
 
 
 def oracle(loss, params, batch, clip_norm=CLIP):
-    """Every statistic from ``jax.vmap(jax.grad(per_example_loss))`` (numpy float64)."""
+    """Every statistic of :data:`STATS` from ``jax.vmap(jax.grad(per_example_loss))``
+    (the zoo's oracle, tests/zoo.py: numpy float64)."""
     g = jax.jit(per_example_grads, static_argnums=0)(loss, params, batch)
-    return stats_from_grads(g, clip_norm)
+    return stats_of_grads(g, clip_norm=clip_norm)
 
 
 # --------------------------------------------------------------------------- #
@@ -317,8 +293,7 @@ def oracle_of(name):
     """:func:`oracle` of model ``name`` (cached; per-example grads under jit)."""
     if name not in _ORACLES:
         loss, params, batch = get(name)
-        g = jax.jit(per_example_grads, static_argnums=0)(loss, params, batch)
-        _ORACLES[name] = stats_from_grads(g)
+        _ORACLES[name] = oracle(loss, params, batch)
     return _ORACLES[name]
 
 

@@ -169,7 +169,7 @@ def test_chunked_one_pass_variance_keeps_the_shift_bound(B):
     spread, an outlier or the only non-zero example first, heavy tails), float32
     chunks of 1, 3 and 7 stay within the bound of `MAX_SHIFT_AMPLIFICATION`, as the
     whole batch does (B = 257 with chunks of 1 re-centres at 32 examples)."""
-    from test_one_pass_centred import _cases, _rel
+    from test_variance_numerics import _cases, _rel
 
     from jaxpr_surgery._src import stats as S
 

@@ -1,4 +1,5 @@
-"""per_example_dots / per_example_cosines against vmap(grad) on the zoo and site kinds."""
+"""per_example_dots / per_example_cosines against vmap(grad) on site kinds, under jit with
+a traced reference, and their errors (the zoo: the oracle matrix, test_oracle.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpr_surgery as js
 
-CASES = [n for n in zoo.ZOO if n not in zoo.LOW_PRECISION]
-
+pytestmark = pytest.mark.slow
 
 def _reference(params, seed=0):
     """A random pytree shaped like the array leaves of ``params`` (None elsewhere)."""
@@ -27,40 +27,15 @@ def _reference(params, seed=0):
 
 
 def _oracle(grads, ref):
-    """numpy: per-example dots per leaf and the global cosines."""
-    g = jax.tree.leaves(grads)
-    rf = [np.asarray(x, np.float64) for x in jax.tree.leaves(ref)]
-    assert len(g) == len(rf)
-    per_leaf = [np.einsum("bi,i->b", np.asarray(a, np.float64).reshape(a.shape[0], -1),
-                          b.reshape(-1)) for a, b in zip(g, rf)]
-    dot = sum(per_leaf)
-    gn = np.sqrt(sum(np.sum(np.asarray(a, np.float64).reshape(a.shape[0], -1) ** 2, 1)
-                     for a in g))
-    rn = np.sqrt(sum(np.sum(b**2) for b in rf))
-    return per_leaf, dot, dot / (gn * rn)
+    """The zoo's oracle: per-example dots per leaf, their sum and the global cosines."""
+    o = zoo.oracle_from_grads
+    return (jax.tree.leaves(o(grads, "per_example_dots", reference=ref, per_leaf=True)),
+            o(grads, "per_example_dots", reference=ref),
+            o(grads, "per_example_cosines", reference=ref))
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_oracle_float64_and_float32(name):
-    with zoo.x64():
-        case = zoo.get_case(name, jnp.float64)
-        ref = _reference(case.params)
-        stats = {"dots": js.stats.per_example_dots(ref),
-                 "leaf": js.stats.per_example_dots(ref, per_leaf=True),
-                 "cos": js.stats.per_example_cosines(ref)}
-        got = js.per_example_stat(case.loss_fn, stats)(case.params, case.batch)
-        per_leaf, dot, cos = _oracle(zoo.per_example_grads(case), ref)
-        scale = np.max(np.abs(dot))
-        np.testing.assert_allclose(got["dots"], dot, rtol=1e-10, atol=1e-12 * scale)
-        np.testing.assert_allclose(got["cos"], cos, rtol=1e-9, atol=1e-12)
-        for a, w in zip(jax.tree.leaves(got["leaf"]), per_leaf):
-            np.testing.assert_allclose(a, w, rtol=1e-9, atol=1e-12 * scale)
-    case32 = zoo.get_case(name, jnp.float32)
-    ref32 = jax.tree.map(lambda x: None if x is None else x.astype(jnp.float32), ref,
-                         is_leaf=lambda x: x is None)
-    got32 = js.per_example_stat(case32.loss_fn, js.stats.per_example_cosines(ref32))(
-        case32.params, case32.batch)
-    np.testing.assert_allclose(got32, cos, atol=2e-4)
+# Every zoo case (core and frameworks, bf16 internals too) in float64 and float32: the
+# oracle matrix ("per_example_dots*", "per_example_cosines" in conftest.STATS).
 
 
 def _tied(p, b):

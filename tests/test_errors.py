@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import zoo
 from jax import lax
 
 import jaxpr_surgery as js
@@ -495,3 +496,104 @@ def test_check_per_example_with_aux_and_several_argnums():
 
     assert js.check_per_example(loss, argnums=(0, 1), batch_argnums=2, has_aux=True)(
         p["w"], p["v"], b) is None
+
+
+# --------------------------------------------------------------------------- #
+# A user's statistic never aliases a built-in of the same name
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("name", ["square", "sign", "abs", "identity"])
+def test_user_names_do_not_alias_builtins(name):
+    loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)  # noqa: E731
+    r = np.random.default_rng(3)
+    w = jnp.asarray(r.standard_normal(3), jnp.float32)
+    b = {"x": jnp.asarray(r.standard_normal((5, 3)), jnp.float32),
+         "y": jnp.asarray(r.standard_normal(5), jnp.float32)}
+    cube = js.stats.elementwise(lambda g: g**3, multiplicative=True, name=name)
+    builtin = {"square": js.stats.second_moment(), "sign": js.stats.sign_mean(),
+               "abs": js.stats.abs_mean(), "identity": js.stats.mean()}[name]
+    got_cube, got_b = js.per_example_stat(loss, (cube, builtin))(w, b)
+    g = zoo.vmap_grads(loss, w, b)
+    cube_ref = zoo.oracle_from_grads(g, "elementwise", phi=lambda x: x**3)
+    np.testing.assert_allclose(got_cube, cube_ref, rtol=1e-5)
+    ref = {"square": "second_moment", "sign": "sign_mean", "abs": "abs_mean",
+           "identity": "mean"}[name]
+    np.testing.assert_allclose(got_b, zoo.oracle_from_grads(g, ref), rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- #
+# Clipping bounds; estimates undefined at the batch size
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), np.float32(0), np.float64("nan"),
+                                 np.float32(-2), jnp.asarray(-1.0), jnp.asarray(0.0)])
+def test_bad_concrete_clip_bounds_raise(bad):
+    with pytest.raises(ValueError, match="clip_norm"):
+        js.stats.clipped_mean(bad)
+    with pytest.raises(ValueError, match="clip_norm"):
+        js.stats.clipped_sum(bad)
+
+
+def test_concrete_numpy_bound_works():
+    loss = lambda w, b: jnp.mean((b["x"] @ w) ** 2)  # noqa: E731
+    w, b = jnp.ones(3), {"x": jnp.arange(12.0).reshape(4, 3)}
+    a = js.per_example_stat(loss, js.stats.clipped_mean(np.float32(2.0)))(w, b)
+    c = js.per_example_stat(loss, js.stats.clipped_mean(2.0))(w, b)
+    np.testing.assert_allclose(a, c)
+
+
+@pytest.mark.parametrize("bound", [float("nan"), 0.0, -1.0])
+def test_traced_bad_bound_poisons(bound):
+    loss = lambda w, b: jnp.mean((b["x"] @ w) ** 2)  # noqa: E731
+    w, b = jnp.ones(3), {"x": jnp.arange(12.0).reshape(4, 3)}
+    f = jax.jit(lambda w, b, C: js.per_example_stat(loss, js.stats.clipped_mean(C))(w, b))
+    out = f(w, b, jnp.float32(bound))
+    assert np.all(np.isnan(out)), out
+    ok = f(w, b, jnp.float32(np.inf))
+    np.testing.assert_allclose(ok, jax.grad(loss)(w, b), rtol=1e-5)
+
+
+@pytest.mark.parametrize("stat,B", [(lambda: js.stats.variance(), 1),
+                                    (lambda: js.stats.variance(ddof=3), 3),
+                                    (lambda: js.stats.snr(), 1),
+                                    (lambda: js.stats.gradient_noise_scale(), 1)])
+def test_undefined_estimates_raise(stat, B):
+    loss = lambda w, b: jnp.mean((b["x"] @ w) ** 2)  # noqa: E731
+    w, b = jnp.ones(3), {"x": jnp.arange(3.0 * B).reshape(B, 3)}
+    with pytest.raises(ValueError, match=f"B={B}"):
+        js.per_example_stat(loss, stat())(w, b)
+
+
+# --------------------------------------------------------------------------- #
+# check_per_example compares gradients, accepts sum losses; aux must be arrays
+# --------------------------------------------------------------------------- #
+def test_check_per_example_catches_gradient_only_interaction():
+    w, b = M.lin_case()
+
+    def loss(w, b):  # value: the mean loss; gradient scaled by a batch statistic
+        per = (b["x"] @ w - b["y"]) ** 2
+        s = jnp.std(b["x"] @ w)
+        return jnp.mean(per) + jnp.mean(per) * (s - jax.lax.stop_gradient(s))
+
+    # the loss value equals the mean of per-example losses ...
+    np.testing.assert_allclose(loss(w, b), jnp.mean((b["x"] @ w - b["y"]) ** 2), rtol=1e-6)
+    with pytest.raises(ValueError, match="gradients do not"):
+        js.check_per_example(loss)(w, b)
+
+
+def test_check_per_example_accepts_sum_losses_and_rejects_jit():
+    w, b = M.lin_case()
+    sum_loss = lambda w, b: jnp.sum((b["x"] @ w - b["y"]) ** 2)  # noqa: E731
+    assert js.check_per_example(sum_loss)(w, b) is None
+    with pytest.raises(TypeError, match="outside jit"):
+        jax.jit(lambda w, b: js.check_per_example(sum_loss)(w, b))(w, b)
+    with pytest.raises(ValueError, match="empty"):
+        js.check_per_example(sum_loss)(w, {"x": b["x"][:0], "y": b["y"][:0]})
+
+
+def test_string_in_aux_is_a_clear_error():
+    w, b = M.lin_case()
+
+    def loss(w, b):
+        return jnp.mean((b["x"] @ w - b["y"]) ** 2), {"note": "hello"}
+
+    with pytest.raises(TypeError, match="not an array in its aux output"):
+        js.per_example_stat(loss, js.stats.mean(), has_aux=True)(w, b)

@@ -6,7 +6,10 @@ import json
 
 import _models as M
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+import zoo
 
 import jaxpr_surgery as js
 
@@ -220,6 +223,7 @@ def _untied_embedding():
     return loss, p, b
 
 
+@pytest.mark.slow  # compiles four statistics and grad per model
 @pytest.mark.parametrize("name", ["mlp", "transformer", "tied", "lora", "embedding"])
 def test_predicted_memory_within_1_5x_of_xla(name):
     """grad's temporary memory plus explain's predicted extra is within 1.5x of XLA's
@@ -491,3 +495,21 @@ def dataclasses_replace(obj, **kw):
     import dataclasses
 
     return dataclasses.replace(obj, **kw)
+
+
+# --------------------------------------------------------------------------- #
+# jax.debug.print of parameters is no fallback
+# --------------------------------------------------------------------------- #
+def test_debug_print_of_parameters_is_no_fallback(capsys):
+    w, b = M.lin_case()
+
+    def loss(w, b):
+        jax.debug.print("w[0]={x}", x=w[0])
+        jax.debug.print("w={w}", w=w)
+        return jnp.mean((b["x"] @ w - b["y"]) ** 2)
+
+    rep = js.explain(loss)(w, b)
+    assert rep.fallback_leaves == [], str(rep)
+    m2 = js.per_example_stat(loss, js.stats.second_moment())(w, b)
+    g = zoo.vmap_grads(loss, w, b)
+    np.testing.assert_allclose(m2, zoo.oracle_from_grads(g, "second_moment"), rtol=1e-5)

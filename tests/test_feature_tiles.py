@@ -14,25 +14,28 @@ import numpy as np
 import pytest
 import zoo
 from _models import assert_tree_close, oracle
-from conftest import STAT_IDS, check_against_reference, reference, run_stat
+from conftest import REDUCTION_STAT_IDS, check_against_reference, reference, run_stat
 
 import jaxpr_surgery as js
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src import tiling
 
+pytestmark = pytest.mark.slow
+
 # token-axis dense sites, tied tables, layers inside a scan
 CASES = ["transformer", "transformer_rms_swiglu", "transformer_scan_remat"]
 
 
-# every case in float64 (the tight tolerances), float32 on the first (each case compiles
-# every statistic in tiny blocks: the suite's time)
+# every case in float64 (the tight tolerances), float32 on the first; one statistic per
+# kind of reduction (conftest.REDUCTION_STAT_IDS: the blocks loop over reductions, and
+# each case compiles them in tiny blocks: the suite's time)
 @pytest.mark.parametrize(
     "case_name,dtype", [(c, "float64") for c in CASES] + [(CASES[0], "float32")])
 def test_zoo_in_tiny_feature_blocks(blocks, case_name, dtype):
     ref = reference(case_name)
     case = zoo.get_case(case_name, dtype)
-    out = run_stat(case, {sid: ref.stat(sid) for sid in STAT_IDS})
-    for sid in STAT_IDS:
+    out = run_stat(case, {sid: ref.stat(sid) for sid in REDUCTION_STAT_IDS})
+    for sid in REDUCTION_STAT_IDS:
         check_against_reference(out[sid], case_name, sid, dtype)
     assert blocks, "no site was cut into feature blocks"
     assert any(shape[axis] % size for axis, size, shape in blocks), "no remainder block"

@@ -22,7 +22,11 @@ from conftest import (
     run_stat,
 )
 
-FRAMEWORK_STATS = ["mean", "second_moment", "variance", "sq_norms", "clipped_mean"]
+pytestmark = pytest.mark.slow
+
+FRAMEWORK_STATS = ["mean", "second_moment", "variance", "sq_norms", "clipped_mean",
+                   "kron_moments", "kron_moments_diag", "per_example_dots_per_leaf",
+                   "per_example_cosines"]
 DTYPES = ["float32", "float64"]
 
 _MODULE = {

@@ -132,3 +132,35 @@ def test_jit_keep_batch_dim_false():
     ora = M.oracle_of("mlp")
     for k in stat:
         M.assert_stat_close(k, out[k], ora[k])
+
+
+# --------------------------------------------------------------------------- #
+# Keyword arguments; eager calls trace once per signature
+# --------------------------------------------------------------------------- #
+def test_keyword_arguments_pass_through():
+    def loss(w, b, scale=1.0):
+        return scale * jnp.mean((b["x"] @ w) ** 2)
+
+    w, b = jnp.ones(3), {"x": jnp.arange(12.0).reshape(4, 3)}
+    m = js.per_example_stat(loss, js.stats.mean())(w, b, scale=2.0)
+    np.testing.assert_allclose(m, jax.grad(loss)(w, b, scale=2.0), rtol=1e-6)
+    (l, ), _ = (js.value_and_per_example_stat(loss, js.stats.mean())(w, b, scale=3.0)[0],), None
+    np.testing.assert_allclose(l, loss(w, b, scale=3.0), rtol=1e-6)
+
+
+def test_eager_calls_trace_once_per_signature():
+    w, b = M.lin_case()
+    count = {"n": 0}
+
+    def loss(w, b):
+        count["n"] += 1
+        return jnp.mean((b["x"] @ w - b["y"]) ** 2)
+
+    f = js.per_example_stat(loss, js.stats.second_moment())
+    first = f(w, b)
+    n = count["n"]
+    second = f(w + 1.0, b)  # same signature: no new trace
+    assert count["n"] == n
+    assert not np.allclose(first, second)
+    f(w, {"x": b["x"][:4], "y": b["y"][:4]})  # new shape: traced again
+    assert count["n"] > n

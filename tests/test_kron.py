@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpr_surgery as js
 
-MAX_DIMS = (1024, 4)  # every axis a full matrix / most axes diagonal
+pytestmark = pytest.mark.slow
 
 
 def kron_np(g, max_dim):
@@ -50,28 +50,9 @@ def _case_kron(case, max_dim, **kw):
     )
 
 
-CASES = [n for n in zoo.ZOO if n not in zoo.LOW_PRECISION]
-
-
-@pytest.mark.parametrize("max_dim", MAX_DIMS)
-@pytest.mark.parametrize("name", CASES)
-def test_oracle_float64(name, max_dim):
-    with zoo.x64():
-        case = zoo.get_case(name, jnp.float64)
-        got = _case_kron(case, max_dim)
-        want = oracle(zoo.per_example_grads(case), max_dim)
-    assert_kron_close(got, want, 1e-10, f"{name} f64 max_dim={max_dim}")
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_oracle_float32(name):
-    case = zoo.get_case(name, jnp.float32)
-    got = _case_kron(case, 16)
-    with zoo.x64():
-        want = oracle(zoo.per_example_grads(zoo.get_case(name, jnp.float64)), 16)
-    for a in jax.tree.leaves(got):
-        assert a.dtype == jnp.float32
-    assert_kron_close(got, want, 2e-4, f"{name} f32")
+# Every zoo case (core and frameworks) against the oracle, float64 and float32, with every
+# axis a full matrix (max_dim=1024) and most axes diagonal (max_dim=4): the oracle matrix
+# (test_oracle.py, test_frameworks.py; "kron_moments*" in conftest.STATS).
 
 
 def test_low_precision_params_give_float32():

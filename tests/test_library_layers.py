@@ -17,6 +17,8 @@ import pytest
 
 import jaxpr_surgery as js
 
+pytestmark = pytest.mark.slow
+
 B, T, D, V = 4, 6, 8, 40
 DOC = Path(__file__).resolve().parent.parent / "docs" / "howto" / "frameworks.md"
 START, END = "<!-- layer-table:start -->", "<!-- layer-table:end -->"

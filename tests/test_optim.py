@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import zoo
 
 import jaxpr_surgery.optim as jso
 from jaxpr_surgery._src import optim as _optim_pkg
@@ -65,24 +66,15 @@ def _per_example_grads(params, curv, centers):
 
 
 def _oracle_stats(per_ex, keys, clip_norm=None):
-    """The statistics named by ``keys`` from materialised per-example gradients."""
+    """The statistics named by ``keys`` from materialised per-example gradients (the
+    zoo's oracle, in JAX: these run inside jitted optimizer steps)."""
     n = jax.tree.leaves(per_ex)[0].shape[0]
     out = {}
     for k in keys:
-        if k == "mean":
-            out[k] = jax.tree.map(lambda g: g.mean(0), per_ex)
-        elif k == "second_moment":
-            out[k] = jax.tree.map(lambda g: (g**2).mean(0), per_ex)
-        elif k == "variance":
-            out[k] = jax.tree.map(lambda g: g.var(0, ddof=1), per_ex)
-        elif k == "sign_mean":
-            out[k] = jax.tree.map(lambda g: jnp.sign(g).mean(0), per_ex)
+        if k in ("mean", "second_moment", "variance", "sign_mean"):
+            out[k] = zoo.oracle_from_grads(per_ex, k, xp=jnp)
         elif k == "clipped_sum":
-            sq = sum(jnp.sum(g.reshape(n, -1) ** 2, axis=1) for g in jax.tree.leaves(per_ex))
-            scale = jnp.minimum(1.0, clip_norm / jnp.sqrt(sq))
-            out[k] = jax.tree.map(
-                lambda g, s=scale: jnp.einsum("b,b...->...", s.astype(g.dtype), g), per_ex
-            )
+            out[k] = zoo.oracle_from_grads(per_ex, k, xp=jnp, clip_norm=clip_norm)
         elif k == "batch_size":
             out[k] = jnp.asarray(n)
         elif k == "clip_norm":  # the clip norm the clipping used
@@ -313,7 +305,7 @@ def test_sign_variants_by_hand():
     ]
     lr, b1 = 0.1, 0.5
     stats = [
-        {"mean": jnp.asarray(x.mean(0)), "sign_mean": jnp.asarray(np.sign(x).mean(0))} for x in g
+        {k: jnp.asarray(zoo.oracle_from_grads(x, k)) for k in ("mean", "sign_mean")} for x in g
     ]
     params = jnp.zeros(3)
     means = [x.mean(0) for x in g]  # [2, -.5, -.25], [-.25, -1.5, -.25]

@@ -12,11 +12,14 @@ import jaxpr_surgery as js
 
 NDEV = 4
 
-pytestmark = pytest.mark.skipif(
-    jax.device_count() < NDEV,
-    reason=f"needs {NDEV} devices: run with XLA_FLAGS=--xla_force_host_platform_device_count="
-    f"{NDEV} set before jax initialises (tests/conftest.py does this)",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        jax.device_count() < NDEV,
+        reason=f"needs {NDEV} devices: run with XLA_FLAGS=--xla_force_host_platform_device_count="
+        f"{NDEV} set before jax initialises (tests/conftest.py does this)",
+    ),
+]
 
 
 def _split(batch, n=NDEV):

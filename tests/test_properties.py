@@ -28,6 +28,8 @@ from hypothesis import strategies as st
 
 import jaxpr_surgery as js
 
+pytestmark = pytest.mark.slow
+
 SETTINGS = settings(
     max_examples=6,
     deadline=None,

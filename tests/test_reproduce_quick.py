@@ -9,6 +9,7 @@ examples seen), the intervals and that every figure exists.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -18,6 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+import zoo
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -237,28 +241,19 @@ def test_research_stats_match_vmap_grad():
     ref = jax.tree.map(lambda x: jnp.asarray(r.standard_normal(x.shape), x.dtype), params)
     got = rs.measure_fn(cfg)(params, batch, ref)
     np.testing.assert_allclose(got["loss"], model.loss_fn(params, batch), rtol=1e-5)
-    one = lambda p, ex: model.loss_fn(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
-    g = jax.vmap(jax.grad(one), (None, 0))(params, batch)
-    B = cfg.batch_size
-    flat = jnp.concatenate([x.reshape(B, -1) for x in jax.tree.leaves(g)], 1)
-    rflat = jnp.concatenate([x.ravel() for x in jax.tree.leaves(ref)])
-    norms = jnp.linalg.norm(flat, axis=1)
-    np.testing.assert_allclose(got["cosines"], flat @ rflat / norms / jnp.linalg.norm(rflat),
+    g = zoo.vmap_grads(model.loss_fn, params, batch)
+    o = functools.partial(zoo.oracle_from_grads, g)  # the suite's oracle (tests/zoo.py)
+    np.testing.assert_allclose(got["cosines"], o("per_example_cosines", reference=ref),
                                rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(got["global_norms"], jnp.quantile(norms, jnp.array(rs.Q)),
+    np.testing.assert_allclose(got["global_norms"], o("norm_quantiles", q=rs.Q, per_leaf=False),
                                rtol=1e-4)
-    w1 = g["blocks"][0]["w1"].reshape(B, -1)
     np.testing.assert_allclose(got["norms"]["blocks"][0]["w1"],
-                               jnp.quantile(jnp.linalg.norm(w1, axis=1), jnp.array(rs.Q)),
-                               rtol=1e-4)
-    mean = flat.mean(0)
-    np.testing.assert_allclose(got["diversity"], jnp.sum(norms**2) / jnp.sum((B * mean) ** 2),
-                               rtol=1e-4)
-    tr = jnp.sum(jnp.var(flat, 0, ddof=1))
+                               o("norm_quantiles", q=rs.Q)["blocks"][0]["w1"], rtol=1e-4)
+    np.testing.assert_allclose(got["diversity"], o("gradient_diversity"), rtol=1e-4)
+    B = cfg.batch_size
+    tr = sum(np.sum(v) for v in jax.tree.leaves(o("variance")))
     np.testing.assert_allclose(got["noise"].trace_cov, tr, rtol=1e-4)
-    np.testing.assert_allclose(got["noise"].grad_sq_norm, jnp.sum(mean**2) - tr / B, rtol=1e-3)
-    x = g["blocks"][0]["w1"]
-    c = x - x.mean(0)
-    kurt = jnp.mean(c**4, 0) / jnp.mean(c**2, 0) ** 2
-    np.testing.assert_allclose(got["kurtosis"]["blocks"][0]["w1"], jnp.nanmedian(kurt),
-                               rtol=1e-3)
+    g2 = sum(np.sum(m**2) for m in jax.tree.leaves(o("mean"))) - tr / B
+    np.testing.assert_allclose(got["noise"].grad_sq_norm, g2, rtol=1e-3)
+    np.testing.assert_allclose(got["kurtosis"]["blocks"][0]["w1"],
+                               np.nanmedian(o("kurtosis")["blocks"][0]["w1"]), rtol=1e-3)

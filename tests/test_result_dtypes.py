@@ -94,3 +94,16 @@ def test_result_dtypes_under_x64(dtype):
         for name in set(out) - set(GRADIENT_LIKE):
             for leaf in jax.tree.leaves(out[name]):
                 assert leaf.dtype == want, (name, leaf.dtype)
+
+
+# --------------------------------------------------------------------------- #
+# bfloat16 parameters
+# --------------------------------------------------------------------------- #
+def test_low_precision_result_dtypes():
+    loss = lambda w, b: jnp.mean((b["x"] @ w) ** 2)  # noqa: E731
+    w = jnp.ones(3, jnp.bfloat16)
+    b = {"x": jnp.arange(12.0).reshape(4, 3).astype(jnp.bfloat16)}
+    m, m2, n, s = js.per_example_stat(loss, (js.stats.mean(), js.stats.second_moment(),
+                                             js.stats.norms(), js.stats.sign_mean()))(w, b)
+    assert m.dtype == jnp.bfloat16  # gradient-like: the parameters' dtype, like jax.grad
+    assert m2.dtype == jnp.float32 and n.dtype == jnp.float32 and s.dtype == jnp.float32

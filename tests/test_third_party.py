@@ -15,8 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import zoo
 
 import jaxpr_surgery as js
+
+pytestmark = pytest.mark.slow
 
 
 def _ce(logits, y):
@@ -104,16 +107,10 @@ TOL = {jnp.float32: dict(rtol=1e-4, atol=1e-5), jnp.float64: dict(rtol=1e-9, ato
 F64_TOL = {"gemma": dict(rtol=1e-5, atol=1e-7)}
 
 
-def _oracle(g, B):
-    n = sum(jnp.sum(x.reshape(B, -1) ** 2, 1) for x in jax.tree.leaves(g))
-    c = jnp.minimum(1.0, 0.05 / jnp.sqrt(n))
-    return {"mean": jax.tree.map(lambda x: x.mean(0), g),
-            "sm": jax.tree.map(lambda x: jnp.mean(x**2, 0), g),
-            "var": jax.tree.map(lambda x: jnp.var(x, 0, ddof=1), g),
-            "abs": jax.tree.map(lambda x: jnp.mean(jnp.abs(x), 0), g),
-            "clip": jax.tree.map(lambda x: jnp.mean(x * c.reshape((B,) + (1,) * (x.ndim - 1)),
-                                                    0), g),
-            "n": n}
+#: the key of each statistic of STATS -> (its name, options) for the zoo's oracle
+ORACLE = {"mean": ("mean", {}), "sm": ("second_moment", {}), "var": ("variance", {}),
+          "abs": ("abs_mean", {}), "clip": ("clipped_mean", {"clip_norm": 0.05}),
+          "n": ("sq_norms", {})}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=["f32", "f64"])
@@ -124,11 +121,10 @@ def test_statistics_match_vmap_grad(name, dtype):
         got = jax.jit(js.per_example_stat(loss, STATS))(params, batch)
         g = jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))),
                      (None, 0))(params, batch)
-        B = jax.tree.leaves(batch)[0].shape[0]
-        want = _oracle(g, B)
+        want = {k: zoo.oracle_from_grads(g, n, **kw) for k, (n, kw) in ORACLE.items()}
         tol = F64_TOL.get(name, TOL[dtype]) if dtype == jnp.float64 else TOL[dtype]
         for k, w in want.items():
-            top = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(w))
+            top = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(w))
             for a, b in zip(jax.tree.leaves(got[k]), jax.tree.leaves(w)):
                 assert a.dtype == dtype, (k, a.dtype)
                 np.testing.assert_allclose(a, b, rtol=tol["rtol"], atol=tol["atol"] * top,
@@ -136,10 +132,10 @@ def test_statistics_match_vmap_grad(name, dtype):
         # sign: exact wherever no per-example coordinate is within rounding of 0 (attention
         # key biases have a zero gradient: their per-example values are rounding noise)
         scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g))
-        for a, x in zip(jax.tree.leaves(got["sign"]), jax.tree.leaves(g)):
+        sign = jax.tree.leaves(zoo.oracle_from_grads(g, "sign_mean"))
+        for a, x, w in zip(jax.tree.leaves(got["sign"]), jax.tree.leaves(g), sign, strict=True):
             safe = jnp.all(jnp.abs(x) > 1e3 * jnp.finfo(dtype).eps * scale, 0)
-            np.testing.assert_allclose(jnp.where(safe, a, 0),
-                                       jnp.where(safe, jnp.sign(x).mean(0), 0), atol=1e-6)
+            np.testing.assert_allclose(jnp.where(safe, a, 0), np.where(safe, w, 0), atol=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -476,3 +476,55 @@ def test_clipping_under_remat_folds_the_view_scale():
         for k in p:
             want = np.tensordot(fac, np.asarray(g[k]), axes=(0, 0)) / 6
             np.testing.assert_allclose(got[k], want, rtol=1e-10, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- #
+# Parameter-only calls: position tables looked up by constant positions inside a jit
+# (jnp.take, Flax nn.Embed on arange as in Hugging Face GPT-2 and BERT)
+# --------------------------------------------------------------------------- #
+def _positions_model(kind):
+    @jax.jit
+    def scaled(t):  # a parameter-only jit whose input is already transformed
+        return 2.0 * t
+
+    def loss(p, b):
+        T = b["x"].shape[1]
+        if kind == "take":
+            pos = jnp.take(p["pos"], jnp.arange(T), axis=0)
+        elif kind == "nested":
+            pos = jax.jit(lambda t: jnp.take(t, jnp.arange(T) % 3, axis=0) * 0.5)(p["pos"])
+        else:  # "pre": sliced outside, then through a jit
+            pos = scaled(p["pos"][:T] + 1.0)
+        h = jnp.tanh(b["x"] @ p["w"] + pos)
+        return jnp.mean(jnp.sum(h * b["y"], axis=(-1, -2)))
+
+    return loss
+
+
+@pytest.mark.parametrize("kind", ["take", "nested", "pre"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_parameter_only_calls_are_sites_not_fallbacks(kind, dtype):
+    def run():
+        r = np.random.default_rng(5)
+        B, T, d = 5, 4, 3
+        p = {"pos": jnp.asarray(r.standard_normal((6, d)), dtype),
+             "w": jnp.asarray(r.standard_normal((d, d)), dtype)}
+        b = {"x": jnp.asarray(r.standard_normal((B, T, d)), dtype),
+             "y": jnp.asarray(r.standard_normal((B, T, d)), dtype)}
+        loss = _positions_model(kind)
+        rep = js.explain(loss, js.stats.second_moment())(p, b)
+        assert not rep.fallback_leaves, str(rep)
+        got = js.per_example_stat(
+            loss, (js.stats.mean(), js.stats.variance(), js.stats.sq_norms()))(p, b)
+        g = zoo.vmap_grads(loss, p, b)
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-11)
+        mean, var = zoo.oracle_from_grads(g, "mean"), zoo.oracle_from_grads(g, "variance")
+        for k in p:
+            np.testing.assert_allclose(got[0][k], mean[k], **tol)
+            np.testing.assert_allclose(got[1][k], var[k], **tol)
+        np.testing.assert_allclose(got[2], zoo.oracle_from_grads(g, "sq_norms"), **tol)
+
+    if dtype == jnp.float64:
+        zoo.in_x64(run)
+    else:
+        run()

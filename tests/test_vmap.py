@@ -6,8 +6,11 @@ import _models as M
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxpr_surgery as js
+
+pytestmark = pytest.mark.slow
 
 E = 3  # ensemble members
 

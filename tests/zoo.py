@@ -816,6 +816,19 @@ def _per_example_value_and_grads(case: ZooCase):
     return v, g
 
 
+def vmap_grads(loss, params, batch) -> PyTree:
+    """``jax.vmap(jax.grad(per-example loss))`` of any ``loss(params, batch)`` (a mean over
+    the batch): leaves ``[B, *leaf]``, in the params' dtype, as jax arrays."""
+    one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
+    return jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch)
+
+
+def in_x64(fn):
+    """``fn()`` with float64 enabled (``with x64(): return fn()``)."""
+    with x64():
+        return fn()
+
+
 def per_example_grads(case: ZooCase) -> PyTree:
     """``vmap(grad(per_example_loss))`` as a pytree of numpy arrays ``[B, *leaf]``.
 
@@ -834,9 +847,17 @@ def _f64(tree):
     return jax.tree.map(lambda a: np.asarray(a, dtype=np.float64), tree)
 
 
-def _global_sq_norms(g) -> np.ndarray:
+def _global_sq_norms(g, xp=np) -> np.ndarray:
     leaves = jax.tree.leaves(g)
-    return sum(np.sum(np.square(x).reshape(x.shape[0], -1), axis=1) for x in leaves)
+    return sum(xp.sum(xp.square(x).reshape(x.shape[0], -1), axis=1) for x in leaves)
+
+
+def _safe_ratio(num, den, xp=np):
+    """``num / den`` as the package's statistics define it (stats._safe_ratio): ``x/0 = inf``
+    for ``x > 0``, ``0/0 = 0``, a non-positive denominator gives ``inf``, NaN in, NaN out."""
+    pos = den > 0
+    out = xp.where(pos, num / xp.where(pos, den, 1.0), xp.where(num > 0, xp.inf, 0.0))
+    return xp.where(xp.isnan(num) | xp.isnan(den), xp.nan, out)
 
 
 def _apply_phi(phi, x: np.ndarray) -> np.ndarray:
@@ -864,6 +885,8 @@ STAT_NAMES = (
     "gradient_diversity",
     "norm_quantiles",
     "kron_moments",
+    "per_example_dots",
+    "per_example_cosines",
 )
 
 
@@ -881,13 +904,22 @@ def kron_np(x, max_dim=1024):
     return tuple(out)
 
 
-def oracle_from_grads(g: PyTree, stat_name: str, **kw) -> PyTree:
+def oracle_from_grads(g: PyTree, stat_name: str, *, xp=np, **kw) -> PyTree:
     """Every statistic of ``api.md`` from per-example grads ``g`` (leaves ``[B, ...]``).
 
-    Computed in numpy float64; returns numpy arrays (pytree like params, a
-    ``[B]`` array, a pytree of ``[B]`` arrays, or a scalar as the statistic says).
+    The one oracle of the test suite. ``xp=np`` (default): reduced in numpy float64,
+    returns numpy arrays (pytree like params, a ``[B]`` array, a pytree of ``[B]``
+    arrays, or a scalar as the statistic says). ``xp=jnp``: the same formulas in JAX in
+    the gradients' own dtype, differentiable (the second-order tests differentiate the
+    oracle); ``elementwise``, ``norm_quantiles``, ``kron_moments`` and the dots and
+    cosines are numpy only. Options as the constructors in ``js.stats`` take them
+    (``clip_norm``, ``ddof``, ``per_leaf``, ``phi``, ``q``, ``max_dim``, ``reference``).
     """
-    g = _f64(g)
+    if xp is np:
+        g = _f64(g)
+        quiet = functools.partial(np.errstate, divide="ignore", invalid="ignore")
+    else:
+        quiet = contextlib.nullcontext
     leaves = jax.tree.leaves(g)
     B = leaves[0].shape[0]
     tm = jax.tree.map
@@ -896,61 +928,64 @@ def oracle_from_grads(g: PyTree, stat_name: str, **kw) -> PyTree:
     if stat_name == "sum":
         return tm(lambda x: x.sum(0), g)
     if stat_name == "second_moment":
-        return tm(lambda x: np.square(x).mean(0), g)
+        return tm(lambda x: xp.square(x).mean(0), g)
     if stat_name == "variance":
         ddof = kw.get("ddof", 1)
-        return tm(lambda x: np.square(x - x.mean(0)).sum(0) / (B - ddof), g)
+        return tm(lambda x: xp.square(x - x.mean(0)).sum(0) / (B - ddof), g)
     if stat_name == "sign_mean":
-        return tm(lambda x: np.sign(x).mean(0), g)
+        return tm(lambda x: xp.sign(x).mean(0), g)
     if stat_name == "abs_mean":
-        return tm(lambda x: np.abs(x).mean(0), g)
+        return tm(lambda x: xp.abs(x).mean(0), g)
     if stat_name in ("sq_norms", "norms"):
         if kw.get("per_leaf", False):
-            out = tm(lambda x: np.sum(np.square(x).reshape(B, -1), axis=1), g)
+            out = tm(lambda x: xp.sum(xp.square(x).reshape(B, -1), axis=1), g)
         else:
-            out = _global_sq_norms(g)
-        return tm(np.sqrt, out) if stat_name == "norms" else out
+            out = _global_sq_norms(g, xp)
+        return tm(xp.sqrt, out) if stat_name == "norms" else out
     if stat_name in ("clipped_mean", "clipped_sum"):
-        c = float(kw["clip_norm"])
-        n = np.sqrt(_global_sq_norms(g))
-        with np.errstate(divide="ignore"):
-            factor = np.where(n > 0, np.minimum(1.0, c / np.where(n > 0, n, 1.0)), 1.0)
-        out = tm(lambda x: np.tensordot(factor, x, axes=(0, 0)), g)
+        c = kw["clip_norm"]
+        n = xp.sqrt(_global_sq_norms(g, xp))
+        with quiet():
+            factor = xp.where(n > 0, xp.minimum(1.0, c / xp.where(n > 0, n, 1.0)), 1.0)
+        out = tm(lambda x: xp.tensordot(factor, x, axes=(0, 0)), g)
         return tm(lambda x: x / B, out) if stat_name == "clipped_mean" else out
     if stat_name == "elementwise":
         phi = kw["phi"]
+        if xp is not np:
+            return tm(lambda x: phi(x).mean(0), g)
         return tm(lambda x: _apply_phi(phi, x).mean(0), g)
     if stat_name == "snr":
         ddof = kw.get("ddof", 1)
 
         def one(x):
             m = x.mean(0)
-            var = np.square(x - m).sum(0) / (B - ddof)
-            sig = np.square(m)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                return np.where(
-                    var > 0, sig / np.where(var > 0, var, 1.0), np.where(sig > 0, np.inf, 0.0)
-                )
+            with quiet():
+                return _safe_ratio(xp.square(m), xp.square(x - m).sum(0) / (B - ddof), xp)
 
         return tm(one, g)
     if stat_name == "gradient_noise_scale":
         ddof = kw.get("ddof", 1)
-        tr = sum(np.square(x - x.mean(0)).sum() for x in leaves) / (B - ddof)
-        g2 = sum(np.square(x.mean(0)).sum() for x in leaves) - tr / B  # unbiased |G|^2
-        return np.asarray(tr / g2 if g2 > 0 else (np.inf if tr > 0 else 0.0))
+        tr = sum(xp.square(x - x.mean(0)).sum() for x in leaves) / (B - ddof)
+        g2 = sum(xp.square(x.mean(0)).sum() for x in leaves) - tr / B  # unbiased |G|^2
+        with quiet():
+            return xp.asarray(_safe_ratio(tr, g2, xp))
     if stat_name == "fourth_moment":
         return tm(lambda x: (x**4).mean(0), g)
     if stat_name == "kurtosis":  # population moments; NaN where the variance is 0
 
         def kurt(x):
             c = x - x.mean(0)
-            var = np.mean(c**2, 0)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                return np.where(var > 0, np.mean(c**4, 0) / var**2, np.nan)
+            var = xp.mean(c**2, 0)
+            with quiet():
+                return xp.where(var > 0, xp.mean(c**4, 0) / xp.where(var > 0, var, 1) ** 2,
+                                xp.nan)
 
         return tm(kurt, g)
     if stat_name == "gradient_diversity":
-        return np.asarray(_global_sq_norms(g).sum() / sum(np.sum(x.sum(0) ** 2) for x in leaves))
+        num = _global_sq_norms(g, xp).sum()
+        den = sum(xp.sum(x.sum(0) ** 2) for x in leaves)
+        with quiet():
+            return xp.asarray(_safe_ratio(num, den, xp))
     if stat_name == "norm_quantiles":
         q = kw.get("q", (0.1, 0.5, 0.9))
         if kw.get("per_leaf", True):
@@ -958,6 +993,19 @@ def oracle_from_grads(g: PyTree, stat_name: str, **kw) -> PyTree:
         return np.quantile(np.sqrt(_global_sq_norms(g)), q)
     if stat_name == "kron_moments":
         return tm(lambda x: kron_np(x, kw.get("max_dim", 1024)), g)
+    if stat_name in ("per_example_dots", "per_example_cosines"):
+        # kw["reference"]: a pytree like the gradients' leaves (None where a leaf has none)
+        refs = [np.asarray(r, np.float64) for r in jax.tree.leaves(kw["reference"])]
+        assert len(refs) == len(leaves), (len(refs), len(leaves))
+        per_leaf = [x.reshape(B, -1) @ r.reshape(-1) for x, r in zip(leaves, refs, strict=True)]
+        dots = sum(per_leaf)
+        if stat_name == "per_example_dots":
+            if kw.get("per_leaf", False):
+                return jax.tree.unflatten(jax.tree.structure(g), per_leaf)
+            return dots
+        den = np.sqrt(_global_sq_norms(g)) * np.sqrt(sum(np.sum(r**2) for r in refs))
+        with quiet():
+            return np.where(den > 0, dots / np.where(den > 0, den, 1.0), 0.0)
     raise ValueError(f"unknown statistic {stat_name!r}; known: {STAT_NAMES}")
 
 
