@@ -244,3 +244,116 @@ def test_weighted_clipping_with_kept_products():
                 for a, e in zip(jax.tree.leaves(out[k]), jax.tree.leaves(want[k])):
                     np.testing.assert_allclose(np.asarray(a), e, rtol=1e-8,
                                                atol=1e-10 * np.abs(e).max(), err_msg=k)
+
+
+# --------------------------------------------------------------------------- #
+# Dots batched over the example's own unit batch axis (keep_batch_dim)
+# --------------------------------------------------------------------------- #
+def _unit_batch_dots(closed):
+    """``dot_general`` equations of ``closed`` (through every sub-jaxpr) with a batch
+    dimension of size 1 on both operands, as ``(lhs shape, rhs shape)``."""
+    from jaxpr_surgery._src import compat
+
+    found = []
+
+    def walk(j):
+        j = getattr(j, "jaxpr", j)
+        for e in j.eqns:
+            if e.primitive is compat.dot_general_p:
+                (_, _), (lb, rb) = e.params["dimension_numbers"]
+                ls, rs = e.invars[0].aval.shape, e.invars[1].aval.shape
+                if any(ls[i] == 1 and rs[k] == 1 for i, k in zip(lb, rb)):
+                    found.append((ls, rs))
+            for s in compat.subjaxprs(e):
+                walk(s)
+
+    walk(closed)
+    return found
+
+
+def test_unit_batch_dots_squeezed():
+    """A model called on one example keeps its batch axis: attention's einsums are dots
+    batched over ``b`` of size 1 (and the heads). Under the vmap over examples XLA:CPU
+    lays those out with transposed copies of the ``[T, T]`` scores (1.3x ``jax.grad``
+    at T=2048); the interpreter squeezes the unit batch dims, so none is left in the
+    program, forward or backward."""
+    p, batch = make_long(B=2, T=16)
+    per_ex = jax.make_jaxpr(lambda p, b: jax.vmap(
+        jax.grad(lambda p, e: long_loss(p, jax.tree.map(lambda t: t[None], e))), (None, 0)
+    )(p, b))(p, batch)
+    assert _unit_batch_dots(per_ex), "the oracle's vmap(grad) has unit batch dots"
+    for stat in (js.stats.second_moment(), js.stats.variance(), js.stats.clipped_mean(CLIP)):
+        closed = jax.make_jaxpr(js.per_example_stat(long_loss, stat))(p, batch)
+        assert _unit_batch_dots(closed) == [], stat
+
+
+def _attn_loss(heads, jit_attention, dtype=None):
+    """One attention layer over ``[b, T, d]`` with ``heads`` heads (1: two unit batch
+    dims, ``b`` and ``h``), scores ``bhts`` and output ``bthk``, optionally inside a
+    ``jax.jit`` (a plain call whose dots are squeezed too) and with ``dtype`` operands
+    of the score dot accumulated in float32 (``preferred_element_type``)."""
+    kd = D // heads
+
+    def attention(q, k, v):
+        if dtype is not None:
+            a = jax.lax.dot_general(
+                q.astype(dtype), k.astype(dtype), (((3,), (3,)), ((0, 2), (0, 2))),
+                preferred_element_type=jnp.float32,
+            ).astype(q.dtype)  # [b, h, t, s]
+        else:
+            a = jnp.einsum("bthk,bshk->bhts", q, k)
+        T = q.shape[1]
+        a = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((T, T), bool)), a / np.sqrt(kd), -1e9), -1)
+        return jnp.einsum("bhts,bshk->bthk", a, v)
+
+    att = jax.jit(attention) if jit_attention else attention
+
+    def loss(p, batch):
+        x = batch["x"]
+        bq, T, _ = x.shape
+        q, k, v = (jnp.reshape(x @ p[n], (bq, T, heads, kd)) for n in ("wq", "wk", "wv"))
+        o = att(q, k, v).reshape(bq, T, D)
+        z = jnp.tanh(o @ p["wo"] + x) @ p["head"]
+        return jnp.mean((z - batch["y"]) ** 2)
+
+    return loss
+
+
+def _attn_data(B, T, dtype, seed=1):
+    r = np.random.default_rng(seed)
+    n = lambda *s: jnp.asarray(r.normal(size=s) * 0.5, dtype)  # noqa: E731
+    p = {"wq": n(D, D), "wk": n(D, D), "wv": n(D, D), "wo": n(D, D), "head": n(D, 3)}
+    return p, {"x": n(B, T, D), "y": n(B, T, 3)}
+
+
+@pytest.mark.parametrize(
+    "heads,jit_attention,B,T", [(2, True, 3, 13), (1, False, 2, 8), (1, True, 1, 9)]
+)
+def test_unit_batch_dots_oracle(heads, jit_attention, B, T):
+    """Squeezed dots keep every statistic exact: one and two unit batch dims, inside a
+    ``jax.jit``, B = 1, lengths no tile divides; float64 tight, float32."""
+    loss = _attn_loss(heads, jit_attention)
+    for dtype, rtol, atol in ((jnp.float64, 1e-9, 1e-11), (jnp.float32, 2e-4, 2e-5)):
+        with x64():
+            p, batch = _attn_data(B, T, dtype)
+            stats = _stats(B)
+            got = jax.jit(js.per_example_stat(loss, stats))(p, batch)
+            want = stats_from_grads(per_example_grads(loss, p, batch), CLIP)
+            for name in stats:
+                assert_stat_close(name, got[name], want[name], rtol=rtol, atol=atol)
+            closed = jax.make_jaxpr(js.per_example_stat(loss, js.stats.second_moment()))(p, batch)
+            assert B == 1 or _unit_batch_dots(closed) == []
+
+
+def test_unit_batch_dots_mixed_dtype():
+    """A bfloat16 score dot with a unit batch dim accumulated in float32
+    (``preferred_element_type``): squeezed, it keeps its dtypes and its values."""
+    loss = _attn_loss(2, False, dtype=jnp.bfloat16)
+    p, batch = _attn_data(3, 11, jnp.float32)
+    got = jax.jit(js.per_example_stat(loss, js.stats.second_moment()))(p, batch)
+    want = stats_from_grads(per_example_grads(loss, p, batch), CLIP)["second_moment"]
+    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(a), e, rtol=2e-2, atol=1e-5)
+    closed = jax.make_jaxpr(js.per_example_stat(loss, js.stats.second_moment()))(p, batch)
+    assert _unit_batch_dots(closed) == []

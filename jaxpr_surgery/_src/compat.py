@@ -190,8 +190,9 @@ reduce_sum_p = _lax.reduce_sum_p
 # --------------------------------------------------------------------------- #
 # Binding an equation
 # --------------------------------------------------------------------------- #
-def bind_eqn(eqn, invals):
-    """Evaluates one jaxpr equation on values (``eval_jaxpr`` for one eqn).
+def bind_eqn(eqn, invals, **changes):
+    """Evaluates one jaxpr equation on values (``eval_jaxpr`` for one eqn), with the
+    parameters in ``changes`` replaced (a ``dot_general``'s ``dimension_numbers``).
 
     A cast to varying (``pvary``) of a value that the interpreter made varying
     already (a parameter copied per example inside ``shard_map``) is a no-op, where
@@ -200,7 +201,7 @@ def bind_eqn(eqn, invals):
         want = [_aval_vma(o.aval) for o in eqn.outvars]
         if all(w is not None and vma_of(x) <= w for x, w in zip(invals, want)):
             return [make_varying(x, w) for x, w in zip(invals, want)]
-    bp = eqn.primitive.get_bind_params(eqn.params)
+    bp = eqn.primitive.get_bind_params({**eqn.params, **changes} if changes else eqn.params)
     if isinstance(bp, tuple):  # jax < 0.9.2: (subfuns, params)
         subfuns, params = bp
         out = eqn.primitive.bind(*subfuns, *invals, **params)
@@ -287,6 +288,25 @@ def closed_parts(j):
             )
         return j, ()
     raise UnsupportedJaxError(f"expected a jaxpr, got {type(j).__name__}")
+
+
+def plain_call(eqn) -> bool:
+    """Whether a call-like eqn (jit, closed_call, call) only names its body: no
+    shardings, layouts or donation that inlining the body would drop."""
+    if eqn.primitive is not jit_p:
+        return True
+    try:
+        from jax._src.sharding_impls import UnspecifiedValue
+    except ImportError:  # pragma: no cover - outside the tested range
+        return False
+    p = eqn.params
+    shardings = (*p.get("in_shardings", ()), *p.get("out_shardings", ()))
+    layouts = (*p.get("in_layouts", ()), *p.get("out_layouts", ()))
+    return (
+        all(isinstance(s, UnspecifiedValue) for s in shardings)
+        and all(x is None for x in layouts)
+        and not any(p.get("donated_invars", ()))
+    )
 
 
 def call_parts(eqn):

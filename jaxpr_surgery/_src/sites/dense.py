@@ -170,6 +170,15 @@ def _products(x, dy):
     return jax.lax.dot_general(x, dy, (((2,), (2,)), ((0, 1), (0, 1))))
 
 
+def _gram(a):
+    """``[b, K, N, N]`` Gram matrices ``a_bk a_bk^T`` of ``a [b, K, N, X]``; for ``K = 1``
+    a dot batched over the examples alone (XLA:CPU lays out a dot batched over a
+    unit axis worse than the same dot without it)."""
+    if a.shape[1] == 1:
+        return jnp.einsum("bnc,bmc->bnm", a[:, 0], a[:, 0])[:, None]
+    return jnp.einsum("bknc,bkmc->bknm", a, a)
+
+
 @register
 class DenseKernel(Kernel):
     """``dot_general`` with one parameter operand (a view of the weight, possibly
@@ -293,6 +302,10 @@ class DenseKernel(Kernel):
 
     def contract(self, x, dy, c=None):
         """``sum_b c_b X_b^T DY_b`` (``c`` None: all ones) in the view's layout."""
+        if x.shape[1] == 1:  # K = 1: no dot batched over a unit axis (as `_gram`)
+            ops = (x[:, 0], dy[:, 0]) + (() if c is None else (c.astype(x.dtype),))
+            spec = "bnc,bnf->cf" if c is None else "bnc,bnf,b->cf"
+            return self.to_view(jnp.einsum(spec, *ops)[None])
         if c is None:
             return self.to_view(jnp.einsum("bknc,bknf->kcf", x, dy))
         return self.to_view(jnp.einsum("bknc,bknf,b->kcf", x, dy, c.astype(x.dtype)))
@@ -607,12 +620,18 @@ class DenseKernel(Kernel):
                 xs = cut_at(xs, 2 + j)
             else:
                 ds = cut_at(ds, 2 + j - nc)
+        # one example a tile (CPU): a contraction without the unit batch axis (a dot
+        # batched over 1 gets a worse layout from XLA:CPU than the plain one)
+        a = "" if b == 1 else "a"
         spec = "{},{}->{}".format(
-            "a" + "".join(kl) + "b" + "".join(cl),
-            "a" + "".join(kl) + "b" + "".join(fl),
-            "a" + "".join(letters[i] for i in axes),
+            a + "".join(kl) + "b" + "".join(cl),
+            a + "".join(kl) + "b" + "".join(fl),
+            a + "".join(letters[i] for i in axes),
         )
-        g = jnp.einsum(spec, xs, ds).astype(self.acc)
+        if b == 1:
+            g = jnp.einsum(spec, xs[0], ds[0])[None].astype(self.acc)
+        else:
+            g = jnp.einsum(spec, xs, ds).astype(self.acc)
         return g if total is None else total + g
 
     def sq_norms(self, ing):
@@ -632,8 +651,7 @@ class DenseKernel(Kernel):
         its largest element (`base.example_norm`)."""
         x, dy = ing
         X = self.tokens(x)
-        gx = jnp.einsum("bknc,bkmc->bknm", X, X)
-        gd = jnp.einsum("bknf,bkmf->bknm", dy, dy)
+        gx, gd = _gram(X), _gram(dy)
         ghost = jnp.einsum("bknm,bknm->b", gx, gd)
         nx = jnp.sqrt(jnp.sum(jnp.square(X), -1))
         nd = jnp.sqrt(jnp.sum(jnp.square(dy), -1))
