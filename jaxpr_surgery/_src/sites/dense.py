@@ -493,27 +493,32 @@ class DenseKernel(Kernel):
             m = S.merge_moments(S.Moments(*a[:2]), na, S.Moments(*b[:2]), nb)
             return m.mean, m.m2, a[2] | b[2]
 
+        def groups(a, b0, count, size):  # [count, size, ...]; None stays None (unweighted)
+            return None if a is None else a[b0 : b0 + count * size].reshape(
+                (count, size) + a.shape[1:])
+
+        def weight(wg, size):  # a group's count, or the sum of its weights
+            return size if wg is None else jnp.sum(wg)
+
+        w = None if w is None else w.astype(self.acc)
         acc, seen, b0 = None, 0, 0
-        wt = jnp.zeros((x.shape[0],), self.acc) if w is None else w.astype(self.acc)
         for count, size in raw_groups(x.shape[0], self.acc):
-            xs = x[b0 : b0 + count * size].reshape((count, size) + x.shape[1:])
-            ds = d[b0 : b0 + count * size].reshape((count, size) + d.shape[1:])
-            ws = wt[b0 : b0 + count * size].reshape((count, size))
+            gs = tuple(groups(a, b0, count, size) for a in (x, d, w))
             b0 += count * size
             if acc is None:  # the first group starts the sums
-                acc = raw(xs[0], ds[0], None if w is None else ws[0])
-                seen = size if w is None else jnp.sum(ws[0])
-                xs, ds, ws, count = xs[1:], ds[1:], ws[1:], count - 1
+                first = jax.tree.map(lambda a: a[0], gs)
+                acc, seen = raw(*first), weight(first[2], size)
+                gs = jax.tree.map(lambda a: a[1:], gs)
+                count -= 1
             if count == 0:
                 continue
 
             def body(carry, g, size=size):
-                (a, na), (xg, dg, wg) = carry, g
-                ng = size if w is None else jnp.sum(wg)  # the group's count or weight
-                return (merge(a, na, raw(xg, dg, None if w is None else wg), ng), na + ng), None
+                (a, na), ng = carry, weight(g[2], size)
+                return (merge(a, na, raw(*g), ng), na + ng), None
 
-            acc = jax.lax.scan(body, (acc, jnp.asarray(seen, self.acc)), (xs, ds, ws))[0][0]
-            seen = seen + (count * size if w is None else jnp.sum(ws))
+            acc = jax.lax.scan(body, (acc, jnp.asarray(seen, self.acc)), gs)[0][0]
+            seen = seen + weight(None if w is None else gs[2], count * size)
         mean, m2, ill = acc
         return jax.lax.cond(
             ill,
