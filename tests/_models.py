@@ -17,9 +17,18 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import zoo
 
 import jaxpr_surgery as js
+
+#: the fake CPU devices of the multi-device tests (tests/conftest.py sets the flag)
+NDEV = 4
+needs_devices = pytest.mark.skipif(
+    jax.device_count() < NDEV,
+    reason=f"needs {NDEV} devices: run with XLA_FLAGS=--xla_force_host_platform_device_count="
+    f"{NDEV} set before jax initialises (tests/conftest.py does this)",
+)
 
 B = 8
 CLIP = 0.5  # clip norm used throughout; below most per-example norms of the models

@@ -10,16 +10,9 @@ import pytest
 
 import jaxpr_surgery as js
 
-NDEV = 4
+NDEV = M.NDEV
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        jax.device_count() < NDEV,
-        reason=f"needs {NDEV} devices: run with XLA_FLAGS=--xla_force_host_platform_device_count="
-        f"{NDEV} set before jax initialises (tests/conftest.py does this)",
-    ),
-]
+pytestmark = [pytest.mark.slow, M.needs_devices]
 
 
 def _split(batch, n=NDEV):

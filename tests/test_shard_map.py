@@ -16,16 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpr_surgery as js
 
-NDEV = 4
+NDEV = M.NDEV
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        jax.device_count() < NDEV,
-        reason=f"needs {NDEV} devices: run with XLA_FLAGS=--xla_force_host_platform_device_count="
-        f"{NDEV} set before jax initialises (tests/conftest.py does this)",
-    ),
-]
+pytestmark = [pytest.mark.slow, M.needs_devices]
 
 
 def _mesh(axis_type=None):
