@@ -518,7 +518,7 @@ class DenseKernel(Kernel):
                 return (merge(a, na, raw(*g), ng), na + ng), None
 
             acc = jax.lax.scan(body, (acc, jnp.asarray(seen, self.acc)), gs)[0][0]
-            seen = seen + weight(None if w is None else gs[2], count * size)
+            seen = seen + weight(gs[2], count * size)
         mean, m2, ill = acc
         return jax.lax.cond(
             ill,
