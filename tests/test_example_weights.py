@@ -396,3 +396,47 @@ def test_weighted_ragged_moe(B, T):
         out = js.per_example_stat(TM.ragged_moe, req, check=False)(p, batch, example_weights=w)
     for n in req:
         _close(out[n], _oracle(_repeat(g, w), n), 1e-9, n)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_examples_of_weight_zero_are_never_recomputed_alone(monkeypatch, tied):
+    """The ghost form flags an all-zero example (its terms' scale is 0) for an exact
+    recomputation; an example of weight 0 reads as zeros at every site, but its norms are
+    zeroed after, so it must not pay that loop (a quarter of padding once cost sq_norms
+    and the clipped mean about a fifth of their time). A host callback in the exact
+    per-example product records every example it forms; a tied table (norms of a leaf
+    several sites share) and a single dense site both."""
+    from jaxpr_surgery._src.sites import dense as D
+
+    seen = []
+    inner = D.DenseKernel._tile_G
+
+    def spy(self, x, dy, b0, size, *args, **kw):
+        jax.debug.callback(lambda b: seen.append(int(b)), b0)
+        return inner(self, x, dy, b0, size, *args, **kw)
+
+    monkeypatch.setattr(D.DenseKernel, "_tile_G", spy)
+    rng = np.random.default_rng(0)
+    B, T, d, V = 6, 3, 24, 40  # T << d: the ghost form at every dense site
+    params = {"emb": jnp.asarray(rng.normal(size=(V, d)) / 4, jnp.float32),
+              "w": jnp.asarray(rng.normal(size=(d, d)) / 5, jnp.float32),
+              "out": jnp.asarray(rng.normal(size=(d, V)) / 5, jnp.float32)}
+    batch = {"ids": jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)}
+
+    def loss(p, b):
+        h = jnp.tanh(p["emb"][b["ids"]] @ p["w"])
+        head = p["emb"].T if tied else p["out"]
+        return jnp.mean(jax.nn.logsumexp(h @ head, -1))
+
+    w = jnp.asarray([1.0, 0, 2, 0, 1, 0])
+    req = {"sq": js.stats.sq_norms(), "clip": js.stats.clipped_mean(0.05)}
+    out = jax.jit(lambda p, b: js.per_example_stat(loss, req)(p, b, example_weights=w))(
+        params, batch)
+    jax.effects_barrier()
+    assert not set(seen) & {1, 3, 5}, seen
+    keep = np.flatnonzero(np.asarray(w) > 0)
+    sub = jax.tree.map(lambda x: x[keep], batch)
+    ref = js.per_example_stat(loss, req)(params, sub, example_weights=w[keep])
+    np.testing.assert_allclose(np.asarray(out["sq"])[keep], ref["sq"], rtol=1e-5)
+    assert np.all(np.asarray(out["sq"])[[1, 3, 5]] == 0)
+    _close(out["clip"], ref["clip"], 1e-5, "clip")

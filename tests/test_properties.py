@@ -229,8 +229,12 @@ def test_duplicated_batch(case_name):
 @pytest.mark.parametrize("case_name", PROP_CASES)
 def test_clip_inf_is_mean(case_name):
     out = _run(case_name, zoo.get_case(case_name, "float32").batch, kind="inf")
-    _close(out["clip"], out["mean"], rtol=1e-6, atol_frac=1e-7, what="clipped_mean(inf) == mean")
-    _close(out["clipsum"], out["sum"], rtol=1e-6, atol_frac=1e-7, what="clipped_sum(inf) == sum")
+    # the two routes sum the same float32 per-example gradients in different orders: a
+    # few ulps of the leaf's largest value apart where the examples cancel (the
+    # transformer's embedding: 1.4 float32 eps of its scale apart on jax 0.10.2 and 0.12)
+    tol = dict(rtol=1e-6, atol_frac=8 * float(np.finfo(np.float32).eps))
+    _close(out["clip"], out["mean"], **tol, what="clipped_mean(inf) == mean")
+    _close(out["clipsum"], out["sum"], **tol, what="clipped_sum(inf) == sum")
 
 
 @pytest.mark.parametrize("case_name", ["mlp", "cnn", "transformer", "rnn", "weight_decay_lora"])

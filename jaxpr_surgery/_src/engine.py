@@ -29,7 +29,7 @@ from jaxpr_surgery._src.interpreter import (
     make_site_fn,
     make_weighted_site_fn,
 )
-from jaxpr_surgery._src.norms import combine_norms
+from jaxpr_surgery._src.norms import combine_norms, live_examples
 from jaxpr_surgery._src.reductions import KeptExamples
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
@@ -346,7 +346,8 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None, we
     site_fn = make_site_fn(lambda s: _site_request(plan, s), cache, plan.finish_sites_first)
     ev = Evaluator(plan.analysis, plan.kernels, site_fn, B, cache)
     sink_cts, copy_cts, loss_b, aux = ch.backward(plan, ev, sinks, ch.copies(plan))
-    values, norms_leaf, deferred = _leaf_values(plan, sink_cts, copy_cts, B, cache)
+    with live_examples(None if plan.weights is None else plan.weights[0] > 0):
+        values, norms_leaf, deferred = _leaf_values(plan, sink_cts, copy_cts, B, cache)
     for i in range(len(ch.diff)):
         _combine_shards(plan, i, values, norms_leaf, tuple(sorted(ch.leaf_axes(i) - data_axes)))
     if plan.has_clip:

@@ -20,6 +20,7 @@ from jaxpr_surgery._src import compat
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.analysis import _CALL_PRIMS
+from jaxpr_surgery._src.norms import live_examples
 from jaxpr_surgery._src.sites.base import map_eqn
 
 
@@ -757,7 +758,8 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
                     return carried(kernel, ctx, req, sink, B)
                 return kernel.direct_all(ctx, req if ex_w is None else weigh(req, ex_w))
 
-            out = direct_norms(kernel, ctx, direct, compute)
+            with live_examples(None if ex_w is None else ex_w > 0):
+                out = direct_norms(kernel, ctx, direct, compute)
             if want_ing:  # (per-example products kept from the tile loop: those)
                 out["ing"] = out.pop(KEPT) if KEPT in out else kernel.ingredients(ctx)
             for k in (EX_WEIGHTS, CARRY_WEIGHT):  # (inputs: no cotangent)

@@ -9,8 +9,29 @@ squaring.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
+
+# The examples whose per-example values are kept (`live_examples`), while a call with
+# ``example_weights`` traces the statistics of its sites and leaves; None otherwise.
+_LIVE = contextvars.ContextVar("jaxpr_surgery_live_examples", default=None)
+
+
+@contextlib.contextmanager
+def live_examples(keep):
+    """While tracing: ``keep [B]`` (bool), the examples of positive weight. The
+    per-example values of the others are zeros in the end (`engine.run`), so none of
+    them is recomputed one at a time (`recompute_flagged`): an example of weight 0 reads
+    as zeros at every site, and the ghost form flags an all-zero example (its terms'
+    scale is 0). ``keep=None``: every example counts."""
+    token = _LIVE.set(keep)
+    try:
+        yield
+    finally:
+        _LIVE.reset(token)
 
 
 def example_scale(a):
@@ -36,8 +57,12 @@ def recompute_flagged(exact, args, values, bad):
     where flagged: paid only by programs that differentiate the statistic. No branch
     there either: under ``vmap`` a branch on traced flags becomes a select whose
     operands pass through ``stop_gradient``, which reverse mode cannot transpose
-    inside this rule. ``exact`` must read traced values only from ``args``.
+    inside this rule. ``exact`` must read traced values only from ``args``. Within
+    `live_examples`, examples of weight 0 are never flagged.
     """
+    live = _LIVE.get()
+    if live is not None and jnp.shape(bad)[-1:] == jnp.shape(live):
+        bad = bad & live  # (the examples of weight 0: their values are zeroed after)
 
     @jax.custom_jvp
     def fast(args, values, bad):
