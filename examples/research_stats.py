@@ -36,6 +36,7 @@ import optax
 
 import jaxpr_surgery as js
 
+from . import quick_xla_flags
 from .reproduce import model
 from .reproduce.data import load_corpus
 
@@ -213,6 +214,7 @@ def main(argv=None) -> dict:
                     help="output folder (default: examples/results, or a temporary folder "
                          "with --quick)")
     args = ap.parse_args(argv)
+    quick_xla_flags(args.quick)  # (before the first computation)
     cfg = QUICK if args.quick else Config()
     here = Path(__file__).resolve().parent / "results"
     out = args.out or (Path(tempfile.gettempdir()) / "jaxpr_surgery_research_quick"

@@ -212,7 +212,7 @@ def per_example_loss(loss):
 
 def per_example_grads(loss, params, batch):
     """``vmap(grad(per_example_loss))``: pytree like params with leaves ``[B, ...]``."""
-    return jax.vmap(jax.grad(per_example_loss(loss)), in_axes=(None, 0))(params, batch)
+    return jax.jit(jax.vmap(jax.grad(per_example_loss(loss)), in_axes=(None, 0)))(params, batch)
 
 
 def oracle_kwargs(name, clip_norm=CLIP):

@@ -429,7 +429,7 @@ def test_a_new_kind_is_one_registration(registry):
     rep = js.explain(loss, js.stats.second_moment())(p, b)
     assert rep.leaves[0].kinds == ["divide"], str(rep)
     got = js.per_example_stat(loss, js.stats.second_moment())(p, b)["s"]
-    g = jax.vmap(jax.grad(lambda p, x: loss(p, x[None])), in_axes=(None, 0))(p, b)["s"]
+    g = jax.jit(jax.vmap(jax.grad(lambda p, x: loss(p, x[None])), in_axes=(None, 0)))(p, b)["s"]
     np.testing.assert_allclose(got, jnp.mean(g**2, axis=0), rtol=1e-5, atol=1e-7)
 
 
@@ -503,5 +503,5 @@ def test_shared_leaf_tiles_one_example_where_a_site_has_token_matmuls(
     assert "tiled products of the shared leaf" in how, str(rep)
     assert ("(1 example/tile" in how) is per_example, str(rep)
     got = js.per_example_stat(loss, js.stats.second_moment())(p, b)["w"]
-    g = jax.vmap(jax.grad(lambda p, x: loss(p, x[None])), in_axes=(None, 0))(p, b)["w"]
+    g = jax.jit(jax.vmap(jax.grad(lambda p, x: loss(p, x[None])), in_axes=(None, 0)))(p, b)["w"]
     np.testing.assert_allclose(got, jnp.mean(g**2, axis=0), rtol=2e-5, atol=1e-7)

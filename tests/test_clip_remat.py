@@ -19,7 +19,7 @@ from jaxpr_surgery._src import engine
 
 def _grads(loss, params, batch):
     one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
-    return jax.vmap(jax.grad(one), (None, 0))(params, batch)
+    return jax.jit(jax.vmap(jax.grad(one), (None, 0)))(params, batch)
 
 
 def _clipped(g, C, mean=True):

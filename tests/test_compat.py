@@ -133,8 +133,8 @@ def test_scan_cond_custom_vjp_end_to_end():
     # the statistics of the batch-of-one losses, as the oracle below computes them
     m, m2 = js.per_example_stat(
         loss, (js.stats.mean(), js.stats.second_moment()), check=False)(p, b)
-    g = jax.vmap(jax.grad(lambda p, x, y: loss(p, {"x": x[None], "y": y[None]})),
-                 in_axes=(None, 0, 0))(p, b["x"], b["y"])
+    g = jax.jit(jax.vmap(jax.grad(lambda p, x, y: loss(p, {"x": x[None], "y": y[None]})),
+                 in_axes=(None, 0, 0)))(p, b["x"], b["y"])
     for k in p:
         np.testing.assert_allclose(m[k], g[k].mean(0), rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(m2[k], (g[k] ** 2).mean(0), rtol=1e-4, atol=1e-6)

@@ -26,7 +26,7 @@ C_CLIP = 0.3
 
 def _grads(loss, w, batch):
     one = lambda w, ex: loss(w, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
-    return jax.vmap(jax.grad(one), in_axes=(None, 0))(w, batch)
+    return jax.jit(jax.vmap(jax.grad(one), in_axes=(None, 0)))(w, batch)
 
 
 # (lhs, rhs, out) layouts, x shape without B, w shape, strides, padding, lhs/rhs dilation

@@ -132,8 +132,8 @@ def test_check_false_computes_the_batch_of_one_statistics(loss):
     p, b = _params(), _batch()
     out = jax.jit(js.value_and_per_example_stat(loss, js.stats.mean(), check=False))(p, b)
     (value, mean) = out
-    per = jax.vmap(jax.grad(lambda p, e: loss(p, jax.tree.map(lambda a: a[None], e))),
-                   (None, 0))(p, b)
+    per = jax.jit(jax.vmap(jax.grad(lambda p, e: loss(p, jax.tree.map(lambda a: a[None], e))),
+                   (None, 0)))(p, b)
     for got, g in zip(jax.tree.leaves(mean), jax.tree.leaves(per)):
         np.testing.assert_allclose(got, g.mean(0), rtol=2e-5, atol=1e-6)
     assert np.isfinite(float(value))

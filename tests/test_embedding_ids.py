@@ -18,7 +18,7 @@ _o = zoo.oracle_from_grads  # the oracle (tests/zoo.py), numpy float64
 
 def _per_example_grads(loss, params, batch):
     one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
-    return jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch)
+    return jax.jit(jax.vmap(jax.grad(one), in_axes=(None, 0)))(params, batch)
 
 
 # --------------------------------------------------------------------------- #

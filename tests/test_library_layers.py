@@ -241,7 +241,7 @@ def test_layer_kinds_rules_and_oracle(key):
     arr = lambda t: [x for x in jax.tree.leaves(t) if hasattr(x, "shape")]  # noqa: E731
     one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
     if isinstance(params, dict) or not callable(params):
-        g = jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch)
+        g = jax.jit(jax.vmap(jax.grad(one), in_axes=(None, 0)))(params, batch)
     else:  # an Equinox model: differentiate its inexact arrays
         import equinox as eqx
 

@@ -284,8 +284,7 @@ def test_frozen_weight_as_an_argument():
         p64 = jax.tree.map(lambda a: a.astype(jnp.float64), p)
         b64 = {"x": case.batch["x"].astype(jnp.float64), "y": case.batch["y"]}
         w64 = w.astype(jnp.float64)
-        g = jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex), w64)),
-                     in_axes=(None, 0))(p64, b64)
+        g = zoo.vmap_grads(lambda p, b: loss(p, b, w64), p64, b64)
         for stat, name in [(js.stats.variance(), "variance"), (js.stats.sq_norms(), "sq_norms"),
                            (js.stats.sign_mean(), "sign_mean")]:
             got = jax.jit(js.per_example_stat(loss, stat))(p64, b64, w64)
@@ -341,8 +340,8 @@ def test_a_residual_factor_takes_the_others_along():
     assert set(reasons) == {"['A']", "['B']", "['W']"}, str(rep)
     assert "with a factor that takes exact per-example gradients" in reasons["['B']"]
     p, batch = _small()
-    g = jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))),
-                 in_axes=(None, 0))(p, batch)
+    g = jax.jit(jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))),
+                 in_axes=(None, 0)))(p, batch)
     got = jax.jit(js.per_example_stat(loss, js.stats.second_moment()))(p, batch)
     jax.tree.map(lambda a, gb: np.testing.assert_allclose(a, np.mean(gb ** 2, 0), rtol=1e-5),
                  got, g)

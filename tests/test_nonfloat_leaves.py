@@ -68,7 +68,7 @@ def _closed(p):
 def _per_example_grads(p, b):
     floats, closed = _closed(p)
     pe = lambda fl, ex: closed(fl, jax.tree.map(lambda x: x[None], ex))  # noqa: E731
-    return jax.vmap(jax.grad(pe), in_axes=(None, 0))(floats, b)
+    return jax.jit(jax.vmap(jax.grad(pe), in_axes=(None, 0)))(floats, b)
 
 
 def _assert_skipped(tree):

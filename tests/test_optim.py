@@ -62,7 +62,7 @@ def _loss(params, curv, centers):
 
 @jax.jit
 def _per_example_grads(params, curv, centers):
-    return jax.vmap(jax.grad(_example_loss), (None, None, 0))(params, curv, centers)
+    return jax.jit(jax.vmap(jax.grad(_example_loss), (None, None, 0)))(params, curv, centers)
 
 
 def _oracle_stats(per_ex, keys, clip_norm=None):

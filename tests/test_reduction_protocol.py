@@ -101,7 +101,7 @@ def _case(dtype):
 
 def _oracle(p, batch):
     one = lambda p, ex: _loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
-    g = jax.vmap(jax.grad(one), (None, 0))(p, batch)
+    g = jax.jit(jax.vmap(jax.grad(one), (None, 0)))(p, batch)
     g = {k: np.abs(np.asarray(v, np.float64)) for k, v in g.items()}
     return {"max_abs": {k: v.max(0) for k, v in g.items()},
             "example_max": {k: v.reshape(B, -1).max(1) for k, v in g.items()}}
@@ -177,7 +177,7 @@ def test_shard_map_parameter_cast_to_varying_inside_scan():
     vmap(grad)."""
     p, batch = _case(jnp.float32)
     one = lambda p, ex: _loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
-    g = jax.vmap(jax.grad(one), (None, 0))(p, batch)
+    g = jax.jit(jax.vmap(jax.grad(one), (None, 0)))(p, batch)
     stats = {"mean": js.stats.mean(), "sq": js.stats.sq_norms(per_leaf=True)}
     fn = js.per_example_stat(_loss, stats, axis_name="d")
     mesh = jax.make_mesh((NDEV,), ("d",), devices=jax.devices()[:NDEV])

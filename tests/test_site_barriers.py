@@ -56,7 +56,7 @@ def test_barrier_only_without_remat_and_values_unchanged(remat):
         n = _count_barriers(jax.make_jaxpr(f)(p, b).jaxpr)
         assert (n == 0) if remat else (n >= 4), n  # two per site (two dense sites)
         one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
-        g = jax.vmap(jax.grad(one), in_axes=(None, 0))(p, b)
+        g = jax.jit(jax.vmap(jax.grad(one), in_axes=(None, 0)))(p, b)
         m2, var, sq = jax.jit(f)(p, b)
         for k in p:
             np.testing.assert_allclose(m2[k], (g[k] ** 2).mean(0), rtol=1e-10)

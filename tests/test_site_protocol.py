@@ -96,7 +96,7 @@ STATS = {
 
 def _oracle(p, batch):
     one = lambda p, ex: _loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
-    g = jax.vmap(jax.grad(one), (None, 0))(p, batch)
+    g = jax.jit(jax.vmap(jax.grad(one), (None, 0)))(p, batch)
     g = {k: np.asarray(v, np.float64) for k, v in g.items()}
     sq = {k: np.sum(v.reshape(B, -1) ** 2, 1) for k, v in g.items()}
     c = np.minimum(1, 0.5 / np.sqrt(sum(sq.values())))

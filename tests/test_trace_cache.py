@@ -22,7 +22,7 @@ D, T = 6, 5
 
 def _grads(loss, params, batch):
     one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
-    return jax.vmap(jax.grad(one), (None, 0))(params, batch)
+    return jax.jit(jax.vmap(jax.grad(one), (None, 0)))(params, batch)
 
 
 def _oracle(g, names):

@@ -48,7 +48,7 @@ def _oracle(B, ratio, dtype=jnp.float32):
         loss, w, batch = _model(B, ratio, dtype)
         w, batch = jax.tree.map(lambda a: a.astype(jnp.float64), (w, batch))
         rows = jax.tree.map(lambda a: a[:, None], batch)  # each example a batch of one
-        g = np.asarray(jax.vmap(jax.grad(loss), in_axes=(None, 0))(w, rows))
+        g = np.asarray(jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(w, rows))
         return g, zoo.oracle_from_grads(g, "variance")
 
 
@@ -172,7 +172,7 @@ def test_grouped_raw_form_differentiates():
     ours = jax.jit(jax.grad(lambda w: jnp.sum(var(w, x) * u)))(w)
 
     def ref_var(w):
-        g = jax.vmap(jax.grad(loss), in_axes=(None, 0))(w, x[:, None])
+        g = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(w, x[:, None])
         return jnp.sum(jnp.var(g, axis=0, ddof=1) * u)
 
     np.testing.assert_allclose(ours, jax.jit(jax.grad(ref_var))(w), rtol=2e-3, atol=1e-6)
@@ -347,7 +347,7 @@ def test_variance_near_cancellation_through_a_model():
     got = js.per_example_stat(loss, js.stats.variance())(w, batch)
     with x64():
         loss64, w64, batch64 = _near_cancelling_dense(jnp.float64)
-        g = jax.vmap(jax.grad(loss64), in_axes=(None, 0))(w64, batch64)
+        g = jax.jit(jax.vmap(jax.grad(loss64), in_axes=(None, 0)))(w64, batch64)
         ref = np.var(np.asarray(g), axis=0, ddof=1)
         got64 = js.per_example_stat(loss64, js.stats.variance())(w64, batch64)
     np.testing.assert_allclose(got64, ref, rtol=1e-9)

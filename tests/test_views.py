@@ -467,8 +467,8 @@ def test_clipping_under_remat_folds_the_view_scale():
              "v": jnp.asarray(r.standard_normal((4,)))}
         b = {"x": jnp.asarray(r.standard_normal((6, 5))),
              "y": jnp.asarray(r.standard_normal((6,)))}
-        g = jax.vmap(jax.grad(lambda p, x, y: loss(p, {"x": x[None], "y": y[None]})),
-                     in_axes=(None, 0, 0))(p, b["x"], b["y"])
+        g = jax.jit(jax.vmap(jax.grad(lambda p, x, y: loss(p, {"x": x[None], "y": y[None]})),
+                     in_axes=(None, 0, 0)))(p, b["x"], b["y"])
         norms = np.sqrt(sum(np.sum(np.asarray(x).reshape(6, -1) ** 2, 1) for x in g.values()))
         C = float(np.median(norms))
         fac = np.minimum(1.0, C / norms)

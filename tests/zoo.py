@@ -820,7 +820,7 @@ def vmap_grads(loss, params, batch) -> PyTree:
     """``jax.vmap(jax.grad(per-example loss))`` of any ``loss(params, batch)`` (a mean over
     the batch): leaves ``[B, *leaf]``, in the params' dtype, as jax arrays."""
     one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
-    return jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch)
+    return jax.jit(jax.vmap(jax.grad(one), in_axes=(None, 0)))(params, batch)
 
 
 def in_x64(fn):

@@ -13,16 +13,12 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-# jax is imported in main(), after the arguments: --quick lowers XLA's CPU
-# optimisation level (compilation dominates a quick run; set XLA_FLAGS to override).
-QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+from .. import quick_xla_flags
 
 EXPERIMENTS = ("sign", "adam", "sqrt_b")
 
@@ -41,8 +37,7 @@ def clean(x):
 def main(argv=None) -> dict:
     """Runs the study as the command line ``argv`` asks; returns its document."""
     args = _parser().parse_args(argv)
-    if args.quick and "XLA_FLAGS" not in os.environ and "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = QUICK_XLA_FLAGS
+    quick_xla_flags(args.quick)  # (--quick: XLA's lower CPU optimisation level)
 
     from . import study
     from .data import load_corpus

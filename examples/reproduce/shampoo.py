@@ -39,6 +39,7 @@ import optax
 
 import jaxpr_surgery as js
 
+from .. import quick_xla_flags
 from . import model
 from .data import load_corpus
 from .study import best_rates, paired
@@ -169,6 +170,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs of --out/shampoo.json made with this configuration")
     args = ap.parse_args(argv)
+    quick_xla_flags(args.quick)  # (before the first computation)
     cfg = QUICK if args.quick else Config()
     if args.steps:
         cfg = dataclasses.replace(cfg, steps=args.steps)
