@@ -713,11 +713,11 @@ def js():
 # longer reads.) Another ``--dist`` mode is left alone.
 _ZOO_NAMES = sorted(zoo.ZOO, key=len, reverse=True)
 
-#: Modules whose module-scoped fixture is expensive (a subprocess running the benchmark
-#: or reproduction quick modes, a compiled multi-device reference): their tests stay on
-#: one worker, so the fixture runs once.
+#: Modules whose shared setup is expensive (a subprocess running the benchmark or
+#: reproduction quick modes, a compiled multi-device reference, third-party models built
+#: once per process): their tests stay on one worker, so the setup runs once.
 SHARED_FIXTURE_MODULES = ("test_reproduce_quick.py", "test_benchmarks_quick.py",
-                          "test_across_devices.py")
+                          "test_across_devices.py", "test_third_party.py")
 
 
 def _zoo_scope(nodeid: str) -> str:
@@ -745,6 +745,81 @@ def pytest_xdist_make_scheduler(config, log):
             return _zoo_scope(nodeid)
 
     return ZooCaseScheduling(config, log)
+
+
+# --------------------------------------------------------------------------- #
+# The extended tier: the same check on more models or dtypes
+# --------------------------------------------------------------------------- #
+# Some tests cross a route (weights, chunks, tiny tiles, feature blocks, partials, remat
+# clipping, the interpreted fused kernel) with many zoo models or both dtypes. The default
+# run (the README's test command) keeps, of each, cases that take the route through its
+# own code (dense layers with and without a token axis, the tied embedding and attention
+# of the transformer, layers in a scan, and convolutions or residual leaves where the
+# route treats them apart), in one dtype where the other adds no code path; the oracle
+# matrix (test_oracle.py) keeps every statistic on every model in both dtypes. The cases
+# below are marked ``extended``, and deselected unless the ``-m`` expression names that
+# marker: ``python -m pytest -q -n 2
+# -m extended`` runs them alone (CI does, at the newest jax), ``-m "extended or not
+# extended"`` runs everything. Keys: ``file::function``; values: parameter ids ("" for an
+# unparametrised test). An id that no longer exists is an error.
+EXTENDED = {
+    "test_oracle.py::test_chunked_tiny_tiles_float32_under_x64_match_oracle": {
+        "transformer_rms_swiglu", "weight_decay_lora", "merged_lora", "cnn1d", "rnn",
+        "onehot_embedding", "mlp_bf16", "custom_vjp_and_cond"},
+    "test_oracle.py::test_zoo_case_is_sane": {f"{c}-float32" for c in zoo.CORE_ZOO},
+    "test_frameworks.py::test_framework_case_is_sane": {
+        f"{c}-float32" for c in zoo.FRAMEWORK_ZOO},
+    "test_third_party.py::test_statistics_match_vmap_grad": {
+        "gpt2-f32", "bert-f32", "vit-f32", "gemma-f32", "griffin-f32"},
+    "test_partials.py::test_merged_partials_equal_the_concatenated_batch": {"cnn-float64"},
+    "test_example_weights.py::test_weighted_in_chunks": {"transformer_scan_remat"},
+    "test_example_weights.py::test_weighted_matches_frequency_oracle_f64": {
+        "equinox_mlp", "custom_vjp_and_cond"},
+    "test_feature_tiles.py::test_zoo_in_tiny_feature_blocks": {
+        "transformer-float32", "transformer_rms_swiglu-float64"},
+    "test_merged_lora.py::test_variants_match_oracle": {
+        "unrolled-float32", "shared-float32", "rank_one_no_tokens-float32", "scanned-float32",
+        "views-float32", "one_example-float32"},
+    "test_clip_remat.py::test_remat_clipping_matches_oracle": {"3-float32", "None-float64"},
+    "test_trace_cache.py::test_blocks_keep_every_statistic_exact": {"3-float32", "None-float64"},
+    "test_fused.py::test_grad_and_vmap_through_the_kernel": {""},
+    "test_fused.py::test_interpreted_kernel_in_chunks_matches_oracle": {"stat_ids0", "stat_ids2"},
+    "test_fused.py::test_interpreted_kernel_matches_oracle": {
+        "transformer_scan_remat-f64", "transformer_rms_swiglu-f32", "transformer-f32"},
+    "test_fused.py::test_kernel_centred_sums_keep_the_shift_bound": {"100"},
+    "test_precision.py::test_ghost_norms_derivative_where_they_cancel": {"jacfwd"},
+    "test_long_sequences.py::test_oracle_float32": {"3-64"},
+    "test_long_sequences.py::test_oracle_float64": {"2-67", "1-64"},
+    "test_moe.py::test_ragged_moe_matches_oracle": {"3-2-True-float64", "4-5-False-float32"},
+    "test_reproduce_quick.py::test_resume_after_widening_a_grid_reuses_runs": {""},
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks the `EXTENDED` cases, and deselects them unless ``-m`` names the marker."""
+    seen: dict = {}
+    files = {item.path.name for item in items}
+    for item in items:
+        key = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+        if key in EXTENDED:
+            pid = item.callspec.id if hasattr(item, "callspec") else ""
+            seen.setdefault(key, set()).add(pid)
+            if pid in EXTENDED[key]:
+                item.add_marker(pytest.mark.extended)
+    if not any("::" in str(a) for a in config.args):  # (whole files: every id collected)
+        stale = {k: sorted(EXTENDED[k] - seen.get(k, set())) for k in EXTENDED
+                 if k.split("::")[0] in files and EXTENDED[k] - seen.get(k, set())}
+        if stale:
+            raise pytest.UsageError(f"conftest.EXTENDED names cases that do not exist: {stale}")
+    if "extended" in (config.getoption("markexpr", "") or ""):
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("extended") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 # --------------------------------------------------------------------------- #

@@ -1,8 +1,9 @@
 """Partials (``js.per_example_partial``, ``merge_partials``, ``finalize_partial``):
 merged partials of uneven micro-batches equal one call on the concatenated batch, for
-every statistic of ``js.stats`` on zoo models (float64 tight, float32 loose, and against
-the ``vmap(grad)`` oracle); with ``chunk_size``; under ``jit`` and in a ``lax.scan``
-carry; under ``shard_map`` with ``axis_name``; and the errors of mismatched partials.
+every statistic of ``js.stats`` on the MLP and every kind of reduction on other zoo
+models (float64 tight, float32 loose, and against the ``vmap(grad)`` oracle); with
+``chunk_size``; under ``jit`` and in a ``lax.scan`` carry; under ``shard_map`` with
+``axis_name``; and the errors of mismatched partials.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import zoo
-from conftest import STAT_IDS, check_against_reference, combined_result, reference
+from conftest import (
+    REDUCTION_STAT_IDS,
+    STAT_IDS,
+    check_against_reference,
+    combined_result,
+    reference,
+)
 from jax.sharding import PartitionSpec as P
 
 import jaxpr_surgery as js
@@ -42,10 +49,17 @@ def _extras():
     }
 
 
+def _stat_ids(case_name):
+    """Every statistic of the oracle matrix's list on the MLP (each one's finalize of
+    merged values), one per kind of reduction elsewhere (the merges are per reduction)."""
+    return STAT_IDS if case_name == "mlp" else REDUCTION_STAT_IDS
+
+
 def _request(case_name, case):
-    """Every statistic of js.stats (the conftest list with its clip norms, and the rest)."""
+    """The statistics of `_stat_ids` (with the conftest clip norms) and the rest of
+    js.stats."""
     ref = reference(case_name)
-    return {**{sid: ref.stat(sid) for sid in STAT_IDS}, **_extras()}
+    return {**{sid: ref.stat(sid) for sid in _stat_ids(case_name)}, **_extras()}
 
 
 def _assert_close(actual, expected, dtype, what):
@@ -96,7 +110,7 @@ def test_merged_partials_equal_the_concatenated_batch(case_name, dtype):
         for k, v in out.items():
             _assert_close(v, whole[k], dtype, f"{case_name} {sizes} {k}")
         # against the vmap(grad) oracle of the whole batch, with the suite's error model
-        for sid in STAT_IDS:
+        for sid in _stat_ids(case_name):
             check_against_reference(out[sid], case_name, sid, dtype)
         # two partials at a time (uneven: 5 + 1 and 1 + 5), in either grouping: the
         # same values as the three at once

@@ -11,6 +11,8 @@ Each model is skipped when its library is missing. HF's Flax T5 is not here: it 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,6 +100,14 @@ def griffin(r, dtype):
 MODELS = {"gpt2": gpt2, "bert": bert, "vit": vit, "gemma": gemma, "griffin": griffin}
 
 
+@functools.cache
+def _built(name, dtype):
+    """``MODELS[name]`` built once per process (a model's construction runs its library's
+    initialisation eagerly: seconds); the module's tests share one worker (conftest)."""
+    with jax.enable_x64(dtype == jnp.float64):
+        return MODELS[name](np.random.default_rng(0), dtype)
+
+
 STATS = {"mean": js.stats.mean(), "sm": js.stats.second_moment(), "var": js.stats.variance(),
          "sign": js.stats.sign_mean(), "abs": js.stats.abs_mean(), "n": js.stats.sq_norms(),
          "clip": js.stats.clipped_mean(0.05)}
@@ -117,7 +127,7 @@ ORACLE = {"mean": ("mean", {}), "sm": ("second_moment", {}), "var": ("variance",
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_statistics_match_vmap_grad(name, dtype):
     with jax.enable_x64(dtype == jnp.float64):
-        loss, params, batch = MODELS[name](np.random.default_rng(0), dtype)
+        loss, params, batch = _built(name, dtype)
         got = jax.jit(js.per_example_stat(loss, STATS))(params, batch)
         g = jax.jit(jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))),
                      (None, 0)))(params, batch)
@@ -142,6 +152,7 @@ def test_statistics_match_vmap_grad(name, dtype):
 def test_no_leaf_falls_back(name):
     """Every parameter of these models meets the data where a rule sees it: no leaf gets
     exact per-example gradients through the whole model."""
-    loss, params, batch = MODELS[name](np.random.default_rng(0), jnp.float32)
-    rep = js.explain(loss, tuple(STATS.values()))(params, batch)
+    with jax.enable_x64(True):  # (the float64 model of the oracle test: built once)
+        loss, params, batch = _built(name, jnp.float64)
+        rep = js.explain(loss, tuple(STATS.values()))(params, batch)
     assert not rep.fallback_leaves, str(rep)
