@@ -164,3 +164,48 @@ def test_eager_calls_trace_once_per_signature():
     assert not np.allclose(first, second)
     f(w, {"x": b["x"][:4], "y": b["y"][:4]})  # new shape: traced again
     assert count["n"] > n
+
+
+def test_eager_grad_and_vmap_of_a_statistic_are_compiled_once():
+    """Under ``jax.grad`` / ``jax.vmap`` applied eagerly (no jit around them) the
+    statistic's program is compiled, not run one operation at a time: a second call
+    neither re-traces the loss nor re-analyses it; values equal the jitted ones, also
+    with a tracer closed over by the loss (a scale differentiated through)."""
+    w, b = M.lin_case()
+    count = {"n": 0}
+
+    def loss(w, b, s=1.0):
+        count["n"] += 1
+        return s * jnp.mean((b["x"] @ w - b["y"]) ** 2)
+
+    f = js.per_example_stat(loss, js.stats.variance())
+
+    def obj(w, s):
+        return jnp.sum(f(w, b, s=s) ** 2)
+
+    g = jax.grad(obj, argnums=(0, 1))
+    first = g(w, 1.5)
+    n = count["n"]
+    second = g(w + 0.5, 1.5)  # same signature: no new trace of the loss
+    assert count["n"] == n
+    for a, e in zip(first, jax.jit(g)(w, 1.5)):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-7)
+    for a, e in zip(second, jax.jit(g)(w + 0.5, 1.5)):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-7)
+
+    # a loss closing over a tracer of the eager grad
+    def closed(s):
+        return jnp.sum(js.per_example_stat(lambda w, b: s * loss(w, b), js.stats.mean())(w, b))
+
+    np.testing.assert_allclose(jax.grad(closed)(2.0), jax.jit(jax.grad(closed))(2.0), rtol=1e-5)
+
+    # eager vmap over a stack of weights (an ensemble)
+    ws = jnp.stack([w, 2 * w, -w])
+    v = jax.vmap(lambda w: f(w, b))
+    out = v(ws)
+    n = count["n"]
+    v(ws + 1.0)
+    assert count["n"] == n
+    np.testing.assert_allclose(out, jax.jit(v)(ws), rtol=1e-5, atol=1e-7)
+    for i in range(3):
+        np.testing.assert_allclose(out[i], f(ws[i], b), rtol=1e-5, atol=1e-7)

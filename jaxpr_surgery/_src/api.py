@@ -716,10 +716,11 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False):
     partial's examples may all be padding).
 
     Other keyword arguments pass through like jax.grad's: neither differentiated nor
-    batched. Eager calls are compiled once per argument structure (jax.jit then caches
-    per shape and dtype), so they neither re-trace nor re-analyse; under a
-    transformation (jit, grad, vmap, pmap, shard_map) the computation is traced into
-    the caller's."""
+    batched. Eager calls, also under transformations applied eagerly (``jax.grad``,
+    ``jax.vmap`` outside any jit), are compiled once per argument structure (jax.jit
+    then caches per shape and dtype), so they neither re-trace nor re-analyse nor run
+    one operation at a time; under a staging transformation (jit, pmap, shard_map, a
+    scan body) the computation is traced into the caller's."""
 
     def direct(args, kwargs):
         kwargs, spec = ew.pop(kwargs, name)
@@ -746,7 +747,9 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False):
         if spec is not None:  # bad concrete weights raise here (traced ones: NaN)
             ew.check_concrete(spec, name, ddofs, all_zero_ok)
         leaves, tree = jax.tree.flatten((args, kwargs))
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        if any(isinstance(x, jax.core.Tracer) for x in leaves) and not (
+            compat.under_eager_transformations()
+        ):  # (under eager grad / vmap: compiled too, not run one operation at a time)
             return direct(args, kwargs)
         is_arr = tuple(_is_array(x) for x in leaves)
         static = tuple(None if a else x for a, x in zip(is_arr, leaves))
@@ -792,7 +795,8 @@ def per_example_stat(
     Dense, embedding, scale-shift and conv uses of parameters are detected in
     the jaxpr and get cheap rules; any other parameter gets exact per-example
     gradients. Composes with ``jit``, ``grad``, ``vmap``, ``pmap`` and
-    ``shard_map``.
+    ``shard_map``; called outside ``jit`` (also under an eager ``grad`` or
+    ``vmap``) it compiles once per argument structure.
 
     Args:
       fn: the loss, ``fn(*args) -> scalar`` (a mean over the batch), or

@@ -474,6 +474,18 @@ def in_auto_mode(fn, args, mesh, axes):
         return jax.sharding.auto_axes(fn, axes=axes, out_sharding=PartitionSpec())(*args)
 
 
+def under_eager_transformations() -> bool:
+    """Whether the current trace stack bottoms out in eager evaluation: transformations
+    (grad, vmap, jvp) applied outside any jit, whose operations run one at a time. False
+    where a staging trace (jit, pmap, a scan body, ...) is below, or where jax's trace
+    stack cannot be read."""
+    try:
+        stack = _core.unsafe_get_trace_stack(_core.unsafe_get_current_trace())
+        return isinstance(stack[0], _core.EvalTrace)
+    except (AttributeError, IndexError, TypeError):
+        return False
+
+
 # --------------------------------------------------------------------------- #
 # The cross-example check (independence.py): primitives by object, params of the
 # control-flow primitives, and how jax batches a primitive (which tells elementwise ops)
