@@ -206,3 +206,29 @@ def test_ordering_barrier_keeps_each_operands_axes():
     assert (a, b) == (x, w) == (frozenset({"data"}), frozenset({"model"}))
     np.testing.assert_allclose(out[0], 2 * np.arange(4.0))
     np.testing.assert_allclose(out[1], 3 * np.arange(4.0))
+
+
+def test_under_eager_transformations_reads_the_trace_stack():
+    """True only where every trace evaluates as it goes (eager grad / jvp / vmap / vjp);
+    False under jit, make_jaxpr, jit of grad, a scan body."""
+    seen = []
+
+    def f(x):
+        seen.append(compat.under_eager_transformations())
+        return x
+
+    one = jnp.ones(2)
+    f(1.0)
+    jax.grad(f)(1.0)
+    jax.jvp(f, (1.0,), (1.0,))
+    jax.vmap(f)(one)
+    jax.vmap(jax.grad(f))(one)
+    jax.vjp(f, 1.0)
+    assert seen == [True] * 6, seen
+    seen.clear()
+    jax.make_jaxpr(f)(1.0)
+    jax.jit(lambda x: f(x))(2.0)
+    jax.jit(jax.grad(lambda x: f(x)))(3.0)
+    jax.vmap(jax.jit(lambda x: f(x)))(one)
+    lax.scan(lambda c, x: (f(c), None), 1.0, one)
+    assert seen == [False] * 5, seen

@@ -474,16 +474,32 @@ def in_auto_mode(fn, args, mesh, axes):
         return jax.sharding.auto_axes(fn, axes=axes, out_sharding=PartitionSpec())(*args)
 
 
+def _eager_trace_types() -> tuple:
+    """jax's traces that evaluate as they go (no staging): eager evaluation, forward and
+    reverse mode, batching."""
+    from jax._src.interpreters import ad, batching
+
+    found = [_core.EvalTrace]
+    for mod, name in ((ad, "JVPTrace"), (ad, "LinearizeTrace"), (batching, "BatchTrace")):
+        t = getattr(mod, name, None)
+        if isinstance(t, type):
+            found.append(t)
+    return tuple(found)
+
+
+_EAGER_TRACES = _eager_trace_types()
+
+
 def under_eager_transformations() -> bool:
-    """Whether the current trace stack bottoms out in eager evaluation: transformations
-    (grad, vmap, jvp) applied outside any jit, whose operations run one at a time. False
-    where a staging trace (jit, pmap, a scan body, ...) is below, or where jax's trace
-    stack cannot be read."""
+    """Whether every trace of the current stack evaluates as it goes: ``jax.grad``,
+    ``jax.jvp``, ``jax.vmap`` applied outside any jit, whose operations run one at a
+    time. False under anything else (jit, make_jaxpr, pmap, shard_map, a scan body,
+    ...), or where jax's trace stack cannot be read."""
     try:
         stack = _core.unsafe_get_trace_stack(_core.unsafe_get_current_trace())
-        return isinstance(stack[0], _core.EvalTrace)
-    except (AttributeError, IndexError, TypeError):
+    except (AttributeError, TypeError):
         return False
+    return all(isinstance(t, _EAGER_TRACES) for t in stack)
 
 
 # --------------------------------------------------------------------------- #
