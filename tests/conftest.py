@@ -758,10 +758,10 @@ def pytest_xdist_make_scheduler(config, log):
 # route treats them apart), in one dtype where the other adds no code path; the oracle
 # matrix (test_oracle.py) keeps every statistic on every model in both dtypes. The cases
 # below are marked ``extended``, and deselected unless the ``-m`` expression names that
-# marker: ``python -m pytest -q -n 2
-# -m extended`` runs them alone (CI does, at the newest jax), ``-m "extended or not
-# extended"`` runs everything. Keys: ``file::function``; values: parameter ids ("" for an
-# unparametrised test). An id that no longer exists is an error.
+# marker: ``python -m pytest -q -n 2 -m extended`` runs them alone (CI does, at the
+# newest jax), ``-m "extended or not extended"`` runs everything. Keys:
+# ``file::function``; values: parameter ids ("" for an unparametrised test). An id that
+# no longer exists in a collected file is an error.
 EXTENDED = {
     "test_oracle.py::test_chunked_tiny_tiles_float32_under_x64_match_oracle": {
         "transformer_rms_swiglu", "transformer_scan_remat", "weight_decay_lora", "merged_lora",
