@@ -340,8 +340,7 @@ def test_a_residual_factor_takes_the_others_along():
     assert set(reasons) == {"['A']", "['B']", "['W']"}, str(rep)
     assert "with a factor that takes exact per-example gradients" in reasons["['B']"]
     p, batch = _small()
-    g = jax.jit(jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))),
-                 in_axes=(None, 0)))(p, batch)
+    g = zoo.vmap_grads(loss, p, batch)
     got = jax.jit(js.per_example_stat(loss, js.stats.second_moment()))(p, batch)
     jax.tree.map(lambda a, gb: np.testing.assert_allclose(a, np.mean(gb ** 2, 0), rtol=1e-5),
                  got, g)

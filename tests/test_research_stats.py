@@ -6,7 +6,6 @@ and float32, by the oracle matrix (test_oracle.py, ``STATS`` in conftest.py)."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -47,8 +46,7 @@ def test_norm_quantiles_scalar_level_gives_scalars():
         p = {"w": jnp.asarray(r.normal(size=(3, 2))), "b": jnp.asarray(r.normal(size=2))}
         b = {"x": jnp.asarray(r.normal(size=(5, 3))), "y": jnp.asarray(r.normal(size=(5, 2)))}
         loss = lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["w"] + p["b"]) - b["y"]) ** 2)  # noqa: E731
-        g = jax.jit(jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))),
-                     (None, 0)))(p, b)
+        g = zoo.vmap_grads(loss, p, b)
         for q in (0.5, np.float32(0.25), jnp.asarray(0.9), 1):
             both = (js.stats.norm_quantiles(q), js.stats.norm_quantiles(q, per_leaf=False))
             leafwise, whole = js.per_example_stat(loss, both)(p, b)

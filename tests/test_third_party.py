@@ -129,8 +129,7 @@ def test_statistics_match_vmap_grad(name, dtype):
     with jax.enable_x64(dtype == jnp.float64):
         loss, params, batch = _built(name, dtype)
         got = jax.jit(js.per_example_stat(loss, STATS))(params, batch)
-        g = jax.jit(jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))),
-                     (None, 0)))(params, batch)
+        g = zoo.vmap_grads(loss, params, batch)
         want = {k: zoo.oracle_from_grads(g, n, **kw) for k, (n, kw) in ORACLE.items()}
         tol = F64_TOL.get(name, TOL[dtype]) if dtype == jnp.float64 else TOL[dtype]
         for k, w in want.items():
