@@ -837,6 +837,8 @@ def blocks(monkeypatch):
     monkeypatch.setattr(tiling, "CACHE_TILE_BYTES", 100)
     monkeypatch.setattr(tiling, "MIN_FEATURE_TILE_BYTES", 1)
     monkeypatch.setattr(tiling, "prefer_per_example", lambda: True)
+    # block sizes as the budget gives them, remainders included (not a divisor)
+    monkeypatch.setattr(tiling, "DIVISOR_BLOCKS_FACTOR", 1)
     seen = []
     inner = tiling._feature_blocks
 

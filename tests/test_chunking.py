@@ -132,8 +132,8 @@ def test_chunk_larger_than_batch_is_one_chunk():
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 4])
 def test_each_chunk_size_is_traced_once(chunk, monkeypatch):
-    """The peeled first chunk and the loop body share one trace (the first continues
-    running values at zero); a remainder is a second size."""
+    """Every full chunk runs in one loop body, traced once (the first continues running
+    values at zero); a remainder is a second size."""
     from jaxpr_surgery._src import engine
 
     sizes = []

@@ -111,6 +111,12 @@ def test_feature_tile_sizes():
         assert tiling.feature_tile((256, 8192), f32, (), None) is None
         # a budget below the cache size shrinks blocks, never below the minimum
         assert tiling.feature_tile((256, 8192), f32, (1,), 1) == (1, 256)  # 256 KiB blocks
+        # a block count that divides the axis where one is near: no remainder block
+        # (GPT-2's MLP weight: 5 blocks of 615 by the budget, 6 of 512 instead)
+        assert tiling.feature_tile((3072, 768), f32, (0, 1), None) == (0, 512)
+        assert tiling.feature_tile((50304, 768), f32, (0, 1), None) == (0, 524)
+        mp.setattr(tiling, "DIVISOR_BLOCKS_FACTOR", 1)
+        assert tiling.feature_tile((3072, 768), f32, (0, 1), None) == (0, 615)
         mp.setattr(tiling, "prefer_per_example", lambda: False)  # GPU: only over budget
         assert tiling.feature_tile((256, 8192), f32, (1,), None) is None
         assert tiling.feature_tile((256, 8192), f32, (1,), 1 << 20)[1] == 1024

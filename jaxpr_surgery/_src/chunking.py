@@ -278,8 +278,8 @@ def run_chunks(run, prep, cs, zero, reductions, weights=None):
     engine), continuing ``carry``, a `stats.Carry` of the running accumulators of the
     chunks before it (keyed like ``zero``: ``Reduction.empty`` of every reduction that
     is not per example); ``prep`` holds the differentiated, per-example and other
-    leaves. A chunk's computation is a jit per chunk size: the first chunk (peeled)
-    and the loop body share one trace. See `_chunk_loop`.
+    leaves. A chunk's computation is a jit per chunk size: one for the loop body,
+    one for a remainder chunk. See `_chunk_loop`.
 
     ``weights``: the batch's ``example_weights`` ``[B]`` (or None): each chunk gets its
     own and the weight of the examples before it, ``run(..., carry, (w, W0))``; the
@@ -305,8 +305,8 @@ def run_chunks(run, prep, cs, zero, reductions, weights=None):
 
 
 def _chunk_loop(run_chunk, ex_leaves, B, cs, zero, reductions):
-    """The first chunk alone, the other full ones in ``lax.scan`` loops, the remainder
-    after them.
+    """The full chunks in ``lax.scan`` loops (one, unless centred sums re-centre between
+    them), the remainder after them.
 
     Each chunk continues the running accumulators of the chunks before it: its tile
     loops start from them, so no chunk merges its own values into them afterwards (a
@@ -319,10 +319,13 @@ def _chunk_loop(run_chunk, ex_leaves, B, cs, zero, reductions):
     batch). The values come from the accumulators once, at the end
     (`Reduction.finish`). Per-example values are concatenated.
 
-    The first chunk runs before the loop (measured 5-20% faster on XLA:CPU than a
-    loop over all of them); the chunks after it take its results and their own
-    examples through one optimization barrier, so that none starts before it is done
-    (two chunks' activations alive at once would be as many as the whole batch's).
+    Every full chunk runs in the loop, from the zero accumulators: the chunk's program
+    is compiled once. (A first chunk peeled before the loop ran 5-20% faster on XLA:CPU
+    but doubled the program XLA compiles, the whole model's forward and backward pass:
+    the time to the first step, docs/benchmarks.md.) A loop after another, and the
+    remainder, take the running values and their own examples through one
+    optimization barrier, so that none starts before the previous one is done (two
+    chunks' activations alive at once would be as many as the whole batch's).
     """
     nfull, rem = divmod(B, cs)
     head = [x[: nfull * cs].reshape((nfull, cs) + x.shape[1:]) for x in ex_leaves]
@@ -346,22 +349,22 @@ def _chunk_loop(run_chunk, ex_leaves, B, cs, zero, reductions):
         new, per_ex = split(vals)
         return new, (per_ex, loss_b, aux)
 
-    vals, loss_b, aux = run_chunk([h[0] for h in head], cs, S.Carry(zero, count(0)))
-    carry, per_ex = split(vals)
-    pieces = [(per_ex, loss_b, list(aux))]
-    # the shift is the mean of at least n_shift examples, `since` came after it
-    n_shift, since = 1, cs - 1
-    k = 1
+    carry, pieces = zero, []
+    # the shift is the mean of at least n_shift examples, `since` came after it (the
+    # first chunk's first tile takes the shift: -1 before it)
+    n_shift, since = 1, -1
+    k = 0
     while k < nfull or rem:
         size = cs if k < nfull else rem
-        if bounded and since + size > limit * n_shift:
+        if bounded and k and since + size > limit * n_shift:
             n_shift, since = k * cs, 0
             carry = recentre(carry, n_shift)
         todo = nfull - k if not bounded else (limit * n_shift - since) // cs
-        todo = min(nfull - k, todo)
+        todo = max(1, min(nfull - k, todo))
         if k < nfull:
             rest = [h[k : k + todo] for h in head]
-            carry, rest = compat.ordering_barrier((carry, rest))
+            if k:
+                carry, rest = compat.ordering_barrier((carry, rest))
             with jax.named_scope(CHUNK_LOOP):
                 carry, (pev, loss_r, aux_r) = jax.lax.scan(
                     step, carry, (jnp.arange(k, k + todo), rest)

@@ -374,11 +374,16 @@ def scan_params(eqn) -> ScanParams:
 # shard_map varying-manual-axes (vma)
 # --------------------------------------------------------------------------- #
 def vma_of(x) -> frozenset:
-    """The manual mesh axes over which ``x`` varies (empty outside shard_map)."""
-    try:
-        aval = jax.typeof(x)
-    except Exception:  # noqa: BLE001
-        return frozenset()
+    """The manual mesh axes over which ``x`` varies (empty outside shard_map); ``x``
+    may be an array, a tracer or an abstract value (``jax.eval_shape``'s
+    ``ShapeDtypeStruct``)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        aval = x
+    else:
+        try:
+            aval = jax.typeof(x)
+        except Exception:  # noqa: BLE001
+            return frozenset()
     for attr in ("vma",):
         v = getattr(aval, attr, None)
         if v is not None:

@@ -600,20 +600,26 @@ def cross_layout(sa, ka, sb, kb):
     if c["K"] != 1:
         return None
     V, d = table
+    # The checks below map index arrays of the leaf's size through the views (numpy:
+    # static). A vocabulary-sized table holds tens of millions of entries: int32 indices
+    # and comparisons against strided views of one arange, never a meshgrid (which cost
+    # seconds of every trace at GPT-2's table).
+    itype = np.int32 if V * d < 2**31 else np.int64
+    flat = np.arange(V * d, dtype=itype)
     # the embedding's table rows are the leaf's rows (not its columns: a square table
-    # gathered as ``table.T[ids]``)? (numpy: static)
-    rows = np.arange(V * d).reshape(V, d)
+    # gathered as ``table.T[ids]``)?
+    rows = flat.reshape(V, d)
     if not np.array_equal(np.asarray(_to_leaf(ka._view(rows), sa)), rows):
         return None
     # where does canonical (c, f) land in the [V, d] leaf?
-    idx = np.arange(c["C"] * c["F"]).reshape(1, c["C"], c["F"])
-    leaf_idx = _to_leaf(kb.to_view(idx), sb)
+    if c["C"] * c["F"] != V * d:
+        return None
+    leaf_idx = np.asarray(_to_leaf(kb.to_view(flat.reshape(1, c["C"], c["F"])), sb))
     if leaf_idx.shape != (V, d):
         return None
-    vv, dd = np.meshgrid(np.arange(V), np.arange(d), indexing="ij")
-    if c["C"] == d and c["F"] == V and np.array_equal(leaf_idx, dd * V + vv):
+    if c["C"] == d and c["F"] == V and np.array_equal(leaf_idx, flat.reshape(d, V).T):
         return "F"
-    if c["C"] == V and c["F"] == d and np.array_equal(leaf_idx, vv * d + dd):
+    if c["C"] == V and c["F"] == d and np.array_equal(leaf_idx, rows):
         return "C"
     return None
 

@@ -32,6 +32,9 @@ from jaxpr_surgery._src import stats as S
 DEFAULT_MEMORY_BUDGET_BYTES = 64 << 20  # per tile of materialised per-example gradients
 CACHE_TILE_BYTES = 2 << 20  # CPU: one example's block of G, kept cache-sized
 MIN_FEATURE_TILE_BYTES = 256 << 10  # smaller blocks cost more in loop overhead than they save
+# Feature blocks: a count of blocks that divides the axis is preferred, up to this many
+# times the count the budget asks for (no remainder block to compile; 1: off)
+DIVISOR_BLOCKS_FACTOR = 2
 
 
 def tile_size(B: int, bytes_per_example: int, budget: int | None, *, batched_ok=True) -> int:
@@ -73,6 +76,14 @@ def feature_tile(shape, dtype, axes, budget) -> tuple[int, int] | None:
     axis = max(axes, key=lambda a: shape[a])
     n = int(shape[axis])
     blocks = min(n, -(-total // target))
+    # A count of blocks that divides the axis, if one is near (`DIVISOR_BLOCKS_FACTOR`,
+    # no block below the minimum size): no remainder block, whose program XLA would
+    # compile beside the loop's.
+    row = total // n
+    for b in range(blocks, min(n, DIVISOR_BLOCKS_FACTOR * blocks) + 1):
+        if n % b == 0 and (n // b) * row >= MIN_FEATURE_TILE_BYTES:
+            blocks = b
+            break
     size = -(-n // blocks)
     return (axis, size) if size < n else None
 
@@ -227,13 +238,37 @@ def _first_tile(reductions, G0, B, inits, n0):
     return acc
 
 
+def _empty_accumulators(make, reductions, tile, shape, dtype, B, inits):
+    """The accumulators before the first tile: a carried one, else `Reduction.empty`
+    (per-example values: a buffer of all ``B`` examples), varying (inside shard_map)
+    like a tile's ``G``. Every tile then starts from them alike (`start_examples`
+    with its count: the first one, at count 0, takes its shift)."""
+    G = jax.eval_shape(lambda: make(0, tile).astype(dtype))
+    axes = compat.vma_of(G)
+    acc = []
+    for r, i in zip(reductions, inits):
+        if r.per_example:
+            v = jax.eval_shape(r.from_examples, G)
+            a = jnp.zeros((B,) + tuple(v.shape[1:]), v.dtype)
+        else:
+            a = r.empty(tuple(shape), dtype) if i is None else i
+        acc.append(jax.tree.map(lambda x: compat.make_varying(x, axes), a))
+    return acc
+
+
 def _tile_loop(make, B, reductions, tile, shape, dtype, inits, n0, finish=True):
     """The tile loop: accumulators (finished where not carried, with ``finish``)."""
-    del shape
     tile = int(max(1, min(tile, B)))
     nfull, rem = divmod(B, tile)
-    acc = _first_tile(reductions, make(0, tile).astype(dtype), B, inits, n0)
     bounded = [r.shift_bounded for r in reductions]
+    if nfull > 1 and all(r.per_example or r.carries for r in reductions):
+        # every tile in the loop, from empty accumulators typed like a tile's values
+        # (abstract: nothing computed twice), so XLA compiles the tile's program once
+        acc = _empty_accumulators(make, reductions, tile, shape, dtype, B, inits)
+        t, since = 0, -tile  # (the first tile's own examples make its shift)
+    else:  # the first tile peeled: the accumulators take its type
+        acc = _first_tile(reductions, make(0, tile).astype(dtype), B, inits, n0)
+        t, since = 1, 0
 
     def group(acc, b0, ntiles, size, recentre):
         """Tiles ``b0 + k*size`` for ``k < ntiles`` (``b0`` static); ``recentre``:
@@ -247,7 +282,7 @@ def _tile_loop(make, B, reductions, tile, shape, dtype, inits, n0, finish=True):
             G = make(begin, size).astype(dtype)
             return [
                 jax.lax.dynamic_update_slice_in_dim(a, r.from_examples(G), begin, 0)
-                if r.per_example else r.add_examples(a, n0 + begin, G)
+                if r.per_example else r.start_examples(a, n0 + begin, G)
                 for r, a in zip(reductions, inner)
             ]
 
@@ -260,7 +295,7 @@ def _tile_loop(make, B, reductions, tile, shape, dtype, inits, n0, finish=True):
     # each later one re-centres first and takes at most (MAX_SHIFT_AMPLIFICATION - 1)
     # times the examples its shift is the mean of (one group without such sums).
     limit = S.MAX_SHIFT_AMPLIFICATION - 1
-    n_shift, since, t = tile, 0, 1  # examples the shift is the mean of; after it; tiles
+    n_shift = tile  # examples the shift is the mean of (`since`: after it; `t`: tiles)
     while t < nfull or rem:
         size, left = (tile, nfull - t) if t < nfull else (rem, 1)
         k = left if not any(bounded) else min(left, (limit * n_shift - since) // size)
@@ -313,14 +348,15 @@ def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0):
             for a, v, p in zip(acc, vals, adds)
         ]
 
-    def whole(v):  # the first block's value in an accumulator of the whole shape
-        z = compat.make_varying(jnp.zeros(shape, v.dtype), compat.vma_of(v))
-        return jax.lax.dynamic_update_slice_in_dim(z, v, 0, axis)
+    def zeros(s, full):  # an accumulator for a block's value ``s`` (of the whole axis)
+        shp = tuple(s.shape[:axis]) + (n,) + tuple(s.shape[axis + 1 :]) if full else s.shape
+        return compat.make_varying(jnp.zeros(shp, s.dtype), compat.vma_of(s))
 
-    # first block peeled: the accumulators take its type (see _first_tile)
-    acc = [v if p else jax.tree.map(whole, v) for v, p in zip(block(0, fs), adds)]
-    if nf > 1:
-        acc = jax.lax.fori_loop(1, nf, lambda k, acc: put(acc, block(k * fs, fs), k * fs), acc)
+    # Every block runs in the loop, from zeros typed like a block's values (abstract:
+    # nothing is computed twice), so XLA compiles the block's program once.
+    first = jax.eval_shape(lambda: block(0, fs))
+    acc = [jax.tree.map(lambda s, p=p: zeros(s, not p), v) for v, p in zip(first, adds)]
+    acc = jax.lax.fori_loop(0, nf, lambda k, acc: put(acc, block(k * fs, fs), k * fs), acc)
     if rem:
         acc = put(acc, block(nf * fs, rem), nf * fs)
     return acc
