@@ -101,6 +101,8 @@ def _oracle(per_ex, request):
             out[k] = _clipped_sum(per_ex, stat.clip_norm)
         elif k == "clip_norm":
             out[k] = jnp.asarray(stat.clip_norm)
+        elif k == "max_weight":  # the largest example weight (unweighted: 1)
+            out[k] = jnp.asarray(1.0)
         elif k == "batch_size":
             out[k] = jnp.asarray(n)
         elif k == "kron_moments":

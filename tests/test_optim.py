@@ -79,6 +79,8 @@ def _oracle_stats(per_ex, keys, clip_norm=None):
             out[k] = jnp.asarray(n)
         elif k == "clip_norm":  # the clip norm the clipping used
             out[k] = jnp.asarray(clip_norm)
+        elif k == "max_weight":  # the largest example weight (unweighted: 1)
+            out[k] = jnp.asarray(1.0)
         else:
             raise AssertionError(f"no oracle for {k!r}")
     return out
@@ -439,6 +441,7 @@ def test_requests_mean_what_update_expects():
         "sign_mean",
         "clipped_sum",
         "clip_norm",
+        "max_weight",
         "batch_size",
     }
     direct = _oracle_stats(per_ex, request, clip_norm=CLIP)
@@ -474,7 +477,8 @@ def test_stat_request_by_name_and_object():
 
 def test_chain_merges_and_detects_conflicts():
     opt = jso.chain(jso.dp_sgd(0.1, 1.0, 1.0), jso.micro_adam_var(0.1))
-    assert set(opt.stat_request) == {"mean", "clipped_sum", "clip_norm", "batch_size", "variance"}
+    assert set(opt.stat_request) == {"mean", "clipped_sum", "clip_norm", "max_weight",
+                                     "batch_size", "variance"}
     jso.chain(jso.dp_sgd(0.1, 1.0, 1.0), jso.dp_adam(0.1, 1.0, 0.5))  # same clip: fine
     with pytest.raises(ValueError, match="clipped_sum"):
         jso.chain(jso.dp_sgd(0.1, 1.0, 1.0), jso.dp_adam(0.1, 2.0, 1.0))

@@ -14,10 +14,17 @@ with \(C\) = ``clip_norm`` and \(z\) = ``noise_multiplier``. With per-layer
 clipping (``clip_norm`` a pytree of bounds \(C_k\), one per group of parameters:
 `jaxpr_surgery.stats.clipped_sum`), each group's part of \(g_b\) is clipped by its own
 norm and \(C\) in the noise is the clipped sum's L2 sensitivity
-\(\sqrt{\sum_k C_k^2}\). The PRNG
+\(\sqrt{\sum_k C_k^2}\) over the groups holding a differentiated (float) leaf. With
+``example_weights`` \(w_b\) the clipped sum is \(\sum_b w_b \min(1, C/\|g_b\|)\, g_b\):
+one example moves it by up to \(w_b C\), so the noise is scaled by a declared bound
+\(M\) = ``max_example_weight`` of the weights (1 by default: unweighted or 0/1-padded
+batches), fixed in advance rather than read from the data, and ``update`` refuses a
+call whose weights exceed it. The PRNG
 key is an explicit extra arg of ``update``: pass a fresh one every step. Privacy
-accounting (choosing \(z\) for a target \((\varepsilon, \delta)\)) is
-out of scope; use e.g. ``dp_accounting``.
+accounting lives in `jaxpr_surgery.privacy`: ``calibrate_noise_multiplier`` chooses
+\(z\) for a target \((\varepsilon, \delta)\), ``epsilon_of(config, steps=...)`` gives
+the \(\varepsilon\) spent by an optimizer built from ``config`` (with Poisson batches,
+``poisson_batches``, and ``batch_size`` the expected batch size).
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ def _where(path):
     return f" (the bound at {path})" if path else ""
 
 
-def _check(clip_norm, noise_multiplier, batch_size, owner):
+def _check(clip_norm, noise_multiplier, batch_size, owner, max_example_weight=1.0):
     entries = _bound_entries(clip_norm)
     if not entries:
         raise ValueError(
@@ -80,12 +87,41 @@ def _check(clip_norm, noise_multiplier, batch_size, owner):
                 f"{noise_multiplier} adds infinite noise. Use a finite clip_norm, or "
                 "noise_multiplier=0 for non-private training."
             )
+    _check_max_weight(max_example_weight, noise_multiplier, owner)
     injected = isinstance(batch_size, (jax.Array, np.ndarray))  # by inject_hyperparams
     if batch_size is not None and not injected and not (
         isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size > 0
     ):
         raise ValueError(
             f"{owner}(batch_size=...): must be a positive int or None, got {batch_size!r}."
+        )
+
+
+def _check_max_weight(M, noise_multiplier, owner):
+    """``max_example_weight``: a positive number (``inf`` only without noise), or an array
+    (injected by `inject_hyperparams`, checked where it is used)."""
+    what = f"{owner}(max_example_weight=...)"
+    if isinstance(M, bool) or not isinstance(
+        M, (int, float, jax.Array, np.ndarray, np.generic)
+    ):
+        raise TypeError(
+            f"{what}: expected a positive number, the largest example weight the DP "
+            f"optimizer accepts (1 for unweighted or 0/1-padded batches), got {M!r}."
+        )
+    if isinstance(M, jax.core.Tracer) or np.ndim(M) != 0:
+        if np.ndim(M) != 0:
+            raise ValueError(f"{what}: must be a scalar, got shape {np.shape(M)}.")
+        return
+    M = float(np.asarray(M))
+    if not M > 0:  # also NaN
+        raise ValueError(
+            f"{what}: must be > 0, the largest example weight the noise covers, got {M!r}."
+        )
+    if math.isinf(M) and _is_number(noise_multiplier) and noise_multiplier > 0:
+        raise ValueError(
+            f"{owner}: max_example_weight=inf with noise_multiplier={noise_multiplier} "
+            "adds infinite noise. Declare a finite bound of the example weights (the "
+            "noise is scaled to it), or noise_multiplier=0 for non-private training."
         )
 
 
@@ -112,18 +148,97 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def dp_sensitivity(clip_norm):
+def _differentiated(x) -> bool:
+    """A leaf that `per_example_stat` differentiates: a float array. None (a skipped
+    leaf's statistic), integer and bool arrays, PRNG keys and non-array (static) leaves
+    are not, as under ``eqx.filter_grad``."""
+    arrays = (jax.Array, np.ndarray, np.generic, jax.core.Tracer, jax.ShapeDtypeStruct)
+    return isinstance(x, arrays) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _covering_bounds(clip_norm, params):
+    """The bounds of ``clip_norm`` (a bound or a tree of bounds, a prefix of ``params``'s
+    structure) whose group holds a differentiated leaf of ``params``; every bound when
+    ``params`` is None. A bound with no leaf of ``params`` under it is kept (its group is
+    unknown here: counting it never lowers the noise)."""
+    entries = jax.tree_util.tree_flatten_with_path(clip_norm, is_leaf=lambda x: x is None)[0]
+    if params is None:
+        return [C for _, C in entries]
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: x is None)[0]
+    under = [
+        [x for q, x in leaves if tuple(q[: len(p)]) == tuple(p)] for p, _ in entries
+    ]
+    for q, x in leaves:
+        if _differentiated(x) and not any(tuple(q[: len(p)]) == tuple(p) for p, _ in entries):
+            raise ValueError(
+                f"dp_sensitivity: the parameter leaf {jax.tree_util.keystr(q)} has no clip "
+                "bound above it: the tree of bounds must be a prefix of the parameters' "
+                "structure (each bound standing for the leaf or subtree under it)."
+            )
+    return [
+        C for (_, C), xs in zip(entries, under) if not xs or any(map(_differentiated, xs))
+    ]
+
+
+def dp_sensitivity(clip_norm, params=None):
     r"""The L2 sensitivity of a clipped sum to one example: \(C\) for a single bound,
     \(\sqrt{\sum_k C_k^2}\) for per-group bounds \(C_k\) (each group's part of an
     example's gradient has norm at most \(C_k\)). A Python float where every bound is
-    one, else a float32 array (a traced bound)."""
-    bounds = jax.tree.leaves(clip_norm)
+    one, else a float32 array (a traced bound).
+
+    With ``example_weights`` an example's weighted clipped gradient has norm at most
+    \(w_b\) times this: the DP optimizers multiply it by their ``max_example_weight``.
+
+    Args:
+      clip_norm: a bound, or a pytree of bounds (a prefix of the parameters' structure).
+      params: optional, a pytree like the parameters (the parameters, or the clipped sum
+        itself). Bounds whose group holds no float leaf (only integer or bool buffers,
+        PRNG keys, static values, or the ``None`` a statistic holds for them: leaves that
+        `jaxpr_surgery.per_example_stat` skips) clip nothing and are not counted, so
+        ``jax.tree.map(lambda _: C, params)`` adds no noise for a skipped leaf. Without
+        it every bound counts.
+
+    Raises:
+      ValueError: with ``params``, a float leaf of ``params`` under no bound.
+    """
     if jax.tree_util.treedef_is_leaf(jax.tree.structure(clip_norm)):
         return clip_norm
+    bounds = _covering_bounds(clip_norm, params)
     if all(_is_number(C) for C in bounds):
         return math.hypot(*bounds)  # no overflow, inf where a bound is
     sq = [jnp.square(jnp.asarray(C, jnp.float32)) for C in bounds]
     return jnp.sqrt(sum(sq[1:], sq[0]))
+
+
+#: Relative excess of the largest example weight over ``max_example_weight`` tolerated
+#: (the rounding of a bound such as 0.1 to the weights' float32).
+MAX_WEIGHT_RTOL = 1e-6
+
+
+def _max_weight_check(used, declared, owner):
+    """``None`` if the largest example weight ``used`` by the call (the statistic
+    ``max_weight``; None: not given, statistics computed by hand) is at most the
+    ``declared`` ``max_example_weight``, or a traced boolean that says so; raises where
+    that can be decided now."""
+    if used is None:
+        return None
+    if not (isinstance(used, jax.core.Tracer) or isinstance(declared, jax.core.Tracer)):
+        u, m = float(np.asarray(used)), float(np.asarray(declared))
+        if not u <= m * (1 + MAX_WEIGHT_RTOL):
+            raise ValueError(
+                f"{owner}: the largest example weight of this call is {u:g}, above "
+                f"max_example_weight={m:g}. An example of weight w moves the weighted "
+                "clipped sum by up to w * clip_norm, but the noise is scaled to "
+                "max_example_weight * clip_norm: the privacy guarantee would not be the "
+                f"configured one. Declare the bound of your weights, {owner}(..., "
+                "max_example_weight=...) (fixed in advance, not computed from the data: the "
+                f"noise grows with it), or pass example_weights of at most {m:g} (0/1 "
+                "padding: is_padding_example)."
+            )
+        return None
+    u = jnp.asarray(used, jnp.float32)
+    m = jnp.asarray(declared, jnp.float32)
+    return u <= m * (1 + MAX_WEIGHT_RTOL)
 
 
 def _clip_norm_check(used, configured, owner):
@@ -153,7 +268,7 @@ def _clip_norm_check(used, configured, owner):
     for (path, u), (_, c) in zip(_bound_entries(used), _bound_entries(configured)):
         traced = isinstance(u, jax.core.Tracer) or isinstance(c, jax.core.Tracer)
         if not traced:
-            u, c = float(jnp.asarray(u)), float(jnp.asarray(c))
+            u, c = float(np.asarray(u)), float(np.asarray(c))  # (no tracer under jit)
             if not (u == c or abs(u - c) <= CLIP_NORM_RTOL * abs(c)):
                 raise ValueError(
                     f"{owner}: clipped_sum was clipped at clip_norm={u:g}{_where(path)}, but "
@@ -175,44 +290,66 @@ def dp_aggregate(
     clip_norm: float,
     noise_multiplier: float,
     batch_size: int | None = None,
+    *,
+    max_example_weight: float = 1.0,
 ) -> PerExampleTransformation:
     r"""Replaces updates by the noised mean of clipped per-example gradients.
 
     \[
-      u = \frac{1}{B}\Big(\sum_b g_b \min\big(1, \tfrac{C}{\|g_b\|}\big)
-      + \mathcal N\big(0, (z C)^2 I\big)\Big)
+      u = \frac{1}{B}\Big(\sum_b w_b\, g_b \min\big(1, \tfrac{C}{\|g_b\|}\big)
+      + \mathcal N\big(0, (z C M)^2 I\big)\Big)
     \]
 
-    With per-layer clipping, ``clip_norm`` a pytree of bounds \(C_k\) (a prefix of the
+    with \(w_b = 1\) and \(M = 1\) without ``example_weights``. With per-layer
+    clipping, ``clip_norm`` a pytree of bounds \(C_k\) (a prefix of the
     parameters' structure, `jaxpr_surgery.stats.clipped_sum`), the clipped sum is
     \(\sum_b \min(1, C_k/\|g_{b,k}\|)\, g_{b,k}\) per group \(k\) and the noise's
-    \(C\) is its L2 sensitivity \(\sqrt{\sum_k C_k^2}\) (`dp_sensitivity`).
+    \(C\) is its L2 sensitivity \(\sqrt{\sum_k C_k^2}\) (`dp_sensitivity`), counting
+    only the groups that hold a differentiated leaf: a bound whose leaves are all
+    skipped (integer buffers, PRNG keys: ``None`` in ``clipped_sum``) clips nothing and
+    adds no noise.
+
+    **Example weights.** With ``example_weights`` \(w_b\) (e.g. token counts) the
+    clipped sum is weighted, and removing one example moves it by up to
+    \(w_b C\), not \(C\). The noise is scaled to ``max_example_weight``
+    \(M\), a bound on the weights declared here: the noise must not depend on the
+    data, so it is never read from the batch. ``update`` checks the largest weight of
+    the call (extra arg ``max_weight``, in the request; 1 without weights, and with
+    ``is_padding_example``): above \(M\) it raises, or, when traced, makes the update
+    NaN. The check is skipped with ``noise_multiplier=0`` (no privacy to calibrate).
 
     ``updates`` (the non-private batch mean) is ignored. ``update`` takes the
     keyword-only extra args ``clipped_sum`` (statistic
     `jaxpr_surgery.stats.clipped_sum` with the same ``clip_norm``),
     ``batch_size`` (\(B\), statistic `example_count`; not needed when
     fixed here), ``key`` (a fresh PRNG key; not needed when
-    ``noise_multiplier == 0``) and ``clip_norm``, the clip norm the clipped
-    sum was clipped with (in the request; optional with a fixed ``clip_norm``
-    here, required when it is injected or traced). A clip norm that differs
+    ``noise_multiplier == 0``), ``max_weight`` (the call's largest example
+    weight, see above; optional, unchecked when absent) and ``clip_norm``, the clip
+    norm the clipped sum was clipped with (in the request; optional with a fixed
+    ``clip_norm`` here, required when it is injected or traced). A clip norm that differs
     from this transform's raises, or, when traced, makes the update NaN: noise
     scaled for another bound than the clipping's would silently weaken the
     privacy guarantee. Under `inject_hyperparams` the clip norm can be
-    scheduled; build the request from the current state,
-    ``stat_request(opt, state)``.
+    scheduled (also one bound of a tree: ``{"w": schedule, "b": 1.0}``); build the
+    request from the current state, ``stat_request(opt, state)``.
 
     Args:
       clip_norm: \(C\), the per-example global-norm bound (``inf``: no
         clipping, only with ``noise_multiplier=0``), or a pytree of bounds, one per
-        group of parameters (per-layer clipping; fixed, not injected).
+        group of parameters (per-layer clipping). Leaves that are not differentiated
+        (integer or bool buffers, PRNG keys) need no bound.
       noise_multiplier: \(z\), the noise standard deviation in units of ``C``.
       batch_size: a fixed denominator \(B\) (e.g. the expected batch size
-        under Poisson sampling); ``None`` reads the ``batch_size`` extra arg.
+        under Poisson sampling); ``None`` reads the ``batch_size`` extra arg (with
+        ``example_weights``, the total weight).
+      max_example_weight: \(M\), the largest ``example_weights`` entry the noise
+        covers (default 1: unweighted or 0/1-padded batches). The noise standard
+        deviation is \(z C M\); weights above \(M\) are refused.
 
     Returns:
       A stateless `PerExampleTransformation` requesting
-      ``mean, clipped_sum, batch_size, clip_norm`` (no ``batch_size`` when fixed).
+      ``mean, clipped_sum, clip_norm, max_weight, batch_size`` (no ``batch_size`` when
+      fixed).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -230,16 +367,20 @@ def dp_aggregate(
       >>> jso.dp_sensitivity({"w": 3.0, "b": 4.0})
       5.0
 
+      Weighted examples (weights up to 4, e.g. token counts): declare the bound, the
+      noise grows with it.
+
+      >>> tx = jso.dp_aggregate(clip_norm=1.0, noise_multiplier=1.0, max_example_weight=4.0)
+
     References:
       Abadi et al., Deep Learning with Differential Privacy
       <https://arxiv.org/abs/1607.00133>, 2016
     """
     owner = "dp_aggregate"
-    _check(clip_norm, noise_multiplier, batch_size, owner)
+    _check(clip_norm, noise_multiplier, batch_size, owner, max_example_weight)
     no_noise = isinstance(noise_multiplier, (int, float)) and noise_multiplier == 0
     fixed_batch_size = batch_size
     configured_clip_norm = clip_norm
-    noise_sensitivity = dp_sensitivity(clip_norm)
 
     def update_fn(
         updates,
@@ -250,6 +391,7 @@ def dp_aggregate(
         batch_size=None,
         key=None,
         clip_norm=None,
+        max_weight=None,
         **extra_args,
     ):
         del params, extra_args
@@ -263,20 +405,29 @@ def dp_aggregate(
             "argnums=...) and apply the DP optimizer to them whole.",
         )
         clipped_sum = require_like(clipped_sum, updates, "clipped_sum", owner)
-        ok = _clip_norm_check(clip_norm, configured_clip_norm, owner)
+        oks = [_clip_norm_check(clip_norm, configured_clip_norm, owner)]
         if fixed_batch_size is not None:
             batch_size = fixed_batch_size
         batch_size = require(batch_size, "batch_size", owner)
         if not no_noise:
+            oks.append(_max_weight_check(max_weight, max_example_weight, owner))
             key = require(key, "key", owner)
-            noise = _noise_like(key, clipped_sum, noise_multiplier * noise_sensitivity)
+            # bounds whose group holds only skipped leaves (None here) clip nothing
+            sensitivity = dp_sensitivity(configured_clip_norm, clipped_sum)
+            noise = _noise_like(
+                key, clipped_sum, noise_multiplier * sensitivity * max_example_weight
+            )
             clipped_sum = jax.tree.map(jnp.add, clipped_sum, noise)
         out = jax.tree.map(lambda s: s / jnp.asarray(batch_size).astype(s.dtype), clipped_sum)
-        if ok is not None:  # traced: a mismatch poisons the update instead of hiding
+        oks = [ok for ok in oks if ok is not None]
+        if oks:  # traced: a mismatch poisons the update instead of hiding
+            ok = functools.reduce(jnp.logical_and, oks)
             out = jax.tree.map(lambda u: jnp.where(ok, u, jnp.nan).astype(u.dtype), out)
         return out, state
 
-    keys = ("clipped_sum",) if fixed_batch_size is not None else ("clipped_sum", "batch_size")
+    keys = ("clipped_sum", "max_weight")
+    if fixed_batch_size is None:
+        keys += ("batch_size",)
     return PerExampleTransformation(
         optax.init_empty_state, update_fn, build_request(*keys, clip_norm=clip_norm)
     )
@@ -290,6 +441,7 @@ def dp_sgd(
     batch_size: int | None = None,
     momentum: float | None = None,
     nesterov: bool = False,
+    max_example_weight: float = 1.0,
 ) -> PerExampleTransformation:
     r"""DP-SGD: SGD (optionally with momentum) on the noised mean of clipped gradients.
 
@@ -298,9 +450,10 @@ def dp_sgd(
       \min\big(1, \tfrac{C}{\|g_{t,b}\|}\big) + \mathcal N\big(0, (z C)^2 I\big)\Big)
     \]
 
-    ``update`` takes the extra args of `dp_aggregate`: ``clipped_sum``,
-    ``batch_size``, ``clip_norm`` and ``key``. With ``noise_multiplier=0`` and
-    ``clip_norm=inf`` this is plain SGD. To schedule the clip norm, use
+    (with ``example_weights``, the weighted clipped sum and noise \(z C M\),
+    `dp_aggregate`). ``update`` takes the extra args of `dp_aggregate`:
+    ``clipped_sum``, ``batch_size``, ``clip_norm``, ``max_weight`` and ``key``. With
+    ``noise_multiplier=0`` and ``clip_norm=inf`` this is plain SGD. To schedule the clip norm, use
     ``js.optim.inject_hyperparams(js.optim.dp_sgd)`` and build the request
     inside the step with ``stat_request(opt, state)``: clipping and noise then
     use the same clip norm at every step.
@@ -313,10 +466,12 @@ def dp_sgd(
       batch_size: a fixed denominator; ``None`` reads the ``batch_size`` extra arg.
       momentum: optional heavy-ball momentum decay (`optax.trace`).
       nesterov: use Nesterov momentum (with ``momentum``).
+      max_example_weight: \(M\), the largest example weight the noise covers
+        (default 1; see `dp_aggregate`).
 
     Returns:
       A `PerExampleTransformation` requesting ``mean, clipped_sum, batch_size,
-      clip_norm``.
+      clip_norm, max_weight``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -336,7 +491,8 @@ def dp_sgd(
       Abadi et al., Deep Learning with Differential Privacy
       <https://arxiv.org/abs/1607.00133>, 2016
     """
-    parts = [dp_aggregate(clip_norm, noise_multiplier, batch_size)]
+    parts = [dp_aggregate(clip_norm, noise_multiplier, batch_size,
+                          max_example_weight=max_example_weight)]
     if momentum is not None:
         parts.append(optax.trace(decay=momentum, nesterov=nesterov))
     parts.append(optax.scale_by_learning_rate(learning_rate))
@@ -353,6 +509,7 @@ def dp_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
+    max_example_weight: float = 1.0,
 ) -> PerExampleTransformation:
     r"""DP-Adam: Adam on the noised mean of clipped per-example gradients.
 
@@ -376,31 +533,35 @@ def dp_adam(
       b2: decay of Adam's second moment.
       eps: added to the denominator outside the square root.
       eps_root: added to the denominator inside the square root.
+      max_example_weight: \(M\), the largest example weight the noise covers
+        (default 1; see `dp_aggregate`).
 
     Returns:
       A `PerExampleTransformation` requesting ``mean, clipped_sum, batch_size,
-      clip_norm``.
+      clip_norm, max_weight``.
 
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxpr_surgery.optim as jso
       >>> opt = jso.dp_adam(learning_rate=1e-3, clip_norm=1.0, noise_multiplier=1.1)
       >>> sorted(jso.stat_request(opt))
-      ['batch_size', 'clip_norm', 'clipped_sum', 'mean']
+      ['batch_size', 'clip_norm', 'clipped_sum', 'max_weight', 'mean']
 
     References:
       Abadi et al., Deep Learning with Differential Privacy
       <https://arxiv.org/abs/1607.00133>, 2016
     """
     return chain(
-        dp_aggregate(clip_norm, noise_multiplier, batch_size),
+        dp_aggregate(clip_norm, noise_multiplier, batch_size,
+                     max_example_weight=max_example_weight),
         optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root),
         optax.scale_by_learning_rate(learning_rate),
     )
 
 
-register_request("dp_aggregate", ("clipped_sum", "batch_size"))
+_DP_KEYS = ("clipped_sum", "max_weight", "batch_size")
+register_request("dp_aggregate", _DP_KEYS)
 for _factory in (dp_aggregate, dp_sgd, dp_adam):
     register_static_hyperparams(_factory, ("batch_size",))
-register_request("dp_sgd", ("clipped_sum", "batch_size"))
-register_request("dp_adam", ("clipped_sum", "batch_size"))
+register_request("dp_sgd", _DP_KEYS)
+register_request("dp_adam", _DP_KEYS)

@@ -100,6 +100,30 @@ class _ClipNormUsed(_stats.Statistic):
         return f"clip_norm_used({self.clip_norm!r})"
 
 
+class _MaxWeight(_stats.Statistic):
+    """Value: the largest ``example_weights`` entry of the call (a scalar array): 1 without
+    weights, and with ``is_padding_example`` (weights 0 and 1).
+
+    DP optimizers compare it with their declared ``max_example_weight`` in ``update``: an
+    example of weight ``w`` moves the weighted clipped sum by up to ``w C``, so noise
+    scaled for a smaller bound would not cover the sensitivity.
+    """
+
+    uses_weights = True
+
+    def reductions(self):
+        return {"s": _stats.SUM}  # shared with mean(): free
+
+    def finalize(self, values, count, weights=None):
+        del values
+        if weights is None:
+            return jnp.ones((), jnp.result_type(float))
+        return jnp.max(weights)
+
+    def __repr__(self):
+        return "max_weight()"
+
+
 # --------------------------------------------------------------------------- #
 # Requests: keys are the extra-arg names of ``update``
 # --------------------------------------------------------------------------- #
@@ -125,6 +149,7 @@ _FACTORIES: dict[str, Callable[..., _stats.Statistic]] = {
         _clip_norm_value(clip_norm, "clip_norm")
     ),
     "batch_size": lambda **kw: example_count(),
+    "max_weight": lambda **kw: _MaxWeight(),
     "kron_moments": lambda **kw: _stats.kron_moments(),
 }
 
@@ -143,6 +168,7 @@ _HINTS = {
     "clipped_sum": "js.stats.clipped_sum(clip_norm)",
     "clip_norm": "the clip norm of clipped_sum, in js.optim.stat_request(opt, state)",
     "batch_size": "js.optim.example_count(), or pass the batch size B",
+    "max_weight": "the largest example weight of the call, in js.optim.stat_request(opt)",
     "kron_moments": "js.stats.kron_moments(max_dim)",
 }
 

@@ -314,6 +314,52 @@ def _holds_tracer(request) -> bool:
     )
 
 
+def _is_number_like(x) -> bool:
+    return isinstance(x, (int, float, jax.Array, np.ndarray, np.generic)) and not isinstance(
+        x, bool)
+
+
+def _is_tree_schedule(value) -> bool:
+    """A pytree (not a leaf) of numbers and schedules with at least one schedule: a
+    hyperparameter given per group, scheduled for some (``{"w": schedule, "b": 1.0}``,
+    a per-layer clip bound)."""
+    leaves, tree = jax.tree.flatten(value)
+    return (
+        not jax.tree_util.treedef_is_leaf(tree)
+        and any(callable(x) for x in leaves)
+        and all(callable(x) or _is_number_like(x) for x in leaves)
+    )
+
+
+class _TreeSchedule(optax.schedules.StatefulSchedule):
+    """A pytree of hyperparameter values some of which are schedules, as one stateful
+    schedule of `optax.inject_hyperparams`: its state is the tuple of its schedules'
+    states (``()`` for a number), its value at a step the tree of their values (a number
+    stays itself). So ``state.hyperparams[name]`` holds the tree of the step's values."""
+
+    def __init__(self, tree):
+        self.values, self.treedef = jax.tree.flatten(tree)
+        self.parts = [
+            v if isinstance(v, optax.schedules.StatefulSchedule)
+            else optax.schedules.WrappedSchedule(v) if callable(v) else None
+            for v in self.values
+        ]
+
+    def init(self):
+        return tuple(() if p is None else p.init() for p in self.parts)
+
+    def update(self, state, **extra_args):
+        return tuple(
+            s if p is None else p.update(s, **extra_args) for p, s in zip(self.parts, state)
+        )
+
+    def __call__(self, state, **extra_args):
+        return jax.tree.unflatten(self.treedef, [
+            jnp.asarray(v) if p is None else p(s, **extra_args)
+            for v, p, s in zip(self.values, self.parts, state)
+        ])
+
+
 def inject_hyperparams(
     inner_factory: Callable[..., optax.GradientTransformation],
     static_args: str | tuple[str, ...] = (),
@@ -334,6 +380,11 @@ def inject_hyperparams(
 
     Arguments that fix shapes or the request (Shampoo's ``max_dim``, DP's
     ``batch_size``) stay static by default, where optax would inject every int.
+
+    A pytree argument of numbers with schedules among them (per-layer clip bounds,
+    ``clip_norm={"w": schedule, "b": 1.0}``; optax would pass it on unscheduled) is
+    scheduled leaf by leaf: ``state.hyperparams[name]`` holds the tree of the step's
+    values, and its numbers stay fixed. Name it in ``static_args`` to pass it as it is.
 
     Args:
       inner_factory: a function returning the transformation, such as
@@ -369,10 +420,10 @@ def inject_hyperparams(
 
     @functools.wraps(inner_factory)
     def factory(*args, **kwargs):
-        tx = injected(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        # The classification of optax.inject_hyperparams.
+        # The classification of optax.inject_hyperparams, and trees holding schedules
+        # (which optax would pass on unscheduled): one stateful schedule each.
         sched, numeric, other = {}, {}, {}
         for name, value in bound.arguments.items():
             if name in static or isinstance(value, bool):
@@ -383,8 +434,11 @@ def inject_hyperparams(
                 sched[name] = optax.schedules.WrappedSchedule(value)
             elif isinstance(value, (int, float, jax.Array, np.ndarray)):
                 numeric[name] = value
+            elif _is_tree_schedule(value):
+                sched[name] = bound.arguments[name] = _TreeSchedule(value)
             else:
                 other[name] = value
+        tx = injected(*bound.args, **bound.kwargs)
         initial = {**numeric, **{k: f(f.init()) for k, f in sched.items()}}
         probe = inner_factory(**other, **initial)
         request = _initial_request(probe, "inject_hyperparams")  # refuses hidden requests
@@ -400,7 +454,7 @@ def inject_hyperparams(
             return 0
 
         if isinstance(probe, PerExampleTransformation) and not dependent[0]:
-            jax.eval_shape(trace, {k: jnp.asarray(v) for k, v in initial.items()})
+            jax.eval_shape(trace, jax.tree.map(jnp.asarray, initial))
         if not dependent[0]:
             return PerExampleTransformation(tx.init, tx.update, request)
 
@@ -414,9 +468,11 @@ def inject_hyperparams(
             # The hyperparameters that optax's update uses at this step.
             hps = dict(state.hyperparams)
             for k, f in sched.items():
-                hps[k] = _convert_floats(
-                    f(state.hyperparams_states[k]), jnp.asarray(state.hyperparams[k]).dtype
-                )
+                value = f(state.hyperparams_states[k])
+                # (optax converts a single value to the dtype of the hyperparameters and
+                # passes a tree of values as it is)
+                hps[k] = value if isinstance(f, _TreeSchedule) else _convert_floats(
+                    value, jnp.asarray(state.hyperparams[k]).dtype)
             inner = inner_factory(**other, **hps)
             return request_of(inner, state.inner_state, owner="inject_hyperparams")
 
