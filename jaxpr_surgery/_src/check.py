@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpr_surgery._src import compat
 from jaxpr_surgery._src.api import _is_array, _norm_nums
 
 _NAME = "check_per_example"
@@ -65,10 +66,12 @@ def check_per_example(
       batch_argnums: the positional argument(s) holding the batch; every leaf has the
         examples on its leading axis.
       has_aux: whether ``fn`` returns ``(loss, aux)``; ``aux`` is not checked.
-      rtol: relative tolerance of both comparisons; ``None``: ``1e-9`` for a float64
-        loss, ``1e-4`` otherwise.
-      atol: absolute tolerance; ``None``: ``1e-12`` for a float64 loss, ``1e-6``
-        otherwise.
+      rtol: relative tolerance of both comparisons; ``None``: by the least precise
+        floating dtype the loss computes in (a float32 loss of a bfloat16 model agrees
+        only to bfloat16's precision): ``1e-9`` for float64, ``1e-4`` for float32, four
+        times the machine epsilon for 16-bit floats (``3e-2`` for bfloat16).
+      atol: absolute tolerance; ``None``: ``1e-12`` for float64, ``1e-6`` for float32,
+        ``eps / 16`` for 16-bit floats.
       seed: seed of the random direction of the gradient check.
 
     Returns:
@@ -95,7 +98,7 @@ def check_per_example(
         probe = _Probe.of(fn, args, batch, dnums, has_aux, seed)
         full = probe.value(args)
         per = _over_examples(lambda ex: probe.value(probe.one(ex)), batch.leaves, batch.size)
-        tol = _Tolerance.for_dtype(jnp.result_type(full), rtol, atol)
+        tol = _Tolerance.for_dtype(_least_precise(probe, jnp.result_type(full)), rtol, atol)
         per = np.asarray(per, np.float64)
         kind, reduce = _reduction(float(full), per, batch.size, tol)
         _check_gradient(probe, batch, kind, reduce, tol, argnums)
@@ -227,13 +230,53 @@ class _Tolerance:
 
     @classmethod
     def for_dtype(cls, dtype, rtol, atol):
-        """The given tolerances, or defaults for the loss's dtype."""
-        r = rtol if rtol is not None else (1e-9 if dtype == jnp.float64 else 1e-4)
-        a = atol if atol is not None else (1e-12 if dtype == jnp.float64 else 1e-6)
-        return cls(r, a)
+        """The given tolerances, or defaults for ``dtype`` (`_least_precise`)."""
+        eps = float(jnp.finfo(dtype).eps)
+        if eps <= float(jnp.finfo(jnp.float64).eps):
+            r, a = 1e-9, 1e-12
+        elif eps <= float(jnp.finfo(jnp.float32).eps):
+            r, a = 1e-4, 1e-6
+        else:  # 16-bit (and narrower) floats
+            r, a = 4 * eps, eps / 16
+        return cls(rtol if rtol is not None else r, atol if atol is not None else a)
 
     def close(self, x, y, scale):
         return abs(x - y) <= self.atol + self.rtol * scale
+
+
+def _least_precise(probe, loss_dtype):
+    """The least precise floating dtype ``fn`` computes in on the call's arguments (its
+    loss's at least), read from its jaxpr: a float32 loss of a model that computes in
+    bfloat16 matches the per-example losses and gradients only to bfloat16's precision."""
+    worst = jnp.dtype(loss_dtype)
+    if not jnp.issubdtype(worst, jnp.floating):
+        worst = jnp.dtype(jnp.float32)
+    leaves, tree = jax.tree.flatten(probe.args)
+    is_arr = [_is_array(x) for x in leaves]
+
+    def loss(arrays):  # non-array leaves (static settings, modules' functions) stay put
+        it = iter(arrays)
+        return probe.value(jax.tree.unflatten(tree, [next(it) if a else x
+                                                    for x, a in zip(leaves, is_arr)]))
+
+    try:
+        closed = jax.make_jaxpr(loss)([x for x, a in zip(leaves, is_arr) if a])
+    except Exception:  # noqa: BLE001 - the loss ran on these arguments; keep its dtype
+        return worst
+
+    def visit(jaxpr):
+        nonlocal worst
+        for eqn in jaxpr.eqns:
+            for v in eqn.outvars:
+                dt = getattr(v.aval, "dtype", None)
+                if (dt is not None and jnp.issubdtype(dt, jnp.floating)
+                        and jnp.finfo(dt).eps > jnp.finfo(worst).eps):
+                    worst = jnp.dtype(dt)
+            for sub in compat.subjaxprs(eqn):
+                visit(getattr(sub, "jaxpr", sub))
+
+    visit(closed.jaxpr)
+    return worst
 
 
 def _reduction(full_v, per, size, tol):

@@ -527,6 +527,8 @@ def _find_prim(name):
         "jax._src.random.prng",
         "jax._src.pjit",
         "jax._src.lax.ann",
+        "jax._src.lax.fft",
+        "jax._src.lax.linalg",
     ):
         try:
             p = getattr(importlib.import_module(mod), f"{name}_p", None)
@@ -547,6 +549,11 @@ class _Prims:
 
 
 prims = _Prims()
+
+# jax 0.12's own primitives for jnp.stack / jnp.unstack; None in older jax, which writes
+# them as broadcast_in_dim + concatenate and split + squeeze
+stack_p = _find_prim("stack")
+unstack_p = _find_prim("unstack")
 
 
 def elementwise_batching(prim) -> str | None:

@@ -11,18 +11,32 @@ axis through the jaxpr. Every variable gets a tag:
 
 * ``None`` -- does not depend on the examples (parameters, other arguments, constants,
   iota, keys);
-* `Ex` ``(axis, outer, inner)`` -- along ``axis`` (of size ``outer * B * inner``: the
-  batch axis, possibly merged with its neighbours by reshapes) element ``i`` depends on
-  example ``(i // inner) % B`` only; the other axes are free;
-* `Cur` -- inside the body of a scan over the batch axis (``lax.map`` over examples): it
-  depends on the current example only;
+* `Ex` ``(axis, outer, inner, perm)`` -- along ``axis`` (of size ``outer * B * inner``:
+  the batch axis, possibly merged with its neighbours by reshapes) element ``i`` depends
+  on example ``(i // inner) % B`` only; the other axes are free. Slices, ``rev``, ``pad``,
+  ``concatenate`` and ``split`` along the batch axis move the examples: ``perm`` then
+  names the example at each position (-1: none), so that ``jnp.roll(k, 1, axis=0)`` or
+  ``x[::-1]`` meeting ``x`` pairs different examples, and a sum counting some examples
+  more often than others (``losses[:k]``) is told from one counting each once;
+* `Cur` -- inside the body of a scan over the batch axis (``lax.map`` over examples, or
+  a ``fori_loop`` from 0 to B that reads ``x[i]``): it depends on the current example;
 * `Sum` -- a sum over examples of per-example terms (``reduce_sum`` over the batch axis,
   a contraction of it with a constant or with another example-aligned value), closed
   under the linear operations (+, -, multiplication or division by a constant, layout);
+  `Acc` is the carry of such a loop that adds each example's term to it;
 * `Cross` -- the examples interact: where it arose (an equation, and the reduction over
   the batch it combined with per-example values or used non-linearly);
 * `Unknown` -- the jaxpr cannot decide (a gather or scatter across the batch axis by
   data, as in graph batching; a primitive without a rule).
+
+Beside the tags, values tagged None may be *lined up* with the batch (`Lined`): an axis
+of size B whose entries differ by position (an argument outside ``batch_argnums``,
+``jnp.arange(B)``, random bits of one key with the batch's shape). Where such an axis
+meets the batch axis element by element, in a contraction or as ``take_along_axis``'s
+indices, example b meets entry b in the batch loss, but example b alone in a batch of
+one meets all B entries: `Cross`, naming the value and its fix. A value that merely has
+an axis of size B (a ``[d, B]`` weight) is never a signal; only its meeting the batch
+axis is.
 
 The loss must come out ``None`` or `Sum`: `Cross` raises `CrossExampleError`, `Unknown`
 warns with `CrossExampleWarning`. Rules are keyed by primitive objects; an unknown
@@ -76,6 +90,10 @@ class Ex:
     axis: int
     outer: int = 1
     inner: int = 1
+    # where the examples are not in batch order along ``axis`` (outer = inner = 1 only):
+    # the example at each position, -1 for none (padding); None: position i is example i
+    perm: tuple | None = None
+    by: Any = dataclasses.field(default=None, compare=False)  # the eqn that reordered them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +107,36 @@ class Sum:
 
 
 @dataclasses.dataclass(frozen=True)
+class Acc(Sum):
+    """The carry of a loop over the examples (`Cur` of ``level``) that adds up their
+    terms: each iteration adds the current example's; a `Sum` once the loop is done."""
+
+    level: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Lined:
+    """A value that does not depend on the examples but has an axis of size B whose
+    entries differ by position (a non-batch argument, ``jnp.arange(B)``, random bits of
+    one key): where it meets the batch axis element by element, example b meets entry b,
+    but example b alone (a batch of one) meets all B entries."""
+
+    what: str
+    fix: str = ""
+    eqn: Any = None  # the equation that computed it, if any
+    # the position itself (iota): also how a loss addresses each example's own rows
+    # (graph batching offsets node ids by the graph's position), so only its use as a
+    # value (a float result) lines it up
+    position: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Cross:
     eqn: Any = dataclasses.field(compare=False)
     why: str = dataclasses.field(compare=False)
     via: Any = dataclasses.field(default=None, compare=False)  # the Sum's eqn it combined
+    how: str = dataclasses.field(default="computed by", compare=False)  # words before `via`
+    fix: str = dataclasses.field(default="", compare=False)  # the fix, where not the usual
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +145,7 @@ class Unknown:
     why: str = dataclasses.field(compare=False)
 
 
-_MAX_ROUNDS = 8  # fixpoint of loop carries (the lattice is 3 high)
+_MAX_ROUNDS = 8  # fixpoint of loop carries (the lattice is 4 high)
 
 
 def _shape(v):
@@ -122,8 +166,45 @@ def _is_elementwise(prim):
     return out
 
 
+_ACC_WHY = ("carries the examples' values from one iteration of a loop over the examples "
+            "into the next other than as a running sum of their terms (it weighs or combines "
+            "the examples)")
+
+
 def _cross_sum(eqn, what, s):
     return Cross(eqn, f"{what} a sum over the batch", s.origin)
+
+
+def _positions(t: Ex, n: int) -> tuple:
+    """The example at each position along ``t``'s axis (of size ``n``)."""
+    return t.perm if t.perm is not None else tuple(range(n))
+
+
+def _reordered(t: Ex, perm, B: int, eqn) -> Ex:
+    """``t`` with the examples at ``perm`` along its axis (batch order: no perm)."""
+    perm = tuple(int(i) for i in perm)
+    if perm == tuple(range(B)):
+        return dataclasses.replace(t, perm=None, by=None)
+    return dataclasses.replace(t, perm=perm, by=eqn)
+
+
+def _equal_weights(t: Ex, B: int) -> bool:
+    """Whether a sum along ``t``'s axis counts every example equally often."""
+    if t.perm is None:
+        return True
+    counts = np.bincount([i for i in t.perm if i >= 0], minlength=B)
+    return bool(counts.min() > 0 and (counts == counts[0]).all())
+
+
+def _merge_positions(a: tuple, b: tuple):
+    """Position by position the one example of ``a`` and ``b`` (-1 meets anything), or
+    None where two different examples meet."""
+    out = []
+    for i, j in zip(a, b):
+        if i >= 0 and j >= 0 and i != j:
+            return None
+        out.append(i if i >= 0 else j)
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------- #
@@ -155,6 +236,11 @@ class _Interp:
         self.iota: dict = {}
         self.neg_test: dict = {}  # bool var -> the var it tests for < 0
         self.comps: dict = {}  # index array concatenated on its last axis -> iota dims
+        # the counter of a loop over the examples (fori_loop from 0 to B) -> its level
+        self.counter: dict = {}
+        # values that do not depend on the examples (tag None), per axis of size B whose
+        # entries differ by position: axis -> `Lined`
+        self.lined: dict = {}
 
     def run(self, jaxpr, in_tags, env=None):
         """The tags of ``jaxpr``'s outputs; ``env`` (a dict) receives every variable's."""
@@ -171,7 +257,10 @@ class _Interp:
                 self.track(eqn)
             if all(t is None for t in tags):
                 outs = [None] * len(eqn.outvars)  # a function of constants only
+                self.follow_lined(eqn)
             else:
+                for v in eqn.outvars:  # tagged by the rules; calls pass theirs out
+                    self.lined.pop(v, None)
                 outs = self.eqn(eqn, tags)
             for v, t in zip(eqn.outvars, outs):
                 env[v] = t
@@ -199,6 +288,9 @@ class _Interp:
         if rule is not _elementwise and any(isinstance(t, Cur) for t in live):
             return [Unknown(eqn, "combines the current example of a loop over the examples "
                                  "with other values")] * n
+        acc = next((t for t in live if isinstance(t, Acc)), None)
+        if acc is not None and rule is not _elementwise and rule is not _identity:
+            return [Cross(eqn, _ACC_WHY, acc.origin, how="in the loop")] * n
         return rule(self, eqn, tags)
 
     @staticmethod
@@ -209,8 +301,7 @@ class _Interp:
         return [Unknown(eqn, why)] * len(eqn.outvars)
 
     # -- combining operands ------------------------------------------------ #
-    @staticmethod
-    def meet(eqn, tags):
+    def meet(self, eqn, tags):
         """Operands combined element by element: their common `Ex`/`Cur`, a `Cross`, or
         None when no operand depends on individual examples."""
         ex = [t for t in tags if isinstance(t, (Ex, Cur))]
@@ -218,18 +309,50 @@ class _Interp:
         if ex and sums:
             return _cross_sum(eqn, "combines per-example values with", sums[0])
         if ex and any(t != ex[0] for t in ex):
-            return Cross(eqn, "combines values of different examples")
+            merged = self.merge(ex)
+            if merged is not None:
+                return merged
+            by = next((t.by for t in ex if isinstance(t, Ex) and t.by is not None), None)
+            return Cross(eqn, "combines values of different examples", by, how="reordered by")
         return ex[0] if ex else None
 
+    def merge(self, ex):
+        """`Ex` tags along one axis whose examples agree position by position (where one
+        has padding, -1, the other's example; one example alone at a size-1 axis meets
+        every position): their common tag, else None."""
+        first = ex[0]
+        if not all(isinstance(t, Ex) and (t.axis, t.outer, t.inner) == (first.axis, 1, 1)
+                   for t in ex):
+            return None
+        n = max(self.B if t.perm is None else len(t.perm) for t in ex)
+        pos = None
+        for t in ex:
+            mine = _positions(t, self.B)
+            if len(mine) == 1:
+                mine = mine * n
+            elif len(mine) != n:
+                return None
+            pos = mine if pos is None else _merge_positions(pos, mine)
+            if pos is None:
+                return None
+        by = next((t.by for t in ex if t.by is not None), None)
+        return _reordered(first, pos, self.B, by)
+
     def elementwise(self, eqn, tags):
-        t = self.meet(eqn, tags)
         n = len(eqn.outvars)
+        acc = next((t for t in tags if isinstance(t, Acc)), None)
+        if acc is not None:
+            return [self.accumulate(eqn, tags, acc)] * n
+        t = self.meet(eqn, tags)
         if isinstance(t, Cross):
             return [t] * n
         if t is None:  # sums (and constants) only
             return [self.linear(eqn, tags)] * n
         if isinstance(t, Cur):
             return [t] * n
+        lined = self.lined_up(eqn, tags, t)
+        if lined is not None:
+            return [lined] * n
         # shape-changing vectorized ops (random_bits, bitcast_convert_type) keep the
         # leading axes up to the batch axis
         src = next(_shape(v) for v, u in zip(eqn.invars, tags) if u == t)
@@ -239,6 +362,30 @@ class _Interp:
             ok = len(o) > t.axis and o[: t.axis + 1] == src[: t.axis + 1]
             outs.append(t if ok else Unknown(eqn, "changes the shape around the batch axis"))
         return outs
+
+    def lined_up(self, eqn, tags, t: Ex, pairs=None):
+        """A `Cross` where an operand that does not depend on the examples has, at the
+        batch axis of ``t``, an axis of size B whose entries differ by position
+        (`Lined`). ``pairs``: (operand, its axis that meets the batch axis), default
+        every operand tagged None at ``t.axis`` (element by element)."""
+        if t.outer != 1 or t.inner != 1:
+            return None
+        if pairs is None:
+            pairs = [(v, t.axis) for v, u in zip(eqn.invars, tags) if u is None]
+        for v, a in pairs:
+            if _is_literal(v):
+                continue
+            src = self.lined.get(v, {}).get(a)
+            if src is None or _shape(v)[a] != self.B:
+                continue
+            if src.position and not jax.numpy.issubdtype(eqn.outvars[0].aval.dtype,
+                                                         jax.numpy.inexact):
+                continue
+            return Cross(
+                eqn, f"lines up each example with the entry at its position along an axis of "
+                f"size B={self.B} (alone in a batch of one, an example meets all {self.B} "
+                f"entries) of {src.what}", src.eqn, fix=src.fix)
+        return None
 
     @staticmethod
     def linear(eqn, tags):
@@ -259,11 +406,24 @@ class _Interp:
             return _cross_sum(eqn, "selects by", tags[0])
         return _cross_sum(eqn, f"applies {prim} to", sums[0])
 
+    @staticmethod
+    def accumulate(eqn, tags, acc):
+        """An elementwise op on the running sum of a loop over the examples: it stays
+        one where the op adds the current example's term (or a constant) to it."""
+        prim = eqn.primitive
+        ok = all(u is None or u == acc or u == Cur(acc.level) for u in tags)
+        if ok and prim in _ACCUMULATING:
+            if prim is not P.sub or (tags[0] == acc and tags[1] != acc):
+                return acc
+        return Cross(eqn, _ACC_WHY, acc.origin, how="in the loop")
+
     # -- loops and branches ------------------------------------------------- #
     @staticmethod
     def join(eqn, a, b, level=None):
         """The tag of a loop carry (or a branch output) that is ``a`` or ``b``."""
         if isinstance(b, Cur) and b.level == level:
+            if a is None:  # maybe a running sum over the examples: the loop runs again
+                return Acc(eqn, level=level)
             return Unknown(eqn, "carries a value of one example into the next iteration "
                                 "of a loop over the examples")
         if a == b:
@@ -291,6 +451,45 @@ class _Interp:
             carry = new
         raise AssertionError("no fixpoint of the loop carries")  # pragma: no cover
 
+    # -- values lined up with the batch (`Lined`) ---------------------------- #
+    def enter(self, outer, inner):
+        """Passes the `Lined` axes of a call's operands ``outer`` to its body's ``inner``
+        variables (and back, for its results)."""
+        for o, i in zip(outer, inner):
+            if _is_literal(i):
+                continue
+            got = None if _is_literal(o) else self.lined.get(o)
+            if got:
+                self.lined[i] = got
+            else:
+                self.lined.pop(i, None)
+
+    def follow_lined(self, eqn):
+        """The `Lined` axes of the results of an equation on constants only."""
+        prim = eqn.primitive
+        if prim in _CALLS or prim in _CUSTOM or prim is compat.remat_p:
+            body = (compat.remat_params(eqn).jaxpr if prim is compat.remat_p
+                    else compat.call_parts(eqn)[0] if prim in _CALLS
+                    else compat.custom_call_parts(eqn)[0])
+            self.enter(eqn.invars, body.invars)
+            self.run(body, [None] * len(body.invars))
+            self.enter(body.outvars, eqn.outvars)
+            return
+        ins = [None if _is_literal(v) else self.lined.get(v) for v in eqn.invars]
+        rule = _LINED_SOURCES.get(prim)
+        if rule is None and not any(ins):
+            return
+        if rule is None:
+            rule = _LINED_RULES.get(prim)
+            if rule is None and (_RULES.get(prim) is _elementwise or _is_elementwise(prim)):
+                rule = _lined_elementwise
+        outs = rule(self, eqn, ins) if rule is not None else None
+        for v, d in zip(eqn.outvars, outs or [None] * len(eqn.outvars)):
+            if d:
+                self.lined[v] = d
+            else:
+                self.lined.pop(v, None)
+
     # -- index arrays equal to their own position ---------------------------- #
     def track(self, eqn):
         prim, ins = eqn.primitive, eqn.invars
@@ -303,6 +502,8 @@ class _Interp:
                 self.iota[out] = eqn.params["dimension"]
         elif prim in (P.convert_element_type, P.copy) and first in self.iota:
             self.iota[out] = self.iota[first]
+        elif prim in (P.convert_element_type, P.copy) and first in self.counter:
+            self.counter[out] = self.counter[first]
         elif prim is P.broadcast_in_dim and first in self.iota:
             self.iota[out] = eqn.params["broadcast_dimensions"][self.iota[first]]
         elif prim is P.reshape and first in self.iota and eqn.params.get("dimensions") is None:
@@ -311,13 +512,18 @@ class _Interp:
                 if math.prod(o[:j]) == math.prod(shp[:d]) and o[j] == shp[d]:
                     self.iota[out] = j
                     break
-        elif prim is P.lt and first in self.iota and _is_literal(ins[1]):
+        elif (prim is P.lt and (first in self.iota or first in self.counter)
+              and _is_literal(ins[1])):
             if getattr(ins[1], "val", None) == 0:
                 self.neg_test[out] = first
         elif prim is P.select_n and len(ins) == 3 and not _is_literal(ins[0]):
             a = ins[1]
-            if not _is_literal(a) and a in self.iota and self.neg_test.get(ins[0]) is a:
-                self.iota[out] = self.iota[a]  # a >= 0: the normalised index is a itself
+            if not _is_literal(a) and self.neg_test.get(ins[0]) is a:
+                # a >= 0: the normalised index is a itself
+                if a in self.iota:
+                    self.iota[out] = self.iota[a]
+                elif a in self.counter:
+                    self.counter[out] = self.counter[a]
         elif prim is P.concatenate and eqn.params["dimension"] == len(_shape(out)) - 1:
             comps = []
             for v in ins:
@@ -347,17 +553,29 @@ def _identity(it, eqn, tags):
     return list(tags[: len(eqn.outvars)])
 
 
+def _reduce_tag(it, eqn, t, axes, summing):
+    """The tag of ``t`` reduced over ``axes`` (by a sum, or another reduction)."""
+    if isinstance(t, Sum):
+        return t if summing else _cross_sum(eqn, f"applies {eqn.primitive} to", t)
+    if t.axis in axes:
+        if not summing:
+            return Cross(eqn, "reduces over the batch axis (across examples)")
+        return _summed(it, eqn, t)
+    return dataclasses.replace(t, axis=t.axis - sum(a < t.axis for a in axes))
+
+
+def _summed(it, eqn, t: Ex):
+    """A sum along ``t``'s batch axis: `Sum` where it counts every example equally."""
+    if _equal_weights(t, it.B):
+        return Sum(eqn)
+    return Cross(eqn, "sums the examples with unequal weights (leaves some out or counts "
+                      "some more often than others)", t.by, how="reordered by")
+
+
 def _reduce(summing):
     def rule(it, eqn, tags):
-        t, axes = tags[0], tuple(eqn.params["axes"])
-        n = len(eqn.outvars)
-        if isinstance(t, Sum):
-            return [t if summing else _cross_sum(eqn, f"applies {eqn.primitive} to", t)] * n
-        if t.axis in axes:
-            if summing:
-                return [Sum(eqn)] * n
-            return [Cross(eqn, "reduces over the batch axis (across examples)")] * n
-        return [Ex(t.axis - sum(a < t.axis for a in axes), t.outer, t.inner)] * n
+        return [_reduce_tag(it, eqn, tags[0], tuple(eqn.params["axes"]), summing)] * len(
+            eqn.outvars)
 
     return rule
 
@@ -410,7 +628,12 @@ def _broadcast(it, eqn, tags):
         return it.unknown(eqn, tags, "has a shape that depends on the examples")
     if isinstance(t, Sum):
         return [t]
-    return [dataclasses.replace(t, axis=eqn.params["broadcast_dimensions"][t.axis])]
+    axis = eqn.params["broadcast_dimensions"][t.axis]
+    out = dataclasses.replace(t, axis=axis)
+    n = _shape(eqn.outvars[0])[axis]
+    if t.perm is not None and len(t.perm) != n:  # one example's values, at every position
+        out = _reordered(out, t.perm * n, it.B, t.by)
+    return [out]
 
 
 def _reshape(it, eqn, tags):
@@ -424,9 +647,14 @@ def _reshape(it, eqn, tags):
     if dims is not None:  # transposes first
         t = dataclasses.replace(t, axis=tuple(dims).index(t.axis))
         shp = tuple(shp[d] for d in dims)
-    out = reshape_axis(shp, _shape(eqn.outvars[0]), t, it.B)
+    n = it.B if t.perm is None else len(t.perm)
+    out = reshape_axis(shp, _shape(eqn.outvars[0]), t, n)
     if out is None:
         return [Unknown(eqn, "splits the batch axis across several axes")]
+    if t.perm is not None:
+        if (out.outer, out.inner) != (1, 1):
+            return [Unknown(eqn, "merges reordered examples with other axes")]
+        out = dataclasses.replace(out, perm=t.perm, by=t.by)
     return [out]
 
 
@@ -436,6 +664,8 @@ def _squeeze(it, eqn, tags):
         return [t]
     nd = len(_shape(eqn.invars[0]))
     dims = [d % nd for d in eqn.params["dimensions"]]
+    if t.axis in dims:  # x[k] of a batch axis sliced to one example
+        return [Unknown(eqn, "takes a single example out of the batch")]
     return [dataclasses.replace(t, axis=t.axis - sum(d < t.axis for d in dims))]
 
 
@@ -446,10 +676,22 @@ def _whole_axis(it, eqn, t, ok, what):
     return Unknown(eqn, what)
 
 
+def _along(t, what, eqn):
+    """Whether an op that moves elements along one axis of ``t`` can follow the examples
+    there (an `Ex` with one example per position), else the `Unknown` to return."""
+    if isinstance(t, Ex) and t.outer == 1 and t.inner == 1:
+        return None
+    return Unknown(eqn, what)
+
+
 def _rev(it, eqn, tags):
     (t,) = tags
-    ok = isinstance(t, Ex) and t.axis not in eqn.params["dimensions"]
-    return [_whole_axis(it, eqn, t, ok, "reverses the batch axis")]
+    if isinstance(t, Sum) or t.axis not in eqn.params["dimensions"]:
+        return [t]
+    bad = _along(t, "reverses the batch axis", eqn)
+    if bad is not None:
+        return [bad]
+    return [_reordered(t, _positions(t, it.B)[::-1], it.B, eqn)]
 
 
 def _slice(it, eqn, tags):
@@ -458,9 +700,13 @@ def _slice(it, eqn, tags):
         return [t]
     a = t.axis
     strides = eqn.params.get("strides") or (1,) * len(_shape(eqn.invars[0]))
-    ok = (eqn.params["start_indices"][a] == 0 and strides[a] == 1
-          and eqn.params["limit_indices"][a] == _shape(eqn.invars[0])[a])
-    return [_whole_axis(it, eqn, t, ok, "slices the batch axis (keeps some examples)")]
+    start, limit = eqn.params["start_indices"][a], eqn.params["limit_indices"][a]
+    if start == 0 and strides[a] == 1 and limit == _shape(eqn.invars[0])[a]:
+        return [t]
+    bad = _along(t, "slices the batch axis (keeps some examples)", eqn)
+    if bad is not None:
+        return [bad]
+    return [_reordered(t, _positions(t, it.B)[start:limit:strides[a]], it.B, eqn)]
 
 
 def _index_operands(eqn, tags, first):
@@ -481,6 +727,11 @@ def _dynamic_slice(it, eqn, tags):
     t = tags[0]
     if isinstance(t, Sum):
         return [t]
+    index = eqn.invars[1 + t.axis]
+    level = None if _is_literal(index) else it.counter.get(index)
+    if (level is not None and (t.outer, t.inner, t.perm) == (1, 1, None)
+            and eqn.params["slice_sizes"][t.axis] == 1):
+        return [Cur(level)]  # x[i] in a loop whose counter i runs over the examples
     ok = eqn.params["slice_sizes"][t.axis] == _shape(eqn.invars[0])[t.axis]
     return [_whole_axis(it, eqn, t, ok, "slices the batch axis (keeps some examples)")]
 
@@ -507,25 +758,95 @@ def _pad(it, eqn, tags):
         return [m]
     if isinstance(t, Sum):
         return [t]
-    ok = tuple(eqn.params["padding_config"][t.axis]) == (0, 0, 0)
-    return [_whole_axis(it, eqn, t, ok, "pads the batch axis")]
+    lo, hi, interior = eqn.params["padding_config"][t.axis]
+    if (lo, hi, interior) == (0, 0, 0):
+        return [t]
+    bad = _along(t, "pads the batch axis", eqn)
+    if bad is not None or lo < 0 or hi < 0 or interior != 0:
+        return [bad or Unknown(eqn, "pads the batch axis")]
+    return [_reordered(t, (-1,) * lo + _positions(t, it.B) + (-1,) * hi, it.B, eqn)]
 
 
 def _concatenate(it, eqn, tags):
+    dim = eqn.params["dimension"]
+    ex = [u for u in tags if isinstance(u, Ex)]
+    if ex and all(u.axis == dim for u in ex) and not any(isinstance(u, Sum) for u in tags):
+        # along the batch axis: each operand brings its examples (constants: none)
+        for u in ex:
+            bad = _along(u, "concatenates along the batch axis", eqn)
+            if bad is not None:
+                return [bad]
+        pos = []
+        for v, u in zip(eqn.invars, tags):
+            n = _shape(v)[dim]
+            pos.extend((-1,) * n if u is None else _positions(u, it.B))
+        return [_reordered(ex[0], pos, it.B, eqn)]
     t = it.meet(eqn, tags)
     if isinstance(t, Cross):
         return [t]
     if t is None:
         return [next(u for u in tags if isinstance(u, Sum))]
-    ok = eqn.params["dimension"] != t.axis
+    ok = dim != t.axis
     return [_whole_axis(it, eqn, t, ok, "concatenates along the batch axis")]
 
 
 def _split(it, eqn, tags):
     (t,) = tags
     n = len(eqn.outvars)
-    ok = isinstance(t, Ex) and eqn.params["axis"] != t.axis
-    return [_whole_axis(it, eqn, t, ok, "splits the batch axis")] * n
+    if isinstance(t, Sum) or eqn.params["axis"] != t.axis:
+        return [t] * n
+    bad = _along(t, "splits the batch axis", eqn)
+    if bad is not None:
+        return [bad] * n
+    pos, outs, k = _positions(t, it.B), [], 0
+    for size in eqn.params["sizes"]:
+        outs.append(_reordered(t, pos[k : k + size], it.B, eqn))
+        k += size
+    return outs
+
+
+def _stack(it, eqn, tags):
+    t = it.meet(eqn, tags)
+    if isinstance(t, Cross):
+        return [t]
+    if t is None:
+        return [next(u for u in tags if isinstance(u, Sum))]
+    axis = eqn.params["axis"] % len(_shape(eqn.outvars[0]))
+    return [dataclasses.replace(t, axis=t.axis + (t.axis >= axis))]
+
+
+def _unstack(it, eqn, tags):
+    (t,) = tags
+    n = len(eqn.outvars)
+    if isinstance(t, Sum):
+        return [t] * n
+    axis = eqn.params["axis"] % len(_shape(eqn.invars[0]))
+    if t.axis == axis:
+        return [Unknown(eqn, "splits the batch axis into single examples")] * n
+    return [dataclasses.replace(t, axis=t.axis - (t.axis > axis))] * n
+
+
+def _batched_core(cores):
+    """Ops applied independently along the leading axes of their operands (fft; the
+    linear algebra of jnp.linalg): ``cores(eqn)`` gives each operand's number of
+    trailing core axes; the results keep the leading axes in place."""
+
+    def rule(it, eqn, tags):
+        n = len(eqn.outvars)
+        t = it.meet(eqn, tags)
+        if isinstance(t, Cross):
+            return [t] * n
+        if t is None:
+            s = next(u for u in tags if isinstance(u, Sum))
+            linear = eqn.primitive is P.fft
+            return [s if linear else _cross_sum(eqn, f"applies {eqn.primitive} to", s)] * n
+        for v, u, c in zip(eqn.invars, tags, cores(eqn)):
+            if u is not None and u.axis >= len(_shape(v)) - c:
+                return [Cross(eqn, f"applies {eqn.primitive} along the batch axis "
+                                   "(across examples)")] * n
+        return [t] * n
+
+    return rule
 
 
 def _tile(it, eqn, tags):
@@ -562,15 +883,27 @@ def _dot_general(it, eqn, tags):
         t = tl if tl is not None else tr
         kind, i = (place(t, lc, lb, lfree, len(lb)) if tl is not None
                    else place(t, rc, rb, rfree, len(lb) + len(lfree)))
+        if kind != "f":  # the constant's axis that meets the batch axis
+            other = eqn.invars[1] if tl is not None else eqn.invars[0]
+            mine, theirs = ((lc, rc) if kind == "c" else (lb, rb)) if tl is not None else (
+                (rc, lc) if kind == "c" else (rb, lb))
+            lined = it.lined_up(eqn, tags, t, [(other, theirs[tuple(mine).index(t.axis)])])
+            if lined is not None:
+                return [lined]
         if kind == "c":
-            return [Sum(eqn)]  # a weighted sum over examples
+            return [_summed(it, eqn, t)]  # a weighted sum over examples
         return [dataclasses.replace(t, axis=i)]
     pl, pr = place(tl, lc, lb, lfree, len(lb)), place(tr, rc, rb, rfree, len(lb) + len(lfree))
-    same = (tl.outer, tl.inner) == (tr.outer, tr.inner)
-    if same and pl == pr and pl[0] == "c":
-        return [Sum(eqn)]  # sum over examples of x_b . y_b
-    if same and pl == pr and pl[0] == "b":
-        return [dataclasses.replace(tl, axis=pl[1])]
+    if pl == pr and pl[0] in "cb":  # the batch axes meet (each operand has it elsewhere)
+        tl, tr = dataclasses.replace(tl, axis=0), dataclasses.replace(tr, axis=0)
+        both = tl if tl == tr else it.merge([tl, tr])
+        if both is not None and pl[0] == "c":
+            return [_summed(it, eqn, both)]  # sum over examples of x_b . y_b
+        if both is not None:
+            return [dataclasses.replace(both, axis=pl[1])]
+        if tl.by is not None or tr.by is not None:
+            return [Cross(eqn, "combines values of different examples", tl.by or tr.by,
+                          how="reordered by")]
     return [Cross(eqn, "pairs different examples (an in-batch product such as q @ k.T)")]
 
 
@@ -644,6 +977,10 @@ def _gather(it, eqn, tags):
             mine = dataclasses.replace(to, axis=out_batch[jb])
             if ti is not None and ti.axis != jb:
                 return unknown("gathers from one example by the indices of another")
+            if ti is None:  # take_along_axis(x, labels) with labels outside the batch
+                lined = it.lined_up(eqn, tags, to, [(indices, jb)])
+                if lined is not None:
+                    return [lined]
         elif k in smap:
             comp = it.components(indices)[smap.index(k)] if not _is_literal(indices) else None
             lined_up = comp is not None and comp < len(ishape) - 1 and ishape[comp] == oshape[k]
@@ -653,6 +990,10 @@ def _gather(it, eqn, tags):
             mine = dataclasses.replace(to, axis=out_batch[comp])  # x[jnp.arange(B), ...]
             if ti is not None and ti.axis != comp:
                 return unknown("gathers from one example by the indices of another")
+            if ti is None:  # x[jnp.arange(B), labels] with labels outside the batch
+                lined = it.lined_up(eqn, tags, to, [(indices, comp)])
+                if lined is not None:
+                    return [lined]
         elif k not in collapsed and sizes[k] == oshape[k]:
             mine = dataclasses.replace(to, axis=offset[op_offset.index(k)])
             if ti is not None:
@@ -737,29 +1078,78 @@ def _scatter(it, eqn, tags):
     return [want[0]]
 
 
-def _collective(it, eqn, tags):
-    """psum/pmax/pmin over mesh axes the examples do not vary over (tensor parallelism)
-    add up parts of the same examples."""
-    axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
-    axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-    if all(isinstance(a, str) and a not in it.data_axes for a in axes):
-        return list(tags[: len(eqn.outvars)])
-    return it.unknown(eqn, tags, "reduces across the devices holding other examples")
+def _collective(summing):
+    """psum/pmax/pmin. Integer axes are positional: ``vmap(..., axis_name=...)`` turns a
+    collective over its axis into a reduction over the mapped axis (batch norm written
+    per example with ``lax.pmean``). Named axes the examples do not vary over (tensor
+    parallelism) add up parts of the same examples; those the batch is split over
+    (``axis_name``, or the axes the batch varies over in ``shard_map``) add up other
+    devices' examples."""
+
+    def rule(it, eqn, tags):
+        axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+        axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+        positional = tuple(int(a) for a in axes if isinstance(a, (int, np.integer)))
+        named = [a for a in axes if not isinstance(a, (int, np.integer))]
+        data = [a for a in named if a in it.data_axes]
+        outs = []
+        for t in tags[: len(eqn.outvars)]:
+            if t is not None and positional:
+                t = _reduce_tag(it, eqn, t, positional, summing)
+            if t is not None and data and not isinstance(t, Cross):
+                names = ", ".join(repr(a) for a in data)
+                t = Cross(
+                    eqn, f"reduces across the devices, over {names}: the mesh axis the batch "
+                    "is split over, so it combines other devices' examples",
+                    fix=f"do not reduce the loss over {names} in fn: per_example_stat with "
+                    f"axis_name={data[0]!r} combines the devices' examples itself, and fn "
+                    "is the loss of each device's own examples (their mean)")
+            outs.append(t)
+        return outs
+
+    return rule
 
 
 # -- structured primitives: they recurse, and see Cross and Unknown operands -- #
+def _enter_run(it, eqn, jaxpr, tags):
+    """``jaxpr`` (the body of a call-like ``eqn``) run on ``tags``; the values lined up
+    with the batch (`Lined`) pass in and out."""
+    it.enter(eqn.invars, jaxpr.invars)
+    outs = it.run(jaxpr, tags)
+    it.enter(jaxpr.outvars, eqn.outvars)
+    return outs
+
+
 def _call(it, eqn, tags):
-    jaxpr, _ = compat.call_parts(eqn)
-    return it.run(jaxpr, tags)
+    return _enter_run(it, eqn, compat.call_parts(eqn)[0], tags)
 
 
 def _custom(it, eqn, tags):
-    jaxpr, _ = compat.custom_call_parts(eqn)
-    return it.run(jaxpr, tags)
+    return _enter_run(it, eqn, compat.custom_call_parts(eqn)[0], tags)
 
 
 def _remat(it, eqn, tags):
-    return it.run(compat.remat_params(eqn).jaxpr, tags)
+    return _enter_run(it, eqn, compat.remat_params(eqn).jaxpr, tags)
+
+
+def _counters(prm, nc, ncar, outer):
+    """The carries of a scan that count its iterations from 0 by 1 (``fori_loop``)."""
+    body, found = prm.jaxpr, []
+    made = {o: e for e in body.eqns for o in e.outvars}
+    for k in range(ncar):
+        init = outer[nc + k]
+        if not (_is_literal(init) and np.ndim(init.val) == 0 and init.val == 0
+                and np.issubdtype(np.asarray(init.val).dtype, np.integer)):
+            continue
+        out = body.outvars[k]
+        e = None if _is_literal(out) else made.get(out)
+        if e is None or e.primitive is not P.add:
+            continue
+        a, b = e.invars
+        one = [x for x in (a, b) if _is_literal(x) and np.ndim(x.val) == 0 and x.val == 1]
+        if one and body.invars[nc + k] in (a, b):
+            found.append(k)
+    return found
 
 
 def _scan(it, eqn, tags):
@@ -770,26 +1160,51 @@ def _scan(it, eqn, tags):
         if isinstance(t, Ex):
             if t.axis > 0:
                 t = dataclasses.replace(t, axis=t.axis - 1)
-            elif t.outer == 1 and t.inner == 1:
+            elif (t.outer, t.inner, t.perm) == (1, 1, None):
                 level = next(it.levels) if level is None else level
                 t = Cur(level)  # lax.map over the examples
             else:
                 t = Unknown(eqn, "scans along the batch axis in steps that are not examples")
         xs.append(t)
-    carry, ys = it.fixpoint(eqn, prm.jaxpr, tags[:nc], tags[nc : nc + ncar], xs, level)
+    body = prm.jaxpr
+    it.enter(eqn.invars[:nc], body.invars[:nc])  # loop-invariant
+    it.enter([], body.invars[nc : nc + ncar])
+    for o, i in zip(eqn.invars[nc + ncar :], body.invars[nc + ncar :]):  # one step of xs
+        got = None if _is_literal(o) else it.lined.get(o)
+        it.lined.pop(i, None)
+        if got and any(a > 0 for a in got):
+            it.lined[i] = {a - 1: src for a, src in got.items() if a > 0}
+    if prm.length == it.B and not prm.reverse:
+        # fori_loop(0, B, ...): its counter indexes the examples (`_dynamic_slice`)
+        for k in _counters(prm, nc, ncar, eqn.invars):
+            level = next(it.levels) if level is None else level
+            it.counter[body.invars[nc + k]] = level
+    carry, ys = it.fixpoint(eqn, body, tags[:nc], tags[nc : nc + ncar], xs, level)
+    done = []
+    for t in carry:
+        if isinstance(t, Acc) and t.level == level:
+            t = Sum(eqn)  # the loop added up the examples' terms
+        done.append(t)
     out = []
     for t in ys:
         if isinstance(t, Ex):
             t = dataclasses.replace(t, axis=t.axis + 1)
         elif isinstance(t, Cur) and t.level == level:
             t = Ex(0)
+        elif isinstance(t, Acc) and t.level == level:
+            t = Cross(eqn, "accumulates along the batch axis (across examples): its outputs "
+                           "are running sums over the examples")
         out.append(t)
-    return carry + out
+    return done + out
 
 
 def _while(it, eqn, tags):
     wp = compat.while_params(eqn)
     cn, bn = wp.cond_nconsts, wp.body_nconsts
+    it.enter(eqn.invars[:cn], wp.cond.invars[:cn])
+    it.enter([], wp.cond.invars[cn:])
+    it.enter(eqn.invars[cn : cn + bn], wp.body.invars[:bn])
+    it.enter([], wp.body.invars[bn:])
     carry, _ = it.fixpoint(eqn, wp.body, tags[cn : cn + bn], tags[cn + bn :], [])
     seen = {}
     (pred,) = it.run(wp.cond, list(tags[:cn]) + carry, seen)
@@ -940,6 +1355,7 @@ def _cond(it, eqn, tags):
     idx, ops = tags[0], tags[1:]
     outs = None
     for br in compat.cond_branches(eqn):
+        it.enter(eqn.invars[1:], br.invars)
         o = it.run(br, ops)
         outs = o if outs is None else [it.join(eqn, a, b) for a, b in zip(outs, o)]
     if idx is None:
@@ -965,6 +1381,7 @@ def _table(entries):
 
 
 _CALLS = tuple(p for p in (compat.jit_p, compat.closed_call_p, compat.call_p) if p is not None)
+_CUSTOM = tuple(compat.custom_prims)
 
 _STRUCTURED = _table([
     (_CALLS, _call),
@@ -1008,9 +1425,21 @@ _RULES = _table([
     ((P.gather,), _gather),
     ((P.scatter, P.scatter_add, P.scatter_sub, P.scatter_mul, P.scatter_min, P.scatter_max),
      _scatter),
-    ((P.psum, P.pmax, P.pmin, P.psum_invariant), _collective),
+    ((P.psum, P.psum_invariant), _collective(True)),
+    ((P.pmax, P.pmin), _collective(False)),
     ((P.select_n, P.clamp, P.random_wrap, P.convert_element_type, P.reduce_precision,
       P.add_jaxvals, P.real, P.imag, P.conj), _elementwise),
+    ((compat.stack_p,), _stack),
+    ((compat.unstack_p,), _unstack),
+    # applied along the leading axes independently: the trailing axes of each operand
+    ((P.fft,), _batched_core(lambda eqn: (len(eqn.params["fft_lengths"]),))),
+    ((P.cholesky, P.eig, P.eigh, P.lu, P.qr, P.svd, P.schur, P.hessenberg, P.tridiagonal,
+      P.geqrf), _batched_core(lambda eqn: (2,))),
+    ((P.householder_product, P.geqp3, P.cholesky_update), _batched_core(lambda eqn: (2, 1))),
+    ((P.triangular_solve, P.symmetric_product), _batched_core(lambda eqn: (2, 2))),
+    ((P.ormqr,), _batched_core(lambda eqn: (2, 1, 2))),
+    ((P.lu_pivots_to_permutation,), _batched_core(lambda eqn: (1,))),
+    ((P.tridiagonal_solve,), _batched_core(lambda eqn: (1, 1, 1, 2))),
 ])
 
 # elementwise ops through which a sum over the batch stays one
@@ -1021,12 +1450,184 @@ _LINEAR = frozenset(
     ) if p is not None
 )
 
+# elementwise ops through which the running sum of a loop over the examples stays one
+_ACCUMULATING = frozenset(
+    p for p in (P.add, P.sub, P.add_jaxvals, P.convert_element_type, P.reduce_precision)
+    if p is not None
+)
+
 _TRACKED = frozenset(
     p for p in (
         P.iota, P.convert_element_type, P.copy, P.broadcast_in_dim, P.reshape, P.lt,
         P.select_n, P.concatenate,
     ) if p is not None
 )
+
+
+# --------------------------------------------------------------------------- #
+# Values lined up with the batch (`Lined`): where they come from, how they move
+# --------------------------------------------------------------------------- #
+_ONE_KEY_FIX = (
+    "pass one key per example in the batch (jax.random.split(key, B) as a batch leaf) and "
+    "draw each example's randomness from its own key with jax.vmap"
+)
+
+
+def _lined_iota(it, eqn, ins):
+    d = eqn.params["dimension"]
+    if _shape(eqn.outvars[0])[d] != it.B:
+        return None
+    return [{d: Lined(
+        "an index over the batch (jnp.arange of the batch size: each example alone is at "
+        "position 0)", "pass per-example values (weights, positions) in the batch instead of "
+        "computing them from the batch size; weigh examples with example_weights=", eqn,
+        position=True)}]
+
+
+def _lined_random(what):
+    """Random bits or keys of the shape ``key.shape + shape``: the new axes of size B
+    hold other values at every position."""
+
+    def rule(it, eqn, ins):
+        out = _shape(eqn.outvars[0])
+        got = dict(ins[0] or {})
+        for j in range(len(_shape(eqn.invars[0])), len(out)):
+            if out[j] == it.B:
+                got.setdefault(j, Lined(what, _ONE_KEY_FIX, eqn))
+        return [got]
+
+    return rule
+
+
+def _lined_elementwise(it, eqn, ins):
+    outs = []
+    for o in eqn.outvars:
+        oshape, got = _shape(o), {}
+        for v, d in zip(eqn.invars, ins):
+            vshape = _shape(v)
+            for a, src in (d or {}).items():
+                if a < len(oshape) and a < len(vshape) and vshape[a] == oshape[a] == it.B:
+                    got.setdefault(a, src)
+        outs.append(got)
+    return outs
+
+
+def _lined_moved(axis_of):
+    """Ops that move the first operand's axis ``a`` to ``axis_of(eqn, a)`` (None: gone)."""
+
+    def rule(it, eqn, ins):
+        outs = []
+        for o in eqn.outvars:
+            oshape, got = _shape(o), {}
+            for a, src in (ins[0] or {}).items():
+                b = axis_of(eqn, a)
+                if b is not None and b < len(oshape) and oshape[b] == it.B:
+                    got[b] = src
+            outs.append(got)
+        return outs
+
+    return rule
+
+
+def _lined_reshape(eqn, a):
+    if eqn.params.get("dimensions") is not None:
+        return None
+    shape = _shape(eqn.invars[0])
+    t = reshape_axis(shape, _shape(eqn.outvars[0]), Ex(a), shape[a])
+    return t.axis if t is not None and (t.outer, t.inner) == (1, 1) else None
+
+
+def _lined_squeeze(eqn, a):
+    nd = len(_shape(eqn.invars[0]))
+    dims = [d % nd for d in eqn.params["dimensions"]]
+    return None if a in dims else a - sum(d < a for d in dims)
+
+
+def _lined_reduced(eqn, a):
+    axes = tuple(eqn.params["axes"])
+    return None if a in axes else a - sum(x < a for x in axes)
+
+
+def _lined_concatenate(it, eqn, ins):
+    dim, oshape, got = eqn.params["dimension"], _shape(eqn.outvars[0]), {}
+    for v, d in zip(eqn.invars, ins):
+        if v in it.iota:  # the position component of an index array (x[jnp.arange(B), j])
+            continue
+        for a, src in (d or {}).items():
+            if a != dim and oshape[a] == it.B:
+                got.setdefault(a, src)
+    return [got]
+
+
+def _same_axis(eqn, a):
+    return a
+
+
+_LINED_SOURCES = _table([
+    ((P.iota,), _lined_iota),
+    ((P.random_bits,), _lined_random(
+        "random bits drawn from one key for the whole batch (each example alone draws its "
+        "own, other, bits from that key)")),
+    ((P.random_split,), _lined_random(
+        "keys split from one key into one per position (each example alone splits it into "
+        "one key, another)")),
+])
+
+_LINED_RULES = _table([
+    ((P.broadcast_in_dim,),
+     _lined_moved(lambda eqn, a: eqn.params["broadcast_dimensions"][a])),
+    ((P.transpose,), _lined_moved(lambda eqn, a: tuple(eqn.params["permutation"]).index(a))),
+    ((P.reshape,), _lined_moved(_lined_reshape)),
+    ((P.squeeze,), _lined_moved(_lined_squeeze)),
+    ((P.reduce_sum, P.reduce_max, P.reduce_min, P.reduce_prod, P.reduce_and, P.reduce_or,
+      P.reduce_xor, P.argmax, P.argmin), _lined_moved(_lined_reduced)),
+    ((*_IDENTITY, P.rev, P.slice, P.dynamic_slice, P.pad, P.split, P.cumsum, P.cumprod,
+      P.cummax, P.cummin), _lined_moved(_same_axis)),
+    ((compat.stack_p,), _lined_moved(lambda eqn, a: a + (a >= eqn.params["axis"]))),
+    ((compat.unstack_p,), _lined_moved(
+        lambda eqn, a: None if a == eqn.params["axis"] else a - (a > eqn.params["axis"]))),
+    ((P.concatenate,), _lined_concatenate),
+    ((P.random_unwrap, P.random_wrap, P.random_seed, P.random_fold_in), _lined_elementwise),
+])
+
+
+def _leaf_lined(prep, B):
+    """`Lined` per axis of size B of each input of the batch loss's jaxpr (the
+    differentiated leaves, the batch's, the other arguments'); the batch's are None."""
+
+    def axes(x, what, fix):
+        src = Lined(what, fix)
+        return {a: src for a, n in enumerate(np.shape(x)) if n == B}
+
+    out = []
+    for path, x in zip(prep.diff_paths, prep.diff_leaves):
+        out.append(axes(x, f"the parameter{' ' + path if path else ''} (argnums="
+                           f"{prep.opts.argnums!r}, shape {list(np.shape(x))})",
+                        "a parameter cannot hold one entry per example: pass per-example "
+                        "values in the batch (batch_argnums)"))
+    out += [None] * len(prep.ex_leaves)
+    other = jax.tree.unflatten(prep.other_tree, list(range(len(prep.other_is_arr))))
+    located = {}
+    for path, k in jax.tree_util.tree_flatten_with_path(other)[0]:
+        arg = prep.other_idx[path[0].idx]
+        located[k] = (arg, jax.tree_util.keystr(path[1:]))
+    arrays = [k for k, a in enumerate(prep.other_is_arr) if a]
+    for j, x in enumerate(prep.other_leaves):
+        if j < prep.n_other:
+            arg, sub = located[arrays[j]]
+            shape = list(np.shape(x))
+            nums = tuple(sorted({*prep.batch_argnums, arg}))
+            out.append(axes(
+                x, f"argument {arg}{sub} (shape {shape}), which is not in batch_argnums="
+                f"{prep.opts.batch_argnums!r}",
+                f"if it holds one entry per example, pass batch_argnums={nums!r} so that it "
+                "is split into examples with the batch"))
+        else:
+            _, path, _ = prep.skipped[j - prep.n_other]
+            out.append(axes(x, f"the non-float leaf {path} of the differentiated argument(s)",
+                            "a parameter cannot hold one entry per example: pass per-example "
+                            "values in the batch (batch_argnums)"))
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -1080,6 +1681,7 @@ class Verdict:
 
     kind: str
     detail: str = ""
+    fix: str = ""  # for "cross-example": the fix, where not the usual one
 
     def __str__(self):
         return self.kind + (f": {self.detail}" if self.detail else "")
@@ -1089,7 +1691,7 @@ def _describe(tag, root):
     text = f"{_where(tag.eqn, root)} {tag.why}"
     via = getattr(tag, "via", None)
     if via is not None:
-        text += f", computed by {_where(via, root)}"
+        text += f", {getattr(tag, 'how', 'computed by')} {_where(via, root)}"
     return text
 
 
@@ -1121,11 +1723,21 @@ def verdict(prep, data_axes=frozenset()) -> Verdict:
     closed = batch_loss_jaxpr(prep)
     tags = ([None] * len(prep.diff_leaves) + [Ex(0)] * len(prep.ex_leaves)
             + [None] * len(prep.other_leaves))
-    (out,) = _Interp(prep.B, frozenset(data_axes)).run(closed.jaxpr, tags)[:1]
+    it = _Interp(prep.B, frozenset(data_axes))
+    for v, lined in zip(closed.jaxpr.invars, _leaf_lined(prep, prep.B)):
+        if lined:
+            it.lined[v] = lined
+    for v, c in zip(closed.jaxpr.constvars, closed.consts):
+        src = Lined(f"an array closed over by fn (shape {list(np.shape(c))})",
+                    "pass it in the batch (batch_argnums) if it holds one entry per example")
+        lined = {a: src for a, n in enumerate(np.shape(c)) if n == prep.B}
+        if lined:
+            it.lined[v] = lined
+    (out,) = it.run(closed.jaxpr, tags)[:1]
     if out is None or isinstance(out, Sum):
         return Verdict(INDEPENDENT, "")
     if isinstance(out, Cross):
-        return Verdict(CROSS, _describe(out, closed.jaxpr))
+        return Verdict(CROSS, _describe(out, closed.jaxpr), out.fix)
     if isinstance(out, Unknown):
         return Verdict(UNDECIDED, _describe(out, closed.jaxpr))
     # a scalar loss cannot keep the batch axis; anything else is a bug of this module
@@ -1136,6 +1748,14 @@ def check(prep, name, data_axes=frozenset()):
     """Raises `CrossExampleError` when the examples of the batch loss interact, warns
     `CrossExampleWarning` when the jaxpr cannot decide."""
     v = verdict(prep, data_axes)
+    if v.kind == CROSS and v.fix:
+        raise CrossExampleError(
+            f"{name}: the loss is not a mean of per-example terms: {v.detail}. Per-example "
+            "gradients are those of each example alone in a batch of one, whose loss is then "
+            "not its term of the batch loss: every statistic would describe another loss, "
+            f"and mean() would differ from jax.grad. Fix: {v.fix}; or pass check=False to "
+            "compute the statistics of the batch-of-one losses anyway."
+        )
     if v.kind == CROSS:
         raise CrossExampleError(
             f"{name}: the loss is not a mean of per-example terms: {v.detail}. The examples "
