@@ -1039,3 +1039,223 @@ def oracle_scale(case: ZooCase, stat_name: str, **kw) -> PyTree:
         return jax.tree.map(lambda x: float(np.max(np.abs(_apply_phi(phi, x)))), g)
     val = oracle_from_grads(g, stat_name, **kw)
     return jax.tree.map(lambda x: float(np.max(np.abs(x))) if np.size(x) else 0.0, val)
+
+
+# --------------------------------------------------------------------------- #
+# Round 3 (issue 51): architectures reported off the oracle in models by others.
+# Registered in ZOO (so conftest's `reference` and oracle helpers take them) but not
+# in CORE_ZOO: tests/test_zoo_round3.py checks them, every statistic in one request.
+# --------------------------------------------------------------------------- #
+def make_llama_scan_long(dtype=jnp.float32, key=18) -> ZooCase:
+    """penzai's Llama layout: decoder layers stacked on a leading [L] axis and applied by
+    ``lax.scan`` (no remat), RMSNorm gains, attention, a gated (SwiGLU) MLP, untied
+    head. The sequence is longer than the width (T = 12 > D = 4), so each scanned dense
+    site forms its per-example products (not the ghost form) for norms."""
+    r = _Rand(key, dtype)
+    B, T, V, D, H, K, F, L = 4, 12, 7, 4, 2, 2, 6, 2
+    params = {
+        "embed": r.normal((V, D), 0.5),
+        "layers": {
+            "norm1": r.normal((L, D), 0.1, 1.0),
+            "wq": r.normal((L, D, H, K), 1 / math.sqrt(D)),
+            "wk": r.normal((L, D, H, K), 1 / math.sqrt(D)),
+            "wv": r.normal((L, D, H, K), 1 / math.sqrt(D)),
+            "wo": r.normal((L, H, K, D), 1 / math.sqrt(H * K)),
+            "norm2": r.normal((L, D), 0.1, 1.0),
+            "w_gate": r.normal((L, D, F), 1 / math.sqrt(D)),
+            "w_up": r.normal((L, D, F), 1 / math.sqrt(D)),
+            "w_down": r.normal((L, F, D), 1 / math.sqrt(F)),
+        },
+        "norm_f": r.normal((D,), 0.1, 1.0),
+        "head": r.dense(D, V),
+    }
+    batch = _token_batch(r, B, T, V, with_mask=False)
+
+    def block(h, lp):
+        a = _rmsnorm(h, lp["norm1"])
+        h = h + _causal_attention(a, lp["wq"], lp["wk"], lp["wv"], lp["wo"])
+        m = _rmsnorm(h, lp["norm2"])
+        return h + (jax.nn.silu(m @ lp["w_gate"]) * (m @ lp["w_up"])) @ lp["w_down"]
+
+    def loss_fn(params, batch):
+        h = params["embed"][batch["ids"]]
+        h, _ = lax.scan(lambda c, lp: (block(c, lp), None), h, params["layers"])
+        logits = _rmsnorm(h, params["norm_f"]) @ params["head"]
+        return jnp.mean(_xent(logits, batch["targets"]))
+
+    return ZooCase("llama_scan_long", loss_fn, params, batch)
+
+
+def _batchnorm_eval(h, mean, var, scale, bias, eps=1e-5):
+    """Eval-mode batch norm as Flax's ``BatchNorm(use_running_average=True)`` computes it
+    (``flax.linen.normalization._normalize``): ``(h - mean) * (rsqrt(var + eps) * scale)
+    + bias``, ``rsqrt(var + eps)`` in the running statistics' own dtype (float32 ones in
+    a float64 model: a float32 step on constants alone)."""
+    y = h - mean
+    mul = lax.rsqrt(var + eps)
+    mul = mul * scale
+    return y * mul + bias
+
+
+def make_resnet_bn_eval(dtype=jnp.float32, key=19) -> ZooCase:
+    """A ResNet basic block in eval mode (Flax's ResNet example, Hugging Face's
+    ResNet/RegNet): stem conv + BN + relu, then conv-BN-relu-conv-BN plus the identity,
+    relu, global average pool, dense head. The stem's and the block's first BN read
+    running statistics closed over as float32 constants whatever the model's dtype (as
+    Flax keeps ``batch_stats``); the block's second BN's running statistics are
+    differentiated parameters (a ``grad`` of the whole variables dict)."""
+    r = _Rand(key, dtype)
+    B, S, Cin, C, K = 4, 5, 2, 3, 3
+    f32 = _Rand(key + 1000, jnp.float32)
+
+    def stats(c):  # running mean and (positive) variance
+        return f32.normal((c,), 0.3), jnp.abs(f32.normal((c,), 0.3, 1.0)) + 0.1
+
+    const = {"stem": stats(C), "bn1": stats(C)}
+    m2, v2 = stats(C)
+    params = {
+        "stem": {"w": r.normal((3, 3, Cin, C), 1 / math.sqrt(9 * Cin)),
+                 "scale": r.normal((C,), 0.1, 1.0), "bias": r.normal((C,), 0.1)},
+        "conv1": r.normal((3, 3, C, C), 1 / math.sqrt(9 * C)),
+        "bn1": {"scale": r.normal((C,), 0.1, 1.0), "bias": r.normal((C,), 0.1)},
+        "conv2": r.normal((3, 3, C, C), 1 / math.sqrt(9 * C)),
+        "bn2": {"scale": r.normal((C,), 0.1, 1.0), "bias": r.normal((C,), 0.1),
+                "mean": m2.astype(dtype), "var": v2.astype(dtype)},
+        "head": {"w": r.dense(C, K), "b": r.normal((K,), 0.1)},
+    }
+    batch = {"x": r.normal((B, S, S, Cin)), "y": r.ints((B,), K)}
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def conv(h, w):
+        return lax.conv_general_dilated(h, w, (1, 1), "SAME", dimension_numbers=dn)
+
+    def loss_fn(params, batch):
+        p = params
+        h = conv(batch["x"], p["stem"]["w"])
+        h = jax.nn.relu(_batchnorm_eval(h, *const["stem"], p["stem"]["scale"], p["stem"]["bias"]))
+        y = conv(h, p["conv1"])
+        y = jax.nn.relu(_batchnorm_eval(y, *const["bn1"], p["bn1"]["scale"], p["bn1"]["bias"]))
+        y = conv(y, p["conv2"])
+        b2 = p["bn2"]
+        y = _batchnorm_eval(y, b2["mean"], b2["var"], b2["scale"], b2["bias"])
+        h = jax.nn.relu(h + y)
+        logits = jnp.mean(h, axis=(1, 2)) @ p["head"]["w"] + p["head"]["b"]
+        return jnp.mean(_xent(logits, batch["y"]))
+
+    return ZooCase("resnet_bn_eval", loss_fn, params, batch)
+
+
+@jax.custom_vjp
+def _sqrt_bound_derivative(x):
+    """recurrentgemma's ``SqrtBoundDerivative``: sqrt whose derivative is capped."""
+    return jnp.sqrt(x)
+
+
+def _sqrt_bound_fwd(x):
+    return jnp.sqrt(x), x
+
+
+def _sqrt_bound_bwd(x, g):
+    return (g / jnp.sqrt(jnp.maximum(x, 1.0 / 1000.0**2)) / 2,)
+
+
+_sqrt_bound_derivative.defvjp(_sqrt_bound_fwd, _sqrt_bound_bwd)
+
+
+def make_griffin_block(dtype=jnp.float32, key=20, scan_acc=None) -> ZooCase:
+    """A Griffin / Hawk residual block (recurrentgemma): RMSNorm, a GeLU gate branch and a
+    recurrent branch (linear, temporal depthwise conv1d written as recurrentgemma's
+    shifted sum, RG-LRU with block-diagonal input and recurrence gates, ``a =
+    exp(-8 r softplus(Lambda))`` and the input scaled by ``sqrt(1 - a^2)`` with a bounded
+    derivative), the gated product projected out; then RMSNorm and a gated MLP. The
+    recurrence is a ``lax.scan`` in the first block and a ``lax.associative_scan`` in
+    the second. ``scan_acc``: the recurrence's accumulation dtype (recurrentgemma's
+    ``acc_float_dtype``, float32 whatever the model's dtype; None: the model's)."""
+    r = _Rand(key, dtype)
+    B, T, V, D, W, NH, CW, F = 4, 6, 9, 4, 4, 2, 3, 6
+    bw = W // NH  # block width of the block-diagonal gates
+
+    def block_params():
+        return {
+            "norm": r.normal((D,), 0.1, 1.0),
+            "linear_y": r.dense(D, W), "linear_x": r.dense(D, W),
+            "conv_w": r.normal((CW, W), 1 / math.sqrt(CW)), "conv_b": r.normal((W,), 0.1),
+            "gate_x_w": r.normal((NH, bw, bw), 1 / math.sqrt(bw)),
+            "gate_x_b": r.normal((NH, bw), 0.1),
+            "gate_a_w": r.normal((NH, bw, bw), 1 / math.sqrt(bw)),
+            "gate_a_b": r.normal((NH, bw), 0.1),
+            "a_param": r.normal((W,), 0.5, 0.5),
+            "linear_out": r.dense(W, D),
+            "mlp_norm": r.normal((D,), 0.1, 1.0),
+            "ffw_up": r.normal((2, D, F), 1 / math.sqrt(D)), "ffw_up_b": r.normal((2, F), 0.1),
+            "ffw_down": r.dense(F, D), "ffw_down_b": r.normal((D,), 0.1),
+        }
+
+    params = {"embed": r.normal((V, D), 0.5), "blocks": [block_params(), block_params()],
+              "norm_f": r.normal((D,), 0.1, 1.0)}
+    batch = _token_batch(r, B, T, V, with_mask=False)
+
+    def block_diag(x, w, b):  # recurrentgemma's BlockDiagonalLinear
+        x = x.reshape(x.shape[:-1] + (NH, bw))
+        y = jnp.einsum("...hi,hij->...hj", x, w) + b
+        return y.reshape(y.shape[:-2] + (W,))
+
+    def conv1d(x, w, b):  # recurrentgemma's Conv1D (no cache): a sum of shifted copies
+        out = jnp.zeros_like(x)
+        for shift in range(CW):
+            xs = jnp.pad(x[:, : x.shape[1] - shift], ((0, 0), (shift, 0), (0, 0)))
+            out = out + xs * w[CW - shift - 1]
+        return out + b
+
+    def rg_lru(x, p, associative):
+        gate_x = jax.nn.sigmoid(block_diag(x, p["gate_x_w"], p["gate_x_b"]))
+        gate_a = jax.nn.sigmoid(block_diag(x, p["gate_a_w"], p["gate_a_b"]))
+        log_a = -8.0 * gate_a * jax.nn.softplus(p["a_param"])
+        a = jnp.exp(log_a)
+        mult = _sqrt_bound_derivative(1 - jnp.exp(2 * log_a))
+        mult = mult.at[:, 0].set(1.0)  # the first position starts a segment
+        nx = x * gate_x * mult
+        out_dtype = x.dtype
+        if scan_acc is not None:  # recurrentgemma's lru_*_scan: h in acc_float_dtype
+            a, nx = a.astype(scan_acc), nx.astype(scan_acc)
+        if associative:
+            def comb(u, v):
+                return u[0] * v[0], u[1] * v[0] + v[1]
+
+            _, h = lax.associative_scan(comb, (a, nx), axis=1)
+            return h.astype(out_dtype)
+
+        def step(h, an):
+            h = an[0] * h + an[1]
+            return h, h
+
+        h0 = jnp.zeros((x.shape[0], W), nx.dtype)
+        _, hs = lax.scan(step, h0, (jnp.swapaxes(a, 0, 1), jnp.swapaxes(nx, 0, 1)))
+        return jnp.swapaxes(hs, 0, 1).astype(out_dtype)
+
+    def residual_block(h, p, associative):
+        x = _rmsnorm(h, p["norm"])
+        y = jax.nn.gelu(x @ p["linear_y"])
+        x = conv1d(x @ p["linear_x"], p["conv_w"], p["conv_b"])
+        x = rg_lru(x, p, associative)
+        h = h + (x * y) @ p["linear_out"]
+        m = _rmsnorm(h, p["mlp_norm"])
+        up = jnp.einsum("btd,cdf->cbtf", m, p["ffw_up"]) + p["ffw_up_b"][:, None, None]
+        return h + (jax.nn.gelu(up[0]) * up[1]) @ p["ffw_down"] + p["ffw_down_b"]
+
+    def loss_fn(params, batch):
+        h = params["embed"][batch["ids"]] * math.sqrt(D)
+        for i, p in enumerate(params["blocks"]):
+            h = residual_block(h, p, associative=i == 1)
+        logits = _rmsnorm(h, params["norm_f"]) @ params["embed"].T  # tied, as Griffin
+        return jnp.mean(_xent(logits, batch["targets"]))
+
+    name = "griffin_block" if scan_acc is None else "griffin_block_f32_scan"
+    return ZooCase(name, loss_fn, params, batch)
+
+
+ZOO["llama_scan_long"] = make_llama_scan_long
+ZOO["resnet_bn_eval"] = make_resnet_bn_eval
+ZOO["griffin_block"] = make_griffin_block
+# recurrentgemma's default: the RG-LRU recurrence in float32 whatever the model's dtype
+ZOO["griffin_block_f32_scan"] = functools.partial(make_griffin_block, scan_acc=jnp.float32)

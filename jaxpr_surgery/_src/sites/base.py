@@ -213,7 +213,11 @@ def direct_norms(kernel, ctx, reductions, compute, depth=0):
         out = dict(compute(req))
         sq, norms = stacked(kernel.sq_and_norms, depth)(ctx)
     else:
-        sq_key = ("sq", len(req))
+        # a string key like the others: a request dict is a pytree that jax flattens
+        # (vmapped over a scanned leaf's layers), and it cannot sort mixed key types
+        sq_key = "sq"
+        while sq_key in reductions:
+            sq_key += "_"
         req[sq_key] = S.SqNorms()
         out = dict(compute(req))
         sq = out.pop(sq_key)

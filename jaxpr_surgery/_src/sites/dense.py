@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxpr_surgery._src import compat, dots, fused, kron, tiling
 from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src import stats_research as R
 from jaxpr_surgery._src.reductions import KeptExamples
 from jaxpr_surgery._src.sites.base import (
     STREAMED,
@@ -524,7 +525,7 @@ class DenseKernel(Kernel):
             ill,
             lambda: self._centered_expansion(x, d) if w is None else self._centered_tiles(
                 x, d, w),
-            lambda: S.Moments(self.to_view(mean), self.to_view(jnp.maximum(m2, 0))),
+            lambda: S.Moments(self.to_view(mean), self.to_view(S.nonneg(m2))),
         )
 
     def _centered_tiles(self, x, d, w):
@@ -575,7 +576,7 @@ class DenseKernel(Kernel):
                 tokens=lambda t: t,  # x is canonical already
             )[0].m2
 
-        m2 = jax.lax.cond(ill, exact, lambda: jnp.maximum(m2, 0))
+        m2 = jax.lax.cond(ill, exact, lambda: S.nonneg(m2))
         return S.Moments(self.to_view(mean), self.to_view(m2))
 
     def materialise(self, ing):
@@ -801,6 +802,83 @@ def _weighted_centered_value(k, ctx, r, w):
     return k._centered_rank_one(k.tokens(x)[:, :, 0], dy[:, :, 0], w)
 
 
+def _central_value(k, ctx, r, w=None):
+    """`stats_research.CentralMoments` (kurtosis) at a rank-one site, as `_centered_rank_one`
+    for the variance: per group of `raw_groups` the raw power sums ``sum_b w_b x_b^p
+    d_b^p`` (``p <= 4``: five contractions) give the group's central sums, merged by
+    Pébay's rule; where some element's central sum may have cancelled (its fourth or
+    second below `naive_tau` of the magnitudes of its expansion: the mean dwarfs the
+    spread), the exact sums over tiles of ``G`` instead."""
+    x, dy = ctx
+    x, d = k.tokens(x)[:, :, 0], dy[:, :, 0]
+    hi = jax.lax.Precision.HIGHEST
+
+    def raw(xg, dg, wg=None):  # one group: its central sums, whether they may have cancelled
+        wd = dg if wg is None else dg * wg.astype(dg.dtype)[:, None, None]
+        xp, dp = [xg], [wd]
+        for _ in range(3):
+            xp.append(xp[-1] * xg)
+            dp.append(dp[-1] * dg)
+        P1, P2, P3, P4 = (jnp.einsum("bkc,bkf->kcf", a, b, precision=hi) for a, b in zip(xp, dp))
+        A3 = jnp.einsum("bkc,bkf->kcf", jnp.abs(xp[2]), jnp.abs(dp[2]), precision=hi)
+        n = xg.shape[0] if wg is None else jnp.sum(wg).astype(P1.dtype)
+        mu = P1 / (n if wg is None else jnp.where(n > 0, n, 1))
+        mu2 = jnp.square(mu)
+        m2 = P2 - P1 * mu
+        m3 = P3 - 3 * mu * P2 + 2 * n * mu2 * mu
+        m4 = P4 - 4 * mu * P3 + 6 * mu2 * P2 - 3 * n * jnp.square(mu2)
+        scale = P4 + 4 * jnp.abs(mu) * A3 + 6 * mu2 * P2 + 3 * n * jnp.square(mu2)
+        tau = naive_tau(xg.shape[0], k.acc)
+        ill = jnp.any(m4 < tau * scale) | jnp.any(m2 < tau * P2)
+        return R.CentralSums(mu, S.nonneg(m2), m3, S.nonneg(m4)), ill
+
+    def merge(a, na, b, nb):
+        return r.merge(a[0], na, b[0], nb), a[1] | b[1]
+
+    def groups(a, b0, count, size):  # [count, size, ...]; None stays None (unweighted)
+        return None if a is None else a[b0 : b0 + count * size].reshape(
+            (count, size) + a.shape[1:])
+
+    def weight(wg, size):  # a group's count, or the sum of its weights
+        return size if wg is None else jnp.sum(wg)
+
+    w = None if w is None else w.astype(k.acc)
+    acc, seen, b0 = None, 0, 0
+    for count, size in raw_groups(x.shape[0], k.acc):
+        gs = tuple(groups(a, b0, count, size) for a in (x, d, w))
+        b0 += count * size
+        if acc is None:  # the first group starts the sums
+            first = jax.tree.map(lambda a: a[0], gs)
+            acc, seen = raw(*first), weight(first[2], size)
+            gs = jax.tree.map(lambda a: a[1:], gs)
+            count -= 1
+        if count == 0:
+            continue
+
+        def body(carry, g, size=size):
+            (a, na), ng = carry, weight(g[2], size)
+            return (merge(a, na, raw(*g), ng), na + ng), None
+
+        acc = jax.lax.scan(body, (acc, jnp.asarray(seen, k.acc)), gs)[0][0]
+        seen = seen + weight(gs[2], count * size)
+    sums, ill = acc
+
+    def exact():  # rare: small tiles, so the branch costs little memory
+        small = min(k.budget or tiling.DEFAULT_MEMORY_BUDGET_BYTES, FALLBACK_TILE_BYTES)
+        return k.tiled(x[:, :, None], d[:, :, None], [r if w is None else S.Weighted(r, w)],
+                       budget=small, tokens=lambda t: t)[0]  # (x is canonical already)
+
+    out = jax.lax.cond(ill, exact, lambda: sums)
+    return R.CentralSums(*(k.to_view(v) for v in out))
+
+
+def _central_rule(k, r, B):
+    K, C, F = k.c["K"], k.c["C"], k.c["F"]
+    it = jnp.dtype(k.acc).itemsize
+    return Rule(STREAMED, "rank-one central sums", float(10 * B * K * C * F),
+                float(9 * K * C * F * it))
+
+
 def _centered_rule(k, r, B):
     # two contractions and their [K, C, F] sums (a group's and the running ones where
     # the batch is taken in groups); the centred expansion runs only where they cancel
@@ -826,6 +904,7 @@ DenseKernel.FAST = {
         _norms_rule,
     ),
     S.Centered: Fast(_centered_value, lambda k, r: k.c["N"] == 1, _centered_rule),
+    R.CentralMoments: Fast(_central_value, lambda k, r: k.c["N"] == 1, _central_rule),
     S.KronSum: Fast(kron_value),
 }
 # weighted rules where the weights do not fold into the cotangents (Kernel.FAST_WEIGHTED)
@@ -836,4 +915,5 @@ DenseKernel.FAST_WEIGHTED = {
         _phi_rule,
     ),
     S.Centered: Fast(_weighted_centered_value, lambda k, r: k.c["N"] == 1, _centered_rule),
+    R.CentralMoments: Fast(_central_value, lambda k, r: k.c["N"] == 1, _central_rule),
 }

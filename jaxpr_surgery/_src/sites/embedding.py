@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxpr_surgery._src import compat, kron
 from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src import stats_research as R
 from jaxpr_surgery._src.sites.base import (
     MATERIALISED,
     STREAMED,
@@ -240,6 +241,30 @@ class EmbeddingKernel(Kernel):
         m2 = self._scatter(ids, dev) + (W - n_row)[:, None] * jnp.square(mean)
         return S.Moments(self._view(mean), self._view(m2))
 
+    def central_sums(self, ctx, reduction, w=None):
+        """`stats_research.CentralSums` (kurtosis), exact as `centered`: sums of powers
+        of each row's segment sums less the mean, the rows no example uses adding ``B -
+        n_row`` (with weights ``W - `` theirs) zero gradients; against the rounded mean,
+        corrected by the first sum (`CentralMoments.finish`)."""
+        ids, valid, dy = ctx
+        s, first = self._segments(ids, valid, dy)
+        if w is None:
+            W, wt, wb = ids.shape[0], first.astype(dy.dtype), None
+        else:
+            wb = w.astype(dy.dtype)
+            W = jnp.sum(wb)
+            wt, wb = jnp.where(first, wb[:, None], 0), wb[:, None, None]
+        mean = self._scatter(ids, dy if wb is None else dy * wb)
+        mean = mean / (W if w is None else jnp.where(W > 0, W, 1))
+        zeros = (W - self._scatter(ids, wt))[:, None]  # (weight of) the examples at 0
+        c, k = s - mean[ids], -mean  # (a zero gradient's distance from the mean)
+        sums, cp, kp = [], c, k
+        for _ in range(4):
+            v = jnp.where(first[..., None], cp if wb is None else wb * cp, 0)
+            sums.append(self._view(self._scatter(ids, v) + zeros * kp))
+            cp, kp = cp * c, kp * k
+        return reduction.finish(R.ShiftedSums(self._view(mean), *sums), W)
+
     def _row_axes(self):
         """The view's axes: the row axis, and the others (a row's ``d`` values)."""
         rest = tuple(i for i in range(len(self.site.view_shape)) if i != self.row_axis)
@@ -358,6 +383,7 @@ EmbeddingKernel.FAST = {
     ),
     S.SqNorms: Fast(lambda k, ctx, r: k.sq_norms(ctx)),
     S.Centered: Fast(lambda k, ctx, r: k.centered(ctx, r)),
+    R.CentralMoments: Fast(lambda k, ctx, r: k.central_sums(ctx, r)),
     S.KronSum: Fast(  # (one-hot sites: one contracted axis, no dot batch, analysis)
         lambda k, ctx, r: kron.moments(
             [k.kron_factors(ctx)], tuple(k.site.view_shape), r, k.acc, k.budget
@@ -371,6 +397,7 @@ EmbeddingKernel.FAST_WEIGHTED = {
         lambda k, r: r.linear or _phi_zero_is_zero(r),
     ),
     S.Centered: Fast(lambda k, ctx, r, w: k.centered(ctx, r, w)),
+    R.CentralMoments: Fast(lambda k, ctx, r, w: k.central_sums(ctx, r, w)),
 }
 
 
