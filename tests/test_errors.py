@@ -597,3 +597,63 @@ def test_string_in_aux_is_a_clear_error():
 
     with pytest.raises(TypeError, match="not an array in its aux output"):
         js.per_example_stat(loss, js.stats.mean(), has_aux=True)(w, b)
+
+
+# --------------------------------------------------------------------------- #
+# Every entry point names itself
+# --------------------------------------------------------------------------- #
+_ENTRIES = {
+    "per_example_stat": js.per_example_stat,
+    "value_and_per_example_stat": js.value_and_per_example_stat,
+    "per_example_partial": js.per_example_partial,
+    "explain": js.explain,
+}
+
+
+def _bad_calls(params, batch):
+    B = batch["x"].shape[0]
+    return {
+        "batch sizes": (lambda f: f(params, {"x": batch["x"], "y": batch["y"][:-1]}),
+                        ValueError, "different leading sizes"),
+        "empty batch": (lambda f: f(params, jax.tree.map(lambda x: x[:0], batch)),
+                        ValueError, "the batch is empty"),
+        "weights shape": (lambda f: f(params, batch, example_weights=jnp.ones((B, 1))),
+                          ValueError, r"must have shape \(8,\), one entry per example"),
+        "weights shape, jit": (lambda f: jax.jit(lambda w: f(params, batch, example_weights=w))(
+            jnp.ones((B, 1))), ValueError, r"must have shape \(8,\)"),
+        "negative weights": (lambda f: f(params, batch, example_weights=-jnp.ones(B)),
+                             ValueError, "negative at examples"),
+        "padding dtype": (lambda f: f(params, batch, is_padding_example=jnp.zeros(B)),
+                          TypeError, "must be a bool array"),
+        "both": (lambda f: f(params, batch, example_weights=jnp.ones(B),
+                             is_padding_example=jnp.zeros(B, bool)), ValueError, "not both"),
+    }
+
+
+@pytest.mark.parametrize("entry", list(_ENTRIES))
+def test_each_entry_point_names_itself(mlp, entry):
+    """A user error names the function the user called (per_example_stat used to say
+    value_and_per_example_stat), and an eager call's weights of the wrong shape speak
+    of the batch, not of a device."""
+    _, params, batch = mlp
+    f = _ENTRIES[entry](M.mlp_loss, js.stats.variance())
+    for what, (call, err, match) in _bad_calls(params, batch).items():
+        with pytest.raises(err, match=match) as info:
+            call(f)
+        msg = str(info.value)
+        assert msg.startswith(f"{entry}: "), (what, msg)
+        assert "device" not in msg, (what, msg)
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (fake CPU) devices: conftest.py")
+def test_weights_of_the_wrong_shape_per_device_say_so():
+    """Under axis_name each device passes the weights of its own examples: there the
+    message says so."""
+    _, params, batch = M.get("mlp")
+    f = js.per_example_stat(M.mlp_loss, js.stats.mean(), axis_name="i")
+    split = jax.tree.map(lambda x: x.reshape((2, -1) + x.shape[1:]), batch)
+    B = split["x"].shape[1]
+    g = jax.pmap(lambda b, w: f(params, b, example_weights=w), axis_name="i")
+    with pytest.raises(ValueError, match=r"per_example_stat: example_weights must have shape "
+                                         rf"\({B},\).*on this device: each device passes"):
+        g(split, jnp.ones((2, 2 * B)))

@@ -367,7 +367,8 @@ def test_weighted_partials_merge_to_one_weighted_call():
     params, batch = _tiny()
     w = jnp.asarray([2.0, 1, 0, 0, 3])
     req = {"mean": js.stats.mean(), "var": js.stats.variance(), "q": js.stats.norm_quantiles(0.5),
-           "noise": js.stats.noise_scale_components(), "norms": js.stats.norms()}
+           "noise": js.stats.noise_scale_components(), "norms": js.stats.norms(),
+           "div": js.stats.gradient_diversity()}
     f = js.per_example_partial(_token_mean_per_example, req)
     cut = [(0, 2), (2, 4), (4, 5)]  # the middle part all padding (one example's loss NaN)
     parts = [f(params, jax.tree.map(lambda x, a=a, b=b: x[a:b], batch), example_weights=w[a:b])
@@ -440,3 +441,233 @@ def test_examples_of_weight_zero_are_never_recomputed_alone(monkeypatch, tied):
     np.testing.assert_allclose(np.asarray(out["sq"])[keep], ref["sq"], rtol=1e-5)
     assert np.all(np.asarray(out["sq"])[[1, 3, 5]] == 0)
     _close(out["clip"], ref["clip"], 1e-5, "clip")
+
+
+# --------------------------------------------------------------------------- #
+# Derivatives through weighted statistics
+# --------------------------------------------------------------------------- #
+def _weighted_oracle(g, w, name, clip=None):
+    """The statistic ``name`` of the per-example gradients ``g`` (jax arrays ``[B, ...]``)
+    weighted by ``w``, written with the weights explicit: differentiable in ``w``."""
+    W = jnp.sum(w)
+    tm = jax.tree.map
+    leaves = jax.tree.leaves(g)
+    B = leaves[0].shape[0]
+
+    def wsum(x):  # sum_b w_b x_b
+        return jnp.tensordot(w.astype(x.dtype), x, axes=(0, 0))
+
+    sq = sum(jnp.sum(jnp.square(x).reshape(B, -1), 1) for x in leaves)
+    if name == "mean":
+        return tm(lambda x: wsum(x) / W, g)
+    if name == "sum":
+        return tm(wsum, g)
+    if name == "second_moment":
+        return tm(lambda x: wsum(jnp.square(x)) / W, g)
+    if name == "variance":
+        return tm(lambda x: wsum(jnp.square(x - wsum(x) / W)) / (W - 1), g)
+    if name == "sign_mean":
+        return tm(lambda x: wsum(jnp.sign(x)) / W, g)
+    if name == "abs_mean":
+        return tm(lambda x: wsum(jnp.abs(x)) / W, g)
+    if name == "fourth_moment":
+        return tm(lambda x: wsum(x ** 4) / W, g)
+    if name == "kurtosis":
+        def kurt(x):  # (NaN where the variance is 0, as the statistic)
+            c = x - wsum(x) / W
+            var = wsum(c ** 2) / W
+            safe = jnp.where(var > 0, var, 1.0)
+            return jnp.where(var > 0, (wsum(c ** 4) / W) / jnp.square(safe), jnp.nan)
+        return tm(kurt, g)
+    if name == "gradient_diversity":
+        return jnp.sum(w * sq) / sum(jnp.sum(jnp.square(wsum(x))) for x in leaves)
+    if name in ("clipped_mean", "clipped_sum"):
+        c = jnp.minimum(1.0, clip / jnp.sqrt(sq))
+        out = tm(lambda x: wsum(c.reshape((-1,) + (1,) * (x.ndim - 1)) * x), g)
+        return tm(lambda x: x / W, out) if name == "clipped_mean" else out
+    if name == "sq_norms":
+        return jnp.where(w > 0, sq, 0.0)
+    raise KeyError(name)
+
+
+ORACLE_STATS = ("mean", "sum", "second_moment", "variance", "sign_mean", "abs_mean",
+                "fourth_moment", "kurtosis", "gradient_diversity", "clipped_mean",
+                "clipped_sum", "sq_norms")
+
+
+def _vjps(f, w, names, values=None):
+    """Per statistic of ``f(w)`` (a dict), the gradient in ``w`` of a fixed random
+    projection of it (``values``: a dict, receives ``f(w)``)."""
+    out, pull = jax.vjp(f, w)
+    if values is not None:
+        values.update(out)
+    # (a random projection of the finite entries: kurtosis is NaN where the variance is 0)
+    proj = {k: jax.tree.map(lambda x, k=k: jnp.where(jnp.isfinite(x), jnp.asarray(
+        np.random.default_rng(len(k)).normal(size=np.shape(x)), x.dtype), 0), v)
+        for k, v in out.items()}
+    pull = jax.jit(pull)
+    res = {}
+    for n in names:
+        ct = {k: jax.tree.map(jnp.zeros_like, v) if k != n else proj[k] for k, v in out.items()}
+        res[n] = np.asarray(pull(ct)[0])
+    return res
+
+
+def _stat(n, clip):
+    if n.startswith("clipped"):
+        return getattr(js.stats, n)(clip)
+    return getattr(js.stats, n)()
+
+
+# every route: dense/rank-one in chunks (a chunk may start with, or hold only, examples of
+# weight 0), dense and embedding sites over tokens; in the extended tier attention and a
+# tied embedding, conv, clipped sums by a second pass (remat), a scan, residual leaves,
+# the embedding modes
+_EXT = pytest.mark.extended
+
+
+# (the statistics that take their own route at a token site: the rest, on the mlp)
+_TOKEN_STATS = ("mean", "second_moment", "variance", "clipped_mean", "gradient_diversity",
+                "sq_norms")
+
+
+@pytest.mark.parametrize("name,chunk,stats", [
+    ("mlp", 2, ORACLE_STATS), ("tiny_lm", None, _TOKEN_STATS),
+    pytest.param("transformer", None, ORACLE_STATS, marks=_EXT),
+    pytest.param("mlp", None, ORACLE_STATS, marks=_EXT),
+    pytest.param("cnn", None, ORACLE_STATS, marks=_EXT),
+    pytest.param("transformer_scan_remat", None, ORACLE_STATS, marks=_EXT),
+    pytest.param("rnn", None, ORACLE_STATS, marks=_EXT),
+    pytest.param("custom_vjp_and_cond", None, ORACLE_STATS, marks=_EXT),
+    pytest.param("embedding_modes", None, ORACLE_STATS, marks=_EXT)],
+    ids=lambda x: "all" if x is ORACLE_STATS else "tokens" if x is _TOKEN_STATS else None)
+def test_derivative_in_a_weight_of_zero_is_exact(name, chunk, stats):
+    """d stat / d w at weights holding exact zeros equals jax.grad of the statistic
+    written with explicit weights: an example of weight 0 takes part in the derivative
+    in its weight (d mean / d w_k = (g_k - mean) / W), whatever the route."""
+    with zoo.x64():
+        if name == "tiny_lm":  # (tokens: dense and embedding sites over a token axis)
+            params, batch = _tiny()
+            params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params)
+            case = zoo.ZooCase(name, lambda p, b: jnp.mean(_nll(p, b)), params, batch)
+            g = zoo.vmap_grads(case.loss_fn, case.params, case.batch)
+        else:
+            case = zoo.get_case(name, jnp.float64)
+            g = jax.tree.map(jnp.asarray, _f64(zoo.per_example_grads(case)))
+        B = jax.tree.leaves(g)[0].shape[0]
+        rng = np.random.default_rng(2)
+        w = rng.uniform(0.5, 2.0, size=B)
+        w[[0, B // 2]] = 0.0  # (a first tile of weight 0)
+        if chunk:
+            w[chunk:2 * chunk] = 0.0  # (and a whole chunk)
+        w = jnp.asarray(w)
+        clip = float(np.median(np.sqrt(zoo.oracle_from_grads(g, "sq_norms"))))
+        req = {n: _stat(n, clip) for n in stats}
+        f = js.per_example_stat(case.loss_fn, req, chunk_size=chunk)
+        values = {}
+        got = _vjps(lambda w: f(case.params, case.batch, example_weights=w), w, req, values)
+        exp = {n: _vjps(lambda w, n=n: {n: _weighted_oracle(g, w, n, clip)}, w, [n])[n]
+               for n in req}
+        want = {n: _weighted_oracle(g, w, n, clip) for n in req}
+    for n in req:
+        assert np.all(np.isfinite(got[n])), (n, got[n])
+        _close(got[n], exp[n], 1e-7, f"{name} d {n} / d w")
+        _close(values[n], want[n], 1e-9, f"{name} {n}")  # (the values, as they are)
+
+
+def _projected(out, keep=None):
+    """A fixed random projection of every statistic of ``out`` (a scalar); per-example
+    outputs (``[B]``) projected over the examples ``keep`` only."""
+    total = 0.0
+    for k, v in sorted(out.items()):
+        for i, x in enumerate(jax.tree.leaves(v)):
+            x = jnp.asarray(x)
+            if k in ("sq", "norms") and keep is not None:
+                x = x[keep]
+            proj = np.random.default_rng(100 * len(k) + i).normal(size=x.shape)
+            total = total + jnp.sum(jnp.asarray(proj, x.dtype) * x)
+    return total
+
+
+@pytest.mark.parametrize("chunk", [None, pytest.param(2, marks=_EXT)])
+def test_derivatives_through_a_padded_example_with_nan_loss(chunk):
+    """jax.grad of the statistics through a padded example whose loss is NaN (a token mean
+    over no tokens) equals jax.grad of those of the batch without it: with respect to the
+    parameters, the batch data, the loss returned, and the other examples' weights (the
+    NaN never enters a differentiated pass). The padded example's own derivatives (its
+    data, its weight) are 0."""
+    params, batch = _tiny()  # example 3: no tokens
+    keep = np.array([0, 1, 2, 4])
+    sub = jax.tree.map(lambda x: x[keep], batch)
+    req = {"mean": js.stats.mean(), "m2": js.stats.second_moment(), "var": js.stats.variance(),
+           "sq": js.stats.sq_norms(), "norms": js.stats.norms(per_leaf=True),
+           "clip": js.stats.clipped_mean(0.3), "noise": js.stats.noise_scale_components(),
+           "div": js.stats.gradient_diversity()}
+    f = js.value_and_per_example_stat(_token_mean_per_example, req, chunk_size=chunk)
+    w = jnp.asarray([1.0, 2.0, 0.5, 0.0, 1.5])
+
+    def padded(p, mask, w):
+        loss, out = f(p, {**batch, "mask": mask}, example_weights=w)
+        return _projected(out, keep) + 3.0 * loss
+
+    def alone(p, mask, w):
+        loss, out = f(p, {**sub, "mask": mask}, example_weights=w)
+        return _projected(out) + 3.0 * loss
+
+    gp, gb, gw = jax.jit(jax.grad(padded, argnums=(0, 1, 2)))(params, batch["mask"], w)
+    rp, rb, rw = jax.jit(jax.grad(alone, argnums=(0, 1, 2)))(params, sub["mask"], w[keep])
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves((gp, gb, gw)))
+    _close(gp, rp, 1e-5, "d / d params")
+    _close(gb[keep], rb, 1e-5, "d / d data")
+    assert np.all(np.asarray(gb)[3] == 0)
+    _close(gw[keep], rw, 1e-5, "d / d weights")
+    assert float(gw[3]) == 0.0  # (the derivative in the weight of an example of NaN loss)
+    # eagerly too, with is_padding_example
+    pad = jnp.asarray([False, False, False, True, False])
+    g = jax.grad(lambda p: _projected(f(p, batch, is_padding_example=pad)[1], keep))(params)
+    r = jax.grad(lambda p: _projected(f(p, sub)[1]))(params)
+    _close(g, r, 1e-5, "d / d params, is_padding_example")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_weights_eager_and_under_jit(dtype):
+    """bfloat16 / float16 weights are accepted eagerly as under jit (both read them as
+    float32, exact for such values) and checked alike."""
+    params, batch = _tiny()
+    f = js.per_example_stat(_token_mean_per_example, {"v": js.stats.variance(),
+                                                      "m": js.stats.mean()})
+    w = jnp.asarray([1.0, 2, 1, 0, 3], dtype)
+    eager = f(params, batch, example_weights=w)
+    jitted = jax.jit(lambda w: f(params, batch, example_weights=w))(w)
+    ref = f(params, batch, example_weights=w.astype(jnp.float32))
+    _close(eager, ref, 1e-6, "eager")
+    _close(jitted, ref, 1e-6, "jit")
+    with pytest.raises(ValueError, match="negative at examples \\[1\\]"):
+        f(params, batch, example_weights=jnp.asarray([1.0, -1, 1, 1, 1], dtype))
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake CPU) devices: conftest.py")
+def test_derivative_in_the_weights_under_shard_map_with_a_device_of_weight_zero():
+    """Across devices (axis_name) the derivative in the weights is exact too, also where a
+    device's examples all weigh 0 (its value then holds raw sums that the merge of the
+    devices keeps)."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("data",))
+    with zoo.x64():
+        case = zoo.get_case("mlp", jnp.float64)
+        batch = jax.tree.map(lambda x: x[:4], case.batch)
+        g = jax.tree.map(lambda x: jnp.asarray(x)[:4], _f64(zoo.per_example_grads(case)))
+        w = jnp.asarray([0.0, 0.0, 1.3, 0.8])  # one example per device
+        names = ("mean", "variance")
+        f = js.per_example_stat(case.loss_fn, {n: getattr(js.stats, n)() for n in names},
+                                axis_name="data")
+        sharded = jax.shard_map(lambda p, b, w: f(p, b, example_weights=w), mesh=mesh,
+                                in_specs=(P(), P("data"), P("data")), out_specs=P())
+        split = jax.sharding.NamedSharding(mesh, P("data"))
+        rep = jax.sharding.NamedSharding(mesh, P())
+        args = (jax.device_put(case.params, rep), jax.device_put(batch, split))
+        got = _vjps(lambda w: sharded(*args, w), jax.device_put(w, split), names)
+        exp = {n: _vjps(lambda w, n=n: {n: _weighted_oracle(g, w, n)}, w, [n])[n] for n in names}
+    for n in names:
+        _close(got[n], exp[n], 1e-9, f"d {n} / d w across devices")

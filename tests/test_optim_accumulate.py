@@ -174,3 +174,83 @@ def test_errors():
     assert sorted(jso.stat_request(acc, state)) == ["mean", "second_moment"]
     with pytest.raises(ValueError, match=r"js.optim.accumulate"):
         jso.stat_request(optax.MultiSteps(jso.micro_adam(0.1), 2))
+
+
+def _recorder(request, like=None):
+    """An identity optimizer whose state is the statistics it was given (every key of
+    ``request`` but the mean; ``like``: statistics of that structure, zeros at init):
+    what accumulate hands the inner update, compared."""
+    keys = sorted(k for k in request if k != "mean")
+
+    def init(params):
+        del params
+        return {k: jax.tree.map(jnp.zeros_like, like[k]) if like else None for k in keys}
+
+    def update(updates, state, params=None, **kw):
+        del state, params
+        return updates, {k: kw[k] for k in keys}
+
+    return jso.PerExampleTransformation(init, update, request)
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_token_weighted_accumulation_equals_one_weighted_step(chunk):
+    """Micro-batches with example_weights (token counts; a padded example of weight 0
+    whose per-example loss is NaN): every_k updates give the inner optimizer the weighted
+    statistics of the concatenated micro-batches and weights, the effective batch size
+    of the noise scale included (the state keeps the weights' sum of squares)."""
+    from test_example_weights import _tiny, _token_mean_per_example
+
+    params, batch = _tiny()
+    counts = jnp.sum(batch["mask"], -1)  # example 3: no tokens (weight 0, NaN loss)
+    request = {"mean": js.stats.mean(), "variance": js.stats.variance(),
+               "m2": js.stats.second_moment(), "noise": js.stats.noise_scale_components(),
+               "snr": js.stats.snr(bias_corrected=True)}
+    ref = js.per_example_stat(_token_mean_per_example, request)(params, batch,
+                                                                 example_weights=counts)
+    for inner in (_recorder(request, ref), jso.micro_adam_var(0.05)):
+        acc = jso.accumulate(inner, every_k=3)
+        state = acc.init(params)
+        f = jax.jit(js.per_example_partial(_token_mean_per_example, jso.stat_request(acc, state),
+                                           chunk_size=chunk))
+        got = params
+        for a, b in ((0, 2), (2, 4), (4, 5)):  # (the middle one holds the padded example)
+            micro = jax.tree.map(lambda x, a=a, b=b: x[a:b], batch)
+            partial = f(got, micro, example_weights=counts[a:b])
+            updates, state = acc.update(partial, state, got)
+            got = optax.apply_updates(got, updates)
+        stats = js.per_example_stat(_token_mean_per_example, jso.stat_request(inner))(
+            params, batch, example_weights=counts)
+        u, want_state = inner.update(stats["mean"], inner.init(params), params,
+                                     **jso.update_kwargs(stats))
+        want = optax.apply_updates(params, u)
+        _assert_trees_close(got, want, "parameters", rtol=2e-5)
+        _assert_trees_close(state.inner_state, want_state, "inner state", rtol=2e-5)
+        assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state.inner_state))
+        assert int(state.gradient_step) == 1 and float(state.total_weight) == 0.0
+
+
+def test_weighted_accumulation_refuses_a_statistic_of_every_weight():
+    """With example_weights the state keeps the weights' total, sum of squares and
+    largest; a statistic that reads every weight (uses_weights, no weight_summary)
+    cannot be accumulated and says so."""
+
+    class EveryWeight(js.stats.Statistic):
+        uses_weights = True
+
+        def reductions(self):
+            return {"s": js.stats.PhiSum()}
+
+        def finalize(self, values, count, weights=None):
+            return weights
+
+    loss, params, batch = M.make_mlp(seed=15, batch_size=4)
+    acc = jso.accumulate(_recorder({"mean": js.stats.mean(), "w": EveryWeight()}), every_k=2)
+    state = acc.init(params)
+    partial = js.per_example_partial(loss, jso.stat_request(acc, state))(
+        params, batch, example_weights=jnp.ones(4))
+    with pytest.raises(ValueError, match=r"reads every example weight of the batch"):
+        acc.update(partial, state, params)
+    # without weights it is accumulated (weights=None)
+    partial = js.per_example_partial(loss, jso.stat_request(acc, state))(params, batch)
+    acc.update(partial, state, params)

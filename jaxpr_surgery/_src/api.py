@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -120,6 +122,22 @@ def _flatten_stats(stat):
                     "Give each function a different name (or name=None)."
                 )
     return leaves, treedef, reqs, unique
+
+
+def _none_for_skipped(tree, diff):
+    """``tree`` (a prefix of the differentiated arguments' structure) with None for the
+    dict keys of ``diff`` (their tree, True at the differentiated leaves) that it lacks
+    and under which no leaf is differentiated: a skipped leaf (an integer buffer, a PRNG
+    key) or static one needs no entry (no clip bound). Other mismatches are left to
+    `prefix.leaf_groups` to name."""
+    if type(tree) is dict and type(diff) is dict and set(tree) <= set(diff):
+        out = {k: _none_for_skipped(v, diff[k]) for k, v in tree.items()}
+        out.update({k: None for k, d in diff.items() if k not in tree and not any(
+            jax.tree.leaves(d))})
+        return out
+    if type(tree) in (list, tuple) and type(tree) is type(diff) and len(tree) == len(diff):
+        return type(tree)(_none_for_skipped(t, d) for t, d in zip(tree, diff))
+    return tree
 
 
 class _LeafFlatten:
@@ -257,6 +275,7 @@ class _Prepared:
         ``(k, path, value)`` of the entry above it (`prefix.leaf_groups`)."""
         if not self.single and isinstance(tree, list):
             tree = tuple(tree)  # several argnums: a tuple of their trees
+        tree = _none_for_skipped(tree, jax.tree.unflatten(self.diff_tree, self.diff_is_arr))
         entries, groups = prefix.leaf_groups(tree, self.diff_tree, f"{self.name}: {what}", entry)
         return [(k, *entries[k]) for k, a in zip(groups, self.diff_is_arr) if a]
 
@@ -415,7 +434,19 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
             f"gradients) or None for the default ({tiling.DEFAULT_MEMORY_BUDGET_BYTES}), got "
             f"{mb!r}."
         )
-    closed, out_tree = prep.trace()
+    try:
+        closed, out_tree = prep.trace()
+    except Exception:
+        if check is not None:  # a cross-example loss can fail on one example (the top k
+            try:  # of the batch's losses): say so rather than JAX's error
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", independence.CrossExampleWarning)
+                    check()
+            except independence.CrossExampleError:
+                raise
+            except Exception:  # noqa: BLE001 - the trace's own error says more
+                pass
+        raise
     if check is not None:
         check()
     n = len(prep.diff_leaves)
@@ -456,7 +487,8 @@ class Reduced:
     Attributes:
       values: reduction index -> list over the differentiated leaves of its value over
         the batch, combined across devices with ``axis_name`` (per-example values stay
-        each device's own ``[B]``).
+        each device's own ``[B]``; with weights, read 0 at weight 0 there, and otherwise
+        by `finalize_values`).
       whole: with ``axis_name`` only, reduction index -> list per leaf of the whole
         batch's per-example values ``[N]``, for the reductions a ``whole_batch``
         statistic reads (empty otherwise).
@@ -491,25 +523,34 @@ def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
     check = (lambda: independence.check(prep, name, axes)) if opts.check else None
     front = front_half(prep, reductions, opts, name, check)
     plan, B, data_axes = front.plan, prep.B, prep.data_axes
-    w = None if spec is None else ew.as_weights(spec, B, name)
-    if front.chunk is None:
-        values, loss_b, aux = engine.run(
-            plan, prep.diff_leaves, prep.ex_leaves, prep.other_leaves, B, data_axes,
-            weights=None if w is None else (w, jnp.zeros((), w.dtype)),
+    w = None if spec is None else ew.as_weights(
+        spec, B, name, per_device=opts.axis_name is not None or bool(data_axes))
+
+    def evaluate(diff, ex, other, consts, w):
+        p = plan.with_consts(consts)
+        if front.chunk is None:
+            return engine.run(p, diff, ex, other, B, data_axes,
+                              weights=None if w is None else (w, jnp.zeros((), w.dtype)))
+        zero = engine.zero_carry(p, diff, data_axes)
+        return chunking.run_chunks(
+            lambda d, e, o, b, c, wt=None: engine.run(p, d, e, o, b, data_axes, carry=c,
+                                                      weights=wt),
+            types.SimpleNamespace(diff_leaves=diff, ex_leaves=ex, other_leaves=other, B=B),
+            int(front.chunk), zero.values, reductions, w,
         )
-    else:
-        zero = engine.zero_carry(plan, prep.diff_leaves, data_axes)
-        values, loss_b, aux = chunking.run_chunks(
-            lambda d, e, o, b, c, wt=None: engine.run(
-                plan, d, e, o, b, data_axes, carry=c, weights=wt),
-            prep, int(front.chunk), zero.values, reductions, w,
-        )
+
+    args = (prep.diff_leaves, prep.ex_leaves, prep.other_leaves, plan.closed.consts)
+    if w is None:
+        values, loss_b, aux = evaluate(*args, None)
+    else:  # (derivatives that no example of weight 0 spoils)
+        values, loss_b, aux = ew.differentiable(evaluate, *args, w)
     N = B
     bad = None
     if w is None:
         loss_sum, count = jnp.sum(loss_b), N
     else:  # (a padded example's loss may be NaN: a token mean over no tokens)
-        loss_sum = jnp.sum(jnp.where(w > 0, w.astype(loss_b.dtype) * loss_b, 0))
+        w, terms = ew.loss_terms(w, loss_b)
+        loss_sum = jnp.sum(terms)
         count = jnp.sum(w)
         bad = ew.invalid(w)  # (and no weight at all: below, once summed over devices)
     whole = {}
@@ -536,6 +577,10 @@ def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
                 j = reductions.index(r)
                 if r.per_example and j not in whole:
                     whole[j] = [_gather_examples(v, B, opts.axis_name) for v in values[j]]
+    if w is not None and opts.axis_name is not None:  # (each device's own: read 0 at
+        # weight 0 here; otherwise in `finalize_values`)
+        values = {j: [ew.weightless_zero(v, w) for v in vals] if reductions[j].per_example
+                  else vals for j, vals in values.items()}
     aux_out = jax.tree.unflatten(front.out_tree, [loss_b] + list(aux))[1]
     return Reduced(values, whole, count, loss_sum / count, aux_out, N, whole_w, bad)
 
@@ -562,14 +607,20 @@ def finalize_values(layout, flat, values, whole, count, weights=None):
     ``whole``'s values where there are some (across devices); the others keep each
     device's own (per-example outputs stay with their device). A statistic that
     declares ``uses_weights`` gets ``weights=`` the whole batch's example weights (None
-    without ``example_weights``)."""
+    without ``example_weights``); the others read per-example values 0 at weight 0."""
     stat_leaves, stat_tree, reqs, reductions = flat
 
     def value_for(s, r):
         j = reductions.index(r)
-        if getattr(s, "whole_batch", False) and j in whole:
-            return whole[j]
-        return values[j]
+        vals = whole[j] if getattr(s, "whole_batch", False) and j in whole else values[j]
+        if r.per_example and getattr(weights, "ndim", 0) == 1 and not getattr(
+                s, "uses_weights", False):
+            # per-example values read 0 at weight 0; a statistic that weighs them reads
+            # them as they are (its derivative in a weight 0 needs them). (Each device's
+            # own values under axis_name, shorter than the weights, are read 0 already.)
+            vals = [ew.weightless_zero(v, weights) if jnp.shape(v)[0] == weights.shape[0]
+                    else v for v in vals]
+        return vals
 
     results = []
     for s, req in zip(stat_leaves, reqs):
@@ -680,7 +731,12 @@ def value_and_per_example_stat(
     """
     opts = make_options(argnums, batch_argnums, keep_batch_dim, has_aux, chunk_size, strict,
                         axis_name, memory_budget_bytes, check)
-    name = "value_and_per_example_stat"
+    return _value_and_stat(fn, stat, opts, "value_and_per_example_stat")
+
+
+def _value_and_stat(fn, stat, opts, name):
+    """`value_and_per_example_stat`'s function; ``name``: the entry point the user called
+    (every message names it)."""
     _flatten_stats(stat)  # validate early
     if not callable(fn):
         raise TypeError(f"{name}: fn must be callable, got {fn!r}.")
@@ -850,19 +906,9 @@ def per_example_stat(
       >>> m2.shape
       (3,)
     """
-    vfn = value_and_per_example_stat(
-        fn,
-        stat,
-        argnums=argnums,
-        batch_argnums=batch_argnums,
-        keep_batch_dim=keep_batch_dim,
-        has_aux=has_aux,
-        chunk_size=chunk_size,
-        strict=strict,
-        axis_name=axis_name,
-        memory_budget_bytes=memory_budget_bytes,
-        check=check,
-    )
+    opts = make_options(argnums, batch_argnums, keep_batch_dim, has_aux, chunk_size, strict,
+                        axis_name, memory_budget_bytes, check)
+    vfn = _value_and_stat(fn, stat, opts, "per_example_stat")
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import compat, dots, kron, tiling, views
+from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.interpreter import (
@@ -70,6 +71,14 @@ class Plan:
     # one chunk's ``example_weights``: ``(w [B], W0)``, the weight of the examples of
     # earlier chunks (set by `run` for its chunk; None: unweighted)
     weights: Any = None
+
+    def with_consts(self, consts):
+        """This plan with ``consts`` for its jaxpr's constants (the same values, passed
+        as arguments where a transformation needs every traced input explicit)."""
+        if all(a is b for a, b in zip(consts, self.closed.consts)):
+            return self
+        closed = compat.ClosedJaxpr(self.closed.jaxpr, list(consts))
+        return dataclasses.replace(self, closed=closed)
 
     @property
     def needs_norms(self):
@@ -337,7 +346,9 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None, we
     earlier chunks' examples: every reduction is then over the weighted examples
     (`stats.Weighted`), per-example values read 0 where ``w_b = 0``, and clipped sums
     weigh each example's clip factor by ``w_b``. Every site reads the examples of
-    weight 0 as zeros (`interpreter.mask_examples`)."""
+    weight 0 as zeros (`interpreter.mask_examples`). Within derivatives in the weights
+    (`example_weights.kept`) only those that are not finite: the others take part,
+    weighted by 0, and their per-example values are read 0 later (`api.finalize_values`)."""
     if weights is not None:
         plan = dataclasses.replace(plan, weights=weights)
     ch = _Chunk(list(diff_leaves), list(ex_leaves), list(other_leaves), B, data_axes)
@@ -346,7 +357,7 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None, we
     site_fn = make_site_fn(lambda s: _site_request(plan, s), cache, plan.finish_sites_first)
     ev = Evaluator(plan.analysis, plan.kernels, site_fn, B, cache)
     sink_cts, copy_cts, loss_b, aux = ch.backward(plan, ev, sinks, ch.copies(plan))
-    with live_examples(None if plan.weights is None else plan.weights[0] > 0):
+    with live_examples(None if plan.weights is None else ew.live(plan.weights[0])):
         values, norms_leaf, deferred = _leaf_values(plan, sink_cts, copy_cts, B, cache)
     for i in range(len(ch.diff)):
         _combine_shards(plan, i, values, norms_leaf, tuple(sorted(ch.leaf_axes(i) - data_axes)))
@@ -354,9 +365,9 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None, we
         _clipped_sums(plan, ch, cache, values, norms_leaf, deferred)
     for j, r in enumerate(plan.reductions):
         if r.per_example:
-            if plan.weights is not None:  # (a padded example's NaN included)
-                keep = plan.weights[0] > 0
-                values[j] = [jnp.where(keep, v, jnp.zeros((), v.dtype)) for v in values[j]]
+            if plan.weights is not None:  # (a padded example's NaN included; within
+                # derivatives a finite one stays for the statistics that weigh it: api.py)
+                values[j] = [_kept_only(plan.weights[0], v) for v in values[j]]
             continue
         for i in range(len(ch.diff)):
             v = values[j][i]
@@ -365,6 +376,12 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None, we
             # one type, chunked or not (a chunk loop's carry keeps zero_carry's)
             values[j][i] = _typed(plan, i, v, ch.leaf_axes(i))
     return values, loss_b, aux
+
+
+def _kept_only(w, v):
+    """Per-example values ``v [B, ...]`` reading 0 for the examples not `ew.kept`."""
+    keep = ew.kept(w, (v,)).reshape((-1,) + (1,) * (jnp.ndim(v) - 1))
+    return jnp.where(keep, v, jnp.zeros((), v.dtype))
 
 
 def _init_sinks(plan, ch, cache, carry):
@@ -426,7 +443,7 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
         elif mode == "residual":
             G = copy_cts[i].astype(acc)
             if plan.weights is not None:  # (a padded example's NaN never enters)
-                keep = (plan.weights[0] > 0).reshape((-1,) + (1,) * (G.ndim - 1))
+                keep = ew.kept(plan.weights[0], (G,)).reshape((-1,) + (1,) * (G.ndim - 1))
                 G = jnp.where(keep, G, jnp.zeros((), G.dtype))
             for j, r in enumerate(plan.reductions):
                 if not r.weighted_by_norm:
@@ -488,9 +505,10 @@ def clip_weights(plan, clips, norms_leaf):
         for leaves in groups.values():
             # the clip factors of the group's examples: formed here, and only here
             c = bounds[leaves[0]].example_weights(norm_of(tuple(leaves)))
-            if plan.weights is not None:  # each clipped example weighted (0: removed)
-                w = plan.weights[0]
-                c = jnp.where(w > 0, c * w.astype(c.dtype), jnp.zeros((), c.dtype))
+            if plan.weights is not None:  # each clipped example weighted (0: removed,
+                # its clip factor kept where finite: the derivative in its weight)
+                w = plan.weights[0].astype(c.dtype)
+                c = jnp.where((w > 0) | jnp.isfinite(c), c, jnp.zeros((), c.dtype)) * w
             for i in leaves:
                 cs[i] = c
         out.append(cs)
@@ -542,7 +560,7 @@ def _reweighted_sums(plan, ch, cache, cs):
             if plan.modes[i] == "residual":
                 G = copy_cts[i].astype(acc)
                 if plan.weights is not None:  # (a padded example's NaN never enters)
-                    keep = (plan.weights[0] > 0).reshape((-1,) + (1,) * (G.ndim - 1))
+                    keep = ew.kept(plan.weights[0], (G,)).reshape((-1,) + (1,) * (G.ndim - 1))
                     G = jnp.where(keep, G, jnp.zeros((), G.dtype))
                 v = weighted_sum_materialised(G, c[i])
             elif plan.modes[i] == "unused":

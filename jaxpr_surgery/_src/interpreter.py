@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.analysis import _CALL_PRIMS
@@ -669,8 +670,10 @@ EX_WEIGHTS, CARRY_WEIGHT = "example_weights", "W"
 def mask_examples(w, ext, ext_batched, dy):
     """The site's batched inputs and its cotangents with the examples of weight 0 read
     as zeros (a padded example's loss may be NaN: a token mean over no tokens), so that
-    nothing computed from them at the site (statistics, norms, clip sums) sees it."""
-    keep = w > 0
+    nothing computed from them at the site (statistics, norms, clip sums) sees it
+    (`example_weights.kept`: within derivatives, only those that are not finite)."""
+    rows = [x for x, b in zip(ext, ext_batched) if b] + jax.tree.leaves(dy)
+    keep = ew.kept(w, rows)
 
     def mask(x):
         k = keep.reshape((-1,) + (1,) * (jnp.ndim(x) - 1))
@@ -758,7 +761,7 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
                     return carried(kernel, ctx, req, sink, B)
                 return kernel.direct_all(ctx, req if ex_w is None else weigh(req, ex_w))
 
-            with live_examples(None if ex_w is None else ex_w > 0):
+            with live_examples(None if ex_w is None else ew.live(ex_w)):
                 out = direct_norms(kernel, ctx, direct, compute)
             if want_ing:  # (per-example products kept from the tile loop: those)
                 out["ing"] = out.pop(KEPT) if KEPT in out else kernel.ingredients(ctx)

@@ -243,16 +243,6 @@ def _check_compatible(a: Partial, b: Partial, i: int, name: str):
             "statistics (js.per_example_partial(fn, stat) with an equal stat) on parameters "
             "of one structure, shapes and dtypes."
         )
-    if set(a._whole) != set(b._whole):
-        raise ValueError(
-            f"{name}: partial {i} was computed "
-            + ("with" if b._whole else "without")
-            + " axis_name and the first "
-            + ("with" if a._whole else "without")
-            + ": whole-batch per-example values (norm_quantiles, gradient_diversity across "
-            "devices) exist only with axis_name. Compute every partial with the same "
-            "axis_name."
-        )
     if (a.example_weights is None) != (b.example_weights is None):
         raise ValueError(
             f"{name}: partial {i} "
@@ -261,6 +251,16 @@ def _check_compatible(a: Partial, b: Partial, i: int, name: str):
             + ("has" if a.example_weights is not None else "has none")
             + ". Pass example_weights to every call or to none (weights of 1 are the "
             "unweighted statistics)."
+        )
+    if set(a._whole) != set(b._whole):
+        raise ValueError(
+            f"{name}: partial {i} was computed "
+            + ("with" if b._whole else "without")
+            + " axis_name and the first "
+            + ("with" if a._whole else "without")
+            + ": whole-batch per-example values (norm_quantiles, gradient_diversity across "
+            "devices) exist only with axis_name (or example_weights). Compute every partial "
+            "with the same axis_name."
         )
 
 

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import compat, views
+from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src.norms import combine_norms, materialised_norms, sqrt0
 
 SDS = jax.ShapeDtypeStruct
@@ -345,6 +346,14 @@ class Moments(NamedTuple):
     m2: jax.Array
 
 
+def nonneg(x):
+    """``x``, a sum of squares (or fourth powers) whose rounding may take it below 0, with
+    those values set to 0 and the derivative of ``x`` kept: a clamp's derivative is 0
+    there, but a true value of 0 (one example's centred sums) has a derivative, e.g. in
+    the weight of another example of weight 0. NaN stays NaN."""
+    return x + jax.lax.stop_gradient(jnp.where(x < 0, -x, jnp.zeros_like(x)))
+
+
 def merge_moments(a: Moments, na, b: Moments, nb) -> Moments:
     """The moments of the union of two disjoint sets of ``na`` and ``nb`` examples
     (Chan et al.: ``m2 = m2_a + m2_b + delta^2 n_a n_b / n``, exact, no cancellation).
@@ -358,7 +367,23 @@ def merge_moments(a: Moments, na, b: Moments, nb) -> Moments:
     tot = na + nb  # (0 only for weighted examples of weight 0: nothing to merge)
     w = jnp.asarray(nb / jnp.where(jnp.asarray(tot) > 0, tot, 1), dt)
     delta = b.mean - a.mean
-    return Moments(a.mean + delta * w, a.m2 + b.m2 + jnp.square(delta) * (jnp.asarray(na, dt) * w))
+    out = Moments(a.mean + delta * w, a.m2 + b.m2 + jnp.square(delta) * (jnp.asarray(na, dt) * w))
+    if not ew.is_open():
+        return out
+    # within derivatives in the weights, a side of weight 0 holds its raw sums
+    # (see `reshift`): the union's moments from them, exact in value and derivative
+    na, nb = jnp.asarray(na, dt), jnp.asarray(nb, dt)
+    safe = jnp.where(na + nb > 0, na + nb, 1)
+
+    def with_raw(m, n, p, q, n0):  # moments m of weight n > 0 and raw sums of weight n0
+        M = (n * m.mean + p) / safe
+        return Moments(M, m.m2 + n * jnp.square(m.mean - M) + q - 2 * M * p + jnp.square(M) * n0)
+
+    pick = lambda c, x, y: jax.tree.map(lambda u, v: jnp.where(c, u, v), x, y)  # noqa: E731
+    raw = Moments(a.mean + b.mean, a.m2 + b.m2)  # (both of weight 0)
+    out = pick((na > 0) & (nb > 0), out, raw)
+    out = pick((na > 0) & (nb == 0), with_raw(a, na, b.mean, b.m2, nb), out)
+    return pick((na == 0) & (nb > 0), with_raw(b, nb, a.mean, a.m2, na), out)
 
 
 class Shifted(NamedTuple):
@@ -378,13 +403,35 @@ def shifted_moments(s: Shifted, n) -> Moments:
     """The `Moments` of ``n`` examples from their `Shifted` sums."""
     n = jnp.asarray(n, jnp.result_type(s.s1))
     d = s.s1 / jnp.where(n > 0, n, 1)  # (n = 0: weighted examples of weight 0, s1 = 0)
-    return Moments(s.shift + d, jnp.maximum(s.s2 - s.s1 * d, 0))
+    m2 = s.s2 - s.s1 * d
+    out = Moments(s.shift + d, nonneg(m2))
+    if not ew.is_open():
+        return out
+    K = s.shift  # (weight 0 within derivatives in the weights: raw sums, see `reshift`)
+    raw = Moments(s.s1 + K * n, s.s2 + 2 * K * s.s1 + jnp.square(K) * n)
+    return Moments(*(jnp.where(n > 0, u, v) for u, v in zip(out, raw)))
+
+
+# Within derivatives in the example weights (`example_weights.is_open`) the examples of
+# weight 0 are read as they are, so a tile, group or chunk may weigh 0 in all: its
+# `Moments` are then its raw sums ``(sum_b w_b g_b, sum_b w_b g_b^2)``, zero but with the
+# derivatives of those sums (``from_weighted`` gives them: the mean divides by 1 there), and
+# the merges and shifts below keep them (a mean of no weight would lose them). Elsewhere
+# nothing changes.
+def reshift(s: Shifted, n, K) -> Shifted:
+    """The same sums of ``n`` examples against the shift ``K``."""
+    d = s.shift - K
+    n = jnp.asarray(n, jnp.result_type(s.s1))
+    return Shifted(K, s.s1 + d * n, s.s2 + 2 * d * s.s1 + jnp.square(d) * n)
 
 
 def recentre(s: Shifted, n) -> Shifted:
     """The same moments of ``n`` examples against their mean (``s1 = 0``)."""
     m = shifted_moments(s, n)
-    return Shifted(m.mean, compat.make_varying(jnp.zeros_like(s.s1), compat.vma_of(s.s1)), m.m2)
+    out = Shifted(m.mean, compat.make_varying(jnp.zeros_like(s.s1), compat.vma_of(s.s1)), m.m2)
+    if not ew.is_open():
+        return out
+    return Shifted(*(jnp.where(jnp.asarray(n) > 0, u, v) for u, v in zip(out, s)))
 
 
 def merge_shifted(a: Shifted, na, b: Moments, nb) -> Shifted:
@@ -392,6 +439,15 @@ def merge_shifted(a: Shifted, na, b: Moments, nb) -> Shifted:
     examples before, the new ones' mean becomes the shift)."""
     dt = jnp.result_type(a.s1)
     K = jnp.where(jnp.asarray(na) > 0, a.shift, b.mean.astype(dt))
+    if ew.is_open():  # (`reshift`: ``a`` may weigh 0; so may ``b``, holding raw sums)
+        K = jnp.where((jnp.asarray(na) == 0) & (jnp.asarray(nb) == 0), a.shift, K)
+        a = reshift(a, na, K)
+        nb = jnp.asarray(nb, dt)
+        d = b.mean - K
+        s1 = jnp.where(nb > 0, nb * d, b.mean - nb * K)
+        s2 = jnp.where(nb > 0, b.m2 + nb * jnp.square(d),
+                       b.m2 - 2 * K * b.mean + jnp.square(K) * nb)
+        return Shifted(K, a.s1 + s1, a.s2 + s2)
     d = b.mean - K
     nb = jnp.asarray(nb, dt)
     return Shifted(K, a.s1 + nb * d, a.s2 + b.m2 + nb * jnp.square(d))
@@ -422,7 +478,6 @@ class Weighted(Reduction):
 
     def __init__(self, inner, w, n0=0, W0=0.0):
         self.inner, self.w, self.n0, self.W0 = inner, w, n0, W0
-        self._cw = None
 
     # (reductions that compare equal are computed once: wrappers of one call's weights)
     def __eq__(self, other):
@@ -448,11 +503,11 @@ class Weighted(Reduction):
         return Weighted(self.inner, self.w, n0, W0)
 
     def W(self, n):
-        """The weight of the examples counted by ``n``."""
-        if self._cw is None:
-            w = self.w
-            self._cw = jnp.concatenate([jnp.zeros((1,), w.dtype), jnp.cumsum(w)])
-        return self.W0 + self._cw[jnp.clip(self._index(n), 0, self.w.shape[0])]
+        """The weight of the examples counted by ``n``. (Not cached: a cache filled
+        while tracing a loop's body would leak its tracer to the next use.)"""
+        w = self.w
+        cw = jnp.concatenate([jnp.zeros((1,), w.dtype), jnp.cumsum(w)])
+        return self.W0 + cw[jnp.clip(self._index(n), 0, w.shape[0])]
 
     def _index(self, n):
         """The position in the chunk of the example counted by ``n`` (counts may come
@@ -465,7 +520,7 @@ class Weighted(Reduction):
         b = G.shape[0]
         w = self.w if b == self.w.shape[0] else jax.lax.dynamic_slice_in_dim(
             self.w, self._index(n), b)
-        keep = (w > 0).reshape((-1,) + (1,) * (G.ndim - 1))
+        keep = ew.kept(w, (G,)).reshape((-1,) + (1,) * (G.ndim - 1))
         return w, jnp.where(keep, G, jnp.zeros((), G.dtype))
 
     def weighted_parts(self):
@@ -473,7 +528,7 @@ class Weighted(Reduction):
 
     def scaled(self):
         d = self.inner.weight_degree
-        if not d:
+        if not d or (d != 1 and ew.is_open()):  # (w^(1/d): no derivative at w = 0)
             return None
         w = self.w
         return self.inner, (w if d == 1 else jnp.sqrt(w) if d == 2 else w ** (1.0 / d))
@@ -523,7 +578,10 @@ class Weighted(Reduction):
     def combine_axis(self, value, n_local, N, axis_name):  # (the whole local batch)
         del n_local, N
         W = jnp.sum(self.w)
-        return self.inner.combine_axis(value, W, jax.lax.psum(W, axis_name), axis_name)
+        # (a device's examples may weigh 0 in all: its value holds their raw sums, which
+        # the merges keep, so that the derivatives in their weights are exact)
+        with ew.opened():
+            return self.inner.combine_axis(value, W, jax.lax.psum(W, axis_name), axis_name)
 
     def to_leaf(self, value, site, B):
         if type(self.inner).to_leaf is not Reduction.to_leaf:
@@ -681,7 +739,8 @@ class Centered(ElementwiseReduction):
         mu = jnp.sum(wb * G, axis=0) / jnp.where(Wt > 0, Wt, 1)
         if acc is None:
             return self._add(Shifted(mu, None, None), G, wb)
-        return self._add(acc._replace(shift=jnp.where(jnp.asarray(W) > 0, acc.shift, mu)), G, wb)
+        K = jnp.where(jnp.asarray(W) > 0, acc.shift, mu)
+        return self._add(reshift(acc, W, K) if ew.is_open() else acc._replace(shift=K), G, wb)
 
     def add_weighted(self, acc, W, G, w):
         if acc is None:
@@ -709,6 +768,13 @@ class Centered(ElementwiseReduction):
         return jnp.asarray(n, acc.shift.dtype) * acc.shift + acc.s1
 
     def combine_axis(self, value, n_local, N, axis_name):
+        if ew.is_open():  # (a device of weight 0: raw sums, `reshift`)
+            n = jnp.asarray(n_local, value.mean.dtype)
+            p = jnp.where(n > 0, n * value.mean, value.mean)
+            mean = jax.lax.psum(p, axis_name) / N
+            m2 = jnp.where(n > 0, value.m2 + n * jnp.square(value.mean - mean),
+                           value.m2 - 2 * mean * p + jnp.square(mean) * n)
+            return Moments(mean, jax.lax.psum(m2, axis_name))
         mean = jax.lax.psum(value.mean * n_local, axis_name) / N
         m2 = jax.lax.psum(value.m2 + n_local * jnp.square(value.mean - mean), axis_name)
         return Moments(mean, m2)

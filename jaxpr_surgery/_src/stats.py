@@ -51,6 +51,7 @@ from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names
     lookup,
     merge_moments,
     merge_shifted,
+    nonneg,
     recentre,
     same_function,
     shifted_moments,
@@ -329,6 +330,7 @@ def _safe_ratio(num, den):
 class _Snr(Statistic):
     _name = "snr"
     uses_weights = True  # (the bias correction divides by the effective batch size)
+    weight_summary = True  # (read through effective_size alone: `WeightSummary`)
 
     def __init__(self, ddof: int, bias_corrected: bool = False):
         self.ddof = ddof
@@ -385,6 +387,7 @@ def _noise_pieces(values, count, ddof, weights=None):
 class _NoiseScale(Statistic):
     _name = "gradient_noise_scale"
     uses_weights = True
+    weight_summary = True  # (read through effective_size alone: `WeightSummary`)
 
     def __init__(self, ddof: int):
         self.ddof = ddof
@@ -400,6 +403,7 @@ class _NoiseScale(Statistic):
 class _NoiseComponents(Statistic):
     _name = "noise_scale_components"
     uses_weights = True
+    weight_summary = True  # (read through effective_size alone: `WeightSummary`)
     ddof = 1
 
     def reductions(self):
@@ -648,6 +652,8 @@ def clipped_mean(clip_norm) -> Statistic:
         part's own norm, \(\sum_b \min(1, C_k/\|g_{b,k}\|)\, g_{b,k}\). The
         clipped gradient's norm is then at most \(\sqrt{\sum_k C_k^2}\), the
         sensitivity the DP optimizers of `jaxpr_surgery.optim` calibrate their noise to.
+        Leaves that are not differentiated (integer buffers, PRNG keys) need no bound:
+        a dict of bounds may leave out their keys.
 
     Raises:
       ValueError: a concrete bound that is not positive (or NaN), naming its path in a
@@ -692,6 +698,8 @@ def clipped_sum(clip_norm) -> Statistic:
         part's own norm, \(\sum_b \min(1, C_k/\|g_{b,k}\|)\, g_{b,k}\). The
         clipped gradient's norm is then at most \(\sqrt{\sum_k C_k^2}\), the
         sensitivity the DP optimizers of `jaxpr_surgery.optim` calibrate their noise to.
+        Leaves that are not differentiated (integer buffers, PRNG keys) need no bound:
+        a dict of bounds may leave out their keys.
 
     Raises:
       ValueError: a concrete bound that is not positive (or NaN), naming its path in a

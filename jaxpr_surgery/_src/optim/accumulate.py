@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from jaxpr_surgery._src import api
+from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src.optim.requests import request_of, update_kwargs
 from jaxpr_surgery._src.partials import (
     Partial,
@@ -46,6 +47,9 @@ class AccumulateState(NamedTuple):
         accumulation dtype of the leaf, at least float32).
       num_examples: examples accumulated since the last step (int32).
       total_weight: their total weight (float), the count of merges and ``finalize``.
+      weight_sq: the sum of their squared weights (float; 1 per example without
+        ``example_weights``), for the effective batch size of weighted examples.
+      weight_max: their largest weight (float).
     """
 
     mini_step: jax.Array
@@ -54,6 +58,8 @@ class AccumulateState(NamedTuple):
     sums: tuple
     num_examples: jax.Array
     total_weight: jax.Array
+    weight_sq: jax.Array
+    weight_max: jax.Array
 
 
 class AccumulatingTransformation(optax.GradientTransformationExtraArgs):
@@ -125,9 +131,16 @@ def _check_partial(partial, request, state, owner):
             f"{owner}: the partial holds {spec.describe()}, but the optimizer requests "
             f"{sorted(request)}: compute it for js.optim.stat_request(acc, state)."
         )
-    if partial.per_example:
-        _refuse_per_example(spec.reductions, spec.describe(), owner)
-        raise ValueError(f"{owner}: partials with example_weights cannot be accumulated yet.")
+    _refuse_per_example(spec.reductions, spec.describe(), owner)
+    if partial.example_weights is not None:
+        # the state keeps the weights' total, sum of squares and largest (`WeightSummary`)
+        for s in spec.stats:
+            if getattr(s, "uses_weights", False) and not getattr(s, "weight_summary", False):
+                raise ValueError(
+                    f"{owner}: the statistic {s!r} reads every example weight of the batch, "
+                    "which an optimizer state of fixed shape cannot keep across micro-batches "
+                    "with example_weights. Accumulate without it, or take one step per batch."
+                )
     a, b = jax.tree.structure(state.sums), jax.tree.structure(partial._values)
     shapes_a = [np.shape(x) for x in jax.tree.leaves(state.sums)]
     shapes_b = [np.shape(x) for x in jax.tree.leaves(partial._values)]
@@ -154,13 +167,18 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
     takes one step with them; the other calls return zero updates and leave ``inner``'s
     state alone. ``every_k`` calls give the same updates, state and parameters as one
     step of ``inner`` on the concatenated micro-batches (up to rounding), also with
-    micro-batches of different sizes (statistics weigh every example alike).
+    micro-batches of different sizes (statistics weigh every example alike), and with
+    ``example_weights`` (token counts, padding): partials made with weights give the
+    weighted statistics of the concatenated micro-batches and their weights. Pass weights
+    to every micro-batch or to none.
 
     ``update(partial, state, params=None, **extra_args)`` takes the micro-batch's
     partial in place of the gradient; ``extra_args`` (the DP noise ``key``) reach the
     inner update. The request is ``inner``'s: ``js.optim.stat_request(acc, state)``.
     Statistics per example (``sq_norms``, ``norms``) cannot be accumulated in a state
-    of fixed shape and raise a ``ValueError``.
+    of fixed shape and raise a ``ValueError``; so does, with weights, a statistic that
+    reads every weight (the state keeps their total, sum of squares and largest: the
+    effective batch size of the noise scale and ``snr``).
 
     Args:
       inner: an optimizer of `jaxpr_surgery.optim`, or any optax transformation
@@ -214,8 +232,8 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
             for r in reductions
         )
         zero = jnp.zeros([], jnp.int32)
-        return AccumulateState(zero, zero, inner_state, sums, zero,
-                               jnp.zeros([], weight_dtype(sums)))
+        wzero = jnp.zeros([], weight_dtype(sums))
+        return AccumulateState(zero, zero, inner_state, sums, zero, wzero, wzero, wzero)
 
     def update_fn(updates, state, params=None, **extra_args):
         partial = updates
@@ -229,31 +247,41 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
         sums = jax.tree.map(lambda x, s: x.astype(s.dtype), sums, state.sums)
         n = state.num_examples + jnp.asarray(partial.num_examples).astype(jnp.int32)
         w = state.total_weight + jnp.asarray(partial.total_weight).astype(wdt)
+        pw = partial.example_weights  # (without them: every example weighs 1)
+        if pw is None:
+            sq = jnp.asarray(partial.num_examples).astype(wdt)
+            big = jnp.where(partial.num_examples > 0, 1, 0).astype(wdt)
+        else:
+            pw = jnp.asarray(pw).astype(wdt)
+            sq, big = jnp.sum(jnp.square(pw)), jnp.max(pw, initial=0)
+        wsq, wmax = state.weight_sq + sq, jnp.maximum(state.weight_max, big)
+        weighted = pw is not None
 
-        def step(sums, n, w, inner_state):
-            stats = finalize_partial(Partial(spec, sums, {}, n, w, None))
+        def step(sums, n, w, wsq, wmax, inner_state):
+            weights = ew.WeightSummary(w, wsq, wmax) if weighted else None
+            stats = finalize_partial(Partial(spec, sums, {}, n, w, weights))
             return inner.update(stats["mean"], inner_state, params,
                                 **update_kwargs(stats, **extra_args))
 
-        out = jax.eval_shape(step, sums, n, w, state.inner_state)
+        out = jax.eval_shape(step, sums, n, w, wsq, wmax, state.inner_state)
 
         def emit(operands):
-            sums, n, w, inner_state = operands
-            new_updates, inner_state = step(sums, n, w, inner_state)
-            zeros = jax.tree.map(jnp.zeros_like, (sums, n, w))
+            sums, n, w, wsq, wmax, inner_state = operands
+            new_updates, inner_state = step(sums, n, w, wsq, wmax, inner_state)
+            zeros = jax.tree.map(jnp.zeros_like, (sums, n, w, wsq, wmax))
             return (new_updates, inner_state) + zeros
 
         def wait(operands):
-            sums, n, w, inner_state = operands
+            sums, n, w, wsq, wmax, inner_state = operands
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out[0])
-            return zeros, inner_state, sums, n, w
+            return zeros, inner_state, sums, n, w, wsq, wmax
 
         now = state.mini_step + 1 >= every_k
-        new_updates, inner_state, sums, n, w = jax.lax.cond(
-            now, emit, wait, (sums, n, w, state.inner_state)
+        new_updates, inner_state, sums, n, w, wsq, wmax = jax.lax.cond(
+            now, emit, wait, (sums, n, w, wsq, wmax, state.inner_state)
         )
         mini = jnp.where(now, 0, state.mini_step + 1).astype(jnp.int32)
         gstep = (state.gradient_step + now.astype(jnp.int32)).astype(jnp.int32)
-        return new_updates, AccumulateState(mini, gstep, inner_state, sums, n, w)
+        return new_updates, AccumulateState(mini, gstep, inner_state, sums, n, w, wsq, wmax)
 
     return AccumulatingTransformation(init_fn, update_fn, inner, every_k)
