@@ -422,7 +422,6 @@ class Weighted(Reduction):
 
     def __init__(self, inner, w, n0=0, W0=0.0):
         self.inner, self.w, self.n0, self.W0 = inner, w, n0, W0
-        self._cw = None
 
     # (reductions that compare equal are computed once: wrappers of one call's weights)
     def __eq__(self, other):
@@ -448,11 +447,12 @@ class Weighted(Reduction):
         return Weighted(self.inner, self.w, n0, W0)
 
     def W(self, n):
-        """The weight of the examples counted by ``n``."""
-        if self._cw is None:
-            w = self.w
-            self._cw = jnp.concatenate([jnp.zeros((1,), w.dtype), jnp.cumsum(w)])
-        return self.W0 + self._cw[jnp.clip(self._index(n), 0, self.w.shape[0])]
+        """The weight of the examples counted by ``n``. (The cumulative weights are formed
+        where asked, not kept on the object: a tile loop's body may ask first, and a
+        value kept from its trace would leak into the next.)"""
+        w = self.w
+        cw = jnp.concatenate([jnp.zeros((1,), w.dtype), jnp.cumsum(w)])
+        return self.W0 + cw[jnp.clip(self._index(n), 0, self.w.shape[0])]
 
     def _index(self, n):
         """The position in the chunk of the example counted by ``n`` (counts may come
