@@ -36,6 +36,7 @@ def js_stat(name):
         "clipped_mean": lambda: js.stats.clipped_mean(CLIP_NORM),
         "mean+second_moment": lambda: (js.stats.mean(), js.stats.second_moment()),
         "kron_moments": lambda: js.stats.kron_moments(KRON_MAX_DIM),
+        "kurtosis": js.stats.kurtosis,
     }[name]()
 
 

@@ -442,6 +442,7 @@ def render_md(doc, img_paths, md_path, compare=None, steady=None, lora=None):
     if compare is not None:
         L += _compare_section(doc, compare, md_dir)
     L += _long_sequences_section()
+    L += _hand_section(TIME_TO_FIRST_STEP_MD)
     L += _errors_section(doc)
     with open(md_path, "w") as f:
         f.write("\n".join(L))
@@ -451,13 +452,22 @@ def render_md(doc, img_paths, md_path, compare=None, steady=None, lora=None):
 LONG_SEQUENCES_MD = os.path.join(ROOT, "benchmarks", "results", "long_sequences.md")
 
 
+TIME_TO_FIRST_STEP_MD = os.path.join(ROOT, "benchmarks", "results", "time_to_first_step.md")
+
+
 def _long_sequences_section():
     """The long-sequence profile (issue 40), written by hand from the shared scale check
     and XLA's cost analysis (it needs presets too slow for this suite), kept in
     `LONG_SEQUENCES_MD`."""
-    if not os.path.exists(LONG_SEQUENCES_MD):
+    return _hand_section(LONG_SEQUENCES_MD)
+
+
+def _hand_section(path):
+    """A section written by hand beside its own results (the long-sequence profile,
+    the time to the first step: `benchmarks.compile_time`), kept at ``path``."""
+    if not os.path.exists(path):
         return []
-    with open(LONG_SEQUENCES_MD) as f:
+    with open(path) as f:
         return [f.read().rstrip(), ""]
 
 

@@ -505,3 +505,59 @@ def test_shared_leaf_tiles_one_example_where_a_site_has_token_matmuls(
     got = js.per_example_stat(loss, js.stats.second_moment())(p, b)["w"]
     g = jax.jit(jax.vmap(jax.grad(lambda p, x: loss(p, x[None])), in_axes=(None, 0)))(p, b)["w"]
     np.testing.assert_allclose(got, jnp.mean(g**2, axis=0), rtol=2e-5, atol=1e-7)
+
+
+def _tied_square(p, b):  # V == d: only the index maps tell rows from columns
+    h = jnp.tanh(p["emb"][b["ids"]])
+    return jnp.mean(jnp.sum(jnp.sin(h @ p["emb"].T), axis=(1, 2)))
+
+
+def _tied_square_transposed(p, b):  # rows gathered from the transpose: no cross term
+    h = jnp.tanh(p["emb"].T[b["ids"]])
+    return jnp.mean(jnp.sum(jnp.sin(h @ p["emb"].T), axis=(1, 2)))
+
+
+def _tied_same_side(p, b):  # the table as a dense weight of its own orientation
+    h = jnp.tanh(p["emb"][b["ids"]])  # [B, T, d]
+    z = jnp.einsum("btd,vd->btv", h, p["emb"])
+    return jnp.mean(jnp.sum(jnp.sin(z), axis=(1, 2)))
+
+
+def _tied_einsum_vd(p, b):
+    h = jnp.tanh(p["emb"][b["ids"]])
+    z = jnp.einsum("btv,vd->btd", jnp.sin(h @ p["emb"].T), p["emb"])
+    return jnp.mean(jnp.sum(z, axis=(1, 2)))
+
+
+@pytest.mark.parametrize("loss, shape", [
+    (_tied, (7, 3)), (_tied_square, (4, 4)), (_tied_square_transposed, (4, 4)),
+    (_tied_same_side, (7, 3)), (_tied_einsum_vd, (7, 3)), (_tied_onehot, (7, 3)),
+])
+def test_tied_cross_layout_by_axes_equals_index_arrays(loss, shape, monkeypatch):
+    """The ghost cross term's layout, decided from the views' axis permutations (no
+    index arrays of the table's size: seconds at GPT-2's vocabulary), is what the
+    index arrays say, on every pair of sites of a tied table; and the statistic
+    stays exact."""
+    from jaxpr_surgery._src import engine
+
+    seen = []
+    inner = engine._cross_layout
+
+    def spy(sa, ka, sb, kb, by_axes=True):
+        fast, arrays = inner(sa, ka, sb, kb), inner(sa, ka, sb, kb, by_axes=False)
+        seen.append((fast, arrays))
+        return fast
+
+    monkeypatch.setattr(engine, "_cross_layout", spy)
+    rng = np.random.default_rng(2)
+    with zoo.x64():
+        p = {"emb": jnp.asarray(rng.normal(size=shape) / 2)}
+        b = {"ids": jnp.asarray(rng.integers(0, shape[0], size=(4, 5)))}
+        got = js.per_example_stat(loss, js.stats.sq_norms())(p, b)
+        g = jax.vmap(
+            jax.grad(lambda p, x: loss(p, jax.tree.map(lambda v: v[None], x))), in_axes=(None, 0)
+        )(p, b)["emb"]
+        np.testing.assert_allclose(got, jnp.sum(g**2, axis=(1, 2)), rtol=1e-10)
+    assert seen, "no pair of sites on the tied table"
+    for fast, arrays in seen:
+        assert fast == arrays, seen

@@ -240,3 +240,20 @@ def test_a_regime_that_fails_to_build_is_recorded(monkeypatch, tmp_path):
     assert "RuntimeError: no such model" in doc["regimes"]["broken"]["error"]
     assert doc["results"] == [] and doc["tracing"] is None
     assert json.loads(out.read_text())["regimes"]["broken"]["description"] == "a model that fails"
+
+
+def test_compile_time_quick(tmp_path):
+    """The time-to-first-step benchmark (`benchmarks.compile_time`): every method of every
+    regime lowered and compiled, with its ratios to grad's, in the JSON."""
+    from benchmarks import compile_time
+
+    out = tmp_path / "compile.json"
+    rows = compile_time.main(["--quick", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == rows and doc["meta"]["jax"] == jax.__version__
+    regimes = {r["regime"] for r in rows}
+    assert any(r.startswith("scan") for r in regimes) and len(regimes) == 2
+    for r in rows:
+        assert r["compile_cpu_s"] > 0 and r["lower_cpu_s"] > 0 and r["hlo_lines"] > 0
+        if r["method"] != "grad":
+            assert 0 < r["compile_cpu_x_grad"] < 100 and 0 < r["hlo_lines_x_grad"] < 100

@@ -148,22 +148,40 @@ def test_keyword_arguments_pass_through():
     np.testing.assert_allclose(l, loss(w, b, scale=3.0), rtol=1e-6)
 
 
-def test_eager_calls_trace_once_per_signature():
+def test_eager_calls_trace_once_per_signature(monkeypatch):
+    """A second call with new values of the same shapes neither traces the loss again
+    nor repeats the package's analysis and planning (eagerly, and under one jit)."""
+    from jaxpr_surgery._src import analysis, engine
+
     w, b = M.lin_case()
-    count = {"n": 0}
+    count = {"n": 0, "analysis": 0, "plan": 0}
 
     def loss(w, b):
         count["n"] += 1
         return jnp.mean((b["x"] @ w - b["y"]) ** 2)
 
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            count[name] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    monkeypatch.setattr(analysis, "analyse_jaxpr", counted("analysis", analysis.analyse_jaxpr))
+    monkeypatch.setattr(engine, "make_plan", counted("plan", engine.make_plan))
     f = js.per_example_stat(loss, js.stats.second_moment())
     first = f(w, b)
-    n = count["n"]
-    second = f(w + 1.0, b)  # same signature: no new trace
-    assert count["n"] == n
+    seen = dict(count)
+    assert seen["analysis"] >= 1 and seen["plan"] >= 1
+    second = f(w + 1.0, b)  # same signature: no new trace, analysis or plan
+    assert count == seen
     assert not np.allclose(first, second)
+    g = jax.jit(f)
+    g(w, b)
+    seen = dict(count)
+    g(w - 1.0, b)
+    assert count == seen
     f(w, {"x": b["x"][:4], "y": b["y"][:4]})  # new shape: traced again
-    assert count["n"] > n
+    assert count["n"] > seen["n"] and count["analysis"] > seen["analysis"]
 
 
 def test_eager_grad_and_vmap_of_a_statistic_are_compiled_once():

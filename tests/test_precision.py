@@ -412,3 +412,71 @@ def test_ghost_norms_grad_of_vmap_where_they_cancel():
                                atol=1e-12 * np.abs(ref).max())
     np.testing.assert_allclose(grads(jnp.float32, True), ref, rtol=2e-2,
                                atol=2e-2 * np.abs(ref).max())
+
+
+def test_token_products_norms_need_no_recomputation(monkeypatch):
+    """A token-axis dense layer whose norms come from tiles of its products (the cost
+    model's choice at T much larger than its width) computes them on examples scaled
+    by powers of two: exact, finite past float32's squares (``sq_norms`` the honest
+    inf), and with no loop that recomputes examples one at a time (one per layer of
+    the program: the time to the first step)."""
+    from jaxpr_surgery._src import norms
+    from jaxpr_surgery._src.sites import dense
+
+    r = np.random.default_rng(5)
+    B, T, D = 4, 16, 4
+    params = {"w": jnp.asarray(r.standard_normal((D, D)) * 0.5, jnp.float32)}
+    s = np.ones(B, np.float32)
+    s[2] = 4 * HUGE
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["w"])
+        return jnp.mean(b["s"] * jnp.mean(jnp.sum(h**2, -1), -1))
+
+    batch = {"x": jnp.asarray(r.standard_normal((B, T, D)), jnp.float32), "s": jnp.asarray(s)}
+    case = zoo.ZooCase("products", loss, params, batch)
+    recomputed, scaled = [], []
+    monkeypatch.setattr(norms, "recompute_flagged", lambda *a: recomputed.append(1) or a[2])
+    inner = dense.DenseKernel.scaled_sq_norms
+    monkeypatch.setattr(dense.DenseKernel, "scaled_sq_norms",
+                        lambda self, ing: scaled.append(self.c["N"]) or inner(self, ing))
+    sq = _sq_norms64(case)
+    assert sq[2] > 1e39 > float(np.finfo(np.float32).max)
+    got = jax.jit(js.per_example_stat(loss, {"n": js.stats.norms(), "sq": js.stats.sq_norms()}))(
+        params, batch)
+    assert scaled == [T] and not recomputed
+    np.testing.assert_allclose(got["n"], np.sqrt(sq), rtol=2e-5)
+    assert np.isinf(got["sq"][2])
+    np.testing.assert_allclose(np.delete(got["sq"], 2), np.delete(sq, 2), rtol=2e-5)
+
+
+def test_kept_products_give_the_norms_past_float32_squares(monkeypatch):
+    """A clipped sum at a token layer that keeps its products for the weighted sum
+    (`keeps_products_for_clip`) takes an overflowing example's norm from its kept
+    product (one more pass over it), not from recomputing the example in a loop of its
+    own: exact, and no such loop in the program."""
+    from jaxpr_surgery._src import norms
+
+    r = np.random.default_rng(6)
+    B, T, D = 4, 16, 4
+    params = {"w": jnp.asarray(r.standard_normal((D, D)) * 0.5, jnp.float32)}
+    s = np.ones(B, np.float32)
+    s[1] = 4 * HUGE
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["w"])
+        return jnp.mean(b["s"] * jnp.mean(jnp.sum(h**2, -1), -1))
+
+    batch = {"x": jnp.asarray(r.standard_normal((B, T, D)), jnp.float32), "s": jnp.asarray(s)}
+    case = zoo.ZooCase("kept", loss, params, batch)
+    rep = js.explain(loss, js.stats.clipped_mean(1.0))(params, batch)
+    assert "kept for the weighted sum" in rep.leaves[0].hows["clipped_mean"], str(rep)
+    recomputed = []
+    monkeypatch.setattr(norms, "recompute_flagged", lambda *a: recomputed.append(1) or a[2])
+    sq = _sq_norms64(case)
+    assert sq[1] > 1e39 > float(np.finfo(np.float32).max)
+    C = float(np.sqrt(np.median(sq)))
+    got = jax.jit(js.per_example_stat(loss, js.stats.clipped_sum(C)))(params, batch)
+    assert not recomputed
+    want = zoo.oracle(case, "clipped_sum", clip_norm=C)
+    np.testing.assert_allclose(got["w"], want["w"], rtol=0, atol=5e-5 * C)

@@ -607,7 +607,19 @@ def cross_layout(sa, ka, sb, kb):
     canonical dense axis ("C" or "F") the table rows lie, or None if no ghost cross term.
 
     An embedding is a kernel that `gathers_rows`, a dense site one with a `dense_layout`
-    (`sites.base.Kernel`)."""
+    (`sites.base.Kernel`). Decided once per pair of a plan's sites (kept on the
+    kernel: the engine and the cost model ask several times)."""
+    memo = ka.__dict__.setdefault("_cross_layouts", {})
+    key = (id(sa), id(sb), id(kb))
+    if key not in memo:
+        memo[key] = _cross_layout(sa, ka, sb, kb)
+    return memo[key]
+
+
+_UNDECIDED = object()
+
+
+def _cross_layout(sa, ka, sb, kb, by_axes=True):
     if ka.dense_layout() is not None and kb.gathers_rows() is not None:
         sa, ka, sb, kb = sb, kb, sa, ka
     table, c = ka.gathers_rows(), kb.dense_layout()
@@ -618,6 +630,10 @@ def cross_layout(sa, ka, sb, kb):
     if c["K"] != 1:
         return None
     V, d = table
+    if by_axes:
+        out = _cross_layout_by_axes(sa, ka, sb, c, V, d)
+        if out is not _UNDECIDED:
+            return out
     # The checks below map index arrays of the leaf's size through the views (numpy:
     # static). A vocabulary-sized table holds tens of millions of entries: int32 indices
     # and comparisons against strided views of one arange, never a meshgrid (which cost
@@ -638,6 +654,28 @@ def cross_layout(sa, ka, sb, kb):
     if c["C"] == d and c["F"] == V and np.array_equal(leaf_idx, flat.reshape(d, V).T):
         return "F"
     if c["C"] == V and c["F"] == d and np.array_equal(leaf_idx, rows):
+        return "C"
+    return None
+
+
+def _cross_layout_by_axes(sa, ka, sb, c, V, d):
+    """`cross_layout`'s answer where both views only permute the leaf's two axes (a
+    table used as itself and as its transpose, the usual tying), from the
+    permutations alone: what the index arrays would give, without forming them.
+    `_UNDECIDED` otherwise."""
+    emb, dense = views.leaf_axes(sa), views.leaf_axes(sb)
+    table_2d = getattr(ka, "_table_2d", None)
+    if emb is None or dense is None or table_2d is None or not table_2d():
+        return _UNDECIDED
+    if len(c["canon_w"]) != 2 or len(dense) != 2:
+        return _UNDECIDED
+    if emb != (0, 1):  # the table's rows are the leaf's columns
+        return None
+    # canonical axis i of the dense site (C, then F) is its view's axis canon_w[i]
+    on_c, on_f = dense[c["canon_w"][0]], dense[c["canon_w"][1]]
+    if c["C"] == d and c["F"] == V and (on_c, on_f) == (1, 0):
+        return "F"
+    if c["C"] == V and c["F"] == d and (on_c, on_f) == (0, 1):
         return "C"
     return None
 

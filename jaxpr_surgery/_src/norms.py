@@ -126,6 +126,18 @@ def flagged_norms(sq, exact_norm, args):
     return recompute_flagged(exact_norm, args, sqrt0(sq), jnp.logical_not(jnp.isfinite(sq)))
 
 
+def norms_of_products(sq, G):
+    """``[B]`` norms from squared norms ``sq`` of per-example products ``G [B, ...]`` the
+    caller holds anyway (a clipped sum's kept products): ``sqrt(sq)``, and where the
+    square is not finite the norm of ``G_b`` itself scaled by its largest magnitude.
+    One more pass over ``G`` instead of recomputing flagged examples (a loop of their
+    own in every layer of the program)."""
+    s = example_scale(G)
+    exact = s * sqrt0(jnp.sum(jnp.square(scale_examples(G, s)), axis=tuple(range(1, G.ndim))))
+    ok = jnp.isfinite(sq)
+    return jnp.where(ok, sqrt0(jnp.where(ok, sq, 1)), exact)
+
+
 def materialised_norms(G):
     """``[B]`` norms of ``G [B, ...]``, finite wherever representable: its squares
     summed, the examples whose square overflows one at a time (`flagged_norms`)."""
@@ -163,7 +175,10 @@ def combine_norms(norms, axis=0):
     shards), scaled by the largest part so that no square overflows (float32 norms
     past ``2^64``); the scale is a power of two, so the result is that of the plain
     formula wherever the plain one does not overflow."""
-    norms = jnp.asarray(norms)
+    # (a barrier: XLA would turn the sum over stacked parts back into a chain of adds,
+    # and a model's hundreds of leaves then keep its simplifier at its iteration limit,
+    # every pass over the whole program: `stats._SqNorms.finalize`)
+    norms = jax.lax.optimization_barrier(jnp.asarray(norms))
     m = jnp.max(jax.lax.stop_gradient(norms), axis=axis, keepdims=True)
     e = exponent(m)  # sqrt(sum (n/2^e)^2) 2^e: the same function, whatever e
     r = sqrt0(jnp.sum(jnp.square(norms * pow2(-e, norms.dtype)), axis=axis))

@@ -297,10 +297,15 @@ class _SqNorms(Statistic):
         if self.per_leaf:
             return tree
         leaves = jax.tree.leaves(tree)
+        dt = jnp.result_type(*leaves)
+        stacked = jnp.stack([x.astype(dt) for x in leaves])
         if self._sqrt:
-            dt = jnp.result_type(*leaves)
-            return combine_norms(jnp.stack([x.astype(dt) for x in leaves]))
-        return _builtin_sum(leaves[1:], leaves[0])
+            return combine_norms(stacked)
+        # one reduction over the leaves, not a chain of adds: XLA's simplifier moves one
+        # reshape per pass through such a chain, and with a model's hundreds of leaves
+        # it stops at its iteration limit, every pass over the whole program (the
+        # barrier keeps it from turning the reduction back into that chain)
+        return jnp.sum(jax.lax.optimization_barrier(stacked), axis=0)
 
 
 class _Clipped(Statistic):

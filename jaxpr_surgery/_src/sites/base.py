@@ -32,11 +32,15 @@ from jaxpr_surgery._src.norms import (  # noqa: F401 - re-exported for the kerne
     flagged_norms,
     honest_sq,
     materialised_norms,
+    norms_of_products,
     recompute_flagged,
     scale_examples,
     sqrt0,
 )
-from jaxpr_surgery._src.reductions import acc_dtype_for  # noqa: F401 - re-exported
+from jaxpr_surgery._src.reductions import (  # noqa: F401 - acc_dtype_for re-exported
+    KeptExamples,
+    acc_dtype_for,
+)
 
 KERNELS: dict = {}  # kind (display name) -> kernel class, every registered kernel
 SITE_RULES: dict = {}  # primitive object -> kernel classes anchored on it, asked in order
@@ -202,7 +206,7 @@ def direct_norms(kernel, ctx, reductions, compute, depth=0):
     if not keys:
         return compute(reductions)
     req = {k: r for k, r in reductions.items() if not S.is_norms(r)}
-    if kernel.has_scaled_sq_norms():
+    if kernel.has_scaled_sq_norms(alone=not req):
         out = dict(compute(req))
         q, s = stacked(kernel.scaled_sq_norms, depth)(ctx)
         norms = sqrt0(q) * s
@@ -221,7 +225,11 @@ def direct_norms(kernel, ctx, reductions, compute, depth=0):
         req[sq_key] = S.SqNorms()
         out = dict(compute(req))
         sq = out.pop(sq_key)
-        norms = kernel.norms_from(ctx, sq, depth)
+        kept = next((out[k] for k, r in req.items() if isinstance(r, KeptExamples)), None)
+        if kept is not None:  # the products themselves, kept for a clipped sum
+            norms = stacked(norms_of_products, depth)(sq, kept)
+        else:
+            norms = kernel.norms_from(ctx, sq, depth)
     for k in keys:
         out[k] = norms if isinstance(reductions[k], S.Norms) else honest_sq(sq, norms)
     return out
@@ -448,8 +456,11 @@ class Kernel:
         return S.SqNorms().from_examples(self.materialise(ing))
 
     # per-example norms safe from overflow (sites.base.direct_norms) ----------- #
-    def has_scaled_sq_norms(self):
-        """Whether `scaled_sq_norms` serves this site (its norms then need no recomputation)."""
+    def has_scaled_sq_norms(self, alone=False):
+        """Whether `scaled_sq_norms` serves this site (its norms then need no
+        recomputation); ``alone``: the norms are all the site computes (a site may
+        offer them where a pass of their own costs nothing beside its other
+        statistics')."""
         return False
 
     def scaled_sq_norms(self, ing):

@@ -28,6 +28,7 @@ import numpy as np
 from jaxpr_surgery._src import compat, dots, fused, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src import stats_research as R
+from jaxpr_surgery._src.norms import exponent, pow2
 from jaxpr_surgery._src.reductions import KeptExamples
 from jaxpr_surgery._src.sites.base import (
     STREAMED,
@@ -45,6 +46,13 @@ from jaxpr_surgery._src.sites.base import (
     sqrt0,
     times_examples,
 )
+
+
+def _pow2_scale(a):
+    """``[B]``: per example of ``a [B, ...]`` the power of two ``2^e <= max |a_b| < 2^(e+1)``
+    (1 where that is 0 or not finite): dividing by it is exact."""
+    m = jnp.max(jnp.abs(jax.lax.stop_gradient(a)).reshape(a.shape[0], -1), axis=1)
+    return pow2(exponent(m), m.dtype)
 
 
 def dense_fold_side(eqn, pos, scales):
@@ -699,14 +707,28 @@ class DenseKernel(Kernel):
             and c["C"] * c["F"] <= c["N"] * (c["C"] + c["F"])
         )
 
-    def has_scaled_sq_norms(self):
-        return self.c["N"] == 1
+    def has_scaled_sq_norms(self, alone=False):
+        """Rank-one sites; and token sites whose norms come from tiles of the products
+        (not the ghost form) where the norms are all the site reads from them."""
+        c = self.c
+        if c["N"] == 1:
+            return True
+        return alone and self._canonical_tokens() and not self.use_ghost()
 
     def scaled_sq_norms(self, ing):
         """Rank-one: ``||G_b||^2 = sum_k |x_bk|^2 |dy_bk|^2``, each factor's sum taken on
         the example scaled to unit size (two more reductions over ``x`` and ``dy``,
-        which are the size of the layer's input and output)."""
+        which are the size of the layer's input and output).
+
+        With a token axis: the tiles of the products of ``x_b`` and ``dy_b`` each scaled
+        by a power of two to below 2 in magnitude (exact), whose entries are then below
+        ``4 N``: no square overflows, so no example is recomputed where one would have
+        (a loop of its own beside the tiles' in every layer of the program)."""
         x, dy = ing
+        if self.c["N"] > 1:
+            sx, sd = _pow2_scale(x), _pow2_scale(dy)
+            (q,) = self.tiled(scale_examples(x, sx), scale_examples(dy, sd), [S.SqNorms()])
+            return q, sx * sd
         x0, d0 = self.tokens(x)[:, :, 0], dy[:, :, 0]
         mx, md = example_scale(x0), example_scale(d0)
         sx = jnp.sum(jnp.square(scale_examples(x0, mx)), -1)

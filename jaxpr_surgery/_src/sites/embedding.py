@@ -351,7 +351,7 @@ class EmbeddingKernel(Kernel):
         ids, valid, dy = self._unpack(ing)
         return self._view(self._scatter(ids, dy * c.astype(dy.dtype)[:, None, None]))
 
-    def has_scaled_sq_norms(self):
+    def has_scaled_sq_norms(self, alone=False):
         return True
 
     def scaled_sq_norms(self, ctx):

@@ -80,7 +80,7 @@ class GenericKernel(Kernel):
     def ingredient_avals(self, B):
         return jax.ShapeDtypeStruct((B,) + tuple(self.site.view_shape), self.acc)
 
-    def has_scaled_sq_norms(self):
+    def has_scaled_sq_norms(self, alone=False):
         return True
 
     def scaled_sq_norms(self, G):
