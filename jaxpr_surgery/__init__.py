@@ -9,6 +9,7 @@ from jaxpr_surgery._src import compat as _compat
 _compat.warn_if_untested()
 
 from jaxpr_surgery import optim as optim  # noqa: E402
+from jaxpr_surgery import privacy as privacy  # noqa: E402
 from jaxpr_surgery import stats as stats  # noqa: E402
 from jaxpr_surgery._src.api import per_example_stat as per_example_stat  # noqa: E402
 from jaxpr_surgery._src.api import value_and_per_example_stat as value_and_per_example_stat  # noqa: E402
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "stats",
     "optim",
+    "privacy",
     "per_example_stat",
     "value_and_per_example_stat",
     "per_example_partial",

@@ -166,8 +166,8 @@ def test_internal_import_scan_allows_public_jax(source):
 # optim) is placed as a whole. Modules beside the main line (api/explain -> engine ->
 # interpreter -> sites -> tiling -> stats -> compat) sit where their imports put them.
 LAYERS = (
-    # entry points (explain and partials build on api)
-    ("api", "check", "explain", "explain_table", "optim", "partials"),
+    # entry points (explain, partials and privacy build on api)
+    ("api", "check", "explain", "explain_table", "optim", "partials", "privacy"),
     ("chunking",),  # sizes chunks by lowering the engine
     ("engine",),
     ("interpreter",),

@@ -237,6 +237,10 @@ DOCTEST_MODULES = [
     "jaxpr_surgery._src.optim.accumulate",
     "jaxpr_surgery._src.dots",
     "jaxpr_surgery._src.partials",
+    "jaxpr_surgery.privacy",
+    "jaxpr_surgery._src.privacy.accounting",
+    "jaxpr_surgery._src.privacy.sampling",
+    "jaxpr_surgery._src.privacy.clipped_grad",
 ]
 
 
