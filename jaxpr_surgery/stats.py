@@ -20,6 +20,7 @@ from jaxpr_surgery._src.stats import gradient_noise_scale as gradient_noise_scal
 from jaxpr_surgery._src.stats import kron_moments as kron_moments
 from jaxpr_surgery._src.stats import mean as mean
 from jaxpr_surgery._src.stats import noise_scale_components as noise_scale_components
+from jaxpr_surgery._src.stats import nonfinite_count as nonfinite_count
 from jaxpr_surgery._src.stats import norms as norms
 from jaxpr_surgery._src.stats import second_moment as second_moment
 from jaxpr_surgery._src.stats import sign_mean as sign_mean

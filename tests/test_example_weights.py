@@ -497,19 +497,21 @@ ORACLE_STATS = ("mean", "sum", "second_moment", "variance", "sign_mean", "abs_me
 
 def _vjps(f, w, names, values=None):
     """Per statistic of ``f(w)`` (a dict), the gradient in ``w`` of a fixed random
-    projection of it (``values``: a dict, receives ``f(w)``)."""
-    out, pull = jax.vjp(f, w)
+    projection of it (``values``: a dict, receives ``f(w)``). Compiled (eagerly, each
+    operation of ``vjp`` would compile alone): the value, and one pull-back program
+    called once per statistic."""
+    out = jax.jit(f)(w)
     if values is not None:
         values.update(out)
     # (a random projection of the finite entries: kurtosis is NaN where the variance is 0)
     proj = {k: jax.tree.map(lambda x, k=k: jnp.where(jnp.isfinite(x), jnp.asarray(
         np.random.default_rng(len(k)).normal(size=np.shape(x)), x.dtype), 0), v)
         for k, v in out.items()}
-    pull = jax.jit(pull)
+    pull = jax.jit(lambda w, ct: jax.vjp(f, w)[1](ct)[0])
     res = {}
     for n in names:
         ct = {k: jax.tree.map(jnp.zeros_like, v) if k != n else proj[k] for k, v in out.items()}
-        res[n] = np.asarray(pull(ct)[0])
+        res[n] = np.asarray(pull(w, ct))
     return res
 
 

@@ -500,8 +500,9 @@ class Reduced:
       weights: the whole batch's ``example_weights`` (gathered across devices with
         ``axis_name``: ``[N]``), else None.
       bad: with weights, a traced flag: some weight is negative, NaN or infinite
-        (every result is then NaN: `example_weights.poison`; a call's results also
-        where no weight is positive, a partial's not: another call may bring some).
+        (every result is then NaN: `example_weights.poison`; where no weight is
+        positive, a call's statistics that are not `defined_when_empty` also, a
+        partial's not: another call may bring some).
     """
 
     values: dict
@@ -598,7 +599,7 @@ def _ddofs(stat):
             if isinstance(getattr(s, "ddof", None), (int, np.integer))]
 
 
-def finalize_values(layout, flat, values, whole, count, weights=None):
+def finalize_values(layout, flat, values, whole, count, weights=None, empty=None):
     """Every statistic's ``finalize`` of its reductions' values (pytrees shaped like
     the differentiated arguments by ``layout``, a `LeafLayout`), in ``flat``'s tree.
 
@@ -607,7 +608,10 @@ def finalize_values(layout, flat, values, whole, count, weights=None):
     ``whole``'s values where there are some (across devices); the others keep each
     device's own (per-example outputs stay with their device). A statistic that
     declares ``uses_weights`` gets ``weights=`` the whole batch's example weights (None
-    without ``example_weights``); the others read per-example values 0 at weight 0."""
+    without ``example_weights``); the others read per-example values 0 at weight 0.
+    ``empty``: a traced flag, no example has a positive weight: the statistics that
+    are not ``defined_when_empty`` (means, variances: they divide by ``W = 0``) are then
+    NaN, the others (sums: 0) keep their value."""
     stat_leaves, stat_tree, reqs, reductions = flat
 
     def value_for(s, r):
@@ -629,18 +633,34 @@ def finalize_values(layout, flat, values, whole, count, weights=None):
             out = s.finalize(vals, count, weights=weights)
         else:
             out = s.finalize(vals, count)
-        results.append(layout.cast_like(out) if getattr(s, "gradient_like", False) else out)
+        if getattr(s, "gradient_like", False):
+            out = layout.cast_like(out)
+        if empty is not None and not getattr(s, "defined_when_empty", False):
+            out = ew.poison(out, empty)
+        results.append(out)
     return jax.tree.unflatten(stat_tree, results)
+
+
+def defined_when_empty(stat) -> bool:
+    """Some statistic of ``stat`` (a pytree of them) has a value on a batch of no
+    example (`Statistic.defined_when_empty`): an eager call on an all-padding batch then
+    computes (the others are NaN) rather than raising."""
+    leaves = jax.tree.leaves(stat, is_leaf=lambda x: S.is_statistic(x) or (
+        hasattr(x, "reductions") and hasattr(x, "finalize")))
+    return any(getattr(s, "defined_when_empty", False) for s in leaves)
 
 
 def _compute(prep, stat, opts: Options, name, spec=None):
     flat = _flatten_stats(stat)
     red = reduce_call(prep, flat, opts, name, spec)
+    empty = None if red.bad is None else ~(red.count > 0)  # (all padding)
     result = finalize_values(prep.layout(), flat, red.values, red.whole, red.count,
-                             red.weights)
+                             red.weights, empty)
     loss = red.loss
-    if red.bad is not None:  # bad traced weights (or none positive): NaN, never a number
-        loss, result = ew.poison((loss, result), red.bad | ~(red.count > 0))
+    if red.bad is not None:  # bad traced weights: NaN, never a number (and the mean
+        # loss of no example)
+        loss, result = ew.poison((loss, result), red.bad)
+        loss = ew.poison(loss, empty)
     return loss, red.aux, result
 
 
@@ -745,7 +765,7 @@ def _value_and_stat(fn, stat, opts, name):
         loss, aux, result = _compute(prep, stat, opts, name, spec)
         return ((loss, aux) if opts.has_aux else loss), result
 
-    return entry(fn, opts, name, body, _ddofs(stat))
+    return entry(fn, opts, name, body, _ddofs(stat), empty_ok=defined_when_empty(stat))
 
 
 def make_options(argnums, batch_argnums, keep_batch_dim, has_aux, chunk_size, strict,
@@ -764,12 +784,13 @@ def make_options(argnums, batch_argnums, keep_batch_dim, has_aux, chunk_size, st
     )
 
 
-def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False):
+def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty_ok=False):
     """The function an entry point returns: ``body(prep, spec)`` of the `_Prepared`
     call and its ``example_weights`` / ``is_padding_example`` (``spec``, or None;
     example_weights.py: never passed to ``fn``; concrete ones are checked against the
     ``(name, ddof)`` of ``ddofs`` first, and refused all zero unless ``all_zero_ok``: a
-    partial's examples may all be padding).
+    partial's examples may all be padding, or ``empty_ok``: some statistic is defined on
+    a batch of no example).
 
     Other keyword arguments pass through like jax.grad's: neither differentiated nor
     batched. Eager calls, also under transformations applied eagerly (``jax.grad``,
@@ -801,7 +822,7 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False):
     def wrapped(*args, **kwargs):
         _, spec = ew.pop(kwargs, name)
         if spec is not None:  # bad concrete weights raise here (traced ones: NaN)
-            ew.check_concrete(spec, name, ddofs, all_zero_ok)
+            ew.check_concrete(spec, name, ddofs, all_zero_ok, empty_ok)
         leaves, tree = jax.tree.flatten((args, kwargs))
         if any(isinstance(x, jax.core.Tracer) for x in leaves) and not (
             compat.under_eager_transformations()

@@ -121,6 +121,7 @@ def _statistic_refs(reference):
 
 class _Dots(S.Statistic):
     _name = "per_example_dots"
+    defined_when_empty = True  # (per-example: 0 at a padded example)
 
     def __init__(self, reference, per_leaf):
         self.reduction = DotWith(reference)
@@ -139,6 +140,7 @@ class _Dots(S.Statistic):
 
 class _Cosines(S.Statistic):
     _name = "per_example_cosines"
+    defined_when_empty = True  # (per-example: 0 at a padded example)
 
     def __init__(self, reference):
         self.reduction = DotWith(reference)

@@ -31,7 +31,7 @@ from jaxpr_surgery._src.interpreter import (
     make_weighted_site_fn,
 )
 from jaxpr_surgery._src.norms import combine_norms, live_examples
-from jaxpr_surgery._src.reductions import KeptExamples
+from jaxpr_surgery._src.reductions import KeptExamples, nonfinite_examples
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
     Candidate,
@@ -439,7 +439,7 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
             for j, r in enumerate(plan.reductions):
                 values[j][i] = plan.bound(r, i).zeros(tuple(aval.shape), acc, B)
             norms_leaf[i] = jnp.zeros((B,), acc)
-            deferred[i] = lambda c, aval=aval, acc=acc: jnp.zeros(aval.shape, acc)
+            deferred[i] = lambda c, keep=None, aval=aval, acc=acc: jnp.zeros(aval.shape, acc)
         elif mode == "residual":
             G = copy_cts[i].astype(acc)
             if plan.weights is not None:  # (a padded example's NaN never enters)
@@ -449,7 +449,8 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
                 if not r.weighted_by_norm:
                     values[j][i] = plan.bound(r, i).from_examples(G)
             norms_leaf[i] = S.Norms().from_examples(G)
-            deferred[i] = lambda c, G=G: weighted_sum_materialised(G, c)
+            deferred[i] = lambda c, keep=None, G=G: weighted_sum_materialised(
+                G if keep is None else kept_rows(G, keep), c)
         elif mode == "direct":
             (site,) = sites
             ct = sink_cts[site.path]
@@ -485,9 +486,17 @@ def clip_weights(plan, clips, norms_leaf):
     ``c [B]``: each leaf's bound (`Reduction.per_leaf`: a `reductions.GroupClip`) weights its
     examples by the norm over the leaves of its group, combined from the leaves' norms
     (finite wherever representable: a float32 norm past 2^64 whose square overflows
-    still clips to ``C g / |g|``). A single bound: one group, the global norm."""
+    still clips to ``C g / |g|``). A single bound: one group, the global norm.
+
+    Returns ``(cs, bad)``: ``bad [B]`` the examples whose gradient is not finite
+    (`reductions.nonfinite_examples`: a NaN or an infinity in some leaf), whose weight
+    is 0 in the clipped sums that drop them (the default), or None where none of
+    ``clips`` drops them."""
     dt = jnp.result_type(*norms_leaf)
     group_norms = {}  # leaves of a group -> their combined norm (shared by clipped sums)
+    bad = None
+    if any(plan.reductions[j].drops_nonfinite for j in clips):
+        bad = nonfinite_examples(norms_leaf, None if plan.weights is None else plan.weights[0])
 
     def norm_of(leaves):
         if leaves not in group_norms:
@@ -509,22 +518,71 @@ def clip_weights(plan, clips, norms_leaf):
                 # its clip factor kept where finite: the derivative in its weight)
                 w = plan.weights[0].astype(c.dtype)
                 c = jnp.where((w > 0) | jnp.isfinite(c), c, jnp.zeros((), c.dtype)) * w
+            if plan.reductions[j].drops_nonfinite:  # (a [B] select: no cost to speak of)
+                c = jnp.where(bad, jnp.zeros((), c.dtype), c)
             for i in leaves:
                 cs[i] = c
         out.append(cs)
-    return out
+    return out, bad
 
 
 def _clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
     """The clipped sums, each leaf weighted by `clip_weights` (the norm over its group):
-    from each leaf's kept ingredients, or a second pass (remat)."""
+    from each leaf's kept ingredients, or a second pass (remat).
+
+    An example whose gradient is not finite has the weight 0 in the clipped sums that
+    drop it, but ``0 * NaN`` is NaN: where there is one (a traced flag, so a
+    ``lax.cond``), those sums are formed again with its per-example inputs read as
+    zeros (`kept_rows` of the kept ingredients or products; in the remat second pass
+    the sites' example mask, `_without`). The usual case, every example finite, runs
+    what it ran before: the flag is a reduction over the ``[B]`` norms."""
     clips = [j for j, r in enumerate(plan.reductions) if r.weighted_by_norm]
-    cs = clip_weights(plan, clips, norms_leaf)
-    if plan.clip_recompute:
-        sums = _reweighted_sums(plan, ch, cache, cs)
+    cs, bad = clip_weights(plan, clips, norms_leaf)
+    n = len(ch.diff)
+
+    def sums(ks, keep=None):  # per clipped sum of ks, per leaf: sum_b c_b g_b
+        if plan.clip_recompute:
+            p = plan if keep is None else _without(plan, keep)
+            return _reweighted_sums(p, ch, cache, [cs[k] for k in ks])
+        return [[deferred[i](cs[k][i], keep) for i in range(n)] for k in ks]
+
+    every = list(range(len(clips)))
+    if bad is None:  # (no clipped sum drops them)
+        out = sums(every)
+    else:
+        drop = [k for k in every if plan.reductions[clips[k]].drops_nonfinite]
+        rest = [k for k in every if k not in drop]
+
+        def without_them():
+            got = dict(zip(drop, sums(drop, jnp.logical_not(bad))))
+            if rest:  # (propagating ones: as they are)
+                got.update(zip(rest, sums(rest)))
+            return [got[k] for k in every]
+
+        out = jax.lax.cond(jnp.any(bad), without_them, lambda: sums(every))
     for k, j in enumerate(clips):
-        for i in range(len(ch.diff)):
-            values[j][i] = sums[k][i] if plan.clip_recompute else deferred[i](cs[k][i])
+        for i in range(n):
+            values[j][i] = out[k][i]
+
+
+def kept_rows(x, keep, depth=0):
+    """``x [*scans, B, ...]`` (batch on axis ``depth``) reading zeros at the examples not
+    ``keep`` (``[B]`` bool); a non-float ``x`` (token ids) as it is."""
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    k = keep.reshape((1,) * depth + (-1,) + (1,) * (x.ndim - depth - 1))
+    return jnp.where(k, x, jnp.zeros((), x.dtype))
+
+
+def _without(plan, keep):
+    """``plan`` whose examples not ``keep`` (``[B]`` bool) have the weight 0 (the sites of
+    the remat second pass then read them as zeros: `interpreter.mask_examples`)."""
+    if plan.weights is None:
+        w, W0 = keep.astype(jnp.float32), jnp.zeros((), jnp.float32)
+    else:
+        w, W0 = plan.weights
+        w = jnp.where(keep, w, jnp.zeros((), w.dtype))
+    return dataclasses.replace(plan, weights=(w, W0))
 
 
 def _reweighted_sums(plan, ch, cache, cs):
@@ -770,17 +828,21 @@ def _in_leaf_space(fn, site):
 
 
 def _weighted_leaf(ings, cache):
-    """``c -> sum_b c_b g_b`` of a leaf from its sites' ingredients."""
+    """``(c, keep=None) -> sum_b c_b g_b`` of a leaf from its sites' ingredients (``keep``:
+    ``[B]`` bool, the examples not kept read as zeros, `kept_rows`)."""
 
-    def weighted(c):
-        if len(ings) == 1:  # repeated layers: traced once
-            s, k, ing = ings[0]
+    def weighted(c, keep=None):
+        masked = ings if keep is None else [
+            (s, k, jax.tree.map(lambda x, s=s: kept_rows(x, keep, s.depth), ing))
+            for s, k, ing in ings]
+        if len(masked) == 1:  # repeated layers: traced once
+            s, k, ing = masked[0]
             sk = cache.site_key(s, k)
             key = sk and ("weighted", sk)
             fn = cache.get(key, lambda: _in_leaf_space(_weighted_fn(s, k), s))
             return fn(ing, c)
         total = None
-        for s, k, ing in ings:
+        for s, k, ing in masked:
             v = _to_leaf(_weighted_fn(s, k)(ing, c), s)
             total = v if total is None else total + v
         return total

@@ -39,10 +39,15 @@ def _is_traced(x):
     return isinstance(x, jax.core.Tracer)
 
 
-def check_concrete(spec, name, ddofs=(), all_zero_ok=False):
+def check_concrete(spec, name, ddofs=(), all_zero_ok=False, empty_ok=False):
     """Raises on bad concrete weights: negative, NaN or infinite, all zero, or a total
     weight not above a statistic's ``ddof`` (its estimate divides by ``W - ddof``).
-    Traced weights are checked where the results are formed (`poison`)."""
+    Traced weights are checked where the results are formed (`poison`).
+
+    ``all_zero_ok``: no check of the total weight (a partial, which another may
+    complete); ``empty_ok``: all zero is accepted (some statistic of the call is defined
+    on a batch of no example, a sum; the others come out NaN), a positive total still
+    checked against the ``ddofs``."""
     kind, value = spec
     if value is None or _is_traced(value):
         return
@@ -76,9 +81,13 @@ def check_concrete(spec, name, ddofs=(), all_zero_ok=False):
         if all_zero_ok:
             return
         if W <= 0:
+            if empty_ok:
+                return
             raise ValueError(
                 f"{name}: every example has weight 0 ({kind}): no example is left to take "
-                "statistics of. Skip the call for an all-padding batch."
+                "statistics of, and every statistic requested divides by the total weight "
+                "W = 0. Skip the call for an all-padding batch (sums, clipped sums and "
+                "per-example outputs are defined on one: 0)."
             )
         for stat_name, ddof in ddofs:
             if W <= ddof:

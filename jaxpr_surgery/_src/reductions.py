@@ -983,6 +983,32 @@ def _bound_key(x):
     return ("object", id(x))
 
 
+#: What a clipped sum does with an example whose gradient is not finite (`ClippedSum`).
+NONFINITE_MODES = ("drop", "propagate")
+
+
+def check_nonfinite(nonfinite, owner):
+    """``nonfinite`` of a clipped sum, checked (`NONFINITE_MODES`)."""
+    if not (isinstance(nonfinite, str) and nonfinite in NONFINITE_MODES):
+        raise ValueError(
+            f"{owner}(nonfinite=...): expected 'drop' (an example whose gradient holds a NaN "
+            "or an infinity adds nothing; js.stats.nonfinite_count() counts them) or "
+            f"'propagate' (it makes the sum NaN), got {nonfinite!r}."
+        )
+    return nonfinite
+
+
+def nonfinite_examples(norms, w=None):
+    """``[B]`` bool: the examples whose gradient is not finite, read from their norms
+    ``norms`` (a list of ``[B]`` arrays, one per leaf, finite wherever representable): a
+    NaN or an infinity in some leaf (or a leaf's norm past the float range). With
+    example weights ``w``, only examples of positive weight (the others are removed
+    already). What clipped sums drop, and `stats.nonfinite_count` counts."""
+    fin = functools.reduce(jnp.logical_and, [jnp.isfinite(n) for n in norms])
+    bad = jnp.logical_not(fin)
+    return bad if w is None else bad & (w > 0)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ClippedSum(ElementwiseReduction):
     """``sum_b min(1, C / ||g_b||) g_b`` with the global per-example norm, or per group
@@ -992,16 +1018,27 @@ class ClippedSum(ElementwiseReduction):
     of bounds that is a prefix of the differentiated arguments' structure: each bound
     clips the part of every example's gradient under it by that part's own norm. The
     engine binds it to each leaf's group (`GroupClip`, `per_leaf`) and weights every
-    leaf's examples by `example_weights` of the norm over the leaf's group."""
+    leaf's examples by `example_weights` of the norm over the leaf's group.
+
+    ``nonfinite``: ``"drop"`` (the default): an example whose gradient is not finite
+    (`nonfinite_examples`) adds nothing, its clip factor ``0`` and its per-example
+    inputs read as zeros in the weighted sums, which the engine forms a second time
+    without it only when there is one (`engine._clipped_sums`); ``"propagate"``: it
+    makes the sum NaN."""
 
     clip_norm: Any
+    nonfinite: str = "drop"
     weighted_by_norm: ClassVar[bool] = True
     carries: ClassVar[bool] = False
     feature_blocks: ClassVar[str | None] = None
 
+    @property
+    def drops_nonfinite(self):
+        return self.nonfinite == "drop"
+
     def _key(self):
         leaves, tree = jax.tree.flatten(self.clip_norm)
-        return ("clip", tree, tuple(_bound_key(x) for x in leaves))
+        return ("clip", tree, tuple(_bound_key(x) for x in leaves), self.nonfinite)
 
     def __eq__(self, other):
         return isinstance(other, ClippedSum) and self._key() == other._key()
@@ -1030,7 +1067,7 @@ class ClippedSum(ElementwiseReduction):
         del leaf_avals
         groups = flatten.prefix(self.clip_norm, "the clip_norm of clipped_sum/clipped_mean",
                                 "bound")
-        return [GroupClip(C, k, path) for k, path, C in groups]
+        return [GroupClip(C, self.nonfinite, k, path) for k, path, C in groups]
 
     def example_weights(self, norm):
         """``[B]`` weights of the examples from their norms: ``min(1, C/norm)`` (a single
@@ -1043,7 +1080,8 @@ class ClippedSum(ElementwiseReduction):
         return not jax.tree_util.treedef_is_leaf(jax.tree.structure(self.clip_norm))
 
     def describe(self):
-        return "ClippedSum (per group)" if self.per_group else "ClippedSum"
+        what = "ClippedSum (per group)" if self.per_group else "ClippedSum"
+        return what if self.drops_nonfinite else f"{what} (non-finite propagated)"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1057,7 +1095,7 @@ class GroupClip(ClippedSum):
     path: str = ""
 
     def _key(self):
-        return ("group-clip", self.group, self.path, _bound_key(self.clip_norm))
+        return ("group-clip", self.group, self.path, _bound_key(self.clip_norm), self.nonfinite)
 
     def per_leaf(self, flatten, leaf_avals):
         del flatten, leaf_avals

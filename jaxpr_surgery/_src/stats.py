@@ -43,6 +43,7 @@ from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names
     SqNorms,
     Weighted,
     acc_dtype_for,
+    check_nonfinite,
     clip_factor,
     equal_as_bool,
     function_name,
@@ -51,6 +52,7 @@ from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names
     lookup,
     merge_moments,
     merge_shifted,
+    nonfinite_examples,
     nonneg,
     recentre,
     same_function,
@@ -80,6 +82,7 @@ __all__ = [
     "norms",
     "clipped_mean",
     "clipped_sum",
+    "nonfinite_count",
     "elementwise",
     "snr",
     "gradient_noise_scale",
@@ -119,6 +122,12 @@ class Statistic(abc.ABC):
         statistic only. False (the default) for statistics that return per-example
         values, which stay ``[B]`` with the device holding the examples. Without
         ``axis_name`` it changes nothing.
+      defined_when_empty: the statistic has a value on a batch of no example (every
+        example padding, total weight ``W = 0``: Poisson sampling draws one now and
+        then): a sum (0), a count, per-example outputs (0 at a padded example). False
+        (the default) for those that divide by ``W`` (means, variances, ...): on such a
+        batch they are NaN under ``jit``, and an eager call whose statistics are all
+        undefined there raises.
 
     Example -- the per-coordinate mean of ``g^4``:
 
@@ -132,6 +141,7 @@ class Statistic(abc.ABC):
 
     gradient_like: bool = False
     whole_batch: bool = False
+    defined_when_empty: bool = False
 
     @abc.abstractmethod
     def reductions(self) -> Mapping[str, Reduction]:
@@ -238,6 +248,7 @@ class _Mean(Statistic):
 class _Sum(Statistic):
     _name = "sum"
     gradient_like = True
+    defined_when_empty = True  # (0)
 
     def reductions(self):
         return {"s": SUM}
@@ -284,6 +295,8 @@ class _Variance(Statistic):
 
 
 class _SqNorms(Statistic):
+    defined_when_empty = True  # (per-example: 0 at a padded example)
+
     def __init__(self, per_leaf: bool, sqrt: bool):
         self.per_leaf = per_leaf
         self._sqrt = sqrt
@@ -311,16 +324,42 @@ class _SqNorms(Statistic):
 class _Clipped(Statistic):
     gradient_like = True
 
-    def __init__(self, clip_norm, average: bool):
+    def __init__(self, clip_norm, average: bool, nonfinite: str = "drop"):
         self.clip_norm = clip_norm
+        self.nonfinite = nonfinite
         self._average = average
         self._name = "clipped_mean" if average else "clipped_sum"
 
+    @property
+    def defined_when_empty(self):  # the sum of no example is 0; their mean is not defined
+        return not self._average
+
     def reductions(self):
-        return {"c": ClippedSum(self.clip_norm)}
+        return {"c": ClippedSum(self.clip_norm, self.nonfinite)}
 
     def finalize(self, values, count):
         return _tree_div(values["c"], count) if self._average else values["c"]
+
+    def __repr__(self):
+        extra = "" if self.nonfinite == "drop" else f", nonfinite={self.nonfinite!r}"
+        return f"{self._name}(clip_norm={self.clip_norm!r}{extra})"
+
+
+class _NonfiniteCount(Statistic):
+    _name = "nonfinite_count"
+    whole_batch = True  # (counted over every device's examples under axis_name)
+    defined_when_empty = True
+
+    def reductions(self):
+        return {"n": Norms()}  # (shared with the norms a clipped sum computes anyway)
+
+    def finalize(self, values, count):
+        del count
+        bad = nonfinite_examples(jax.tree.leaves(values["n"]))
+        return jnp.sum(bad, dtype=jnp.int32)
+
+    def __repr__(self):
+        return "nonfinite_count()"
 
 
 def _safe_ratio(num, den):
@@ -642,7 +681,7 @@ def _bounds(clip_norm):
     return jax.tree.leaves(clip_norm)
 
 
-def clipped_mean(clip_norm) -> Statistic:
+def clipped_mean(clip_norm, nonfinite: str = "drop") -> Statistic:
     r"""DP-SGD clipped mean \(\frac1B\sum_b g_b\min(1, C/\|g_b\|)\), global norm, or
     per group of parameters with a bound each (per-layer clipping).
 
@@ -659,12 +698,21 @@ def clipped_mean(clip_norm) -> Statistic:
         sensitivity the DP optimizers of `jaxpr_surgery.optim` calibrate their noise to.
         Leaves that are not differentiated (integer buffers, PRNG keys) need no bound:
         a dict of bounds may leave out their keys.
+      nonfinite: what an example whose gradient is not finite (a NaN or an infinity
+        in some leaf: a NaN loss, an infinite input) does to the sum. ``"drop"`` (the
+        default): it adds nothing, as if its weight were 0 (its clip factor
+        ``min(1, C/inf)`` times its NaN would be NaN), and it still counts in the
+        batch size; `nonfinite_count` says how many were dropped. The sensitivity bound
+        holds (an example moves the sum by at most ``C``, here by 0), so DP training
+        goes on. The sums are formed again without them only when there is one (a
+        ``lax.cond``: the usual step runs what it did). ``"propagate"``: it makes the
+        sum NaN, as ``jax.grad`` would.
 
     Raises:
       ValueError: a concrete bound that is not positive (or NaN), naming its path in a
         tree of bounds; at call time, a tree of bounds that is not a prefix of the
         parameters, naming the path that does not fit. A traced bound that is NaN,
-        zero or negative makes the result NaN.
+        zero or negative makes the result NaN. An unknown ``nonfinite``.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
@@ -685,10 +733,11 @@ def clipped_mean(clip_norm) -> Statistic:
       >>> print(np.asarray(out["w"], float).round(4), np.asarray(out["c"], float).round(4))
       [-1.6095 -2.2761] -1.0
     """
-    return _Clipped(_check_clip(clip_norm, "clipped_mean"), average=True)
+    return _Clipped(_check_clip(clip_norm, "clipped_mean"), average=True,
+                    nonfinite=check_nonfinite(nonfinite, "clipped_mean"))
 
 
-def clipped_sum(clip_norm) -> Statistic:
+def clipped_sum(clip_norm, nonfinite: str = "drop") -> Statistic:
     r"""Clipped sum \(\sum_b g_b\min(1, C/\|g_b\|)\), global norm over all params, or
     per group of parameters with a bound each (per-layer clipping).
 
@@ -705,12 +754,21 @@ def clipped_sum(clip_norm) -> Statistic:
         sensitivity the DP optimizers of `jaxpr_surgery.optim` calibrate their noise to.
         Leaves that are not differentiated (integer buffers, PRNG keys) need no bound:
         a dict of bounds may leave out their keys.
+      nonfinite: what an example whose gradient is not finite (a NaN or an infinity
+        in some leaf: a NaN loss, an infinite input) does to the sum. ``"drop"`` (the
+        default): it adds nothing, as if its weight were 0 (its clip factor
+        ``min(1, C/inf)`` times its NaN would be NaN), and it still counts in the
+        batch size; `nonfinite_count` says how many were dropped. The sensitivity bound
+        holds (an example moves the sum by at most ``C``, here by 0), so DP training
+        goes on. The sums are formed again without them only when there is one (a
+        ``lax.cond``: the usual step runs what it did). ``"propagate"``: it makes the
+        sum NaN, as ``jax.grad`` would.
 
     Raises:
       ValueError: a concrete bound that is not positive (or NaN), naming its path in a
         tree of bounds; at call time, a tree of bounds that is not a prefix of the
         parameters, naming the path that does not fit. A traced bound that is NaN,
-        zero or negative makes the result NaN.
+        zero or negative makes the result NaN. An unknown ``nonfinite``.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
@@ -731,7 +789,31 @@ def clipped_sum(clip_norm) -> Statistic:
       >>> print(np.asarray(out["w"], float).round(4), np.asarray(out["c"], float).round(4))
       [-4.8284 -6.8284] -3.0
     """
-    return _Clipped(_check_clip(clip_norm, "clipped_sum"), average=False)
+    return _Clipped(_check_clip(clip_norm, "clipped_sum"), average=False,
+                    nonfinite=check_nonfinite(nonfinite, "clipped_sum"))
+
+
+def nonfinite_count() -> Statistic:
+    r"""The number of examples whose gradient is not finite: a NaN or an infinity in
+    some leaf (or a leaf's norm past the float range), as their per-example norms say.
+    These are the examples `clipped_sum` and `clipped_mean` drop (``nonfinite="drop"``,
+    the default). An int32 scalar; an example of weight 0 (padding) is never counted, and
+    with ``axis_name`` every device gets the count of all examples.
+
+    Requested beside a clipped sum it costs nothing more: it reads the per-example norms
+    the clipping computes anyway (and is defined on an all-padding batch: 0).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
+      >>> loss = lambda w, b: jnp.mean(jnp.sqrt(b["x"] @ w))  # a NaN gradient below 0
+      >>> batch = {"x": jnp.array([[1.0, 0.0], [0.0, -1.0], [1.0, 1.0]])}
+      >>> out = js.per_example_stat(loss, {"sum": js.stats.clipped_sum(1.0),
+      ...                                  "dropped": js.stats.nonfinite_count()})(
+      ...     jnp.ones(2), batch)
+      >>> int(out["dropped"]), np.asarray(out["sum"]).round(4)  # examples 0 and 2
+      (1, array([0.8536, 0.3536], dtype=float32))
+    """
+    return _NonfiniteCount()
 
 
 def elementwise(

@@ -241,6 +241,27 @@ def _max_weight_check(used, declared, owner):
     return u <= m * (1 + MAX_WEIGHT_RTOL)
 
 
+def _batch_size_check(batch_size, owner):
+    """``None`` if ``batch_size`` (read from the batch: its number of examples, or their
+    total weight) is positive, or a traced boolean that says so; raises where that can be
+    decided now. An all-padding batch (Poisson sampling draws one now and then) has 0,
+    and its update would divide the noise by it."""
+    if not isinstance(batch_size, jax.core.Tracer):
+        b = float(np.asarray(batch_size))
+        if not b > 0:
+            raise ValueError(
+                f"{owner}: batch_size={b:g} read from the batch (its example_count: the total "
+                "weight of its examples, 0 when every example is padding): the update would "
+                "divide the noise by it. With Poisson sampling, whose batches are empty now "
+                "and then, fix the denominator to the expected batch size, "
+                "dp_sgd/dp_adam/dp_aggregate(..., batch_size=expected_B) (what the privacy "
+                "accounting assumes); the update of an empty batch is then its noise over "
+                "it. Under jit such a step's update is NaN."
+            )
+        return None
+    return jnp.asarray(batch_size) > 0
+
+
 def _clip_norm_check(used, configured, owner):
     """``None`` if the clip norm ``used`` by the clipping is ``configured`` (a bound, or
     a tree of bounds per group: the same tree, each bound the same), or a traced boolean
@@ -318,6 +339,13 @@ def dp_aggregate(
     ``is_padding_example``): above \(M\) it raises, or, when traced, makes the update
     NaN. The check is skipped with ``noise_multiplier=0`` (no privacy to calibrate).
 
+    **Empty batches, non-finite gradients.** The clipped sum of an all-padding batch
+    (Poisson sampling draws one now and then) is 0, so its update is the noise alone over
+    the fixed ``batch_size``. An example whose gradient holds a NaN or an infinity adds
+    nothing to the clipped sum (`jaxpr_surgery.stats.clipped_sum` drops it by default):
+    less than the sensitivity, so the step stays finite and private; request
+    `jaxpr_surgery.stats.nonfinite_count` beside the request to watch them.
+
     ``updates`` (the non-private batch mean) is ignored. ``update`` takes the
     keyword-only extra args ``clipped_sum`` (statistic
     `jaxpr_surgery.stats.clipped_sum` with the same ``clip_norm``),
@@ -339,9 +367,11 @@ def dp_aggregate(
         group of parameters (per-layer clipping). Leaves that are not differentiated
         (integer or bool buffers, PRNG keys) need no bound.
       noise_multiplier: \(z\), the noise standard deviation in units of ``C``.
-      batch_size: a fixed denominator \(B\) (e.g. the expected batch size
-        under Poisson sampling); ``None`` reads the ``batch_size`` extra arg (with
-        ``example_weights``, the total weight).
+      batch_size: a fixed denominator \(B\), the expected batch size under Poisson
+        sampling (what the privacy accounting assumes; an empty batch's update is then
+        its noise over \(B\)). ``None`` reads the ``batch_size`` extra arg (with
+        ``example_weights``, the total weight): 0 for an all-padding batch, which raises
+        (a ``ValueError``) or, traced, makes the update NaN.
       max_example_weight: \(M\), the largest ``example_weights`` entry the noise
         covers (default 1: unweighted or 0/1-padded batches). The noise standard
         deviation is \(z C M\); weights above \(M\) are refused.
@@ -409,6 +439,8 @@ def dp_aggregate(
         if fixed_batch_size is not None:
             batch_size = fixed_batch_size
         batch_size = require(batch_size, "batch_size", owner)
+        if fixed_batch_size is None:  # (read from the batch: 0 for an empty one)
+            oks.append(_batch_size_check(batch_size, owner))
         if not no_noise:
             oks.append(_max_weight_check(max_weight, max_example_weight, owner))
             key = require(key, "key", owner)

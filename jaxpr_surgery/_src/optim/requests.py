@@ -56,6 +56,8 @@ __all__ = [
 class _ExampleCount(_stats.Statistic):
     """Value: the number of examples ``B`` (a scalar array)."""
 
+    defined_when_empty = True  # (on an all-padding batch too)
+
     def reductions(self):
         # The plain sum: shared with ``mean()``, so requesting the count is free.
         return {"s": _stats.SUM}
@@ -86,6 +88,8 @@ class _ClipNormUsed(_stats.Statistic):
     never scaled for another bound than the one the clipping used.
     """
 
+    defined_when_empty = True  # (on an all-padding batch too)
+
     def __init__(self, clip_norm):
         self.clip_norm = clip_norm
 
@@ -108,6 +112,8 @@ class _MaxWeight(_stats.Statistic):
     example of weight ``w`` moves the weighted clipped sum by up to ``w C``, so noise
     scaled for a smaller bound would not cover the sensitivity.
     """
+
+    defined_when_empty = True  # (on an all-padding batch too)
 
     uses_weights = True
 

@@ -76,14 +76,16 @@ class _ClippedSumAs(js_stats.Statistic):
     the parameters' dtype: jax-privacy's ``dtype`` argument."""
 
     gradient_like = False
+    defined_when_empty = True  # (0 on an all-padding batch)
 
-    def __init__(self, clip_norm, dtype):
+    def __init__(self, clip_norm, dtype, nonfinite):
         self.clip_norm = clip_norm
         self.dtype = dtype
+        self.nonfinite = nonfinite
         self._name = "clipped_sum"
 
     def reductions(self):
-        return {"c": js_stats.ClippedSum(self.clip_norm)}
+        return {"c": js_stats.ClippedSum(self.clip_norm, self.nonfinite)}
 
     def finalize(self, values, count):
         return jax.tree.map(lambda x: x.astype(self.dtype), values["c"])
@@ -280,9 +282,11 @@ def clipped_grad(
       microbatch_size: process the examples this many at a time (`per_example_stat`'s
         ``chunk_size``); bounds the memory, the result is the same.
       nan_safe: an example whose gradient holds a NaN or an infinity contributes nothing,
-        so the sensitivity bound holds (the other examples' sum is recomputed without it,
-        only when there is one). jax-privacy instead zeroes the non-finite coordinates
-        and clips the rest. ``False``: a non-finite gradient makes the sum NaN.
+        so the sensitivity bound holds: `jaxpr_surgery.stats.clipped_sum`'s
+        ``nonfinite="drop"`` (the clipped sums are formed again without it only when
+        there is one). jax-privacy instead zeroes the non-finite coordinates and clips
+        the rest. ``False``: a non-finite gradient makes the sum NaN
+        (``nonfinite="propagate"``).
       dtype: the dtype of the result (accumulated in at least float32); ``None``: the
         parameters' dtype.
       prng_argnum: the argument holding a PRNG key (or a pytree of keys): it is split into
@@ -472,42 +476,20 @@ def _loss_fn(cfg, rewrap):
 
 
 def _streamed(cfg, args, kwargs, pad, batch_argnums, rewrap):
-    clipped = (js_stats.clipped_sum(cfg.bounds) if cfg.dtype is None
-               else _ClippedSumAs(cfg.bounds, cfg.dtype))
+    # nan_safe: the statistic drops an example whose gradient is not finite; an
+    # all-padding batch (an empty Poisson batch) gives the sum 0 and the norms 0
+    nonfinite = "drop" if cfg.nan_safe else "propagate"
+    clipped = (js_stats.clipped_sum(cfg.bounds, nonfinite) if cfg.dtype is None
+               else _ClippedSumAs(cfg.bounds, cfg.dtype, nonfinite))
     stats = {"c": clipped}
-    if cfg.return_grad_norms or cfg.nan_safe:
+    if cfg.return_grad_norms:
         stats["n"] = js_stats.norms()
-    options = {"check": False, **cfg.options}
-
-    def run(stat, pad):
-        f = value_and_per_example_stat(
-            _loss_fn(cfg, rewrap), stat, argnums=cfg.argnums, batch_argnums=batch_argnums,
-            keep_batch_dim=cfg.keep_batch_dim, has_aux=True, chunk_size=cfg.chunk, **options)
-        return f(*args, is_padding_example=pad, **kwargs)
-
-    (_, (values, aux)), out = run(stats, pad)
-    grads, norms = out["c"], out.get("n")
-    # every example padding (an empty Poisson batch): the sum is 0 (per_example_stat
-    # gives NaN for a statistic of no example)
-    empty = None if pad is None else jnp.all(pad)
-    if cfg.nan_safe:
-        finite = functools.reduce(
-            jnp.logical_and, [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)],
-            jnp.asarray(True))
-        if empty is not None:
-            finite = finite | empty
-
-        def without_nonfinite(_):
-            bad = ~jnp.isfinite(norms)
-            keep_out = bad if pad is None else pad | bad
-            return run({"c": clipped}, keep_out)[1]["c"]
-
-        grads = jax.lax.cond(finite, lambda _: grads, without_nonfinite, None)
-    if empty is not None:
-        grads = jax.tree.map(lambda g: jnp.where(empty, jnp.zeros_like(g), g), grads)
-        if norms is not None:
-            norms = jnp.where(empty, jnp.zeros_like(norms), norms)
-    return grads, values, norms, aux
+    f = value_and_per_example_stat(
+        _loss_fn(cfg, rewrap), stats, argnums=cfg.argnums, batch_argnums=batch_argnums,
+        keep_batch_dim=cfg.keep_batch_dim, has_aux=True, chunk_size=cfg.chunk,
+        **{"check": False, **cfg.options})
+    (_, (values, aux)), out = f(*args, is_padding_example=pad, **kwargs)
+    return out["c"], values, out.get("n"), aux
 
 
 def _materialised(cfg, args, kwargs, pad, B, batch_argnums, rewrap):
