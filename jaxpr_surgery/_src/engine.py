@@ -449,8 +449,8 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
                 if not r.weighted_by_norm:
                     values[j][i] = plan.bound(r, i).from_examples(G)
             norms_leaf[i] = S.Norms().from_examples(G)
-            deferred[i] = lambda c, keep=None, G=G: weighted_sum_materialised(
-                G if keep is None else kept_rows(G, keep), c)
+            deferred[i] = lambda c, keep=None, G=G: (
+                weighted_sum_materialised(G, c) if keep is None else _kept_sum(G, c, keep))
         elif mode == "direct":
             (site,) = sites
             ct = sink_cts[site.path]
@@ -547,19 +547,33 @@ def _clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
         return [[deferred[i](cs[k][i], keep) for i in range(n)] for k in ks]
 
     every = list(range(len(clips)))
-    if bad is None:  # (no clipped sum drops them)
+    drop = [] if bad is None else [
+        k for k in every if plan.reductions[clips[k]].drops_nonfinite]
+    if plan.clip_recompute or not drop:
         out = sums(every)
+        if drop:  # (a second pass without them, only on a step that has one)
+            def without_them(out):
+                got = dict(zip(drop, sums(drop, jnp.logical_not(bad))))
+                return [got.get(k, out[k]) for k in every]  # (propagating ones: as they are)
+
+            out = jax.lax.cond(jnp.any(bad), without_them, lambda out: out, out)
     else:
-        drop = [k for k in every if plan.reductions[clips[k]].drops_nonfinite]
-        rest = [k for k in every if k not in drop]
-
-        def without_them():
-            got = dict(zip(drop, sums(drop, jnp.logical_not(bad))))
-            if rest:  # (propagating ones: as they are)
-                got.update(zip(rest, sums(rest)))
-            return [got[k] for k in every]
-
-        out = jax.lax.cond(jnp.any(bad), without_them, lambda: sums(every))
+        # one leaf at a time, each sum followed by its own conditional: a conditional
+        # that holds the sums keeps every site's kept inputs alive (copied, measured
+        # twice the temporary memory), and one after them all keeps them alive until
+        # every sum is formed (the MLP of perf_check: 2.0x grad's instead of 1.5x)
+        keep, anybad = jnp.logical_not(bad), jnp.any(bad)
+        out = []
+        for k in every:
+            row = []
+            for i in range(n):
+                if k in drop:
+                    v = jax.lax.cond(anybad, lambda i=i, k=k: deferred[i](cs[k][i], keep),
+                                     lambda i=i, k=k: deferred[i](cs[k][i]))
+                else:
+                    v = deferred[i](cs[k][i])
+                row.append(v)
+            out.append(row)
     for k, j in enumerate(clips):
         for i in range(n):
             values[j][i] = out[k][i]
@@ -829,25 +843,59 @@ def _in_leaf_space(fn, site):
 
 def _weighted_leaf(ings, cache):
     """``(c, keep=None) -> sum_b c_b g_b`` of a leaf from its sites' ingredients (``keep``:
-    ``[B]`` bool, the examples not kept read as zeros, `kept_rows`)."""
+    ``[B]`` bool, the examples not kept read as zeros: `_one_at_a_time`)."""
 
     def weighted(c, keep=None):
-        masked = ings if keep is None else [
-            (s, k, jax.tree.map(lambda x, s=s: kept_rows(x, keep, s.depth), ing))
-            for s, k, ing in ings]
-        if len(masked) == 1:  # repeated layers: traced once
-            s, k, ing = masked[0]
+        if keep is not None:
+            return _one_at_a_time(ings, c, keep)
+        if len(ings) == 1:  # repeated layers: traced once
+            s, k, ing = ings[0]
             sk = cache.site_key(s, k)
             key = sk and ("weighted", sk)
             fn = cache.get(key, lambda: _in_leaf_space(_weighted_fn(s, k), s))
             return fn(ing, c)
         total = None
-        for s, k, ing in masked:
+        for s, k, ing in ings:
             v = _to_leaf(_weighted_fn(s, k)(ing, c), s)
             total = v if total is None else total + v
         return total
 
     return weighted
+
+
+def _kept_sum(G, c, keep):
+    """``sum_b c_b G_b`` over the examples ``keep`` of materialised gradients ``G [B, ...]``
+    (the others' NaN never enters): a select inside the reduction, no copy of ``G``."""
+    k = keep.reshape((-1,) + (1,) * (G.ndim - 1))
+    cb = c.astype(G.dtype).reshape(k.shape)
+    return jnp.sum(jnp.where(k, cb * G, jnp.zeros((), G.dtype)), axis=0)
+
+
+def _one_at_a_time(ings, c, keep):
+    """``sum_b c_b g_b`` of a leaf over the examples ``keep`` from its sites' ingredients,
+    one example at a time (a ``fori_loop`` over the batch): the branch a clipped sum takes
+    only on a step with a non-finite example (`_clipped_sums`), so it holds one example's
+    inputs (read as zeros where not kept: `kept_rows`), not a masked copy of every
+    site's."""
+    B = keep.shape[0]
+
+    def row(x, s, b):
+        if x.ndim <= s.depth or x.shape[s.depth] != B:  # (not per-example)
+            return x
+        return jax.lax.dynamic_slice_in_dim(x, b, 1, axis=s.depth)
+
+    def body(b, acc):
+        kb = jax.lax.dynamic_slice_in_dim(keep, b, 1)
+        cb = jnp.where(kb, jax.lax.dynamic_slice_in_dim(c, b, 1), jnp.zeros((), c.dtype))
+        for s, k, ing in ings:
+            one = jax.tree.map(lambda x, s=s: kept_rows(row(x, s, b), kb, s.depth), ing)
+            acc = acc + _to_leaf(_weighted_fn(s, k)(one, cb), s).astype(acc.dtype)
+        return acc
+
+    s0, k0, ing0 = ings[0]
+    shape = jax.eval_shape(lambda: _to_leaf(_weighted_fn(s0, k0)(ing0, c), s0))
+    init = compat.make_varying(jnp.zeros(shape.shape, shape.dtype), compat.vma_of(shape))
+    return jax.lax.fori_loop(0, B, body, init)
 
 
 def _leaf_mat(ings, acc):
