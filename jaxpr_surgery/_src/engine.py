@@ -531,11 +531,10 @@ def _clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
     from each leaf's kept ingredients, or a second pass (remat).
 
     An example whose gradient is not finite has the weight 0 in the clipped sums that
-    drop it, but ``0 * NaN`` is NaN: where there is one (a traced flag, so a
-    ``lax.cond``), those sums are formed again with its per-example inputs read as
-    zeros (`kept_rows` of the kept ingredients or products; in the remat second pass
-    the sites' example mask, `_without`). The usual case, every example finite, runs
-    what it ran before: the flag is a reduction over the ``[B]`` norms."""
+    drop it, but ``0 * NaN`` is NaN: those sums read the kept ingredients with their
+    non-finite entries as zeros (`_finite_only`: one select per input, no conditional);
+    with remat, where there is one (a traced flag, so a ``lax.cond``), the second pass
+    runs again with the sites' example mask (`_without`)."""
     clips = [j for j, r in enumerate(plan.reductions) if r.weighted_by_norm]
     cs, bad = clip_weights(plan, clips, norms_leaf)
     n = len(ch.diff)
@@ -558,34 +557,18 @@ def _clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
 
             out = jax.lax.cond(jnp.any(bad), without_them, lambda out: out, out)
     else:
-        # one leaf at a time, each sum followed by its own conditional: a conditional
-        # that holds the sums keeps every site's kept inputs alive (copied, measured
-        # twice the temporary memory), and one after them all keeps them alive until
-        # every sum is formed (the MLP of perf_check: 2.0x grad's instead of 1.5x)
-        keep, anybad = jnp.logical_not(bad), jnp.any(bad)
-        out = []
-        for k in every:
-            row = []
-            for i in range(n):
-                if k in drop:
-                    v = jax.lax.cond(anybad, lambda i=i, k=k: deferred[i](cs[k][i], keep),
-                                     lambda i=i, k=k: deferred[i](cs[k][i]))
-                else:
-                    v = deferred[i](cs[k][i])
-                row.append(v)
-            out.append(row)
+        # no conditional: the sums that drop them read every site's kept inputs with
+        # their non-finite entries as zeros (`_finite_only`), exact since a dropped
+        # example's weight is 0 and a finite gradient's inputs are finite. (A
+        # conditional around the sums kept copies of every site's inputs alive: twice
+        # the temporary memory, or one more copy of the sums, and compiled a second
+        # form of every sum.)
+        keep = jnp.logical_not(bad)
+        out = [[deferred[i](cs[k][i], keep if k in drop else None) for i in range(n)]
+               for k in every]
     for k, j in enumerate(clips):
         for i in range(n):
             values[j][i] = out[k][i]
-
-
-def kept_rows(x, keep, depth=0):
-    """``x [*scans, B, ...]`` (batch on axis ``depth``) reading zeros at the examples not
-    ``keep`` (``[B]`` bool); a non-float ``x`` (token ids) as it is."""
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return x
-    k = keep.reshape((1,) * depth + (-1,) + (1,) * (x.ndim - depth - 1))
-    return jnp.where(k, x, jnp.zeros((), x.dtype))
 
 
 def _without(plan, keep):
@@ -842,20 +825,21 @@ def _in_leaf_space(fn, site):
 
 
 def _weighted_leaf(ings, cache):
-    """``(c, keep=None) -> sum_b c_b g_b`` of a leaf from its sites' ingredients (``keep``:
-    ``[B]`` bool, the examples not kept read as zeros: `_one_at_a_time`)."""
+    """``(c, keep=None) -> sum_b c_b g_b`` of a leaf from its sites' ingredients; with
+    ``keep`` (``[B]`` bool: the examples not kept have ``c_b = 0``) their non-finite
+    entries read as zeros (`_finite_only`)."""
 
     def weighted(c, keep=None):
-        if keep is not None:
-            return _one_at_a_time(ings, c, keep)
-        if len(ings) == 1:  # repeated layers: traced once
-            s, k, ing = ings[0]
+        both = ings if keep is None else [
+            (s, k, jax.tree.map(_finite_only, ing)) for s, k, ing in ings]
+        if len(both) == 1:  # repeated layers: traced once
+            s, k, ing = both[0]
             sk = cache.site_key(s, k)
             key = sk and ("weighted", sk)
             fn = cache.get(key, lambda: _in_leaf_space(_weighted_fn(s, k), s))
             return fn(ing, c)
         total = None
-        for s, k, ing in ings:
+        for s, k, ing in both:
             v = _to_leaf(_weighted_fn(s, k)(ing, c), s)
             total = v if total is None else total + v
         return total
@@ -863,39 +847,25 @@ def _weighted_leaf(ings, cache):
     return weighted
 
 
+def _finite_only(x):
+    """``x`` with its NaN and infinite entries read as zeros (a non-float ``x``, token ids,
+    as it is). The clipped sums that drop the examples whose gradient is not finite read
+    their inputs so: such an example's weight is 0, and ``0 * NaN`` would be NaN, while
+    an example whose gradient is finite has finite inputs (an infinite or NaN input entry
+    makes some product with it, hence its gradient, non-finite). One select per input,
+    fused into what reads it where XLA can."""
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
 def _kept_sum(G, c, keep):
-    """``sum_b c_b G_b`` over the examples ``keep`` of materialised gradients ``G [B, ...]``
-    (the others' NaN never enters): a select inside the reduction, no copy of ``G``."""
-    k = keep.reshape((-1,) + (1,) * (G.ndim - 1))
-    cb = c.astype(G.dtype).reshape(k.shape)
-    return jnp.sum(jnp.where(k, cb * G, jnp.zeros((), G.dtype)), axis=0)
-
-
-def _one_at_a_time(ings, c, keep):
-    """``sum_b c_b g_b`` of a leaf over the examples ``keep`` from its sites' ingredients,
-    one example at a time (a ``fori_loop`` over the batch): the branch a clipped sum takes
-    only on a step with a non-finite example (`_clipped_sums`), so it holds one example's
-    inputs (read as zeros where not kept: `kept_rows`), not a masked copy of every
-    site's."""
-    B = keep.shape[0]
-
-    def row(x, s, b):
-        if x.ndim <= s.depth or x.shape[s.depth] != B:  # (not per-example)
-            return x
-        return jax.lax.dynamic_slice_in_dim(x, b, 1, axis=s.depth)
-
-    def body(b, acc):
-        kb = jax.lax.dynamic_slice_in_dim(keep, b, 1)
-        cb = jnp.where(kb, jax.lax.dynamic_slice_in_dim(c, b, 1), jnp.zeros((), c.dtype))
-        for s, k, ing in ings:
-            one = jax.tree.map(lambda x, s=s: kept_rows(row(x, s, b), kb, s.depth), ing)
-            acc = acc + _to_leaf(_weighted_fn(s, k)(one, cb), s).astype(acc.dtype)
-        return acc
-
-    s0, k0, ing0 = ings[0]
-    shape = jax.eval_shape(lambda: _to_leaf(_weighted_fn(s0, k0)(ing0, c), s0))
-    init = compat.make_varying(jnp.zeros(shape.shape, shape.dtype), compat.vma_of(shape))
-    return jax.lax.fori_loop(0, B, body, init)
+    """``sum_b c_b G_b`` of materialised gradients ``G [B, ...]`` whose examples not
+    ``keep`` have ``c_b = 0`` (their NaN never enters): a select inside the reduction,
+    no copy of ``G``."""
+    del keep
+    cb = c.astype(G.dtype).reshape((-1,) + (1,) * (G.ndim - 1))
+    return jnp.sum(jnp.where(jnp.isfinite(G), cb * G, jnp.zeros((), G.dtype)), axis=0)
 
 
 def _leaf_mat(ings, acc):
