@@ -704,8 +704,10 @@ def clipped_mean(clip_norm, nonfinite: str = "drop") -> Statistic:
         ``min(1, C/inf)`` times its NaN would be NaN), and it still counts in the
         batch size; `nonfinite_count` says how many were dropped. The sensitivity bound
         holds (an example moves the sum by at most ``C``, here by 0), so DP training
-        goes on. The sums are formed again without them only when there is one (a
-        ``lax.cond``: the usual step runs what it did). ``"propagate"``: it makes the
+        goes on. The sums read the non-finite entries of each site's inputs as zeros
+        (exact: a finite gradient has finite inputs; one select per input, no second
+        pass; with remat, a second pass only on a step that has one). ``"propagate"``:
+        it makes the
         sum NaN, as ``jax.grad`` would.
 
     Raises:
@@ -760,8 +762,10 @@ def clipped_sum(clip_norm, nonfinite: str = "drop") -> Statistic:
         ``min(1, C/inf)`` times its NaN would be NaN), and it still counts in the
         batch size; `nonfinite_count` says how many were dropped. The sensitivity bound
         holds (an example moves the sum by at most ``C``, here by 0), so DP training
-        goes on. The sums are formed again without them only when there is one (a
-        ``lax.cond``: the usual step runs what it did). ``"propagate"``: it makes the
+        goes on. The sums read the non-finite entries of each site's inputs as zeros
+        (exact: a finite gradient has finite inputs; one select per input, no second
+        pass; with remat, a second pass only on a step that has one). ``"propagate"``:
+        it makes the
         sum NaN, as ``jax.grad`` would.
 
     Raises:

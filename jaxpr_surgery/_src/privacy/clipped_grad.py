@@ -283,8 +283,7 @@ def clipped_grad(
         ``chunk_size``); bounds the memory, the result is the same.
       nan_safe: an example whose gradient holds a NaN or an infinity contributes nothing,
         so the sensitivity bound holds: `jaxpr_surgery.stats.clipped_sum`'s
-        ``nonfinite="drop"`` (the clipped sums are formed again without it only when
-        there is one). jax-privacy instead zeroes the non-finite coordinates and clips
+        ``nonfinite="drop"``. jax-privacy instead zeroes the non-finite coordinates and clips
         the rest. ``False``: a non-finite gradient makes the sum NaN
         (``nonfinite="propagate"``).
       dtype: the dtype of the result (accumulated in at least float32); ``None``: the
