@@ -156,6 +156,40 @@ def raw_groups(B, dtype):
     return [(c, m) for c, m in ((r, n + 1), (G - r, n)) if c]
 
 
+def merge_raw_groups(x, d, w, acc, raw, merge):
+    """``raw(x, d, w)`` of each group of `raw_groups` (the examples of ``x [B, ...]``,
+    ``d [B, ...]`` and the weights ``w [B]`` of dtype ``acc``, or None), merged in order by
+    ``merge(a, n_a, b, n_b)`` (``n``: a group's count, or the sum of its weights): the
+    groups of one size in a ``lax.scan``, the first group starting the sums."""
+
+    def groups(a, b0, count, size):  # [count, size, ...]; None stays None (unweighted)
+        return None if a is None else a[b0 : b0 + count * size].reshape(
+            (count, size) + a.shape[1:])
+
+    def weight(wg, size):  # a group's count, or the sum of its weights
+        return size if wg is None else jnp.sum(wg)
+
+    sums, seen, b0 = None, 0, 0
+    for count, size in raw_groups(x.shape[0], acc):
+        gs = tuple(groups(a, b0, count, size) for a in (x, d, w))
+        b0 += count * size
+        if sums is None:  # the first group starts the sums
+            first = jax.tree.map(lambda a: a[0], gs)
+            sums, seen = raw(*first), weight(first[2], size)
+            gs = jax.tree.map(lambda a: a[1:], gs)
+            count -= 1
+        if count == 0:
+            continue
+
+        def body(carry, g, size=size):
+            (a, na), ng = carry, weight(g[2], size)
+            return (merge(a, na, raw(*g), ng), na + ng), None
+
+        sums = jax.lax.scan(body, (sums, jnp.asarray(seen, acc)), gs)[0][0]
+        seen = seen + weight(gs[2], count * size)
+    return sums
+
+
 def naive_tau(B, dtype):
     """Least ``m2 / sum_b G_b^2`` at which the raw variance sum is kept (see above)."""
     return 3 * (B + 2) * math.sqrt(float(jnp.finfo(dtype).eps))
@@ -502,33 +536,8 @@ class DenseKernel(Kernel):
             m = S.merge_moments(S.Moments(*a[:2]), na, S.Moments(*b[:2]), nb)
             return m.mean, m.m2, a[2] | b[2]
 
-        def groups(a, b0, count, size):  # [count, size, ...]; None stays None (unweighted)
-            return None if a is None else a[b0 : b0 + count * size].reshape(
-                (count, size) + a.shape[1:])
-
-        def weight(wg, size):  # a group's count, or the sum of its weights
-            return size if wg is None else jnp.sum(wg)
-
         w = None if w is None else w.astype(self.acc)
-        acc, seen, b0 = None, 0, 0
-        for count, size in raw_groups(x.shape[0], self.acc):
-            gs = tuple(groups(a, b0, count, size) for a in (x, d, w))
-            b0 += count * size
-            if acc is None:  # the first group starts the sums
-                first = jax.tree.map(lambda a: a[0], gs)
-                acc, seen = raw(*first), weight(first[2], size)
-                gs = jax.tree.map(lambda a: a[1:], gs)
-                count -= 1
-            if count == 0:
-                continue
-
-            def body(carry, g, size=size):
-                (a, na), ng = carry, weight(g[2], size)
-                return (merge(a, na, raw(*g), ng), na + ng), None
-
-            acc = jax.lax.scan(body, (acc, jnp.asarray(seen, self.acc)), gs)[0][0]
-            seen = seen + weight(gs[2], count * size)
-        mean, m2, ill = acc
+        mean, m2, ill = merge_raw_groups(x, d, w, self.acc, raw, merge)
         return jax.lax.cond(
             ill,
             lambda: self._centered_expansion(x, d) if w is None else self._centered_tiles(
@@ -857,33 +866,8 @@ def _central_value(k, ctx, r, w=None):
     def merge(a, na, b, nb):
         return r.merge(a[0], na, b[0], nb), a[1] | b[1]
 
-    def groups(a, b0, count, size):  # [count, size, ...]; None stays None (unweighted)
-        return None if a is None else a[b0 : b0 + count * size].reshape(
-            (count, size) + a.shape[1:])
-
-    def weight(wg, size):  # a group's count, or the sum of its weights
-        return size if wg is None else jnp.sum(wg)
-
     w = None if w is None else w.astype(k.acc)
-    acc, seen, b0 = None, 0, 0
-    for count, size in raw_groups(x.shape[0], k.acc):
-        gs = tuple(groups(a, b0, count, size) for a in (x, d, w))
-        b0 += count * size
-        if acc is None:  # the first group starts the sums
-            first = jax.tree.map(lambda a: a[0], gs)
-            acc, seen = raw(*first), weight(first[2], size)
-            gs = jax.tree.map(lambda a: a[1:], gs)
-            count -= 1
-        if count == 0:
-            continue
-
-        def body(carry, g, size=size):
-            (a, na), ng = carry, weight(g[2], size)
-            return (merge(a, na, raw(*g), ng), na + ng), None
-
-        acc = jax.lax.scan(body, (acc, jnp.asarray(seen, k.acc)), gs)[0][0]
-        seen = seen + weight(gs[2], count * size)
-    sums, ill = acc
+    sums, ill = merge_raw_groups(x, d, w, k.acc, raw, merge)
 
     def exact():  # rare: small tiles, so the branch costs little memory
         small = min(k.budget or tiling.DEFAULT_MEMORY_BUDGET_BYTES, FALLBACK_TILE_BYTES)
