@@ -439,7 +439,8 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
             for j, r in enumerate(plan.reductions):
                 values[j][i] = plan.bound(r, i).zeros(tuple(aval.shape), acc, B)
             norms_leaf[i] = jnp.zeros((B,), acc)
-            deferred[i] = lambda c, keep=None, aval=aval, acc=acc: jnp.zeros(aval.shape, acc)
+            deferred[i] = lambda c, finite_only=False, aval=aval, acc=acc: jnp.zeros(
+                aval.shape, acc)
         elif mode == "residual":
             G = copy_cts[i].astype(acc)
             if plan.weights is not None:  # (a padded example's NaN never enters)
@@ -449,8 +450,8 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
                 if not r.weighted_by_norm:
                     values[j][i] = plan.bound(r, i).from_examples(G)
             norms_leaf[i] = S.Norms().from_examples(G)
-            deferred[i] = lambda c, keep=None, G=G: (
-                weighted_sum_materialised(G, c) if keep is None else _kept_sum(G, c, keep))
+            deferred[i] = lambda c, finite_only=False, G=G: (
+                _finite_sum(G, c) if finite_only else weighted_sum_materialised(G, c))
         elif mode == "direct":
             (site,) = sites
             ct = sink_cts[site.path]
@@ -543,7 +544,7 @@ def _clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
         if plan.clip_recompute:
             p = plan if keep is None else _without(plan, keep)
             return _reweighted_sums(p, ch, cache, [cs[k] for k in ks])
-        return [[deferred[i](cs[k][i], keep) for i in range(n)] for k in ks]
+        return [[deferred[i](cs[k][i]) for i in range(n)] for k in ks]
 
     every = list(range(len(clips)))
     drop = [] if bad is None else [
@@ -563,9 +564,7 @@ def _clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
         # conditional around the sums kept copies of every site's inputs alive: twice
         # the temporary memory, or one more copy of the sums, and compiled a second
         # form of every sum.)
-        keep = jnp.logical_not(bad)
-        out = [[deferred[i](cs[k][i], keep if k in drop else None) for i in range(n)]
-               for k in every]
+        out = [[deferred[i](cs[k][i], k in drop) for i in range(n)] for k in every]
     for k, j in enumerate(clips):
         for i in range(n):
             values[j][i] = out[k][i]
@@ -825,12 +824,12 @@ def _in_leaf_space(fn, site):
 
 
 def _weighted_leaf(ings, cache):
-    """``(c, keep=None) -> sum_b c_b g_b`` of a leaf from its sites' ingredients; with
-    ``keep`` (``[B]`` bool: the examples not kept have ``c_b = 0``) their non-finite
-    entries read as zeros (`_finite_only`)."""
+    """``(c, finite_only=False) -> sum_b c_b g_b`` of a leaf from its sites' ingredients;
+    ``finite_only``: their non-finite entries read as zeros (`_finite_only`: the dropped
+    examples have ``c_b = 0``)."""
 
-    def weighted(c, keep=None):
-        both = ings if keep is None else [
+    def weighted(c, finite_only=False):
+        both = ings if not finite_only else [
             (s, k, jax.tree.map(_finite_only, ing)) for s, k, ing in ings]
         if len(both) == 1:  # repeated layers: traced once
             s, k, ing = both[0]
@@ -859,11 +858,10 @@ def _finite_only(x):
     return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
 
 
-def _kept_sum(G, c, keep):
-    """``sum_b c_b G_b`` of materialised gradients ``G [B, ...]`` whose examples not
-    ``keep`` have ``c_b = 0`` (their NaN never enters): a select inside the reduction,
-    no copy of ``G``."""
-    del keep
+def _finite_sum(G, c):
+    """``sum_b c_b G_b`` of materialised gradients ``G [B, ...]`` with their non-finite
+    entries read as zeros (the dropped examples have ``c_b = 0``: their NaN never
+    enters): a select inside the reduction, no copy of ``G``."""
     cb = c.astype(G.dtype).reshape((-1,) + (1,) * (G.ndim - 1))
     return jnp.sum(jnp.where(jnp.isfinite(G), cb * G, jnp.zeros((), G.dtype)), axis=0)
 

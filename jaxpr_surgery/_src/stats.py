@@ -707,8 +707,7 @@ def clipped_mean(clip_norm, nonfinite: str = "drop") -> Statistic:
         goes on. The sums read the non-finite entries of each site's inputs as zeros
         (exact: a finite gradient has finite inputs; one select per input, no second
         pass; with remat, a second pass only on a step that has one). ``"propagate"``:
-        it makes the
-        sum NaN, as ``jax.grad`` would.
+        it makes the sum NaN, as ``jax.grad`` would.
 
     Raises:
       ValueError: a concrete bound that is not positive (or NaN), naming its path in a
@@ -765,8 +764,7 @@ def clipped_sum(clip_norm, nonfinite: str = "drop") -> Statistic:
         goes on. The sums read the non-finite entries of each site's inputs as zeros
         (exact: a finite gradient has finite inputs; one select per input, no second
         pass; with remat, a second pass only on a step that has one). ``"propagate"``:
-        it makes the
-        sum NaN, as ``jax.grad`` would.
+        it makes the sum NaN, as ``jax.grad`` would.
 
     Raises:
       ValueError: a concrete bound that is not positive (or NaN), naming its path in a
