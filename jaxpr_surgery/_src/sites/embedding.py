@@ -221,10 +221,12 @@ class EmbeddingKernel(Kernel):
         rows = reduction.apply(s) if wb is None else wb * reduction.apply(s)
         return self._view(self._scatter(ids, jnp.where(first[..., None], rows, 0)))
 
-    def centered(self, ctx, reduction, w=None):
-        """Centred moments: rows no example uses add ``B - n_row`` zero gradients (with
-        example weights ``w``, `Centered.from_weighted`: ``W - `` the weight of the
-        examples using the row)."""
+    def _row_mean(self, ctx, w):
+        """What `centered` and `central_sums` start from: ``(ids, s, first, W, wb, mean,
+        n_row)``: each example's segment sums ``s`` and first occurrences ``first``
+        (`_segments`), the total weight ``W`` (``B`` unweighted), the weights ``wb``
+        broadcast against ``s`` (None unweighted), each row's mean gradient, and the
+        number (the weight) of the examples using each row."""
         ids, valid, dy = ctx
         s, first = self._segments(ids, valid, dy)
         if w is None:
@@ -235,7 +237,13 @@ class EmbeddingKernel(Kernel):
             wt, wb = jnp.where(first, wb[:, None], 0), wb[:, None, None]
         mean = self._scatter(ids, dy if wb is None else dy * wb)
         mean = mean / (W if w is None else jnp.where(W > 0, W, 1))
-        n_row = self._scatter(ids, wt)
+        return ids, s, first, W, wb, mean, self._scatter(ids, wt)
+
+    def centered(self, ctx, reduction, w=None):
+        """Centred moments: rows no example uses add ``B - n_row`` zero gradients (with
+        example weights ``w``, `Centered.from_weighted`: ``W - `` the weight of the
+        examples using the row)."""
+        ids, s, first, W, wb, mean, n_row = self._row_mean(ctx, w)
         dev = jnp.square(s - mean[ids])
         dev = jnp.where(first[..., None], dev if wb is None else wb * dev, 0)
         m2 = self._scatter(ids, dev) + (W - n_row)[:, None] * jnp.square(mean)
@@ -246,17 +254,8 @@ class EmbeddingKernel(Kernel):
         of each row's segment sums less the mean, the rows no example uses adding ``B -
         n_row`` (with weights ``W - `` theirs) zero gradients; against the rounded mean,
         corrected by the first sum (`CentralMoments.finish`)."""
-        ids, valid, dy = ctx
-        s, first = self._segments(ids, valid, dy)
-        if w is None:
-            W, wt, wb = ids.shape[0], first.astype(dy.dtype), None
-        else:
-            wb = w.astype(dy.dtype)
-            W = jnp.sum(wb)
-            wt, wb = jnp.where(first, wb[:, None], 0), wb[:, None, None]
-        mean = self._scatter(ids, dy if wb is None else dy * wb)
-        mean = mean / (W if w is None else jnp.where(W > 0, W, 1))
-        zeros = (W - self._scatter(ids, wt))[:, None]  # (weight of) the examples at 0
+        ids, s, first, W, wb, mean, n_row = self._row_mean(ctx, w)
+        zeros = (W - n_row)[:, None]  # (weight of) the examples at 0
         c, k = s - mean[ids], -mean  # (a zero gradient's distance from the mean)
         sums, cp, kp = [], c, k
         for _ in range(4):
