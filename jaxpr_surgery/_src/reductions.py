@@ -48,7 +48,7 @@ import numpy as np
 
 from jaxpr_surgery._src import compat, views
 from jaxpr_surgery._src import example_weights as ew
-from jaxpr_surgery._src.norms import combine_norms, materialised_norms, sqrt0
+from jaxpr_surgery._src.norms import combine_norms, materialised_norms, sqrt0, stacked_parts
 
 SDS = jax.ShapeDtypeStruct
 
@@ -1004,8 +1004,7 @@ def nonfinite_examples(norms, w=None):
     NaN or an infinity in some leaf (or a leaf's norm past the float range). With
     example weights ``w``, only examples of positive weight (the others are removed
     already). What clipped sums drop, and `stats.nonfinite_count` counts."""
-    fin = functools.reduce(jnp.logical_and, [jnp.isfinite(n) for n in norms])
-    bad = jnp.logical_not(fin)
+    bad = jnp.logical_not(jnp.all(jnp.isfinite(stacked_parts(norms)), axis=0))
     return bad if w is None else bad & (w > 0)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxpr_surgery._src import compat  # noqa: F401
 from jaxpr_surgery._src.example_weights import effective_size
-from jaxpr_surgery._src.norms import combine_norms
+from jaxpr_surgery._src.norms import combine_norms, stacked_parts
 from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names, re-exported
     ABS,
     MAX_SHIFT_AMPLIFICATION,
@@ -310,15 +310,9 @@ class _SqNorms(Statistic):
         if self.per_leaf:
             return tree
         leaves = jax.tree.leaves(tree)
-        dt = jnp.result_type(*leaves)
-        stacked = jnp.stack([x.astype(dt) for x in leaves])
         if self._sqrt:
-            return combine_norms(stacked)
-        # one reduction over the leaves, not a chain of adds: XLA's simplifier moves one
-        # reshape per pass through such a chain, and with a model's hundreds of leaves
-        # it stops at its iteration limit, every pass over the whole program (the
-        # barrier keeps it from turning the reduction back into that chain)
-        return jnp.sum(jax.lax.optimization_barrier(stacked), axis=0)
+            return combine_norms(jnp.stack([x.astype(jnp.result_type(*leaves)) for x in leaves]))
+        return jnp.sum(stacked_parts(leaves), axis=0)  # (one reduction: `stacked_parts`)
 
 
 class _Clipped(Statistic):

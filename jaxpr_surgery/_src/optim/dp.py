@@ -29,7 +29,6 @@ the \(\varepsilon\) spent by an optimizer built from ``config`` (with Poisson ba
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -37,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxpr_surgery._src.norms import stacked_parts
 from jaxpr_surgery._src.optim.requests import (
     PerExampleTransformation,
     build_request,
@@ -304,7 +304,7 @@ def _clip_norm_check(used, configured, owner):
         oks.append((u == c) | (jnp.abs(u - c) <= CLIP_NORM_RTOL * c))
     if not oks:
         return None
-    return functools.reduce(jnp.logical_and, oks)
+    return jnp.all(stacked_parts(oks), axis=0)  # (one reduction: `stacked_parts`)
 
 
 def dp_aggregate(
@@ -453,7 +453,7 @@ def dp_aggregate(
         out = jax.tree.map(lambda s: s / jnp.asarray(batch_size).astype(s.dtype), clipped_sum)
         oks = [ok for ok in oks if ok is not None]
         if oks:  # traced: a mismatch poisons the update instead of hiding
-            ok = functools.reduce(jnp.logical_and, oks)
+            ok = jnp.all(stacked_parts(oks), axis=0)
             out = jax.tree.map(lambda u: jnp.where(ok, u, jnp.nan).astype(u.dtype), out)
         return out, state
 
