@@ -31,6 +31,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxpr_surgery._src import compat
@@ -117,11 +118,12 @@ class LayoutOp:
         if self.kind == "scan" or self.kind == "identity":
             return value
         lead = value.shape[: value.ndim - len(src)]
+        # (lax's own ops: one equation each, not a jitted jnp function per call)
         if self.kind == "reshape":
-            return value.reshape(lead + tuple(dst))
+            return jax.lax.reshape(value, lead + tuple(int(d) for d in dst))
         if self.kind == "transpose":
             n = len(lead)
-            return value.transpose(tuple(range(n)) + tuple(n + int(i) for i in perm))
+            return jax.lax.transpose(value, tuple(range(n)) + tuple(n + int(i) for i in perm))
         raise AssertionError(self.kind)
 
 

@@ -15,6 +15,9 @@ differ between layers) makes the key ``None`` -- no caching, never a wrong hit.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import numpy as np
 
@@ -163,3 +166,61 @@ class TraceCache:
         if key not in self._fns:
             self._fns[key] = compute()
         return self._fns[key]
+
+
+# --------------------------------------------------------------------------- #
+# Per-leaf functions traced once per leaf type
+# --------------------------------------------------------------------------- #
+_ONCE = {}  # (function, argument structure, static leaves, state) -> its jax.jit
+
+
+def _static_key(x):
+    """An exact key of a non-array argument leaf: a Python scalar, a dtype, or a frozen
+    dataclass of such fields (a reduction); `Unkeyable` otherwise."""
+    if isinstance(x, _ATOMS) or isinstance(x, np.generic):
+        return value_key(x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        if not type(x).__dataclass_params__.frozen:
+            raise Unkeyable(type(x))
+        return (type(x),) + tuple(_static_key(getattr(x, f.name)) for f in dataclasses.fields(x))
+    raise Unkeyable(type(x))
+
+
+def traced_once(fn):
+    """Decorator of a function of arrays (per-leaf epilogues: moments, merges,
+    finalizers): under a trace, its calls go through one ``jax.jit`` per argument
+    structure and non-array arguments, which jax traces once per shapes, dtypes, weak
+    types and varying axes of the arrays. A model's hundreds of parameter leaves have a
+    dozen types, so their epilogues trace a dozen times; every other call binds one
+    equation, and lowers to a call of the function lowered once.
+
+    Non-array arguments (Python scalars, None fields, a frozen dataclass ``self`` of
+    such fields) are part of the key, as they are to ``fn``; so is the state ``fn`` may
+    read (`example_weights.is_open`). Anything else (an object without an exact key,
+    examples kept by `norms.live_examples`, no traced argument) runs ``fn`` as it is."""
+    from jaxpr_surgery._src import example_weights as ew
+    from jaxpr_surgery._src import norms
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        leaves, tree = jax.tree.flatten(args)
+        if norms.live_examples_set() or not any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return fn(*args)
+        is_arr = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
+        try:
+            static = tuple(None if a else _static_key(x) for a, x in zip(is_arr, leaves))
+            key = (fn, tree, is_arr, static, ew.is_open())
+            hash(key)
+        except (Unkeyable, TypeError):
+            return fn(*args)
+        jitted = _ONCE.get(key)
+        if jitted is None:
+            def flat_fn(arrays, leaves=leaves, is_arr=is_arr, tree=tree):
+                it = iter(arrays)
+                full = [next(it) if a else x for a, x in zip(is_arr, leaves)]
+                return fn(*jax.tree.unflatten(tree, full))
+
+            jitted = _ONCE[key] = jax.jit(flat_fn)
+        return jitted([x for a, x in zip(is_arr, leaves) if a])
+
+    return wrapper

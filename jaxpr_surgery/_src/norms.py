@@ -36,6 +36,12 @@ def live_examples(keep):
         _LIVE.reset(token)
 
 
+def live_examples_set():
+    """Whether `live_examples` holds examples now (functions reading them close over a
+    traced value: `fingerprint.traced_once` runs them as they are)."""
+    return _LIVE.get() is not None
+
+
 def example_scale(a):
     """``[B]``: each example's largest magnitude in ``a [B, ...]`` (1 where that is 0
     or not finite), to divide it by before squaring. No derivative: the norm

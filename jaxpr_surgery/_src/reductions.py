@@ -48,6 +48,7 @@ import numpy as np
 
 from jaxpr_surgery._src import compat, views
 from jaxpr_surgery._src import example_weights as ew
+from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src.norms import combine_norms, materialised_norms, sqrt0, stacked_parts
 
 SDS = jax.ShapeDtypeStruct
@@ -741,9 +742,11 @@ class Centered(ElementwiseReduction):
         m = jnp.mean(G, axis=0)
         return Moments(m, jnp.sum(jnp.square(G - m), axis=0))
 
+    @fp.traced_once
     def merge(self, a, na, b, nb):
         return merge_moments(a, na, b, nb)
 
+    @fp.traced_once
     def accumulate(self, acc, n, value, m):
         if ew.is_open():
             return merge_shifted(acc, n, value, m)
@@ -823,9 +826,11 @@ class Centered(ElementwiseReduction):
             return Shifted(acc.shift, s1, s2)
         return Shifted(acc.shift, acc.s1 + s1, acc.s2 + s2)
 
+    @fp.traced_once
     def finish(self, acc, n):
         return shifted_moments(acc, n)
 
+    @fp.traced_once
     def recentre(self, acc, n):
         return recentre(acc, n)
 

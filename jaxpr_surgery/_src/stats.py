@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import compat  # noqa: F401
+from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src.example_weights import effective_size
 from jaxpr_surgery._src.norms import combine_norms, stacked_parts
 from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names, re-exported
@@ -221,6 +222,7 @@ def check_count(count, ddof, name):
         )
 
 
+@fp.traced_once
 def per_dof(x, count, ddof):
     """``x / (count - ddof)``; NaN where a traced ``count`` (a sum of example weights,
     a psum over devices) is not above ``ddof`` (a concrete one raised: `check_count`)."""
@@ -230,8 +232,13 @@ def per_dof(x, count, ddof):
     return jnp.where(count > ddof, x / jnp.where(count > ddof, count - ddof, 1), jnp.nan)
 
 
+@fp.traced_once
+def _div(s, count):
+    return s / count
+
+
 def _tree_div(tree, count):
-    return jax.tree.map(lambda s: s / count, tree)
+    return jax.tree.map(lambda s: _div(s, count), tree)
 
 
 class _Mean(Statistic):

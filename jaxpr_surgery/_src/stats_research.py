@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxpr_surgery._src import compat
 from jaxpr_surgery._src import example_weights as ew
+from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.norms import combine_norms
 
@@ -121,6 +122,7 @@ class CentralMoments(S.ElementwiseReduction):
         m = jnp.sum(wb * G, axis=0) / jnp.where(W > 0, W, 1)
         return self.finish(self._add(ShiftedSums(m, None, None, None, None), G, wb), W)
 
+    @fp.traced_once
     def merge(self, a, na, b, nb):
         """Pébay (2008): the central sums of the union of two disjoint sets."""
         dt = jnp.result_type(a.mean)
@@ -145,6 +147,7 @@ class CentralMoments(S.ElementwiseReduction):
         other = self.finish(ShiftedSums(K, *s), na + nb)
         return jax.tree.map(lambda u, v: jnp.where((na > 0) & (nb > 0), u, v), out, other)
 
+    @fp.traced_once
     def accumulate(self, acc, n, value, m):
         """``acc``'s sums and ``value``'s ``m`` examples about ``acc``'s shift (with no
         examples before, ``value``'s mean becomes the shift)."""
@@ -202,6 +205,7 @@ class CentralMoments(S.ElementwiseReduction):
             return self.start_weighted(None, W, G, w)
         return self._add(acc, G, _per_example(w, G))
 
+    @fp.traced_once
     def finish(self, acc, n):
         """Central sums from the shifted ones: ``d = s1/n`` is the mean's distance from
         the shift (small: the shift is a mean of earlier examples), so the terms in
@@ -220,6 +224,7 @@ class CentralMoments(S.ElementwiseReduction):
         raw = CentralSums(*_shifted(acc[1:], n, acc.shift))  # (weight 0: raw sums, `_about`)
         return jax.tree.map(lambda u, v: jnp.where(n > 0, u, v), out, raw)
 
+    @fp.traced_once
     def recentre(self, acc, n):
         c = self.finish(acc, n)
         z = compat.make_varying(jnp.zeros_like(acc.s1), compat.vma_of(acc.s1))
@@ -235,6 +240,13 @@ class CentralMoments(S.ElementwiseReduction):
         return "central moments"
 
 
+@fp.traced_once
+def _kurtosis(c, count):
+    var = c.m2 / count  # population moments
+    kurt = (c.m4 / count) / jnp.where(var > 0, jnp.square(var), 1)
+    return jnp.where(var > 0, kurt, jnp.nan)
+
+
 class _Kurtosis(S.Statistic):
     _name = "kurtosis"
     ddof = 1  # (needs more than one example: checked against concrete weights)
@@ -244,13 +256,7 @@ class _Kurtosis(S.Statistic):
 
     def finalize(self, values, count):
         S.check_count(count, 1, "kurtosis")
-
-        def one(c):
-            var = c.m2 / count  # population moments
-            kurt = (c.m4 / count) / jnp.where(var > 0, jnp.square(var), 1)
-            return jnp.where(var > 0, kurt, jnp.nan)
-
-        return jax.tree.map(one, values["c"], is_leaf=_is_central)
+        return jax.tree.map(lambda c: _kurtosis(c, count), values["c"], is_leaf=_is_central)
 
 
 class _Diversity(S.Statistic):
