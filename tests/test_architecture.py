@@ -176,8 +176,9 @@ LAYERS = (
     ("kron", "dots"),  # reductions whose fast rules the kernels call
     ("tiling",),
     ("fused",),
-    ("stats", "stats_research", "fingerprint", "independence"),
+    ("stats", "stats_research", "independence"),
     ("reductions",),  # the Reduction protocol and the built-in reductions
+    ("fingerprint",),  # structural keys: repeated layers and per-leaf functions traced once
     # a site's view of its leaf; norms past the range of their squares; example weights;
     # trees given as a prefix of the parameters'
     ("views", "norms", "example_weights", "prefix"),

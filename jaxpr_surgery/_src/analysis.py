@@ -118,12 +118,16 @@ class LayoutOp:
         if self.kind == "scan" or self.kind == "identity":
             return value
         lead = value.shape[: value.ndim - len(src)]
-        # (lax's own ops: one equation each, not a jitted jnp function per call)
+        # (lax's own ops: one equation each, not a jitted jnp function per call; numpy's
+        # for index arrays, `engine._cross_layout`)
+        host = isinstance(value, np.ndarray)
         if self.kind == "reshape":
-            return jax.lax.reshape(value, lead + tuple(int(d) for d in dst))
+            shape = lead + tuple(int(d) for d in dst)
+            return value.reshape(shape) if host else jax.lax.reshape(value, shape)
         if self.kind == "transpose":
             n = len(lead)
-            return jax.lax.transpose(value, tuple(range(n)) + tuple(n + int(i) for i in perm))
+            perm = tuple(range(n)) + tuple(n + int(i) for i in perm)
+            return value.transpose(perm) if host else jax.lax.transpose(value, perm)
         raise AssertionError(self.kind)
 
 
