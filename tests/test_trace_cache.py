@@ -371,3 +371,21 @@ def test_per_example_flag_over_many_leaves_is_one_reduction(name):
     hlo = f.lower(params, batch).compile().as_text()
     n_leaves = 2 * L
     assert hlo.count("is-finite(") <= 4 * n_leaves, hlo.count("is-finite(")  # (chain: 1104)
+
+
+def test_traced_once_runs_concrete_arrays_as_they_are_and_keeps_a_bounded_cache(monkeypatch):
+    seen = []
+
+    @fp.traced_once
+    def f(x, n):
+        seen.append(type(n))
+        return x * (2.0 if float(n) > 0 else -1.0)  # reads n's value: must stay concrete
+
+    monkeypatch.setattr(fp, "_ONCE", type(fp._ONCE)())
+    monkeypatch.setattr(fp, "_ONCE_SIZE", 3)
+    out = jax.jit(lambda x: [f(x, jnp.asarray(1.0)), f(x, jnp.asarray(-1.0))])(jnp.ones(2))
+    np.testing.assert_array_equal(out[0], 2 * np.ones(2))
+    np.testing.assert_array_equal(out[1], -np.ones(2))
+    assert len(fp._ONCE) == 0  # (no key: run as they are)
+    jax.jit(lambda x: [f(x, k) for k in range(1, 8)])(jnp.ones(2))
+    assert len(fp._ONCE) == 3, len(fp._ONCE)

@@ -15,6 +15,7 @@ differ between layers) makes the key ``None`` -- no caching, never a wrong hit.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -171,7 +172,11 @@ class TraceCache:
 # --------------------------------------------------------------------------- #
 # Per-leaf functions traced once per leaf type
 # --------------------------------------------------------------------------- #
-_ONCE = {}  # (function, argument structure, static leaves, state) -> its jax.jit
+# (function, argument structure, static leaves, state) -> its jax.jit; least recently
+# used first, at most `_ONCE_SIZE` (static counts differ per batch size: a process
+# calling with ever new batch sizes must not keep every one)
+_ONCE = collections.OrderedDict()
+_ONCE_SIZE = 1024
 
 
 def _static_key(x):
@@ -196,8 +201,10 @@ def traced_once(fn):
 
     Non-array arguments (Python scalars, None fields, a frozen dataclass ``self`` of
     such fields) are part of the key, as they are to ``fn``; so is the state ``fn`` may
-    read (`example_weights.is_open`). Anything else (an object without an exact key,
-    examples kept by `norms.live_examples`, no traced argument) runs ``fn`` as it is."""
+    read (`example_weights.is_open`). Anything else (an object without an exact key, a
+    concrete array, examples kept by `norms.live_examples`, no traced argument) runs
+    ``fn`` as it is. At most `_ONCE_SIZE` functions are kept (least recently used
+    dropped)."""
     from jaxpr_surgery._src import example_weights as ew
     from jaxpr_surgery._src import norms
 
@@ -206,21 +213,27 @@ def traced_once(fn):
         leaves, tree = jax.tree.flatten(args)
         if norms.live_examples_set() or not any(isinstance(x, jax.core.Tracer) for x in leaves):
             return fn(*args)
-        is_arr = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
-        try:
+        is_arr = tuple(isinstance(x, jax.core.Tracer) for x in leaves)
+        try:  # (a concrete array has no static key: ``fn`` may read its value)
             static = tuple(None if a else _static_key(x) for a, x in zip(is_arr, leaves))
             key = (fn, tree, is_arr, static, ew.is_open())
             hash(key)
         except (Unkeyable, TypeError):
             return fn(*args)
         jitted = _ONCE.get(key)
-        if jitted is None:
-            def flat_fn(arrays, leaves=leaves, is_arr=is_arr, tree=tree):
+        if jitted is not None:
+            _ONCE.move_to_end(key)
+        else:
+            consts = tuple(None if a else x for a, x in zip(is_arr, leaves))  # (no tracer)
+
+            def flat_fn(arrays, consts=consts, is_arr=is_arr, tree=tree):
                 it = iter(arrays)
-                full = [next(it) if a else x for a, x in zip(is_arr, leaves)]
+                full = [next(it) if a else x for a, x in zip(is_arr, consts)]
                 return fn(*jax.tree.unflatten(tree, full))
 
             jitted = _ONCE[key] = jax.jit(flat_fn)
+            if len(_ONCE) > _ONCE_SIZE:
+                _ONCE.popitem(last=False)
         return jitted([x for a, x in zip(is_arr, leaves) if a])
 
     return wrapper
