@@ -383,7 +383,8 @@ def test_traced_once_runs_concrete_arrays_as_they_are_and_keeps_a_bounded_cache(
 
     monkeypatch.setattr(fp, "_ONCE", type(fp._ONCE)())
     monkeypatch.setattr(fp, "_ONCE_SIZE", 3)
-    out = jax.jit(lambda x: [f(x, jnp.asarray(1.0)), f(x, jnp.asarray(-1.0))])(jnp.ones(2))
+    one, minus = jnp.asarray(1.0), jnp.asarray(-1.0)  # (concrete: made outside the trace)
+    out = jax.jit(lambda x: [f(x, one), f(x, minus)])(jnp.ones(2))
     np.testing.assert_array_equal(out[0], 2 * np.ones(2))
     np.testing.assert_array_equal(out[1], -np.ones(2))
     assert len(fp._ONCE) == 0  # (no key: run as they are)
