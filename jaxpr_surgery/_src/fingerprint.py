@@ -211,9 +211,9 @@ def traced_once(fn):
     @functools.wraps(fn)
     def wrapper(*args):
         leaves, tree = jax.tree.flatten(args)
-        if norms.live_examples_set() or not any(isinstance(x, jax.core.Tracer) for x in leaves):
-            return fn(*args)
         is_arr = tuple(isinstance(x, jax.core.Tracer) for x in leaves)
+        if norms.live_examples_set() or not any(is_arr):
+            return fn(*args)
         try:  # (a concrete array has no static key: ``fn`` may read its value)
             static = tuple(None if a else _static_key(x) for a, x in zip(is_arr, leaves))
             key = (fn, tree, is_arr, static, ew.is_open())

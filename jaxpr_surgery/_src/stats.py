@@ -318,7 +318,8 @@ class _SqNorms(Statistic):
             return tree
         leaves = jax.tree.leaves(tree)
         if self._sqrt:
-            return combine_norms(jnp.stack([x.astype(jnp.result_type(*leaves)) for x in leaves]))
+            dt = jnp.result_type(*leaves)
+            return combine_norms(jnp.stack([x.astype(dt) for x in leaves]))
         return jnp.sum(stacked_parts(leaves), axis=0)  # (one reduction: `stacked_parts`)
 
 

@@ -35,7 +35,7 @@ class _Fourth(S.Statistic):
         return {"p4": FOURTH}
 
     def finalize(self, values, count):
-        return jax.tree.map(lambda s: s / count, values["p4"])
+        return S._tree_div(values["p4"], count)
 
 
 class CentralSums(NamedTuple):
