@@ -390,3 +390,51 @@ def test_traced_once_runs_concrete_arrays_as_they_are_and_keeps_a_bounded_cache(
     assert len(fp._ONCE) == 0  # (no key: run as they are)
     jax.jit(lambda x: [f(x, k) for k in range(1, 8)])(jnp.ones(2))
     assert len(fp._ONCE) == 3, len(fp._ONCE)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_chunked_variance_carries_mean_and_m2_only(weighted):
+    """The centred moments between chunks are about their own mean (``s1 = 0``): the loop
+    over chunks carries the running mean and centred sum of squares of each leaf, not a
+    third array of zeros that every chunk's Chan merge reads (GPT-2 small: 148 leaves,
+    4,000 more lines of optimised HLO, variance's compile 3x grad's). Against the oracle,
+    float64, with and without example weights."""
+    D2, B = 5, 7
+    r = np.random.default_rng(3)
+    with zoo.x64():
+        params = {"w": jnp.asarray(r.standard_normal((D2, 3))),
+                  "b": jnp.asarray(r.standard_normal(3))}
+        batch = {"x": jnp.asarray(r.standard_normal((B, 4, D2))),
+                 "y": jnp.asarray(r.standard_normal((B, 4, 3)))}
+
+        def loss(p, b):
+            return jnp.mean(jnp.sum((jnp.tanh(b["x"] @ p["w"] + p["b"]) - b["y"]) ** 2, (-2, -1)))
+
+        w = jnp.asarray(r.uniform(0.5, 2.0, B)) if weighted else None
+        f = js.per_example_stat(loss, js.stats.variance(ddof=0), chunk_size=3)
+        call = (lambda p, b: f(p, b, example_weights=w)) if weighted else f
+        closed = jax.make_jaxpr(call)(params, batch)
+        from jaxpr_surgery._src import api, compat
+
+        def loops(j):  # the loops over chunks, wherever they are (weights: under a vjp rule)
+            for e in j.eqns:
+                scope = str(e.source_info.name_stack)
+                if e.primitive is jax.lax.scan_p and api.CHUNK_LOOP in scope:
+                    yield e
+                for sub in compat.subjaxprs(e):
+                    yield from loops(getattr(sub, "jaxpr", sub))
+
+        found = list(loops(closed.jaxpr))
+        assert found
+        for e in found:  # (the loop's outputs: its carry and the per-example losses)
+            n_w = sum(v.aval.shape == (D2, 3) for v in e.outvars)
+            assert n_w == 2, (n_w, [v.aval for v in e.outvars])  # mean, m2 (s1 of zeros: 3)
+        got = jax.jit(call)(params, batch)
+        g = _grads(loss, params, batch)
+        wn = np.ones(B) if w is None else np.asarray(w)
+        for k in params:
+            x = np.asarray(g[k])
+            wb = wn.reshape((-1,) + (1,) * (x.ndim - 1))
+            mu = (wb * x).sum(0) / wn.sum()
+            ref = (wb * (x - mu) ** 2).sum(0) / wn.sum()
+            np.testing.assert_allclose(np.asarray(got[k]), ref, rtol=1e-10, atol=1e-13)

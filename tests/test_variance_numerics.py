@@ -378,13 +378,13 @@ def test_carried_chunks_match_the_whole_batch(B, cs, tile, features):
                                        dtype=Gc.dtype, features=feats, carry=carry)
 
         z = jnp.zeros(shape)
-        acc = [z, S.Shifted(z, z, z), z, None, z]
+        acc = [z, reds[1].empty(shape, z.dtype), z, None, z]
         sq = []
         for b0 in range(0, B, cs):
             out = jax.jit(run)(G[b0 : b0 + cs], S.Carry(acc, jnp.asarray(b0, jnp.int32)))
             sq.append(out[3])
             acc = [None if isinstance(r, S.SqNorms) else o for r, o in zip(reds, out)]
-        acc[1] = S.shifted_moments(acc[1], B)
+        acc[1] = reds[1].finish(acc[1], B)
         acc[3] = jnp.concatenate(sq)
         ref = run(G, None)
         for r, a, b in zip(reds, acc, ref):

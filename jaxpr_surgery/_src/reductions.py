@@ -395,10 +395,12 @@ class Shifted(NamedTuple):
     so ``mean = K + s1/n`` and ``m2 = s2 - s1^2/n``. The subtraction of the final
     ``s1^2/n`` cancels at most ``1 + m/n_K`` fold where ``K`` is the exact mean of the
     first ``n_K`` examples and ``m`` came after (the between-group part of ``m2`` bounds
-    it); callers re-centre (`recentre`) before that exceeds `MAX_SHIFT_AMPLIFICATION`."""
+    it); callers re-centre (`recentre`) before that exceeds `MAX_SHIFT_AMPLIFICATION`.
+    ``s1`` is None where the shift is the examples' own mean (`Centered` outside
+    derivatives in the weights: ``s1 = 0``, not carried)."""
 
     shift: jax.Array
-    s1: jax.Array
+    s1: jax.Array | None
     s2: jax.Array
 
 
@@ -437,16 +439,21 @@ def recentre(s: Shifted, n) -> Shifted:
     return Shifted(*(jnp.where(jnp.asarray(n) > 0, u, v) for u, v in zip(out, s)))
 
 
-def chan_update(a: Shifted, na, mean_b, m2_b, nb) -> Moments:
+def chan_update(a: Shifted, na, mean_b, m2_b, nb, about_the_mean=False) -> Moments:
     """The `Moments` of ``na`` examples (their `Shifted` sums ``a``) followed by ``nb``
     more of mean ``mean_b`` and centred sum of squares ``m2_b`` (Chan et al.: exact, no
     cancellation). Counts may be traced, and are total weights with
-    ``example_weights``; with none before, the new ones' moments exactly."""
+    ``example_weights``; with none before, the new ones' moments exactly.
+    ``about_the_mean``: ``a`` is about its own mean (``s1 = 0``, None: `Centered`
+    outside derivatives in the weights)."""
     dt = jnp.result_type(a.shift)
     na, nb = jnp.asarray(na, dt), jnp.asarray(nb, dt)
     before = na > 0
-    d1 = a.s1 / jnp.where(before, na, 1)
-    mean_a, m2_a = a.shift + d1, a.s2 - a.s1 * d1
+    if about_the_mean:
+        mean_a, m2_a = a.shift, a.s2
+    else:
+        d1 = a.s1 / jnp.where(before, na, 1)
+        mean_a, m2_a = a.shift + d1, a.s2 - a.s1 * d1
     tot = na + nb
     f = nb / jnp.where(tot > 0, tot, 1)
     delta = mean_b - mean_a
@@ -455,9 +462,9 @@ def chan_update(a: Shifted, na, mean_b, m2_b, nb) -> Moments:
 
 
 def _about_the_mean(m: Moments) -> Shifted:
-    """`Moments` as `Shifted` sums against their own mean (``s1 = 0``)."""
-    return Shifted(m.mean, compat.make_varying(jnp.zeros_like(m.mean), compat.vma_of(m.mean)),
-                   m.m2)
+    """`Moments` as `Shifted` sums against their own mean: ``s1 = 0``, left out (None), so
+    that no program carries or reads it (`Centered` outside derivatives in the weights)."""
+    return Shifted(m.mean, None, m.m2)
 
 
 def merge_shifted(a: Shifted, na, b: Moments, nb) -> Shifted:
@@ -736,7 +743,7 @@ class Centered(ElementwiseReduction):
 
     def empty(self, shape, dtype):
         z = jnp.zeros(tuple(shape), dtype)
-        return Shifted(z, z, z)
+        return Shifted(z, z if ew.is_open() else None, z)  # (about the mean: no s1)
 
     def from_examples(self, G):
         m = jnp.mean(G, axis=0)
@@ -750,7 +757,7 @@ class Centered(ElementwiseReduction):
     def accumulate(self, acc, n, value, m):
         if ew.is_open():
             return merge_shifted(acc, n, value, m)
-        return _about_the_mean(chan_update(acc, n, value.mean, value.m2, m))
+        return _about_the_mean(chan_update(acc, n, value.mean, value.m2, m, True))
 
     def start_examples(self, acc, n, G):
         """The first tile of a loop (``acc``: a carried accumulator, or None)."""
@@ -810,10 +817,11 @@ class Centered(ElementwiseReduction):
             nb = jnp.sum(wb, axis=0)
             mu = jnp.sum(wb * G, axis=0) / jnp.where(nb > 0, nb, 1)
             m2 = jnp.sum(wb * jnp.square(G - mu), axis=0)
-        zero = compat.make_varying(jnp.zeros_like(mu), compat.vma_of(mu))
+        if m2 is None:
+            m2 = compat.make_varying(jnp.zeros_like(mu), compat.vma_of(mu))
         if acc is None:
-            return Shifted(mu, zero, zero if m2 is None else m2)
-        return _about_the_mean(chan_update(acc, n, mu, zero if m2 is None else m2, nb))
+            return Shifted(mu, None, m2)
+        return _about_the_mean(chan_update(acc, n, mu, m2, nb, True))
 
     @staticmethod
     def _add(acc, G, wb=None):
@@ -828,13 +836,19 @@ class Centered(ElementwiseReduction):
 
     @fp.traced_once
     def finish(self, acc, n):
+        if not ew.is_open():  # (about the mean: `_chan`)
+            return Moments(acc.shift, nonneg(acc.s2))
         return shifted_moments(acc, n)
 
     @fp.traced_once
     def recentre(self, acc, n):
+        if not ew.is_open():
+            return acc
         return recentre(acc, n)
 
     def total(self, acc, n):
+        if not ew.is_open():  # (about the mean)
+            return jnp.asarray(n, acc.shift.dtype) * acc.shift
         return jnp.asarray(n, acc.shift.dtype) * acc.shift + acc.s1
 
     def combine_axis(self, value, n_local, N, axis_name):
