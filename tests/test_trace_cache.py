@@ -438,3 +438,28 @@ def test_chunked_variance_carries_mean_and_m2_only(weighted):
             mu = (wb * x).sum(0) / wn.sum()
             ref = (wb * (x - mu) ** 2).sum(0) / wn.sum()
             np.testing.assert_allclose(np.asarray(got[k]), ref, rtol=1e-10, atol=1e-13)
+
+
+def test_tile_loop_traces_its_tile_once_outside_named_axes():
+    """A tile loop's accumulators are typed without tracing a tile a second time where no
+    named axis is bound (its type varies over no manual axis there; under shard_map it
+    is traced for them: test_shard_map.py). Values against the whole batch's."""
+    from jaxpr_surgery._src import stats as S
+    from jaxpr_surgery._src import tiling
+
+    B, shape = 6, (4, 3)
+    G = np.random.default_rng(1).normal(size=(B,) + shape).astype(np.float32) + 2.0
+    calls = []
+
+    def run(Gj):
+        def make(b0, size):
+            calls.append(size)
+            return jax.lax.dynamic_slice_in_dim(Gj, b0, size, 0)
+
+        return tiling.reduce_tiles(make, B, [S.SQUARE, S.Centered()], 2, shape=shape,
+                                   dtype=Gj.dtype)
+
+    sq, mom = jax.jit(run)(jnp.asarray(G))
+    assert calls == [2], calls  # the loop body's trace only (typed by eval_shape: [2, 2])
+    np.testing.assert_allclose(np.asarray(sq), (G.astype(np.float64) ** 2).sum(0), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(mom.m2), ((G - G.mean(0)) ** 2).sum(0), rtol=1e-4)

@@ -396,6 +396,17 @@ def vma_of(x) -> frozenset:
     return frozenset()
 
 
+def named_axes_bound() -> bool:
+    """Whether a named axis (shard_map's manual mesh axes, pmap's or vmap's
+    ``axis_name``) is bound where this runs: outside one, no value varies over a manual
+    axis (`vma_of` is empty), so its type need not be traced to learn it. True where
+    this jax does not say."""
+    try:
+        return bool(_core.get_axis_env().axis_sizes)
+    except Exception:  # noqa: BLE001 - an internal of jax that may move
+        return True
+
+
 def _aval_vma(aval):
     """The manual axes an abstract value varies over, or None where it has no such
     type (older jax)."""

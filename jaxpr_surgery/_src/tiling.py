@@ -242,8 +242,12 @@ def _empty_accumulators(make, reductions, tile, shape, dtype, B, inits):
     """The accumulators before the first tile: a carried one, else `Reduction.empty`
     (per-example values: a buffer of all ``B`` examples), varying (inside shard_map)
     like a tile's ``G``. Every tile then starts from them alike (`start_examples`
-    with its count: the first one, at count 0, takes its shift)."""
-    G = jax.eval_shape(lambda: make(0, tile).astype(dtype))
+    with its count: the first one, at count 0, takes its shift). (A tile is traced
+    for its type only under a named axis: elsewhere it varies over none.)"""
+    if compat.named_axes_bound():
+        G = jax.eval_shape(lambda: make(0, tile).astype(dtype))
+    else:
+        G = jax.ShapeDtypeStruct((tile,) + tuple(shape), dtype)
     axes = compat.vma_of(G)
     acc = []
     for r, i in zip(reductions, inits):
