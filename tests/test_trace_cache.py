@@ -463,3 +463,27 @@ def test_tile_loop_traces_its_tile_once_outside_named_axes():
     assert calls == [2], calls  # the loop body's trace only (typed by eval_shape: [2, 2])
     np.testing.assert_allclose(np.asarray(sq), (G.astype(np.float64) ** 2).sum(0), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(mom.m2), ((G - G.mean(0)) ** 2).sum(0), rtol=1e-4)
+
+
+@pytest.mark.parametrize("names", [("kurtosis",), ("variance", "mean")])
+def test_chunks_of_one_example_take_its_values_directly(monkeypatch, names):
+    """With chunks of one example (the CPU's choice on large models), a site's centred
+    sums are the example's own (its mean, zero about it): no tile's running sums to
+    finish and merge (GPT-2 small's kurtosis: 55k -> 39k lines of optimised HLO, compile
+    4.9 -> 3.1 s). Float64 oracle, every leaf, with the running sums across chunks."""
+    from jaxpr_surgery._src import stats_research
+
+    calls = []
+    finish = stats_research.CentralMoments.finish
+    monkeypatch.setattr(stats_research.CentralMoments, "finish",
+                        lambda self, *a: calls.append(1) or finish(self, *a))
+    with zoo.x64():
+        params, batch = _case(3, jnp.float64, B=5, seed=4)
+        loss = _stack(3, _layer)
+        stats, want = _oracle(_grads(loss, params, batch), names)
+        got = jax.jit(js.per_example_stat(loss, stats, chunk_size=1))(params, batch)
+    if names == ("kurtosis",):  # the statistic's own finish per leaf, no site's (before: 7)
+        assert len(calls) == len(jax.tree.leaves(params)), len(calls)
+    for g, w in zip(got, want):
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+            np.testing.assert_allclose(np.asarray(a), b, rtol=1e-9, atol=1e-12)

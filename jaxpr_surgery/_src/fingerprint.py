@@ -231,6 +231,7 @@ def traced_once(fn):
                 full = [next(it) if a else x for a, x in zip(is_arr, consts)]
                 return fn(*jax.tree.unflatten(tree, full))
 
+            flat_fn.__name__ = getattr(fn, "__name__", "traced_once")  # (named in HLO, profiles)
             jitted = _ONCE[key] = jax.jit(flat_fn)
             if len(_ONCE) > _ONCE_SIZE:
                 _ONCE.popitem(last=False)

@@ -746,6 +746,8 @@ class Centered(ElementwiseReduction):
         return Shifted(z, z if ew.is_open() else None, z)  # (about the mean: no s1)
 
     def from_examples(self, G):
+        if G.shape[0] == 1:  # (one example: its own mean, nothing about it)
+            return Moments(G[0], jnp.zeros_like(G[0]))
         m = jnp.mean(G, axis=0)
         return Moments(m, jnp.sum(jnp.square(G - m), axis=0))
 

@@ -112,6 +112,9 @@ class CentralMoments(S.ElementwiseReduction):
         return ShiftedSums(z, z, z, z, z)
 
     def from_examples(self, G):
+        if G.shape[0] == 1:  # (one example: its own mean, nothing about it)
+            z = jnp.zeros_like(G[0])
+            return CentralSums(G[0], z, z, z)
         # (sums against the rounded mean, corrected by their first: `finish`)
         m = jnp.mean(G, axis=0)
         return self.finish(self._add(ShiftedSums(m, None, None, None, None), G), G.shape[0])
@@ -159,8 +162,11 @@ class CentralMoments(S.ElementwiseReduction):
             s = [u + v for u, v in zip(_shifted(acc[1:], n, acc.shift - K), _shifted(sv, m, P - K))]
             return ShiftedSums(K, *s)
         d = value.mean - K
-        m = _as(m, acc.s1)
         d2 = jnp.square(d)
+        if isinstance(m, int) and m == 1:  # one example: no central sums about its mean
+            return ShiftedSums(K, acc.s1 + d, acc.s2 + d2, acc.s3 + d2 * d,
+                               acc.s4 + jnp.square(d2))
+        m = _as(m, acc.s1)
         return ShiftedSums(
             K, acc.s1 + m * d, acc.s2 + value.m2 + m * d2,
             acc.s3 + value.m3 + 3 * d * value.m2 + m * d2 * d,

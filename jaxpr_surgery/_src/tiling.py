@@ -159,6 +159,10 @@ def reduce_tiles(
             return out
     if features is not None and all(r.feature_blocks for r in reductions):
         return _feature_blocks(features, B, reductions, tile, tuple(shape), dtype, inits, n0)
+    if B == 1 and all(i is None for i in inits):
+        # one example (a chunk of one, on CPU): its values, no loop and no accumulator
+        G = make(0, 1).astype(dtype)
+        return [r.from_examples(G) for r in reductions]
     derived = _derived_sums(reductions, inits)
     if derived:
         return _with_derived_sums(make, B, reductions, tile, shape, dtype, inits, n0, derived)
