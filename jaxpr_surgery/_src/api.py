@@ -397,7 +397,7 @@ def _gather_examples(v, n_local, axis_name):
     n_dev = jax.lax.psum(1, axis_name)  # static: the size of the axis
     i = jax.lax.axis_index(axis_name)
     full = jnp.zeros((n_dev * n_local,) + tuple(v.shape[1:]), v.dtype)
-    full = jax.lax.dynamic_update_slice_in_dim(full, v, i * n_local, 0)
+    full = compat.update_at(full, v, i * n_local, 0)
     return jax.lax.psum(full, axis_name)
 
 

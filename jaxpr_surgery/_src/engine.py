@@ -628,7 +628,7 @@ def _reweighted_sums(plan, ch, cache, cs):
 
 
 def _slice_b(ing, depth, b0, size):
-    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, b0, size, axis=depth), ing)
+    return jax.tree.map(lambda x: compat.slice_at(x, b0, size, axis=depth), ing)
 
 
 def leaf_feature_tile(B, shape, acc, budget, kernels):
@@ -879,7 +879,7 @@ def _leaf_mat(ings, acc):
                 g = jnp.moveaxis(_stacked(k.materialise, s.depth)(ing), s.depth, 0)
                 v = _to_leaf(g, s).astype(acc)
                 if cut is not None:
-                    v = jax.lax.dynamic_slice_in_dim(v, cut[1], cut[2], cut[0] + 1)
+                    v = compat.slice_at(v, cut[1], cut[2], cut[0] + 1)
                 total = v if total is None else total + v
             else:
                 total = k.add_to_leaf(ing, total, lambda g, s=s: _to_leaf(g, s), cut)

@@ -551,7 +551,7 @@ class Weighted(Reduction):
         """The weights of the examples ``G`` holds (from count ``n``) and ``G`` with the
         examples of weight 0 read as zero."""
         b = G.shape[0]
-        w = self.w if b == self.w.shape[0] else jax.lax.dynamic_slice_in_dim(
+        w = self.w if b == self.w.shape[0] else compat.slice_at(
             self.w, self._index(n), b)
         keep = ew.kept(w, (G,)).reshape((-1,) + (1,) * (G.ndim - 1))
         return w, jnp.where(keep, G, jnp.zeros((), G.dtype))
@@ -888,7 +888,7 @@ class CenteredAbout(ElementwiseReduction):
         return Moments(a.mean, a.m2 + b.m2)
 
     def block(self, axis, f0, size):
-        return CenteredAbout(jax.lax.dynamic_slice_in_dim(self.mean, f0, size, axis))
+        return CenteredAbout(compat.slice_at(self.mean, f0, size, axis))
 
 
 class _ExampleNorms(Reduction):

@@ -235,7 +235,7 @@ def _first_tile(reductions, G0, B, inits, n0):
         if r.per_example:
             v = r.from_examples(G0)
             buf = jnp.zeros((B,) + tuple(v.shape[1:]), v.dtype)
-            acc.append(jax.lax.dynamic_update_slice_in_dim(
+            acc.append(compat.update_at(
                 compat.make_varying(buf, compat.vma_of(v)), v, 0, 0))
         else:
             acc.append(r.start_examples(i, n0, G0))
@@ -289,7 +289,7 @@ def _tile_loop(make, B, reductions, tile, shape, dtype, inits, n0, finish=True):
             begin = b0 + k * size
             G = make(begin, size).astype(dtype)
             return [
-                jax.lax.dynamic_update_slice_in_dim(a, r.from_examples(G), begin, 0)
+                compat.update_at(a, r.from_examples(G), begin, 0)
                 if r.per_example else r.start_examples(a, n0 + begin, G)
                 for r, a in zip(reductions, inner)
             ]
@@ -339,7 +339,7 @@ def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0):
 
         def cut(m):
             return None if m is None else jax.tree.map(
-                lambda x: jax.lax.dynamic_slice_in_dim(x, f0, size, axis), m
+                lambda x: compat.slice_at(x, f0, size, axis), m
             )
 
         return reduce_tiles(
@@ -351,7 +351,7 @@ def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0):
     def put(acc, vals, f0):
         return [
             a + v if p else jax.tree.map(
-                lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, f0, axis), a, v
+                lambda a, v: compat.update_at(a, v, f0, axis), a, v
             )
             for a, v, p in zip(acc, vals, adds)
         ]

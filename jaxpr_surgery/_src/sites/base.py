@@ -445,7 +445,7 @@ class Kernel:
         g = to_leaf(self.materialise(ing)).astype(self.acc)
         if cut is not None:
             axis, f0, size = cut
-            g = jax.lax.dynamic_slice_in_dim(g, f0, size, axis + 1)
+            g = compat.slice_at(g, f0, size, axis + 1)
         return g if total is None else total + g
 
     def leaf_cut_axes(self):
@@ -488,7 +488,7 @@ class Kernel:
         """The exact norm of example ``b``'s ``G`` (`base.example_norm`), for
         `norms_from`; kernels whose ``G`` is large override it to form it in blocks."""
         G = self.materialise(ing)
-        return example_norm(lambda cut: jax.lax.dynamic_slice_in_dim(G, b, 1, 0))
+        return example_norm(lambda cut: compat.slice_at(G, b, 1, 0))
 
     def weighted_sum(self, ing, c):
         return weighted_sum_materialised(self.materialise(ing), c)

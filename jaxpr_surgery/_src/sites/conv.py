@@ -173,8 +173,8 @@ class PatchConvKernel(DenseKernel):
         B = x.shape[0]
 
         def tile_sum(b0, size):  # sum_b P_b^T DY_b of the tile, as one 2-D matmul
-            P = self.tokens(jax.lax.dynamic_slice_in_dim(x, b0, size, 0))
-            d = jax.lax.dynamic_slice_in_dim(dy, b0, size, 0)
+            P = self.tokens(compat.slice_at(x, b0, size, 0))
+            d = compat.slice_at(dy, b0, size, 0)
             return jax.lax.dot_general(
                 P.reshape(-1, self.c["C"]), d.reshape(-1, self.c["F"]), (((0,), (0,)), ((), ()))
             )

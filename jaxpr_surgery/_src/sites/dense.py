@@ -444,14 +444,14 @@ class DenseKernel(Kernel):
         """Canonical ``G [size, K, C, F]`` of examples ``b0 .. b0+size``; with ``cut =
         (axis, f0, fs)`` only ``f0:f0+fs`` on canonical ``axis`` (1: C, 2: F). ``x`` as
         `prepare` keeps it, or canonical ``X`` with ``tokens`` the identity."""
-        xs = (tokens or self.tokens)(jax.lax.dynamic_slice_in_dim(x, b0, size, 0))
-        ds = jax.lax.dynamic_slice_in_dim(dy, b0, size, 0)
+        xs = (tokens or self.tokens)(compat.slice_at(x, b0, size, 0))
+        ds = compat.slice_at(dy, b0, size, 0)
         if cut is not None:
             axis, f0, fs = cut
             if axis == 1:
-                xs = jax.lax.dynamic_slice_in_dim(xs, f0, fs, 3)
+                xs = compat.slice_at(xs, f0, fs, 3)
             else:
-                ds = jax.lax.dynamic_slice_in_dim(ds, f0, fs, 3)
+                ds = compat.slice_at(ds, f0, fs, 3)
         return _products(xs, ds)
 
     def tile(self, B, budget=None):
@@ -636,7 +636,7 @@ class DenseKernel(Kernel):
         if cut is not None:  # canonical sub-axis j of leaf axis `axis`
             axis, f0, size = cut
             j = axes[axis]
-            cut_at = lambda a, pos: jax.lax.dynamic_slice_in_dim(a, f0, size, pos)  # noqa: E731
+            cut_at = lambda a, pos: compat.slice_at(a, f0, size, pos)  # noqa: E731
             if j < nk:
                 xs, ds = cut_at(xs, 1 + j), cut_at(ds, 1 + j)
             elif j < nk + nc:

@@ -334,7 +334,7 @@ class EmbeddingKernel(Kernel):
                 ids = jnp.where((ids >= 0) & (ids < size), ids, size)  # outside: dropped
                 rows = size
             else:
-                dy = jax.lax.dynamic_slice_in_dim(dy, f0, size, 2)
+                dy = compat.slice_at(dy, f0, size, 2)
                 cols = size
         if total is None:
             total = jnp.zeros((ids.shape[0], rows, cols), dy.dtype)

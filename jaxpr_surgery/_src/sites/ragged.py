@@ -243,15 +243,15 @@ class RaggedKernel(DenseKernel):
         d = dy[:, 0]
         if cut is not None:
             _, f0, fs = cut
-            d = jax.lax.dynamic_slice_in_dim(d, f0, fs, 2)
+            d = compat.slice_at(d, f0, fs, 2)
         G = jax.vmap(lambda x, d, i: grouped_outer(x, d, i, self.c["G"]))(x, d, gid)
         return G.reshape(G.shape[0], 1, self.c["C"], G.shape[-1])
 
     def _tile_G(self, x, dy, b0, size, cut=None, tokens=None):
         if tokens is not None:  # canonical tokens (the exact centred path)
             return super()._tile_G(x, dy, b0, size, cut, tokens)
-        xs = jax.lax.dynamic_slice_in_dim(x, b0, size, 0)
-        ds = jax.lax.dynamic_slice_in_dim(dy, b0, size, 0)
+        xs = compat.slice_at(x, b0, size, 0)
+        ds = compat.slice_at(dy, b0, size, 0)
         return self._grouped(xs, ds, cut)
 
     def materialise(self, ing):
