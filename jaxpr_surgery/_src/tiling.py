@@ -351,7 +351,9 @@ def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0):
     def put(acc, vals, f0):
         return [
             a + v if p else jax.tree.map(
-                lambda a, v: compat.update_at(a, v, f0, axis), a, v
+                # (lax's default, wrap-around select included: with the block's offset
+                # passed as it is XLA:CPU ran s512's variance 1.3x slower)
+                lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, f0, axis), a, v
             )
             for a, v, p in zip(acc, vals, adds)
         ]
