@@ -747,7 +747,7 @@ class Centered(ElementwiseReduction):
 
     def from_examples(self, G):
         if G.shape[0] == 1:  # (one example: its own mean, nothing about it)
-            return Moments(G[0], jnp.zeros_like(G[0]))
+            return Moments(G[0], compat.make_varying(jnp.zeros_like(G[0]), compat.vma_of(G)))
         m = jnp.mean(G, axis=0)
         return Moments(m, jnp.sum(jnp.square(G - m), axis=0))
 

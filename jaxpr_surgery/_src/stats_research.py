@@ -113,7 +113,7 @@ class CentralMoments(S.ElementwiseReduction):
 
     def from_examples(self, G):
         if G.shape[0] == 1:  # (one example: its own mean, nothing about it)
-            z = jnp.zeros_like(G[0])
+            z = compat.make_varying(jnp.zeros_like(G[0]), compat.vma_of(G))
             return CentralSums(G[0], z, z, z)
         # (sums against the rounded mean, corrected by their first: `finish`)
         m = jnp.mean(G, axis=0)
