@@ -417,9 +417,17 @@ def per_example_partial(
     the example.
 
     Args:
-      fn, stat, argnums, batch_argnums, keep_batch_dim, has_aux, chunk_size, strict,
-        axis_name, memory_budget_bytes, check: as in `per_example_stat` (``aux`` is
-        computed and dropped).
+      fn: as in `per_example_stat`.
+      stat: as in `per_example_stat`.
+      argnums: as in `per_example_stat`.
+      batch_argnums: as in `per_example_stat`.
+      keep_batch_dim: as in `per_example_stat`.
+      has_aux: as in `per_example_stat` (``aux`` is computed and dropped).
+      chunk_size: as in `per_example_stat`.
+      strict: as in `per_example_stat`.
+      axis_name: as in `per_example_stat`.
+      memory_budget_bytes: as in `per_example_stat`.
+      check: as in `per_example_stat`.
 
     Returns:
       A function with the signature of ``fn`` returning a `Partial`.
