@@ -13,8 +13,8 @@ import pytest
 import zoo
 
 import jaxpr_surgery as js
+from jaxpr_surgery._src import compat, interpreter
 from jaxpr_surgery._src import fingerprint as fp
-from jaxpr_surgery._src import interpreter
 from jaxpr_surgery._src.sites import dense
 
 D, T = 6, 5
@@ -54,6 +54,14 @@ def _case(L, dtype, B=7, seed=0):
 
 def _layer(h, p):
     return jnp.tanh(h @ p["w"] + p["b"])
+
+
+def _all_eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs in its equations' params."""
+    for e in jaxpr.eqns:
+        yield e
+        for sub in compat.subjaxprs(e):
+            yield from _all_eqns(getattr(sub, "jaxpr", sub))
 
 
 def test_identical_layers_trace_their_site_once(monkeypatch):
@@ -414,17 +422,11 @@ def test_chunked_variance_carries_mean_and_m2_only(weighted):
         f = js.per_example_stat(loss, js.stats.variance(ddof=0), chunk_size=3)
         call = (lambda p, b: f(p, b, example_weights=w)) if weighted else f
         closed = jax.make_jaxpr(call)(params, batch)
-        from jaxpr_surgery._src import api, compat
+        from jaxpr_surgery._src import api
 
-        def loops(j):  # the loops over chunks, wherever they are (weights: under a vjp rule)
-            for e in j.eqns:
-                scope = str(e.source_info.name_stack)
-                if e.primitive is jax.lax.scan_p and api.CHUNK_LOOP in scope:
-                    yield e
-                for sub in compat.subjaxprs(e):
-                    yield from loops(getattr(sub, "jaxpr", sub))
-
-        found = list(loops(closed.jaxpr))
+        found = [e for e in _all_eqns(closed.jaxpr)  # (with weights: under a vjp rule)
+                 if e.primitive is jax.lax.scan_p
+                 and api.CHUNK_LOOP in str(e.source_info.name_stack)]
         assert found
         for e in found:  # (the loop's outputs: its carry and the per-example losses)
             n_w = sum(v.aval.shape == (D2, 3) for v in e.outvars)
@@ -496,21 +498,11 @@ def test_tile_and_chunk_slices_stage_no_wraparound_of_negative_starts():
     equations of a 4-layer transformer's ``second_moment``). Tiles of one example in
     feature blocks (a tiny memory budget), chunks of 3 with a remainder; values against
     the oracle."""
-    from jaxpr_surgery._src import compat
-
     params, batch = _case(3, jnp.float32, B=7, seed=4)
     loss = _stack(3, _layer)
     f = js.per_example_stat(loss, js.stats.second_moment(), chunk_size=3,
                             memory_budget_bytes=256)
-    seen = []
-
-    def walk(j):
-        for e in j.eqns:
-            seen.append(e.primitive)
-            for sub in compat.subjaxprs(e):
-                walk(getattr(sub, "jaxpr", sub))
-
-    walk(jax.make_jaxpr(f)(params, batch).jaxpr)
+    seen = [e.primitive for e in _all_eqns(jax.make_jaxpr(f)(params, batch).jaxpr)]
     assert compat.dynamic_slice_p in seen  # (the tiles and chunks are there)
     names = [str(p) for p in seen]
     assert names.count("select_n") == 0 and names.count("lt") == 0, (

@@ -439,17 +439,16 @@ def recentre(s: Shifted, n) -> Shifted:
     return Shifted(*(jnp.where(jnp.asarray(n) > 0, u, v) for u, v in zip(out, s)))
 
 
-def chan_update(a: Shifted, na, mean_b, m2_b, nb, about_the_mean=False) -> Moments:
+def chan_update(a: Shifted, na, mean_b, m2_b, nb) -> Moments:
     """The `Moments` of ``na`` examples (their `Shifted` sums ``a``) followed by ``nb``
     more of mean ``mean_b`` and centred sum of squares ``m2_b`` (Chan et al.: exact, no
     cancellation). Counts may be traced, and are total weights with
-    ``example_weights``; with none before, the new ones' moments exactly.
-    ``about_the_mean``: ``a`` is about its own mean (``s1 = 0``, None: `Centered`
-    outside derivatives in the weights)."""
+    ``example_weights``; with none before, the new ones' moments exactly. ``a.s1``
+    None: ``a`` is about its own mean (`_about_the_mean`)."""
     dt = jnp.result_type(a.shift)
     na, nb = jnp.asarray(na, dt), jnp.asarray(nb, dt)
     before = na > 0
-    if about_the_mean:
+    if a.s1 is None:
         mean_a, m2_a = a.shift, a.s2
     else:
         d1 = a.s1 / jnp.where(before, na, 1)
@@ -465,6 +464,24 @@ def _about_the_mean(m: Moments) -> Shifted:
     """`Moments` as `Shifted` sums against their own mean: ``s1 = 0``, left out (None), so
     that no program carries or reads it (`Centered` outside derivatives in the weights)."""
     return Shifted(m.mean, None, m.m2)
+
+
+def _moments_of(G) -> Moments:
+    """The exact two-pass `Moments` of the examples of ``G [b, ...]`` (one example: its
+    own mean, zero about it)."""
+    if G.shape[0] == 1:
+        g = G[0]
+        return Moments(g, compat.make_varying(jnp.zeros_like(g), compat.vma_of(g)))
+    m = jnp.mean(G, axis=0)
+    return Moments(m, jnp.sum(jnp.square(G - m), axis=0))
+
+
+def _weighted_moments(G, wb):
+    """``(W, Moments)``: the total weight and the exact two-pass `Moments` of the examples
+    of ``G [b, ...]`` weighted by ``wb`` (broadcast against ``G``)."""
+    W = jnp.sum(wb, axis=0)
+    m = jnp.sum(wb * G, axis=0) / jnp.where(W > 0, W, 1)
+    return W, Moments(m, jnp.sum(wb * jnp.square(G - m), axis=0))
 
 
 def merge_shifted(a: Shifted, na, b: Moments, nb) -> Shifted:
@@ -746,10 +763,7 @@ class Centered(ElementwiseReduction):
         return Shifted(z, z if ew.is_open() else None, z)  # (about the mean: no s1)
 
     def from_examples(self, G):
-        if G.shape[0] == 1:  # (one example: its own mean, nothing about it)
-            return Moments(G[0], compat.make_varying(jnp.zeros_like(G[0]), compat.vma_of(G)))
-        m = jnp.mean(G, axis=0)
-        return Moments(m, jnp.sum(jnp.square(G - m), axis=0))
+        return _moments_of(G)
 
     @fp.traced_once
     def merge(self, a, na, b, nb):
@@ -759,7 +773,7 @@ class Centered(ElementwiseReduction):
     def accumulate(self, acc, n, value, m):
         if ew.is_open():
             return merge_shifted(acc, n, value, m)
-        return _about_the_mean(chan_update(acc, n, value.mean, value.m2, m, True))
+        return _about_the_mean(chan_update(acc, n, value.mean, value.m2, m))
 
     def start_examples(self, acc, n, G):
         """The first tile of a loop (``acc``: a carried accumulator, or None)."""
@@ -780,10 +794,7 @@ class Centered(ElementwiseReduction):
         return self._add(acc, G)
 
     def from_weighted(self, G, w):
-        wb = _per_example(w, G)
-        W = jnp.sum(wb, axis=0)
-        m = jnp.sum(wb * G, axis=0) / jnp.where(W > 0, W, 1)
-        return Moments(m, jnp.sum(wb * jnp.square(G - m), axis=0))
+        return _weighted_moments(G, _per_example(w, G))[1]
 
     def start_weighted(self, acc, W, G, w):
         wb = _per_example(w, G)
@@ -808,22 +819,10 @@ class Centered(ElementwiseReduction):
         """``acc`` (None: no examples before; else of ``n`` examples, or of total weight
         ``n`` with weights ``wb``) followed by the examples of ``G``: the tile's exact
         two-pass moments merged in by Chan's rule, the sums against the new mean."""
-        if wb is None:
-            nb = G.shape[0]
-            if nb == 1:  # (one example: its own mean, nothing about it)
-                mu, m2 = G[0], None
-            else:
-                mu = jnp.mean(G, axis=0)
-                m2 = jnp.sum(jnp.square(G - mu), axis=0)
-        else:
-            nb = jnp.sum(wb, axis=0)
-            mu = jnp.sum(wb * G, axis=0) / jnp.where(nb > 0, nb, 1)
-            m2 = jnp.sum(wb * jnp.square(G - mu), axis=0)
-        if m2 is None:
-            m2 = compat.make_varying(jnp.zeros_like(mu), compat.vma_of(mu))
+        nb, m = (G.shape[0], _moments_of(G)) if wb is None else _weighted_moments(G, wb)
         if acc is None:
-            return Shifted(mu, None, m2)
-        return _about_the_mean(chan_update(acc, n, mu, m2, nb, True))
+            return _about_the_mean(m)
+        return _about_the_mean(chan_update(acc, n, m.mean, m.m2, nb))
 
     @staticmethod
     def _add(acc, G, wb=None):
@@ -832,24 +831,24 @@ class Centered(ElementwiseReduction):
             s1, s2 = jnp.sum(d, axis=0), jnp.sum(jnp.square(d), axis=0)
         else:
             s1, s2 = jnp.sum(wb * d, axis=0), jnp.sum(wb * jnp.square(d), axis=0)
-        if acc.s1 is None:
+        if acc.s2 is None:  # (no sums yet: the tile's shift only)
             return Shifted(acc.shift, s1, s2)
         return Shifted(acc.shift, acc.s1 + s1, acc.s2 + s2)
 
     @fp.traced_once
     def finish(self, acc, n):
-        if not ew.is_open():  # (about the mean: `_chan`)
+        if acc.s1 is None:  # (about the mean: `_chan`)
             return Moments(acc.shift, nonneg(acc.s2))
         return shifted_moments(acc, n)
 
     @fp.traced_once
     def recentre(self, acc, n):
-        if not ew.is_open():
+        if acc.s1 is None:  # (about the mean already)
             return acc
         return recentre(acc, n)
 
     def total(self, acc, n):
-        if not ew.is_open():  # (about the mean)
+        if acc.s1 is None:  # (about the mean)
             return jnp.asarray(n, acc.shift.dtype) * acc.shift
         return jnp.asarray(n, acc.shift.dtype) * acc.shift + acc.s1
 

@@ -113,8 +113,9 @@ class CentralMoments(S.ElementwiseReduction):
 
     def from_examples(self, G):
         if G.shape[0] == 1:  # (one example: its own mean, nothing about it)
-            z = compat.make_varying(jnp.zeros_like(G[0]), compat.vma_of(G))
-            return CentralSums(G[0], z, z, z)
+            g = G[0]
+            z = compat.make_varying(jnp.zeros_like(g), compat.vma_of(g))
+            return CentralSums(g, z, z, z)
         # (sums against the rounded mean, corrected by their first: `finish`)
         m = jnp.mean(G, axis=0)
         return self.finish(self._add(ShiftedSums(m, None, None, None, None), G), G.shape[0])
