@@ -12,6 +12,7 @@ import _models as M
 import jax
 import numpy as np
 import pytest
+import zoo
 from jax.sharding import PartitionSpec as P
 
 import jaxpr_surgery as js
@@ -160,3 +161,24 @@ def test_tensor_parallel_kron_moments_raise_clearly():
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         sm({k: jax.device_put(v, ns(specs[k])) for k, v in params.items()},
            jax.device_put(batch, ns(P("data"))))
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_shard_map_central_moments_equal_full_batch(chunk):
+    """The research statistics of central moments (kurtosis; variance beside it) under
+    shard_map, also in chunks of one local example (one example's own values: its mean,
+    zero about it, varying over the mesh axis): the whole batch's value on every device,
+    against the vmap(grad) oracle."""
+    loss, params, batch = M.get("transformer")
+    stats = {"kurtosis": js.stats.kurtosis(), "variance": js.stats.variance()}
+    fn = js.per_example_stat(loss, stats, axis_name="d", chunk_size=chunk)
+    mesh = _mesh()
+    sm = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("d")),
+                       out_specs={k: P() for k in stats}, check_vma=True)
+    out = jax.jit(sm)(*_place(mesh, params, batch))
+    g = jax.jit(M.per_example_grads, static_argnums=0)(loss, params, batch)
+    for k in stats:
+        want = zoo.oracle_from_grads(g, k)
+        for a, b in zip(jax.tree.leaves(out[k]), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-3, atol=1e-6,
+                                       err_msg=k)
