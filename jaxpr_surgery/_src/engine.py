@@ -449,7 +449,8 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
             for j, r in enumerate(plan.reductions):
                 if not r.weighted_by_norm:
                     values[j][i] = plan.bound(r, i).from_examples(G)
-            norms_leaf[i] = S.Norms().from_examples(G)
+            if plan.has_clip:
+                norms_leaf[i] = S.Norms().from_examples(G)
             deferred[i] = lambda c, finite_only=False, G=G: (
                 _finite_sum(G, c) if finite_only else weighted_sum_materialised(G, c))
         elif mode == "direct":
