@@ -254,3 +254,43 @@ def test_weighted_accumulation_refuses_a_statistic_of_every_weight():
     # without weights it is accumulated (weights=None)
     partial = js.per_example_partial(loss, jso.stat_request(acc, state))(params, batch)
     acc.update(partial, state, params)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_dp_sgd_accumulates_weighted_micro_batches_against_their_largest_weight(jit):
+    """DP-SGD over micro-batches with example_weights: the state keeps their largest
+    weight, so the check of the noise's sensitivity (``max_weight`` against
+    ``max_example_weight``) reads the concatenated batch's (it was refused as a
+    statistic of every weight). Two micro-batches equal one weighted DP step with the
+    same key; a weight above the bound in the first micro-batch, not the one that
+    steps, still poisons the step (NaN) rather than noise sized for a smaller bound."""
+    with M.x64():
+        loss, params, batch = M.make_mlp(dtype=jnp.float64, seed=16, batch_size=6)
+        inner = jso.dp_sgd(0.1, clip_norm=0.5, noise_multiplier=0.7, max_example_weight=2.0)
+        key = jax.random.key(3)
+        good = jnp.array([2.0, 0.5, 1.0, 1.5, 0.0, 1.0])
+        bad = good.at[1].set(2.5)
+        for w, ok in ((good, True), (bad, False)):
+            acc = jso.accumulate(inner, every_k=2)
+            state = acc.init(params)
+            f = js.per_example_partial(loss, jso.stat_request(acc, state))
+            f = jax.jit(f) if jit else f
+            got = params
+            for a, b in ((0, 2), (2, 6)):
+                micro = jax.tree.map(lambda x, a=a, b=b: x[a:b], batch)
+                partial = f(got, micro, example_weights=w[a:b])
+                updates, state = acc.update(partial, state, got, key=key)
+                got = optax.apply_updates(got, updates)
+            assert int(state.gradient_step) == 1
+            stats = js.per_example_stat(loss, jso.stat_request(inner))(
+                params, batch, example_weights=w)
+            assert float(stats["max_weight"]) == float(jnp.max(w))
+            if not ok:  # (one eager step on the whole batch refuses it outright)
+                assert all(np.all(np.isnan(x)) for x in jax.tree.leaves(got))
+                with pytest.raises(ValueError, match="above max_example_weight=2"):
+                    inner.update(stats["mean"], inner.init(params), params,
+                                 **jso.update_kwargs(stats, key=key))
+                continue
+            u, _ = inner.update(stats["mean"], inner.init(params), params,
+                                **jso.update_kwargs(stats, key=key))
+            _assert_trees_close(got, optax.apply_updates(params, u), "parameters")

@@ -178,7 +178,8 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
     Statistics per example (``sq_norms``, ``norms``) cannot be accumulated in a state
     of fixed shape and raise a ``ValueError``; so does, with weights, a statistic that
     reads every weight (the state keeps their total, sum of squares and largest: the
-    effective batch size of the noise scale and ``snr``).
+    effective batch size of the noise scale and ``snr``, and the largest weight a DP
+    optimizer checks against its ``max_example_weight``).
 
     Args:
       inner: an optimizer of `jaxpr_surgery.optim`, or any optax transformation

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxpr_surgery._src import example_weights as _ew
 from jaxpr_surgery._src import stats as _stats
 
 __all__ = [
@@ -116,15 +117,16 @@ class _MaxWeight(_stats.Statistic):
     defined_when_empty = True  # (on an all-padding batch too)
 
     uses_weights = True
+    # read through example_weights.max_weight alone: `js.optim.accumulate` keeps the
+    # largest weight of its micro-batches (`WeightSummary`)
+    weight_summary = True
 
     def reductions(self):
         return {"s": _stats.SUM}  # shared with mean(): free
 
     def finalize(self, values, count, weights=None):
-        del values
-        if weights is None:
-            return jnp.ones((), jnp.result_type(float))
-        return jnp.max(weights)
+        del values, count
+        return _ew.max_weight(weights)
 
     def __repr__(self):
         return "max_weight()"
