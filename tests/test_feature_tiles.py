@@ -144,3 +144,56 @@ def test_reduce_tiles_blocks_equal_whole():
         np.testing.assert_allclose(
             np.asarray(cut[5].m2), np.asarray(jnp.sum(jnp.square(G - mean), 0)), rtol=1e-12
         )
+
+
+@pytest.mark.parametrize("T", [256, 32])
+def test_cache_sized_blocks_where_they_pay(monkeypatch, T):
+    """On CPU one example's G above `CACHE_TILE_BYTES` (here 8 MiB) is cut into
+    cache-sized blocks for a reduction that passes over each block several times (the
+    variance's mean and m2), and for any where G is cheap to produce (fewer than
+    `WHOLE_G_MIN_TOKENS` tokens). A long sequence's single-pass reductions (E[g^2],
+    E[sign g]) ran no faster so (T=256, d=768) and each block loop is one
+    more loop for XLA to compile: within the memory budget they take G whole; above it,
+    budget-sized blocks still. Values against vmap(grad) in float64."""
+    from jaxpr_surgery._src import tiling
+
+    monkeypatch.setattr(tiling, "prefer_per_example", lambda: True)
+    seen = []
+    inner = tiling._feature_blocks
+
+    def spy(features, *rest):
+        seen.append(features[1])
+        return inner(features, *rest)
+
+    monkeypatch.setattr(tiling, "_feature_blocks", spy)
+    d, B = 1024, 3
+    few = T < tiling.WHOLE_G_MIN_TOKENS
+    with zoo.x64():
+        k = jax.random.split(jax.random.PRNGKey(7), 3)
+        params = {"w": jax.random.normal(k[0], (d, d), jnp.float64) / np.sqrt(d)}
+        batch = {"x": jax.random.normal(k[1], (B, T, d), jnp.float64),
+                 "y": jax.random.normal(k[2], (B, T, d), jnp.float64)}
+
+        def loss(p, b):
+            return jnp.mean(jnp.sum(jnp.tanh(b["x"] @ p["w"]) * b["y"], (-2, -1)))
+
+        one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
+        g = np.asarray(jax.vmap(jax.grad(one), (None, 0))(params, batch)["w"])  # [B, d, d]
+        want = {"second_moment": np.mean(g**2, 0), "sign_mean": np.mean(np.sign(g), 0),
+                "sq_norms": np.sum(g**2, (1, 2)), "variance": np.var(g, 0, ddof=1)}
+        for name, blocked in (("second_moment", few), ("sign_mean", few),
+                              ("sq_norms", False), ("variance", True)):  # (sq_norms: ghost)
+            seen.clear()
+            f = js.per_example_stat(loss, getattr(js.stats, name)(), chunk_size=None)
+            got = f(params, batch)
+            got = got if name == "sq_norms" else got["w"]  # (sq_norms: over every leaf)
+            np.testing.assert_allclose(got, want[name], rtol=1e-10, atol=1e-12, err_msg=name)
+            assert bool(seen) == blocked, (name, seen)  # 8 MiB G: blocks of 2 MiB or none
+            if blocked:
+                assert all(s * d * 8 <= tiling.CACHE_TILE_BYTES for s in seen), seen
+        # above the budget, single-pass reductions are cut too (budget-sized blocks)
+        seen.clear()
+        f = js.per_example_stat(loss, js.stats.second_moment(), chunk_size=None,
+                                memory_budget_bytes=3 << 20)
+        np.testing.assert_allclose(f(params, batch)["w"], want["second_moment"], rtol=1e-10)
+        assert seen and all(s * d * 8 <= 3 << 20 for s in seen), seen

@@ -102,6 +102,7 @@ class CentralMoments(S.ElementwiseReduction):
 
     shift_bounded: ClassVar[bool] = True
     knows_total: ClassVar[bool] = True
+    cache_blocks: ClassVar[bool] = True  # (four power sums per block)
 
     def aval(self, shape, dtype, B):
         v = jax.ShapeDtypeStruct(tuple(shape), dtype)
