@@ -864,7 +864,7 @@ def blocks(monkeypatch):
 
     monkeypatch.setattr(tiling, "CACHE_TILE_BYTES", 100)
     # every reduction in cache-sized blocks (on CPU only centred moments ask for them)
-    monkeypatch.setattr(tiling, "cache_sized", lambda reductions, tokens=0: True)
+    monkeypatch.setattr(tiling, "cache_sized", lambda cache_blocks, tokens: True)
     monkeypatch.setattr(tiling, "MIN_FEATURE_TILE_BYTES", 1)
     monkeypatch.setattr(tiling, "prefer_per_example", lambda: True)
     # block sizes as the budget gives them, remainders included (not a divisor)

@@ -191,6 +191,17 @@ def test_cache_sized_blocks_where_they_pay(monkeypatch, T):
             assert bool(seen) == blocked, (name, seen)  # 8 MiB G: blocks of 2 MiB or none
             if blocked:
                 assert all(s * d * 8 <= tiling.CACHE_TILE_BYTES for s in seen), seen
+        # one decision per call: with the variance in the same call, E[g^2] shares its
+        # blocks, and explain says so for both (its rules are the engine's)
+        seen.clear()
+        pair = (js.stats.second_moment(), js.stats.variance())
+        got = js.per_example_stat(loss, pair, chunk_size=None)(params, batch)
+        np.testing.assert_allclose(got[0]["w"], want["second_moment"], rtol=1e-10, atol=1e-12)
+        assert seen, "no feature blocks with the variance in the call"
+        for stats in (pair, (js.stats.second_moment(),)):
+            hows = js.explain(loss, stats, chunk_size=None)(params, batch).leaves[0].hows
+            cut = {n: f"of {d} on axis" in h for n, h in hows.items()}
+            assert cut == {n: few or len(stats) > 1 for n in hows}, hows
         # above the budget, single-pass reductions are cut too (budget-sized blocks)
         seen.clear()
         f = js.per_example_stat(loss, js.stats.second_moment(), chunk_size=None,

@@ -150,9 +150,11 @@ def make_plan(
             plan.modes.append("ingredients")
         else:
             plan.modes.append(rule)  # residual | unused
+    # (one decision per call: every tile loop, explain's rules and the cost model agree)
+    cache_blocks = any(r.cache_blocks for r in reductions)
     for p, site in analysis.sites.items():
         dts = [site.base.aval.dtype] + [v.aval.dtype for v in site.eqn.outvars]
-        plan.kernels[p] = kernel_for(site, acc_dtype_for(*dts), budget)
+        plan.kernels[p] = kernel_for(site, acc_dtype_for(*dts), budget, cache_blocks)
     return plan
 
 

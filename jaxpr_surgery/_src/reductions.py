@@ -554,7 +554,6 @@ class Weighted(Reduction):
     linear = property(lambda self: self.inner.linear)
     weighted_by_norm = property(lambda self: self.inner.weighted_by_norm)
     knows_total = property(lambda self: self.inner.knows_total)
-    cache_blocks = property(lambda self: self.inner.cache_blocks)
 
     def at(self, n0, W0):
         """The same weights counted from ``n0`` examples of weight ``W0`` before."""

@@ -63,13 +63,12 @@ def leaf_tile(B: int, shape, dtype, budget, kernels) -> int:
 WHOLE_G_MIN_TOKENS = 256
 
 
-def cache_sized(reductions, tokens=0) -> bool:
-    """Whether one example's ``G`` (a product over ``tokens`` tokens; 0: unknown) is cut
-    into cache-sized blocks on CPU for ``reductions`` (`feature_tile`): where it is
-    cheap to produce (fewer than `WHOLE_G_MIN_TOKENS` tokens), or where a reduction
-    passes over each block several times (`Reduction.cache_blocks`: centred moments)."""
-    return tokens < WHOLE_G_MIN_TOKENS or any(
-        getattr(r, "cache_blocks", False) for r in reductions)
+def cache_sized(cache_blocks, tokens) -> bool:
+    """Whether one example's ``G``, a product over ``tokens`` tokens, is cut into
+    cache-sized blocks on CPU (`feature_tile`): where it is cheap to produce (fewer than
+    `WHOLE_G_MIN_TOKENS` tokens), or where the call has a reduction that passes over each
+    block several times (``cache_blocks``: `Reduction.cache_blocks`, centred moments)."""
+    return cache_blocks or tokens < WHOLE_G_MIN_TOKENS
 
 
 def feature_tile(shape, dtype, axes, budget, cache=True) -> tuple[int, int] | None:

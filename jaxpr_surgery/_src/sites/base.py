@@ -185,9 +185,10 @@ def kind_for(eqn, tag, pos, patterns):
     return _DEFAULT[0]
 
 
-def kernel_for(site, acc_dtype, budget=None):
+def kernel_for(site, acc_dtype, budget=None, cache_blocks=True):
     k = site.kernel(site, acc_dtype)
     k.budget = budget
+    k.cache_blocks = cache_blocks
     return k
 
 
@@ -324,6 +325,9 @@ class Kernel:
         self.site = site
         self.acc = acc_dtype
         self.budget = budget  # bytes per tile of per-example gradients (None: default)
+        # a reduction of the call passes over each block of G several times
+        # (`Reduction.cache_blocks`; `tiling.cache_sized`): set by the plan
+        self.cache_blocks = True
 
     # the site's value for a batch (the forward pass and its VJP) ---------- #
     def forward(self, f, ext_batched):

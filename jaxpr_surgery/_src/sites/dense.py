@@ -304,7 +304,7 @@ class DenseKernel(Kernel):
             GHOST, float(2 * B * K * N * N * (C + F) + 2 * B * K * N * N),
             float(io + 4 * B * K * N * N * it), float(2 * B * K * N * N * it),
         )
-        t, ft = self.tile(B), self.feature_tile(B, [S.SqNorms()])
+        t, ft = self.tile(B), self.feature_tile(B)
         products = Candidate(
             PRODUCTS, float(2 * B * K * N * C * F + 2 * B * K * C * F),
             float(io + 2 * B * K * C * F * it),
@@ -406,10 +406,9 @@ class DenseKernel(Kernel):
     def carried_keys(self, reductions, B):
         # not in feature blocks: measured 5-15% slower than merging afterwards (on a
         # large-vocabulary tied table), as slicing the running values per block costs
-        keys = self._in_tile_loop(reductions)
-        if self.feature_tile(B, [reductions[k] for k in keys]) is not None:
+        if self.feature_tile(B) is not None:
             return []
-        return [k for k in keys if reductions[k].carries]
+        return [k for k in self._in_tile_loop(reductions) if reductions[k].carries]
 
     def from_view(self, v):
         """[..., *w_shape] -> [..., K, C, F] (undoes `to_view`)."""
@@ -472,21 +471,21 @@ class DenseKernel(Kernel):
         """Per example of a tile, memory besides ``G`` (a conv's patches); here none."""
         return 0
 
-    def feature_tile(self, B, reductions, budget=None):
-        """Blocks of one example's ``G [K, C, F]`` along ``C`` or ``F`` for a tile loop
-        of ``reductions`` (tiling.py: cache-sized on CPU for few tokens, or where a
-        reduction asks), or None; only where a tile holds one example."""
+    def feature_tile(self, B, budget=None):
+        """Blocks of one example's ``G [K, C, F]`` along ``C`` or ``F`` (tiling.py:
+        cache-sized on CPU for few tokens, or where a reduction of the call asks), or
+        None; only where a tile holds one example."""
         c = self.c
         budget = self.budget if budget is None else budget
         if self.tile(B, budget) != 1:
             return None
         return tiling.feature_tile((c["K"], c["C"], c["F"]), self.acc, self.FEATURE_AXES, budget,
-                                   cache=tiling.cache_sized(reductions, c["N"]))
+                                   cache=tiling.cache_sized(self.cache_blocks, c["N"]))
 
     def tiled(self, x, dy, reds, budget=None, tokens=None, carry=None):
         c = self.c
         B = x.shape[0]
-        ft = self.feature_tile(B, reds, budget)
+        ft = self.feature_tile(B, budget)
         features = ft and (
             *ft,
             lambda b0, size, f0, fs: self._tile_G(x, dy, b0, size, (ft[0], f0, fs), tokens),
@@ -750,7 +749,7 @@ class DenseKernel(Kernel):
     def example_norm(self, ing, b):
         """Example ``b``'s ``G`` formed alone (in feature blocks where it is large)."""
         x, dy = ing
-        ft = self.feature_tile(x.shape[0], [S.Norms()])
+        ft = self.feature_tile(x.shape[0])
         blocks = ft and (ft[0], ft[1], (self.c["K"], self.c["C"], self.c["F"])[ft[0]])
         return example_norm(lambda cut: self._tile_G(x, dy, b, 1, cut), blocks)
 
@@ -776,7 +775,7 @@ class DenseKernel(Kernel):
                 STREAMED, "fused per-example products (Pallas kernel)",
                 float(2 * B * K * N * C * F), 0.0,
             )
-        t, ft, shape = self.tile(B), self.feature_tile(B, [reduction]), (K, C, F)
+        t, ft, shape = self.tile(B), self.feature_tile(B), (K, C, F)
         return Rule(
             STREAMED,
             f"tiled per-example products ({tiling.describe(t, ft, shape)})",

@@ -329,7 +329,7 @@ class RaggedKernel(DenseKernel):
         grouped = float(2 * B * N * k * n)  # the ragged products' FLOPs, every row once
 
         def tiled():
-            t, ft, shape = self.tile(B), self.feature_tile(B, [reduction]), (1, c["C"], n)
+            t, ft, shape = self.tile(B), self.feature_tile(B), (1, c["C"], n)
             return Rule(
                 STREAMED,
                 f"tiled per-example grouped products ({tiling.describe(t, ft, shape)})",
