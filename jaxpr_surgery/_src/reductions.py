@@ -120,11 +120,11 @@ class Reduction(abc.ABC):
         (clipping: every leaf, or the leaves under one bound of a tree of bounds).
       knows_total: the accumulator knows the plain sum of its examples (`total`).
       cache_blocks: the accumulator passes over each block of an example's gradient
-        several times (centred moments): on CPU the tile loop cuts a large ``G`` into
-        cache-sized blocks for it (`tiling.feature_tile`; measured 6% faster per step
-        than whole on a d=768 transformer at T=256). Reductions that read each block
-        once take a long sequence's ``G`` whole within the memory budget
-        (`tiling.cache_sized`).
+        several times (centred moments): on CPU the tile loops of a call that has one
+        cut a large ``G`` into cache-sized blocks (`tiling.feature_tile`; measured 6%
+        faster per step than whole on a d=768 transformer at T=256). Calls whose
+        reductions read each block once take a long sequence's ``G`` whole within the
+        memory budget (`tiling.cache_sized`).
     """
 
     per_example: ClassVar[bool] = False
