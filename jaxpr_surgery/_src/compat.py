@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.extend as jex
+import jax.numpy as jnp
 from jax import lax
 from jax._src import core as _core  # noqa: F401  (Literal/Var types)
 from jax._src.lax import control_flow as _cf
@@ -437,6 +438,12 @@ def make_varying(x, axes):
     if hasattr(lax, "pcast"):
         return lax.pcast(x, missing, to="varying")
     return lax.pvary(x, missing)  # pragma: no cover - older jax
+
+
+def zeros_like_varying(x):
+    """Zeros shaped and typed like ``x``, varying over the manual axes it varies over
+    (``jnp.zeros_like`` gives an invariant array inside shard_map)."""
+    return make_varying(jnp.zeros_like(x), vma_of(x))
 
 
 def ordering_barrier(tree):

@@ -707,7 +707,7 @@ def carried(kernel, ctx, direct, sink, B):
     out = kernel.direct_all(ctx, run, S.Carry({k: init[k] for k in keys}, n) if keys else None)
     for k in set(init) - keys:
         out[k] = after[k].accumulate(init[k], n, out[k], B)
-    out[CARRY_COUNT] = compat.make_varying(jnp.zeros_like(n), compat.vma_of(n))
+    out[CARRY_COUNT] = compat.zeros_like_varying(n)
     return out
 
 
@@ -767,7 +767,7 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
                 out["ing"] = out.pop(KEPT) if KEPT in out else kernel.ingredients(ctx)
             for k in (EX_WEIGHTS, CARRY_WEIGHT):  # (inputs: no cotangent)
                 if sink is not None and k in sink:
-                    out[k] = compat.make_varying(jnp.zeros_like(sink[k]), compat.vma_of(sink[k]))
+                    out[k] = compat.zeros_like_varying(sink[k])
             out = jax.tree.map(lambda o, d: o.astype(d), out, sink_dtypes)
             if finish:
                 dy, out = jax.lax.optimization_barrier((dy, out))
@@ -843,7 +843,7 @@ def make_weighted_site_fn(cache):
             return [kernel.weighted_sum(ing, c).astype(d) for c, d in zip(weights, out_dtypes)]
 
         def zeros(weights):
-            return [compat.make_varying(jnp.zeros_like(c), compat.vma_of(c)) for c in weights]
+            return [compat.zeros_like_varying(c) for c in weights]
 
         if site.tap_of is not None:  # (interpreter._custom_vjp_tap)
             sums_j = jax.jit(sums_of)

@@ -440,7 +440,7 @@ def reshift(s: Shifted, n, K) -> Shifted:
 def recentre(s: Shifted, n) -> Shifted:
     """The same moments of ``n`` examples against their mean (``s1 = 0``)."""
     m = shifted_moments(s, n)
-    out = Shifted(m.mean, compat.make_varying(jnp.zeros_like(s.s1), compat.vma_of(s.s1)), m.m2)
+    out = Shifted(m.mean, compat.zeros_like_varying(s.s1), m.m2)
     if not ew.is_open():
         return out
     return Shifted(*(jnp.where(jnp.asarray(n) > 0, u, v) for u, v in zip(out, s)))
@@ -478,7 +478,7 @@ def _moments_of(G) -> Moments:
     own mean, zero about it)."""
     if G.shape[0] == 1:
         g = G[0]
-        return Moments(g, compat.make_varying(jnp.zeros_like(g), compat.vma_of(g)))
+        return Moments(g, compat.zeros_like_varying(g))
     m = jnp.mean(G, axis=0)
     return Moments(m, jnp.sum(jnp.square(G - m), axis=0))
 

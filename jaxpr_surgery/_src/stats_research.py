@@ -115,7 +115,7 @@ class CentralMoments(S.ElementwiseReduction):
     def from_examples(self, G):
         if G.shape[0] == 1:  # (one example: its own mean, nothing about it)
             g = G[0]
-            z = compat.make_varying(jnp.zeros_like(g), compat.vma_of(g))
+            z = compat.zeros_like_varying(g)
             return CentralSums(g, z, z, z)
         # (sums against the rounded mean, corrected by their first: `finish`)
         m = jnp.mean(G, axis=0)
@@ -235,7 +235,7 @@ class CentralMoments(S.ElementwiseReduction):
     @fp.traced_once
     def recentre(self, acc, n):
         c = self.finish(acc, n)
-        z = compat.make_varying(jnp.zeros_like(acc.s1), compat.vma_of(acc.s1))
+        z = compat.zeros_like_varying(acc.s1)
         out = ShiftedSums(c.mean, z, c.m2, c.m3, c.m4)
         if not ew.is_open():
             return out
