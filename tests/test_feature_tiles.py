@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import zoo
-from _models import assert_tree_close, oracle
+from _models import assert_tree_close, oracle, per_example_grads
 from conftest import REDUCTION_STAT_IDS, check_against_reference, reference, run_stat
 
 import jaxpr_surgery as js
@@ -177,8 +177,7 @@ def test_cache_sized_blocks_where_they_pay(monkeypatch, T):
         def loss(p, b):
             return jnp.mean(jnp.sum(jnp.tanh(b["x"] @ p["w"]) * b["y"], (-2, -1)))
 
-        one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
-        g = np.asarray(jax.vmap(jax.grad(one), (None, 0))(params, batch)["w"])  # [B, d, d]
+        g = np.asarray(per_example_grads(loss, params, batch)["w"])  # [B, d, d]
         want = {"second_moment": np.mean(g**2, 0), "sign_mean": np.mean(np.sign(g), 0),
                 "sq_norms": np.sum(g**2, (1, 2)), "variance": np.var(g, 0, ddof=1)}
         for name, blocked in (("second_moment", few), ("sign_mean", few),
