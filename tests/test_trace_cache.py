@@ -553,6 +553,31 @@ def test_trace_runs_with_the_cyclic_collector_paused_and_restores_it(jit):
             gc.enable()
 
 
+def test_explain_traces_with_the_cyclic_collector_paused_and_restores_it():
+    """explain traces the loss (per example, and the batch for its check) as the entries
+    do: with the collector paused, restored after, also after an error."""
+    import gc
+
+    seen = []
+
+    def loss(params, batch):
+        seen.append(gc.isenabled())
+        return _stack(2, _layer)(params, batch)
+
+    params, batch = _case(2, jnp.float32)
+    assert gc.isenabled()
+    report = js.explain(loss, js.stats.variance(), check=True)(params, batch)
+    assert report.leaves and len(seen) >= 2 and not any(seen), seen
+    assert gc.isenabled()
+
+    def bad(params, batch):
+        raise RuntimeError("the loss failed")
+
+    with pytest.raises(RuntimeError, match="the loss failed"):
+        js.explain(bad, js.stats.variance())(params, batch)
+    assert gc.isenabled()
+
+
 def test_residual_leaves_trace_no_norms_that_no_statistic_reads(monkeypatch):
     """A leaf without a fast rule (its per-example gradients materialised) traced its
     norms, overflow-safe recomputation included, for every statistic though only

@@ -15,7 +15,7 @@ import numpy as np
 from jaxpr_surgery._src import chunking, compat, dots, explain_table, independence, kron, tiling
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared, front_half
+from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared, collector_paused, front_half
 from jaxpr_surgery._src.engine import (
     clips_by_recompute,
     leaf_feature_tile,
@@ -267,29 +267,31 @@ def explain(
     def run(*args, **kwargs):
         kwargs, spec = ew.pop(kwargs, "explain")
         f = functools.partial(fn, **kwargs) if kwargs else fn
-        opts = Options(argnums, batch_argnums, keep_batch_dim, has_aux, None, False, None)
-        opts = dataclasses.replace(opts, chunk_size=chunk_size, memory_budget_bytes=budget)
-        prep = _Prepared(f, args, opts, "explain")
-        front = front_half(prep, reductions, opts, "explain", check_budget=False)
-        closed, an, B, chunk = front.closed, front.analysis, prep.B, front.chunk
-        act = front.activation_bytes()
-        recompute = not prep.data_axes and clips_by_recompute(closed.jaxpr)
-        site_notes = {}
-        at = [k for k, a in enumerate(prep.diff_is_arr) if a]  # flat index of each float leaf
-        by_index = {
-            at[i]: _leaf_report(
-                prep, front.plan, i, x, B, names, reqs, reductions, budget, site_notes,
-                recompute,
-            )
-            for i, x in enumerate(prep.diff_leaves)
-        }
-        for (k, path, dtype), x in zip(prep.skipped, prep.other_leaves[prep.n_other :]):
-            by_index[k] = _skipped_report(path, tuple(jnp.shape(x)), dtype, names)
-        leaves = [by_index[k] for k in sorted(by_index)]  # in the order of the tree
-        verdict = (independence.verdict(prep, prep.data_axes) if check
-                   else independence.Verdict(independence.SKIPPED, "check=False"))
-        notes = _notes(verdict, spec, prep, front.plan, reductions, names, reqs,
-                       chunking.whole_for_the_allocator(chunk_size, B, act))
+        # traced with the collector paused, as the entries trace (api.collector_paused)
+        with collector_paused():
+            opts = Options(argnums, batch_argnums, keep_batch_dim, has_aux, None, False, None)
+            opts = dataclasses.replace(opts, chunk_size=chunk_size, memory_budget_bytes=budget)
+            prep = _Prepared(f, args, opts, "explain")
+            front = front_half(prep, reductions, opts, "explain", check_budget=False)
+            closed, an, B, chunk = front.closed, front.analysis, prep.B, front.chunk
+            act = front.activation_bytes()
+            recompute = not prep.data_axes and clips_by_recompute(closed.jaxpr)
+            site_notes = {}
+            at = [k for k, a in enumerate(prep.diff_is_arr) if a]  # flat index of each float leaf
+            by_index = {
+                at[i]: _leaf_report(
+                    prep, front.plan, i, x, B, names, reqs, reductions, budget, site_notes,
+                    recompute,
+                )
+                for i, x in enumerate(prep.diff_leaves)
+            }
+            for (k, path, dtype), x in zip(prep.skipped, prep.other_leaves[prep.n_other :]):
+                by_index[k] = _skipped_report(path, tuple(jnp.shape(x)), dtype, names)
+            leaves = [by_index[k] for k in sorted(by_index)]  # in the order of the tree
+            verdict = (independence.verdict(prep, prep.data_axes) if check
+                       else independence.Verdict(independence.SKIPPED, "check=False"))
+            notes = _notes(verdict, spec, prep, front.plan, reductions, names, reqs,
+                           chunking.whole_for_the_allocator(chunk_size, B, act))
         gflops = gmem = None
         if compare_grad:
             gflops, gmem = _grad_cost(f, args, prep)
