@@ -217,11 +217,8 @@ def test_float_weights_variance_is_frequency_weighted():
         w = np.random.default_rng(4).uniform(0.0, 3.0, size=B)
         out = js.per_example_stat(case.loss_fn, (js.stats.mean(), js.stats.variance()))(
             case.params, case.batch, example_weights=jnp.asarray(w))
-        W = w.sum()
-        mu = jax.tree.map(lambda x: np.tensordot(w, x, (0, 0)) / W, g)
-        var = jax.tree.map(lambda x, m: np.tensordot(w, (x - m) ** 2, (0, 0)) / (W - 1), g, mu)
-        _close(out[0], mu, 1e-9, "mean")
-        _close(out[1], var, 1e-9, "variance")
+        _close(out[0], zoo.oracle_from_grads(g, "mean", weights=w), 1e-9, "mean")
+        _close(out[1], zoo.oracle_from_grads(g, "variance", weights=w), 1e-9, "variance")
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake CPU) devices: conftest.py")
@@ -447,47 +444,8 @@ def test_examples_of_weight_zero_are_never_recomputed_alone(monkeypatch, tied):
 # Derivatives through weighted statistics
 # --------------------------------------------------------------------------- #
 def _weighted_oracle(g, w, name, clip=None):
-    """The statistic ``name`` of the per-example gradients ``g`` (jax arrays ``[B, ...]``)
-    weighted by ``w``, written with the weights explicit: differentiable in ``w``."""
-    W = jnp.sum(w)
-    tm = jax.tree.map
-    leaves = jax.tree.leaves(g)
-    B = leaves[0].shape[0]
-
-    def wsum(x):  # sum_b w_b x_b
-        return jnp.tensordot(w.astype(x.dtype), x, axes=(0, 0))
-
-    sq = sum(jnp.sum(jnp.square(x).reshape(B, -1), 1) for x in leaves)
-    if name == "mean":
-        return tm(lambda x: wsum(x) / W, g)
-    if name == "sum":
-        return tm(wsum, g)
-    if name == "second_moment":
-        return tm(lambda x: wsum(jnp.square(x)) / W, g)
-    if name == "variance":
-        return tm(lambda x: wsum(jnp.square(x - wsum(x) / W)) / (W - 1), g)
-    if name == "sign_mean":
-        return tm(lambda x: wsum(jnp.sign(x)) / W, g)
-    if name == "abs_mean":
-        return tm(lambda x: wsum(jnp.abs(x)) / W, g)
-    if name == "fourth_moment":
-        return tm(lambda x: wsum(x ** 4) / W, g)
-    if name == "kurtosis":
-        def kurt(x):  # (NaN where the variance is 0, as the statistic)
-            c = x - wsum(x) / W
-            var = wsum(c ** 2) / W
-            safe = jnp.where(var > 0, var, 1.0)
-            return jnp.where(var > 0, (wsum(c ** 4) / W) / jnp.square(safe), jnp.nan)
-        return tm(kurt, g)
-    if name == "gradient_diversity":
-        return jnp.sum(w * sq) / sum(jnp.sum(jnp.square(wsum(x))) for x in leaves)
-    if name in ("clipped_mean", "clipped_sum"):
-        c = jnp.minimum(1.0, clip / jnp.sqrt(sq))
-        out = tm(lambda x: wsum(c.reshape((-1,) + (1,) * (x.ndim - 1)) * x), g)
-        return tm(lambda x: x / W, out) if name == "clipped_mean" else out
-    if name == "sq_norms":
-        return jnp.where(w > 0, sq, 0.0)
-    raise KeyError(name)
+    """The one oracle (zoo.py), weighted, in JAX: differentiable in ``w``."""
+    return zoo.oracle_from_grads(g, name, xp=jnp, weights=w, clip_norm=clip)
 
 
 ORACLE_STATS = ("mean", "sum", "second_moment", "variance", "sign_mean", "abs_mean",

@@ -914,12 +914,17 @@ def oracle_from_grads(g: PyTree, stat_name: str, *, xp=np, **kw) -> PyTree:
     oracle); ``elementwise``, ``norm_quantiles``, ``kron_moments`` and the dots and
     cosines are numpy only. Options as the constructors in ``js.stats`` take them
     (``clip_norm``, ``ddof``, ``per_leaf``, ``phi``, ``q``, ``max_dim``, ``reference``).
+    ``weights`` (``[B]``, w_b >= 0): the weighted statistic of api.md (`_weighted_oracle`).
     """
     if xp is np:
         g = _f64(g)
         quiet = functools.partial(np.errstate, divide="ignore", invalid="ignore")
     else:
         quiet = contextlib.nullcontext
+    if kw.get("weights") is not None:
+        w = kw.pop("weights")
+        return _weighted_oracle(g, np.asarray(w, np.float64) if xp is np else w, stat_name,
+                                xp, quiet, **kw)
     leaves = jax.tree.leaves(g)
     B = leaves[0].shape[0]
     tm = jax.tree.map
@@ -1007,6 +1012,60 @@ def oracle_from_grads(g: PyTree, stat_name: str, *, xp=np, **kw) -> PyTree:
         with quiet():
             return np.where(den > 0, dots / np.where(den > 0, den, 1.0), 0.0)
     raise ValueError(f"unknown statistic {stat_name!r}; known: {STAT_NAMES}")
+
+
+def _weighted_oracle(g, w, stat_name, xp, quiet, **kw):
+    """The statistics of api.md with example weights ``w`` (W = sum_b w_b), written with
+    the weights explicit (differentiable in ``w`` with ``xp=jnp``): weighted means,
+    the frequency-weighted variance ``sum_b w_b (g_b - m_w)^2 / (W - ddof)``, population
+    moments for the kurtosis, clipped sums of the weighted clipped ``g_b``, and 0 for the
+    per-example norms of an example of weight 0."""
+    tm = jax.tree.map
+    leaves = jax.tree.leaves(g)
+    B = leaves[0].shape[0]
+    W = xp.sum(w)
+
+    def wsum(x):  # sum_b w_b x_b
+        return xp.tensordot(w.astype(x.dtype), x, axes=(0, 0))
+
+    def wmean(x):
+        return wsum(x) / W
+
+    sq = _global_sq_norms(g, xp)
+    if stat_name == "mean":
+        return tm(wmean, g)
+    if stat_name == "sum":
+        return tm(wsum, g)
+    if stat_name == "second_moment":
+        return tm(lambda x: wmean(xp.square(x)), g)
+    if stat_name == "variance":
+        ddof = kw.get("ddof", 1)
+        return tm(lambda x: wsum(xp.square(x - wmean(x))) / (W - ddof), g)
+    if stat_name == "sign_mean":
+        return tm(lambda x: wmean(xp.sign(x)), g)
+    if stat_name == "abs_mean":
+        return tm(lambda x: wmean(xp.abs(x)), g)
+    if stat_name == "fourth_moment":
+        return tm(lambda x: wmean(x**4), g)
+    if stat_name == "kurtosis":  # population moments; NaN where the variance is 0
+
+        def kurt(x):
+            c = x - wmean(x)
+            var = wmean(c**2)
+            with quiet():
+                return xp.where(var > 0, wmean(c**4) / xp.square(xp.where(var > 0, var, 1)),
+                                xp.nan)
+
+        return tm(kurt, g)
+    if stat_name == "gradient_diversity":
+        return xp.sum(w * sq) / sum(xp.sum(xp.square(wsum(x))) for x in leaves)
+    if stat_name in ("clipped_mean", "clipped_sum"):
+        c = xp.minimum(1.0, kw["clip_norm"] / xp.sqrt(sq))
+        out = tm(lambda x: wsum(c.reshape((-1,) + (1,) * (x.ndim - 1)) * x), g)
+        return tm(lambda x: x / W, out) if stat_name == "clipped_mean" else out
+    if stat_name == "sq_norms":
+        return xp.where(w > 0, sq, 0.0)
+    raise ValueError(f"no weighted oracle for {stat_name!r} (B={B})")
 
 
 def oracle(case: ZooCase, stat_name: str, **kw) -> PyTree:
