@@ -605,3 +605,47 @@ def test_residual_leaves_trace_no_norms_that_no_statistic_reads(monkeypatch):
             assert bool(calls) == clips, (names, calls)  # (the residual leaf w: [B, D, D])
             for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                 np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-13)
+
+
+_CACHE_RUN = """
+import sys
+import jax
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+import zoo
+import jaxpr_surgery as js
+case = zoo.get_case("transformer", "float32")  # (repeated layers: their cached blocks)
+stats = {"v": js.stats.variance(), "c": js.stats.clipped_mean(0.5), "sq": js.stats.sq_norms()}
+f = js.per_example_stat(case.loss_fn, stats, chunk_size=3)  # (and a chunk loop)
+jax.jit(f).lower(case.params, case.batch).compile()
+"""
+
+
+def test_programs_are_the_same_in_every_process_so_jax_caches_them_across_runs(tmp_path):
+    """A statistic's program is a function of the model and the call alone (no object
+    ids, hash orders or counters of the process in it), so jax's persistent compilation
+    cache serves it to the next run of a script: a second process (another hash seed)
+    writes no new entry. (docs/benchmarks.md: the first step of a re-run.)"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    tests = Path(__file__).resolve().parent
+
+    def run(seed):
+        env = dict(os.environ, PYTHONHASHSEED=str(seed), JAX_PLATFORMS="cpu",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(tests), str(tests.parent),
+                                                            os.environ.get("PYTHONPATH")])))
+        env.pop("JS_TEST_COMPILATION_CACHE", None)
+        proc = subprocess.run([sys.executable, "-c", _CACHE_RUN, str(cache)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return set(os.listdir(cache))
+
+    first = run(1)
+    assert len(first) >= 2, first  # (the cache is on: the statistics' programs were written)
+    assert run(2) == first
