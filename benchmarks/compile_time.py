@@ -12,6 +12,15 @@ also reports the program XLA compiles: lines of optimised HLO, as a stable proxy
     python -m benchmarks.compile_time [--quick] [--reps N] \
         [--out benchmarks/results/cpu_compile.json]
 
+``--rerun``: a script's first and second run with jax's persistent compilation cache
+(``jax_compilation_cache_dir``, a fresh folder), each in a process of its own: the second
+process traces and lowers again and loads what XLA compiled in the first. Wall time, one
+round; ``first_step_x_cold_grad`` is the second run's lower + compile over the first run's
+of ``grad``.
+
+    python -m benchmarks.compile_time --rerun [--quick] \
+        [--out benchmarks/results/cpu_compile_rerun.json]
+
 Issue 49's target (`../shared/bench/compile_check.py`, GPT-2 small): lower and compile
 time of every statistic <= 1.5x grad's.
 """
@@ -20,9 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -70,10 +83,11 @@ def _paired(num, den):
     return statistics.median(a / b for a, b in zip(num, den))
 
 
-def run(quick=False, reps=None, stats=None):
+def run(quick=False, reps=None, stats=None, quiet=False):
     reps = reps or (1 if quick else 3)
     stats = stats or (STATS[:2] if quick else STATS)
     jax.jit(lambda x: x * 2).lower(1.0).compile()  # the backend's start-up is no one's
+    say = (lambda *a, **k: None) if quiet else print
     rows = []
     for name, build in _regimes(quick).items():
         model = build()
@@ -105,13 +119,58 @@ def run(quick=False, reps=None, stats=None):
                     "compile_wall_x_grad": _paired([x[2] for x in s], [x[2] for x in g]),
                     "hlo_lines_x_grad": lines[m] / lines["grad"],
                 })
-                print(f"{name:12s} {m:14s} lower {row['lower_cpu_x_grad']:5.2f}x  compile "
-                      f"{row['compile_cpu_x_grad']:5.2f}x grad (cpu time)  hlo "
-                      f"{row['hlo_lines_x_grad']:4.2f}x", flush=True)
+                say(f"{name:12s} {m:14s} lower {row['lower_cpu_x_grad']:5.2f}x  compile "
+                    f"{row['compile_cpu_x_grad']:5.2f}x grad (cpu time)  hlo "
+                    f"{row['hlo_lines_x_grad']:4.2f}x", flush=True)
             else:
-                print(f"{name:12s} grad           lower {med[1]:.2f} s  compile {med[3]:.2f} s "
-                      f"(cpu time)", flush=True)
+                say(f"{name:12s} grad           lower {med[1]:.2f} s  compile {med[3]:.2f} s "
+                    f"(cpu time)", flush=True)
             rows.append(row)
+    return rows
+
+
+_CHILD = "--cache-child"  # (internal: one run of `rerun`, with the cache in this folder)
+
+
+def _child(cache, quick, stats):
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    rows = run(quick, reps=1, stats=stats, quiet=True)
+    print(_CHILD + json.dumps(rows))
+
+
+def rerun(quick=False, stats=None):
+    """Rows of a first and a second run (separate processes) sharing a fresh persistent
+    compilation cache: per regime and method the wall seconds of lowering and compiling
+    in each, and the second's lower + compile over the first's of ``grad``."""
+    runs = []
+    with tempfile.TemporaryDirectory() as cache:
+        for _ in range(2):
+            cmd = [sys.executable, "-m", "benchmarks.compile_time", _CHILD, cache]
+            cmd += ["--quick"] * quick + (["--stats", ",".join(stats)] if stats else [])
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.environ.get("PYTHONPATH")])))
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            line = [x for x in proc.stdout.splitlines() if x.startswith(_CHILD)]
+            if proc.returncode or not line:
+                raise RuntimeError(f"a run failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+            runs.append({(r["regime"], r["method"]): r for r in json.loads(line[0][len(_CHILD):])})
+    first, second = runs
+    rows = []
+    for (regime, method), a in first.items():
+        b = second[(regime, method)]
+        cold_grad = first[(regime, "grad")]
+        row = {"regime": regime, "layers": a["layers"], "B": a["B"], "method": method,
+               "first_lower_s": a["lower_s"], "first_compile_s": a["compile_s"],
+               "second_lower_s": b["lower_s"], "second_compile_s": b["compile_s"],
+               "first_step_x_cold_grad": (b["lower_s"] + b["compile_s"])
+               / (cold_grad["lower_s"] + cold_grad["compile_s"])}
+        print(f"{regime:12s} {method:14s} first {a['lower_s']:.2f} + {a['compile_s']:.2f} s"
+              f"  second {b['lower_s']:.2f} + {b['compile_s']:.2f} s  "
+              f"({row['first_step_x_cold_grad']:.2f}x a cold grad)", flush=True)
+        rows.append(row)
     return rows
 
 
@@ -120,14 +179,26 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--rerun", action="store_true",
+                    help="a first and a second run sharing jax's persistent compilation cache")
+    ap.add_argument("--stats", default=None, help="comma-separated statistics (default: all)")
+    ap.add_argument(_CHILD, default=None, help="(internal)")
     a = ap.parse_args(argv)
-    rows = run(a.quick, a.reps)
+    stats = a.stats.split(",") if a.stats else None
+    if a.cache_child:
+        return _child(a.cache_child, a.quick, stats)
+    rows = rerun(a.quick, stats) if a.rerun else run(a.quick, a.reps, stats)
     if a.out:
         meta = {"jax": jax.__version__, "backend": jax.default_backend(),
                 "machine": platform.machine(),
                 "note": "ratios: medians over rounds of the ratio within a round, of the "
                         "process's CPU time (and wall time); lowering = tracing, the "
                         "package's analysis and lowering to StableHLO; nothing runs"}
+        if a.rerun:
+            meta["note"] = ("a first and a second run, each a process of its own, sharing a "
+                            "fresh jax persistent compilation cache; wall seconds, one round; "
+                            "first_step_x_cold_grad: the second run's lower + compile over "
+                            "the first run's of grad")
         with open(a.out, "w") as fh:
             json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     return rows

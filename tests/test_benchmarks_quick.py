@@ -257,3 +257,20 @@ def test_compile_time_quick(tmp_path):
         assert r["compile_cpu_s"] > 0 and r["lower_cpu_s"] > 0 and r["hlo_lines"] > 0
         if r["method"] != "grad":
             assert 0 < r["compile_cpu_x_grad"] < 100 and 0 < r["hlo_lines_x_grad"] < 100
+
+
+def test_compile_time_rerun_quick(tmp_path):
+    """`benchmarks.compile_time --rerun`: a first and a second process sharing jax's
+    persistent compilation cache; the second loads what the first compiled (its compile
+    a fraction of the first's), in the JSON."""
+    from benchmarks import compile_time
+
+    out = tmp_path / "rerun.json"
+    rows = compile_time.main(["--rerun", "--quick", "--stats", "second_moment", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == rows and "persistent compilation cache" in doc["meta"]["note"]
+    assert {r["method"] for r in rows} == {"grad", "second_moment"} and len(rows) == 4
+    for r in rows:
+        assert r["first_compile_s"] > 0 and r["second_lower_s"] > 0
+        assert r["second_compile_s"] < 0.5 * r["first_compile_s"], r  # (loaded, not compiled)
+        assert 0 < r["first_step_x_cold_grad"] < 100
