@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -201,6 +202,15 @@ PER_EXAMPLE = ("sq_norms", "norms")
 def all_stats():
     """A dict of every built-in statistic (one pass computes them all)."""
     return {name: make() for name, make in STATS.items()}
+
+
+def all_eqns(jaxpr):
+    """Every equation of ``jaxpr`` (a Jaxpr or ClosedJaxpr) and, depth first, of the
+    jaxprs in its equations' params (scan, cond, pjit, custom rules, ...)."""
+    for e in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from all_eqns(sub)
 
 
 def per_example_loss(loss):

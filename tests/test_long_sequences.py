@@ -252,22 +252,17 @@ def test_weighted_clipping_with_kept_products():
 def _unit_batch_dots(closed):
     """``dot_general`` equations of ``closed`` (through every sub-jaxpr) with a batch
     dimension of size 1 on both operands, as ``(lhs shape, rhs shape)``."""
+    from _models import all_eqns
+
     from jaxpr_surgery._src import compat
 
     found = []
-
-    def walk(j):
-        j = getattr(j, "jaxpr", j)
-        for e in j.eqns:
-            if e.primitive is compat.dot_general_p:
-                (_, _), (lb, rb) = e.params["dimension_numbers"]
-                ls, rs = e.invars[0].aval.shape, e.invars[1].aval.shape
-                if any(ls[i] == 1 and rs[k] == 1 for i, k in zip(lb, rb)):
-                    found.append((ls, rs))
-            for s in compat.subjaxprs(e):
-                walk(s)
-
-    walk(closed)
+    for e in all_eqns(closed):
+        if e.primitive is compat.dot_general_p:
+            (_, _), (lb, rb) = e.params["dimension_numbers"]
+            ls, rs = e.invars[0].aval.shape, e.invars[1].aval.shape
+            if any(ls[i] == 1 and rs[k] == 1 for i, k in zip(lb, rb)):
+                found.append((ls, rs))
     return found
 
 

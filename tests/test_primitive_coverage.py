@@ -67,10 +67,8 @@ PASS_THROUGH = frozenset({
 
 
 def _walk(jaxpr, seen):
-    for eqn in jaxpr.eqns:
+    for eqn in M.all_eqns(jaxpr):
         seen.setdefault(eqn.primitive, eqn)
-        for sub in jex.core.jaxprs_in_params(eqn.params):
-            _walk(sub, seen)
     return seen
 
 

@@ -14,21 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _models import x64
+from _models import all_eqns, x64
 
 import jaxpr_surgery as js
 
 
 def _count_barriers(jaxpr) -> int:
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "optimization_barrier"
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                inner = getattr(sub, "jaxpr", None)
-                if inner is not None:
-                    n += _count_barriers(getattr(inner, "jaxpr", inner))
-    return n
+    return sum(e.primitive.name == "optimization_barrier" for e in all_eqns(jaxpr))
 
 
 def _mlp(remat):

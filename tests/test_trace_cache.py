@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import zoo
+from _models import all_eqns
 
 import jaxpr_surgery as js
 from jaxpr_surgery._src import compat, interpreter
@@ -54,14 +55,6 @@ def _case(L, dtype, B=7, seed=0):
 
 def _layer(h, p):
     return jnp.tanh(h @ p["w"] + p["b"])
-
-
-def _all_eqns(jaxpr):
-    """Every equation of ``jaxpr`` and of the jaxprs in its equations' params."""
-    for e in jaxpr.eqns:
-        yield e
-        for sub in compat.subjaxprs(e):
-            yield from _all_eqns(getattr(sub, "jaxpr", sub))
 
 
 def test_identical_layers_trace_their_site_once(monkeypatch):
@@ -424,7 +417,7 @@ def test_chunked_variance_carries_mean_and_m2_only(weighted):
         closed = jax.make_jaxpr(call)(params, batch)
         from jaxpr_surgery._src import api
 
-        found = [e for e in _all_eqns(closed.jaxpr)  # (with weights: under a vjp rule)
+        found = [e for e in all_eqns(closed.jaxpr)  # (with weights: under a vjp rule)
                  if e.primitive is jax.lax.scan_p
                  and api.CHUNK_LOOP in str(e.source_info.name_stack)]
         assert found
@@ -502,7 +495,7 @@ def test_tile_and_chunk_slices_stage_no_wraparound_of_negative_starts():
     loss = _stack(3, _layer)
     f = js.per_example_stat(loss, js.stats.second_moment(), chunk_size=3,
                             memory_budget_bytes=256)
-    seen = [e.primitive for e in _all_eqns(jax.make_jaxpr(f)(params, batch).jaxpr)]
+    seen = [e.primitive for e in all_eqns(jax.make_jaxpr(f)(params, batch).jaxpr)]
     assert compat.dynamic_slice_p in seen  # (the tiles and chunks are there)
     names = [str(p) for p in seen]
     assert names.count("select_n") == 0 and names.count("lt") == 0, (
