@@ -66,16 +66,13 @@ PASS_THROUGH = frozenset({
 })
 
 
-def _walk(jaxpr, seen):
-    for eqn in M.all_eqns(jaxpr):
-        seen.setdefault(eqn.primitive, eqn)
-    return seen
-
-
 def _primitives(loss, params, batch):
     example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
     closed = jax.make_jaxpr(M.per_example_loss(loss))(params, example)
-    return _walk(closed.jaxpr, {})
+    seen = {}  # primitive -> its first equation
+    for eqn in M.all_eqns(closed):
+        seen.setdefault(eqn.primitive, eqn)
+    return seen
 
 
 def _abstract(make):

@@ -1022,7 +1022,6 @@ def _weighted_oracle(g, w, stat_name, xp, quiet, **kw):
     per-example norms of an example of weight 0."""
     tm = jax.tree.map
     leaves = jax.tree.leaves(g)
-    B = leaves[0].shape[0]
     W = xp.sum(w)
 
     def wsum(x):  # sum_b w_b x_b
@@ -1065,7 +1064,7 @@ def _weighted_oracle(g, w, stat_name, xp, quiet, **kw):
         return tm(lambda x: x / W, out) if stat_name == "clipped_mean" else out
     if stat_name == "sq_norms":
         return xp.where(w > 0, sq, 0.0)
-    raise ValueError(f"no weighted oracle for {stat_name!r} (B={B})")
+    raise ValueError(f"no weighted oracle for {stat_name!r}")
 
 
 def oracle(case: ZooCase, stat_name: str, **kw) -> PyTree:
