@@ -30,7 +30,16 @@ from jaxpr_surgery._src.interpreter import (
     make_site_fn,
     make_weighted_site_fn,
 )
-from jaxpr_surgery._src.norms import combine_norms, live_examples
+from jaxpr_surgery._src.norms import (
+    combine_norms,
+    ghost_tolerance,
+    live_examples,
+    recompute_flagged,
+    rounding,
+    sqrt0,
+    staged_sum,
+    untrusted,
+)
 from jaxpr_surgery._src.reductions import KeptExamples, nonfinite_examples
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
@@ -39,8 +48,6 @@ from jaxpr_surgery._src.sites.base import (
     cheapest,
     direct_norms,
     example_norm,
-    flagged_norms,
-    honest_sq,
     weighted_sum_materialised,
 )
 
@@ -791,7 +798,10 @@ def shared_norms_by_ghost(sites, kernels, B, shape, acc):
 
 
 def _cross_fast(sa, ka, inga, sb, kb, ingb):
-    """<G_a, G_b> per example (ghost form), or None when there is no cheap formula."""
+    """``(<G_a, G_b>, bound)`` per example (ghost form) and a bound on its rounding
+    (`norms.rounding`: the ``[T, N]`` products are off by at most ``rounding(d)`` of
+    ``|a_t| |b_n|`` each, their sum, over ``n`` then ``t``, by ``rounding(N + T)`` of the
+    sum of magnitudes), or None when there is no cheap formula."""
     rows_on = cross_layout(sa, ka, sb, kb)
     if rows_on is None:
         return None
@@ -800,13 +810,19 @@ def _cross_fast(sa, ka, inga, sb, kb, ingb):
     ids, valid, dye = ka.ctx(inga)  # [B, T], [B, T], [B, T, d]
     x, dy = ingb  # [B, 1, N, C], [B, 1, N, F]
     x, dy = x[:, 0], dy[:, 0]
-    if rows_on == "F":  # G_b[v, :] = sum_n dy[n, v] x[n, :]
-        A = jnp.einsum("btc,bnc->btn", dye, x)
-        Dg = jnp.take_along_axis(dy, ids[:, None, :], axis=2)  # [B, N, T]
-        return jnp.einsum("btn,bnt->b", A, Dg)
-    A = jnp.einsum("btc,bnc->btn", dye, dy)  # G_b[v, :] = sum_n x[n, v] dy[n, :]
-    Xg = jnp.take_along_axis(x, ids[:, None, :], axis=2)
-    return jnp.einsum("btn,bnt->b", A, Xg)
+    # rows_on F: G_b[v, :] = sum_n dy[n, v] x[n, :]; C: G_b[v, :] = sum_n x[n, v] dy[n, :]
+    other, picked = (x, dy) if rows_on == "F" else (dy, x)
+    hi = jax.lax.Precision.HIGHEST
+    A = jnp.einsum("btc,bnc->btn", dye, other, precision=hi)
+    P = jnp.take_along_axis(picked, ids[:, None, :], axis=2)  # [B, N, T]
+    cross = staged_sum(jnp.einsum("btn,bnt->bt", A, P, precision=hi))
+    ne = jnp.sqrt(jnp.sum(jnp.square(dye), -1))
+    no = jnp.sqrt(jnp.sum(jnp.square(other), -1))
+    aP, dt = jnp.abs(P), cross.dtype
+    N, T = other.shape[1], ids.shape[1]
+    bound = (rounding(dye.shape[-1], dt) * jnp.einsum("bt,bn,bnt->b", ne, no, aP, precision=hi)
+             + rounding(N + T, dt) * jnp.einsum("btn,bnt->b", jnp.abs(A), aP, precision=hi))
+    return cross, bound
 
 
 def _weighted_fn(s, k):
@@ -968,23 +984,35 @@ class _SharedLeaf:
         wants_kron = any(S.lookup(SHARED_ROUTES, r) is _kron_route for r in plan.reductions)
         # (weighted Kronecker moments: from tiles of the leaf's weighted examples)
         self.facs = leaf_factors(ings) if wants_kron and plan.weights is None else None
-        self._rescued = {}  # id(sq) -> (sq, norms): one per leaf
+        self._rescued = {}  # id(sq) -> (sq, norms, recomputed): one per leaf
+        self._untrusted = {}  # id(sq) -> [B] bool (`sq_norms`)
         self._sq = None
 
     def sq_norms(self):
-        """Squared norms from each site's ghost norms and the pairs' cross terms."""
+        """Squared norms from each site's ghost norms and the pairs' cross terms, and
+        which examples' sum cannot be trusted (`norms.untrusted`: the bound of its own
+        and cross terms' rounding exceeds `norms.ghost_tolerance` of it, terms that
+        cancelled), recomputed from the example's summed gradient (`norms`)."""
         if self._sq is None:
             crosses = [
                 _cross_fast(*self.ings[a], *self.ings[b])
                 for a in range(len(self.ings)) for b in range(a + 1, len(self.ings))
             ]
-            own = [_site_sq_norms(s, k, ing, self.B) for s, k, ing in self.ings]
-            self._sq = sum(own) + 2 * sum(crosses)
+            # (sites with a cross term lie outside scans: `cross_layout`)
+            own = [k.sq_norms_bound(ing) for _, k, ing in self.ings]
+            sq = sum(o for o, _ in own) + 2 * sum(c for c, _ in crosses)
+            mags = sum(o for o, _ in own) + 2 * sum(jnp.abs(c) for c, _ in crosses)
+            bound = (sum(e for _, e in own) + 2 * sum(e for _, e in crosses)
+                     + rounding(len(own) + len(crosses), sq.dtype) * mags)
+            tol = ghost_tolerance(int(np.prod(self.aval.shape)), sq.dtype)
+            self._sq = sq
+            self._untrusted[id(sq)] = untrusted(sq, bound, tol)
         return self._sq
 
     def norms(self, sq):
-        """The leaf's norms from its squared norms ``sq``; where a square overflowed,
-        from the example's summed gradient alone (`flagged_norms`)."""
+        """The leaf's norms from its squared norms ``sq``; where a square overflowed, or
+        its ghost terms may have cancelled (`sq_norms`), from the example's summed
+        gradient alone (`recompute_flagged`)."""
         if id(sq) not in self._rescued:
             ft, ings = self.ft, self.ings
             blocks = ft and (ft[0], ft[1], self.aval.shape[ft[0]])
@@ -993,8 +1021,15 @@ class _SharedLeaf:
                 m = _leaf_mat([(s, k, a) for (s, k, _), a in zip(ings, arrays)], self.acc)
                 return example_norm(lambda cut: m(b, 1, cut), blocks)
 
-            self._rescued[id(sq)] = (sq, flagged_norms(sq, exact, [ing for _, _, ing in ings]))
+            bad = self._untrusted.get(id(sq), jnp.logical_not(jnp.isfinite(sq)))
+            args = [ing for _, _, ing in ings]
+            self._rescued[id(sq)] = (sq, recompute_flagged(exact, args, sqrt0(sq), bad), bad)
         return self._rescued[id(sq)][1]
+
+    def trusted_sq(self, sq):
+        """``sq`` where it holds, the square of the recomputed norm where not (`norms`)."""
+        n = self.norms(sq)
+        return jnp.where(self._rescued[id(sq)][2], jnp.square(n), sq)
 
     def run(self, values, norms_leaf, weighted):
         plan, i, B = self.plan, self.i, self.B
@@ -1028,8 +1063,8 @@ class _SharedLeaf:
                     values[j][i] = v
 
 
-def _sq_route(leaf, r):  # (cross terms may cancel: NaN from overflow)
-    return honest_sq(leaf.sq_norms(), leaf.norms(leaf.sq_norms()))
+def _sq_route(leaf, r):  # (cross terms may cancel, or be NaN from overflow)
+    return leaf.trusted_sq(leaf.sq_norms())
 
 
 def _norms_route(leaf, r):

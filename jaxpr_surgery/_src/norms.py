@@ -92,6 +92,49 @@ def recompute_flagged(exact, args, values, bad):
     return fast(args, values, bad)
 
 
+# --------------------------------------------------------------------------- #
+# Ghost forms: where their rounding cannot be trusted
+# --------------------------------------------------------------------------- #
+# A ghost form sums products of Gram entries, ``sum_nm (x_n . x_m)(dy_n . dy_m)``, whose
+# terms may cancel: its rounding error is bounded by the terms' magnitudes, not by its
+# value. An example keeps the ghost value only where that worst-case bound (`rounding`,
+# any summation order) is at most `ghost_tolerance` of the value: the rounding the exact
+# route (the example's ``G_b`` formed, its squares summed) may itself make, and never
+# more than ``GHOST_TOLERANCE_CAP``. Elsewhere the example's ``G_b`` is formed alone
+# (`recompute_flagged`), so a norm that clips is never below the true one by more than
+# the rounding of the per-example gradient itself.
+GHOST_TOLERANCE_CAP = 2.0**-8
+
+
+def rounding(n, dtype):
+    """Worst-case relative error of a sum of ``n`` rounded products in ``dtype``, in any
+    order (Higham's ``gamma_{n+1}``, ``u = eps / 2``), doubled to cover the bound's own
+    rounding and second-order terms: ``|fl(sum) - sum| <= rounding(n) sum |terms|``."""
+    k = (n + 1) * float(jnp.finfo(dtype).eps) / 2
+    return 2 * k / (1 - k) if k < 0.5 else float("inf")
+
+
+def ghost_tolerance(size, dtype):
+    """The largest relative error bound a ghost form's value may keep: that of the sum
+    of ``size`` squares (the exact route's own, over the elements of ``G_b``), at most
+    ``GHOST_TOLERANCE_CAP``."""
+    return min(GHOST_TOLERANCE_CAP, rounding(size, dtype))
+
+
+def untrusted(value, bound, tol):
+    """``[B]``: the examples whose ghost ``value`` cannot be trusted: its error ``bound``
+    exceeds ``tol`` of it (cancelled terms: a value near zero or negative against large
+    terms), or it (or the bound) is not finite (overflowing terms)."""
+    return jnp.logical_not(bound <= tol * value) | jnp.logical_not(jnp.isfinite(value))
+
+
+def staged_sum(rows):
+    """``[B]``: the sum of ``rows [B, ...]`` over its other axes, that axis by axis after
+    an optimisation barrier on ``rows`` (XLA would merge two reductions into one whose
+    summation depth, the product of the lengths, is what `rounding` must then assume)."""
+    return jnp.sum(jax.lax.optimization_barrier(rows), axis=tuple(range(1, rows.ndim)))
+
+
 def example_norm(make, blocks=None):
     """``||G||`` of one example, ``G = make(cut)`` (shaped ``[1, *shape]``), exact and
     without a square past the range: against a running scale (the largest magnitude

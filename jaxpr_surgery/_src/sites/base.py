@@ -459,6 +459,14 @@ class Kernel:
     def sq_norms(self, ing):
         return S.SqNorms().from_examples(self.materialise(ing))
 
+    def sq_norms_bound(self, ing):
+        """``(sq, bound)``: `sq_norms` and a bound on how far rounding may have moved them
+        beyond the exact route's own rounding (``G_b`` formed, its squares summed): 0
+        here, where they come from ``G_b`` (or its rows) itself; a ghost form's bound
+        (`norms.untrusted`) where the kernel kept one."""
+        sq = self.sq_norms(ing)
+        return sq, jnp.zeros_like(sq)
+
     # per-example norms safe from overflow (sites.base.direct_norms) ----------- #
     def has_scaled_sq_norms(self, alone=False):
         """Whether `scaled_sq_norms` serves this site (its norms then need no

@@ -28,7 +28,14 @@ import numpy as np
 from jaxpr_surgery._src import compat, dots, fused, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src import stats_research as R
-from jaxpr_surgery._src.norms import exponent, pow2
+from jaxpr_surgery._src.norms import (
+    exponent,
+    ghost_tolerance,
+    pow2,
+    rounding,
+    staged_sum,
+    untrusted,
+)
 from jaxpr_surgery._src.reductions import KeptExamples
 from jaxpr_surgery._src.sites.base import (
     STREAMED,
@@ -131,6 +138,7 @@ def canonical(site, c, ext, dy, dtype):
     return x, dy.reshape(B, c["K"], c["N"], c["F"]).astype(dtype)
 
 
+HIGHEST = jax.lax.Precision.HIGHEST
 GHOST, PRODUCTS = "ghost norm", "per-example products"  # the forms of `norm_candidates`
 FALLBACK_TILE_BYTES = 4 << 20  # tiles of the exact variance where the rank-one form cancels
 # The raw variance sum x^2 d^2 - (sum x d)^2 / B (N == 1) is kept where its worst-case
@@ -213,13 +221,13 @@ def _products(x, dy):
     return jax.lax.dot_general(x, dy, (((2,), (2,)), ((0, 1), (0, 1))))
 
 
-def _gram(a):
+def _gram(a, precision=None):
     """``[b, K, N, N]`` Gram matrices ``a_bk a_bk^T`` of ``a [b, K, N, X]``; for ``K = 1``
     a dot batched over the examples alone (XLA:CPU lays out a dot batched over a
     unit axis worse than the same dot without it)."""
     if a.shape[1] == 1:
-        return jnp.einsum("bnc,bmc->bnm", a[:, 0], a[:, 0])[:, None]
-    return jnp.einsum("bknc,bkmc->bknm", a, a)
+        return jnp.einsum("bnc,bmc->bnm", a[:, 0], a[:, 0], precision=precision)[:, None]
+    return jnp.einsum("bknc,bkmc->bknm", a, a, precision=precision)
 
 
 @register
@@ -670,26 +678,55 @@ class DenseKernel(Kernel):
 
     def ghost_sq_and_norms(self, ing):
         """``(sq, norms)`` by the ghost form, with one loop over the examples it cannot
-        give: where its terms may have cancelled (against the scale ``(sum_n |x_n|
-        |dy_n|)^2`` of its terms) or overflowed (float32 norms past ``2^64``), those
-        examples' ``G_b`` formed alone, its squares summed and its norm taken against
-        its largest element (`base.example_norm`)."""
+        give: where its worst-case rounding may exceed what the exact route's own
+        rounding allows (`ghost_sq_bound`: cancelled terms), or it overflowed (float32
+        norms past ``2^64``), those examples' ``G_b`` formed alone, its squares summed
+        and its norm taken against its largest element (`base.example_norm`)."""
+        return self._ghost(ing)[:2]
+
+    def sq_norms_bound(self, ing):
+        """The ghost form's bound where its value is kept (0 where ``G_b`` was formed)."""
+        if self.c["N"] == 1 or not self.use_ghost():
+            return super().sq_norms_bound(ing)
+        sq, _, bound = self._ghost(ing)
+        return sq, bound
+
+    def _ghost(self, ing):
+        sq, bound, bad = self.ghost_sq_bound(ing)
         x, dy = ing
-        X = self.tokens(x)
-        gx, gd = _gram(X), _gram(dy)
-        ghost = jnp.einsum("bknm,bknm->b", gx, gd)
-        nx = jnp.sqrt(jnp.sum(jnp.square(X), -1))
-        nd = jnp.sqrt(jnp.sum(jnp.square(dy), -1))
-        scale = jnp.sum(jnp.square(jnp.sum(nx * nd, -1)), -1)
-        eps = jnp.finfo(ghost.dtype).eps
-        bad = jnp.logical_not(ghost > 1024 * eps * scale) | jnp.logical_not(jnp.isfinite(ghost))
 
         def exact(xd, b):
             g = self._tile_G(*xd, b, 1)
             return jnp.stack([jnp.sum(jnp.square(g)), example_norm(lambda cut: g)])
 
-        out = recompute_flagged(exact, (x, dy), jnp.stack([ghost, sqrt0(ghost)], -1), bad)
-        return out[:, 0], out[:, 1]
+        out = recompute_flagged(exact, (x, dy), jnp.stack([sq, sqrt0(sq)], -1), bad)
+        return out[:, 0], out[:, 1], jnp.where(bad, 0, bound)
+
+    def ghost_sq_bound(self, ing):
+        """``(ghost, bound, untrusted)``, each ``[B]``: the ghost form ``sum_knm (x_n .
+        x_m)(dy_n . dy_m)``, a bound on its rounding error whatever the order of its sums,
+        and the examples where that bound exceeds `norms.ghost_tolerance` of it. Each Gram
+        entry is off by at most ``rounding(C) |x_n| |x_m|`` (``F``: ``|dy_n| |dy_m|``), the
+        sum of products by ``rounding(N + K N)`` of the sum of their magnitudes (over ``m``,
+        then, after a barrier, over ``k, n``): the bound is these three sums, ``N^2`` per
+        example and block beside the grams' ``N^2 (C + F)``. Grams at the highest
+        precision (the bound assumes the dtype's own rounding of each product)."""
+        x, dy = ing
+        c = self.c
+        K, N, C, F = c["K"], c["N"], c["C"], c["F"]
+        X = self.tokens(x)
+        gx, gd = _gram(X, HIGHEST), _gram(dy, HIGHEST)
+        ghost = staged_sum(jnp.einsum("bknm,bknm->bkn", gx, gd, precision=HIGHEST))
+        nx = jnp.sqrt(jnp.sum(jnp.square(X), -1))
+        nd = jnp.sqrt(jnp.sum(jnp.square(dy), -1))
+        ax, ad = jnp.abs(gx), jnp.abs(gd)
+        dt = ghost.dtype
+        bound = (
+            rounding(C, dt) * jnp.einsum("bkn,bknm,bkm->b", nx, ad, nx, precision=HIGHEST)
+            + rounding(F, dt) * jnp.einsum("bkn,bknm,bkm->b", nd, ax, nd, precision=HIGHEST)
+            + rounding(N + K * N, dt) * jnp.einsum("bknm,bknm->b", ax, ad, precision=HIGHEST)
+        )
+        return ghost, bound, untrusted(ghost, bound, ghost_tolerance(K * C * F, dt))
 
     def has_sq_and_norms(self):
         """The ghost form gives both in one loop (`direct_norms`)."""

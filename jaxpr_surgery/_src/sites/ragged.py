@@ -30,16 +30,14 @@ import numpy as np
 
 from jaxpr_surgery._src import compat, tiling
 from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.norms import ghost_tolerance, rounding, staged_sum, untrusted
 from jaxpr_surgery._src.sites.base import (
     BATCH_RULES,
     STREAMED,
     Kernel,
     Rule,
     broadcast_unbatched,
-    example_norm,
-    recompute_flagged,
     register,
-    sqrt0,
 )
 from jaxpr_surgery._src.sites.dense import DenseKernel
 
@@ -296,30 +294,30 @@ class RaggedKernel(DenseKernel):
         y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True).reshape(B, m, -1)
         return jnp.einsum("bmn,bmn->b", y, dy[:, 0])
 
-    def ghost_sq_and_norms(self, ing):
-        """``(sq, norms)`` by the ghost form over token pairs routed to the same group,
-        ``sum_{r, s: e_r = e_s} (x_r . x_s)(dy_r . dy_s)``, with one loop over the examples
-        where its terms may have cancelled or overflowed (as the dense kernel's)."""
+    def ghost_sq_bound(self, ing):
+        """``(ghost, bound, untrusted)`` by the ghost form over token pairs routed to the
+        same group, ``sum_{r, s: e_r = e_s} (x_r . x_s)(dy_r . dy_s)``, its error bounded as
+        the dense kernel's (`DenseKernel.ghost_sq_bound`)."""
         x, dy = ing
         xr, gid = self._split(x)
         d = dy[:, 0]
         g = self.c["G"]
+        M, k, n = xr.shape[1], xr.shape[2], d.shape[2]
+        hi = jax.lax.Precision.HIGHEST
         same = (gid[:, :, None] == gid[:, None, :]) & (gid < g)[:, :, None]
-        gx = jnp.where(same, jnp.einsum("bmc,bnc->bmn", xr, xr), 0)
-        gd = jnp.einsum("bmf,bnf->bmn", d, d)
-        ghost = jnp.einsum("bmn,bmn->b", gx, gd)
-        nxd = jnp.sqrt(jnp.sum(jnp.square(xr), -1)) * jnp.sqrt(jnp.sum(jnp.square(d), -1))
-        per_group = jnp.einsum("bm,bme->be", nxd, (gid[..., None] == jnp.arange(g)).astype(d.dtype))
-        scale = jnp.sum(jnp.square(per_group), -1)
-        eps = jnp.finfo(ghost.dtype).eps
-        bad = jnp.logical_not(ghost > 1024 * eps * scale) | jnp.logical_not(jnp.isfinite(ghost))
-
-        def exact(xd, b):
-            G = self._tile_G(*xd, b, 1)
-            return jnp.stack([jnp.sum(jnp.square(G)), example_norm(lambda cut: G)])
-
-        out = recompute_flagged(exact, (x, dy), jnp.stack([ghost, sqrt0(ghost)], -1), bad)
-        return out[:, 0], out[:, 1]
+        gx = jnp.where(same, jnp.einsum("bmc,bnc->bmn", xr, xr, precision=hi), 0)
+        gd = jnp.where(same, jnp.einsum("bmf,bnf->bmn", d, d, precision=hi), 0)
+        ghost = staged_sum(jnp.einsum("bmn,bmn->bm", gx, gd, precision=hi))
+        nx = jnp.sqrt(jnp.sum(jnp.square(xr), -1))
+        nd = jnp.sqrt(jnp.sum(jnp.square(d), -1))
+        ax, ad = jnp.abs(gx), jnp.abs(gd)
+        dt = ghost.dtype
+        bound = (
+            rounding(k, dt) * jnp.einsum("bm,bmn,bn->b", nx, ad, nx, precision=hi)
+            + rounding(n, dt) * jnp.einsum("bm,bmn,bn->b", nd, ax, nd, precision=hi)
+            + rounding(2 * M, dt) * jnp.einsum("bmn,bmn->b", ax, ad, precision=hi)
+        )
+        return ghost, bound, untrusted(ghost, bound, ghost_tolerance(g * k * n, dt))
 
     # reporting ------------------------------------------------------------------ #
     def rule(self, reduction, B):
