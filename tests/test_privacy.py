@@ -76,6 +76,47 @@ def test_epsilon_edge_values():
                               delta=DELTA) == 0.0
 
 
+@pytest.mark.parametrize("accountant,truncated", [("pld", False), ("rdp", False),
+                                                  ("pld", True)])
+def test_epsilon_infinite_and_huge_noise(accountant, truncated):
+    """Infinite noise spends nothing: epsilon 0 (the PLD accountant used to crash inside
+    dp_accounting, "cannot convert float NaN to integer"). Above 1e100, where
+    dp_accounting's arithmetic overflows, a closed-form bound on the total variation
+    distance certifies epsilon 0, continuing the library's own 0 below it; where delta
+    is too small for the bound, a ValueError names the argument."""
+    _dpa()
+    kw = dict(sampling_probability=0.01, steps=10, delta=DELTA, accountant=accountant)
+    if truncated:
+        kw.update(truncated_batch_size=5, num_examples=1_000)
+    for z in (math.inf, np.float32(np.inf), jnp.asarray(jnp.inf), 1e300, 1e101, 1e100):
+        got = js.privacy.epsilon(noise_multiplier=z, **kw)
+        assert isinstance(got, float) and got == 0.0, (z, got)
+    with pytest.raises(ValueError, match=r"epsilon\(noise_multiplier=1e\+101\).*delta"):
+        js.privacy.epsilon(noise_multiplier=1e101, **{**kw, "delta": 1e-300})
+    for bad in (-math.inf, math.nan, -1e300):
+        with pytest.raises(ValueError, match=r"epsilon\(noise_multiplier="):
+            js.privacy.epsilon(noise_multiplier=bad, **kw)
+
+
+def test_epsilon_of_and_calibration_edge_noise():
+    """epsilon_of takes the same noise multipliers as epsilon and names the config entry
+    in its errors; calibrate_noise_multiplier refuses an infinite target with a message
+    that says what it means (every noise multiplier meets it)."""
+    _dpa()
+    kw = dict(steps=10, num_examples=1_000, delta=DELTA)
+    assert js.privacy.epsilon_of(dict(noise_multiplier=math.inf, batch_size=10), **kw) == 0.0
+    assert js.privacy.epsilon_of(dict(noise_multiplier=0.0, batch_size=10), **kw) == math.inf
+    for bad, exc in ((math.nan, ValueError), (-1.0, ValueError), ("1.0", TypeError)):
+        with pytest.raises(exc, match=r"epsilon_of\(config\['noise_multiplier'\]"):
+            js.privacy.epsilon_of(dict(noise_multiplier=bad, batch_size=10), **kw)
+    cal = dict(delta=DELTA, sampling_probability=0.01, steps=10)
+    with pytest.raises(ValueError, match=r"target_epsilon=inf.*every noise multiplier"):
+        js.privacy.calibrate_noise_multiplier(target_epsilon=math.inf, **cal)
+    for bad in (0.0, -math.inf, math.nan):
+        with pytest.raises(ValueError, match="target_epsilon"):
+            js.privacy.calibrate_noise_multiplier(target_epsilon=bad, **cal)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(noise_multiplier=-1.0), "noise_multiplier"),
     (dict(noise_multiplier=float("nan")), "noise_multiplier"),
