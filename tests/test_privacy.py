@@ -76,6 +76,47 @@ def test_epsilon_edge_values():
                               delta=DELTA) == 0.0
 
 
+@pytest.mark.parametrize("accountant,truncated", [("pld", False), ("rdp", False),
+                                                  ("pld", True)])
+def test_epsilon_infinite_and_huge_noise(accountant, truncated):
+    """Infinite noise spends nothing: epsilon 0 (the PLD accountant used to crash inside
+    dp_accounting, "cannot convert float NaN to integer"). Above 1e100, where
+    dp_accounting's arithmetic overflows, a closed-form bound on the total variation
+    distance certifies epsilon 0, continuing the library's own 0 below it; where delta
+    is too small for the bound, a ValueError names the argument."""
+    _dpa()
+    kw = dict(sampling_probability=0.01, steps=10, delta=DELTA, accountant=accountant)
+    if truncated:
+        kw.update(truncated_batch_size=5, num_examples=1_000)
+    for z in (math.inf, np.float32(np.inf), jnp.asarray(jnp.inf), 1e300, 1e101, 1e100):
+        got = js.privacy.epsilon(noise_multiplier=z, **kw)
+        assert isinstance(got, float) and got == 0.0, (z, got)
+    with pytest.raises(ValueError, match=r"epsilon\(noise_multiplier=1e\+101\).*delta"):
+        js.privacy.epsilon(noise_multiplier=1e101, **{**kw, "delta": 1e-300})
+    for bad in (-math.inf, math.nan, -1e300):
+        with pytest.raises(ValueError, match=r"epsilon\(noise_multiplier="):
+            js.privacy.epsilon(noise_multiplier=bad, **kw)
+
+
+def test_epsilon_of_and_calibration_edge_noise():
+    """epsilon_of takes the same noise multipliers as epsilon and names the config entry
+    in its errors; calibrate_noise_multiplier refuses an infinite target with a message
+    that says what it means (every noise multiplier meets it)."""
+    _dpa()
+    kw = dict(steps=10, num_examples=1_000, delta=DELTA)
+    assert js.privacy.epsilon_of(dict(noise_multiplier=math.inf, batch_size=10), **kw) == 0.0
+    assert js.privacy.epsilon_of(dict(noise_multiplier=0.0, batch_size=10), **kw) == math.inf
+    for bad, exc in ((math.nan, ValueError), (-1.0, ValueError), ("1.0", TypeError)):
+        with pytest.raises(exc, match=r"epsilon_of\(config\['noise_multiplier'\]"):
+            js.privacy.epsilon_of(dict(noise_multiplier=bad, batch_size=10), **kw)
+    cal = dict(delta=DELTA, sampling_probability=0.01, steps=10)
+    with pytest.raises(ValueError, match=r"target_epsilon=inf.*every noise multiplier"):
+        js.privacy.calibrate_noise_multiplier(target_epsilon=math.inf, **cal)
+    for bad in (0.0, -math.inf, math.nan):
+        with pytest.raises(ValueError, match="target_epsilon"):
+            js.privacy.calibrate_noise_multiplier(target_epsilon=bad, **cal)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(noise_multiplier=-1.0), "noise_multiplier"),
     (dict(noise_multiplier=float("nan")), "noise_multiplier"),
@@ -659,6 +700,164 @@ def test_clipped_grad_equals_jax_privacy():
     kw = dict(l2_clip_norm=1.0, batch_argnums=(1, 2), prng_argnum=3)
     _close(js.privacy.clipped_grad(_dropout_loss, **kw)(p, x, y, jax.random.key(3)),
            jpc.clipped_grad(_dropout_loss, **kw)(p, x, y, jax.random.key(3)))
+
+
+# --------------------------------------------------------------------------- #
+# jax-privacy 2.0's own clipped_grad tests, mirrored
+# --------------------------------------------------------------------------- #
+# Each test below checks, against js.privacy, what one test of jax-privacy 2.0.0's
+# tests/gradient_clipping_test.py (GradientClippingTest) or one example of its
+# clipped_grad docstring checks, written here without jax-privacy (not a dependency).
+# Run unchanged against js.privacy (a module jax_privacy.clipping re-exporting it), that
+# file passes: at 2.0.0 and at its later revision (2.3.0.dev0).
+def _quadratic(params, x):
+    """Half the mean squared distance of the rows of x to params: per example,
+    gradient params - x_b."""
+    assert params.ndim == 1 and x.ndim == 2, (params.shape, x.shape)
+    return 0.5 * jnp.mean((params - x) ** 2)
+
+
+def _quadratic_aux(params, x):
+    return _quadratic(params, x), {"key": jnp.mean(x, axis=0)}
+
+
+_P2, _X147 = jnp.array([2.0]), jnp.array([[1.0], [4.0], [7.0]])  # gradients 1, -2, -5
+
+
+def test_jax_privacy_tests_argument_checks():
+    """test_validate_args_overlap, _empty_batch, _inconsistent_batch_size: ValueErrors
+    with jax-privacy's words (its tests match them)."""
+    with pytest.raises(ValueError, match="overlap"):
+        js.privacy.clipped_grad(_quadratic, l2_clip_norm=1.0, argnums=0, batch_argnums=0)
+    with pytest.raises(ValueError, match="Batch Argnums must not be empty"):
+        js.privacy.clipped_grad(_quadratic, l2_clip_norm=1.0, argnums=0, batch_argnums=())
+    with pytest.raises(ValueError, match=r"argnums=\(\)\): argnums must not be empty"):
+        js.privacy.clipped_grad(_quadratic, l2_clip_norm=1.0, argnums=())
+    f = js.privacy.clipped_grad(lambda p, x1, x2: _quadratic(p, x1), l2_clip_norm=1.0,
+                                batch_argnums=(1, 2))
+    for match in ("Batch axis", "same size along axis 0", r"argument 1: 10.*argument 2: 5"):
+        with pytest.raises(ValueError, match=match):
+            f(jnp.zeros(3), jnp.zeros((10, 3)), jnp.zeros(5))
+    with pytest.raises(ValueError, match="scalar"):
+        f(jnp.zeros(3), jnp.zeros((10, 3)), 1.0)
+
+
+@pytest.mark.parametrize("microbatch_size", [None, 1, 3])
+def test_jax_privacy_tests_sums(microbatch_size):
+    """test_sum_clipped_grad_basic, _with_rescale, _with_padding_examples (under jit) and
+    _return_metrics: clipped at 2.5, the gradients 1, -2, -5 sum to -3.5."""
+    kw = dict(l2_clip_norm=2.5, microbatch_size=microbatch_size)
+    _close(js.privacy.clipped_grad(_quadratic, **kw)(_P2, _X147), jnp.array([-3.5]))
+    rescaled = jax.jit(js.privacy.clipped_grad(_quadratic, rescale_to_unit_norm=True, **kw))
+    for pad, want in [([False] * 3, -3.5 / 2.5), ([True] * 3, 0.0),
+                      ([False, True, True], 1.0 / 2.5)]:
+        _close(rescaled(_P2, _X147, is_padding_example=jnp.array(pad)), jnp.array([want]))
+    total, aux = js.privacy.clipped_grad(
+        _quadratic, l2_clip_norm=10.0, return_grad_norms=True,
+        microbatch_size=microbatch_size)(_P2, _X147)
+    _close(total, jnp.array([-6.0]))
+    _close(aux.grad_norms, jnp.array([1.0, 2.0, 5.0]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_jax_privacy_tests_half_precision(dtype):
+    """test_sum_clipped_grad_float16: the same sum in float16 and bfloat16, under jit."""
+    f = jax.jit(js.privacy.clipped_grad(_quadratic, l2_clip_norm=2.5))
+    got = f(_P2.astype(dtype), _X147.astype(dtype))
+    _close(got, jnp.array([-3.5]))
+
+
+def test_jax_privacy_tests_aux_and_values():
+    """test_sum_clipped_grad_has_aux (micro-batched too), test_values_and_sum_per_example_
+    clipped_grads and its _no_aux variant: unclipped, the sum over the batch size is
+    jax.grad of the batch loss, and the per-example values and aux average to the batch's."""
+    want_g, want_aux = jax.grad(_quadratic_aux, has_aux=True)(_P2, _X147)
+    for m in (None, 1, 3):
+        total, aux = js.privacy.clipped_grad(_quadratic_aux, has_aux=True, l2_clip_norm=10.0,
+                                             microbatch_size=m)(_P2, _X147)
+        _close(total / 3, want_g)
+        _close(jax.tree.map(lambda a: a.mean(0), aux.aux), want_aux)
+    total, aux = js.privacy.clipped_grad(_quadratic_aux, has_aux=True, l2_clip_norm=10.0,
+                                         return_values=True)(_P2, _X147)
+    _close(total, jnp.array([-6.0]))
+    assert float(aux.values.mean()) == pytest.approx(float(_quadratic(_P2, _X147)))
+    _close(jax.tree.map(lambda a: a.mean(0), aux.aux), want_aux)
+    total, aux = js.privacy.clipped_grad(_quadratic, l2_clip_norm=10.0,
+                                         return_values=True)(_P2, _X147)
+    _close(aux.values, jnp.array([0.5, 2.0, 12.5]))
+    _close(total, jnp.array([-6.0]))
+
+
+@pytest.mark.parametrize("microbatch_size", [None, 1, 2])
+def test_jax_privacy_tests_transform_and_groups(microbatch_size):
+    """test_sum_clipped_grad_leaf_scales (a pre_clipping_transform scaling the leaves
+    before clipping) and test_sum_clipped_grad_extra_batch_axis (keep_batch_dim=False:
+    each entry of axis 0 is a user's group of examples, clipped together)."""
+    def loss(p, x):
+        return jnp.sum((p["w"] * x + p["b"] - x) ** 2)
+
+    scales = {"w": jnp.array([0.1]), "b": jnp.array([1.0])}
+    f = js.privacy.clipped_grad(
+        loss, l2_clip_norm=1.0, microbatch_size=microbatch_size,
+        pre_clipping_transform=lambda g: jax.tree.map(jnp.multiply, scales, g))
+    got = f({"w": jnp.array([2.0]), "b": jnp.array([1.0])}, jnp.array([[1.0], [2.0]]))
+    # per example (w, b) gradients (4, 4) and (12, 6), scaled to (0.4, 4) and (1.2, 6)
+    n1, n2 = math.hypot(0.4, 4.0), math.hypot(1.2, 6.0)
+    _close(got, {"w": jnp.array([0.4 / n1 + 1.2 / n2]), "b": jnp.array([4 / n1 + 6 / n2])},
+           atol=1e-5)
+    users = jnp.array([[[1.0], [2.0], [3.0]], [[3.0], [4.0], [5.0]]])  # 2 users, 3 examples
+    total, _ = js.privacy.clipped_grad(
+        _quadratic_aux, has_aux=True, l2_clip_norm=1000.0, keep_batch_dim=False,
+        microbatch_size=microbatch_size)(_P2, users)
+    assert total.shape == (1,)
+    _close(total / 2, jax.grad(_quadratic)(_P2, users.reshape(6, 1)))
+
+
+def test_jax_privacy_tests_python_float_params_and_pytrees():
+    """test_sum_clipped_grad_prng_key (parameters given as Python floats, as jax.grad
+    takes them) and test_sum_clipped_grad_pytree_params_and_data (two batch arguments,
+    under jit): the gradients have the parameters' structure; checked here against
+    vmap(grad) of jax itself. Python float parameters used to be refused ("hold no
+    floating-point arrays")."""
+    def noisy(p, x, key):
+        y = p["w"] * x + p["b"]
+        return jnp.mean(y + jax.random.normal(key, y.shape))
+
+    params, data, key = {"w": 2.5, "b": 1.0}, jnp.array([10.0, 20.0, 30.0]), jax.random.key(0)
+    for f in (js.privacy.clipped_grad(noisy, l2_clip_norm=1.0, prng_argnum=2),
+              jax.jit(js.privacy.clipped_grad(noisy, l2_clip_norm=1.0, prng_argnum=2))):
+        got = f(params, data, key)
+        assert jax.tree.structure(got) == jax.tree.structure(params)
+        one = lambda p, x, k: noisy(p, x[None], k)  # noqa: E731
+        g = jax.vmap(jax.grad(one), (None, 0, 0))(params, data, jax.random.split(key, 3))
+        _close(got, _clip_sum(g, 1.0))
+
+    def logistic(p, inputs, targets):
+        logp = jax.nn.log_softmax(inputs @ p["weights"] + p["bias"])
+        return -jnp.mean(jnp.sum(logp * targets, axis=-1))
+
+    p = {"weights": jnp.array([[1.0], [2.0]]), "bias": jnp.array([0.5])}
+    inputs = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    targets = jnp.array([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    got = jax.jit(js.privacy.clipped_grad(logistic, l2_clip_norm=1.0, batch_argnums=(1, 2)))(
+        p, inputs, targets)
+    assert jax.tree.structure(got) == jax.tree.structure(p)
+
+
+def test_jax_privacy_docstring_examples():
+    """clipped_grad's docstring examples in jax-privacy 2.0: a Python float parameter and
+    int data, the per-example values and norms, and per-user clipping."""
+    f = lambda param, data: 0.5 * jnp.mean((data - param) ** 2)  # noqa: E731
+    g = js.privacy.clipped_grad(f, l2_clip_norm=jnp.inf)
+    _close(g(3.0, jnp.array([0, 7, -2])), jnp.array(4.0))
+    _, aux = js.privacy.clipped_grad(f, l2_clip_norm=jnp.inf, return_values=True,
+                                     return_grad_norms=True)(3.0, jnp.array([0, 7, -2]))
+    _close(aux.values, jnp.array([4.5, 8.0, 12.5]))
+    _close(aux.grad_norms, jnp.array([3.0, 4.0, 5.0]))
+    per_user = js.privacy.clipped_grad(f, l2_clip_norm=jnp.inf, keep_batch_dim=False)
+    _close(per_user(3.0, jnp.array([[1, -1], [2, 2], [0, 3]])), jnp.array(5.5))
+    # 3.0 is differentiated (as by jax.grad), not held as a constant: a new value, a new sum
+    _close(g(1.0, jnp.array([0, 7, -2])), jnp.array(-2.0))
 
 
 # --------------------------------------------------------------------------- #

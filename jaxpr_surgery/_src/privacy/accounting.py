@@ -32,6 +32,11 @@ ACCOUNTANTS = ("pld", "rdp")
 #: a target out of reach.
 MAX_NOISE_MULTIPLIER = 1e4
 
+#: Above this noise multiplier ``dp_accounting``'s arithmetic overflows (from about
+#: 1e154, the square root of the largest float; earlier for truncated batches), so
+#: `epsilon` does not call it: \(\varepsilon = 0\) is certified in closed form instead.
+_MAX_ACCOUNTED_NOISE = 1e100
+
 
 def dp_accounting_module(owner: str):
     """``import dp_accounting``, or an ImportError naming the extra that installs it."""
@@ -124,11 +129,37 @@ def _quiet_exploration():
         logger.setLevel(level)
 
 
-def _epsilon(dpa, z, q, steps, delta, accountant, truncated_batch_size, num_examples):
-    if steps == 0 or q == 0:
-        return 0.0
+def _total_variation_bound(z, q, steps, truncated):
+    r"""An upper bound on the total variation distance between the outputs of ``steps``
+    steps on two neighbouring datasets: \(\varepsilon = 0\) holds at every
+    \(\delta\) above it.
+
+    One step moves the clipped sum by at most \(sC\) (\(s = 1\); \(s = 2\) with
+    truncation, where adding an example can push another out), and only when the example
+    is sampled (probability \(q\)); the noise has standard deviation \(zC\). So one
+    step's distance is at most \(q \operatorname{erf}(s / (2\sqrt{2} z)) \le
+    q s / (z \sqrt{2\pi})\), and distances add up under (adaptive) composition.
+    """
+    s = 2.0 if truncated else 1.0
+    return steps * q * s / (z * math.sqrt(2 * math.pi))
+
+
+def _epsilon(dpa, z, q, steps, delta, accountant, truncated_batch_size, num_examples,
+             owner="epsilon", what="noise_multiplier"):
+    if steps == 0 or q == 0 or z == math.inf:
+        return 0.0  # (infinite noise: the output does not depend on the data)
     if z == 0:
         return math.inf
+    if z > _MAX_ACCOUNTED_NOISE:
+        # beyond dp_accounting's range: the closed form certifies (0, delta)-DP
+        if _total_variation_bound(z, q, steps, truncated_batch_size is not None) <= delta:
+            return 0.0
+        raise ValueError(
+            f"{owner}({what}={z!r}): a noise multiplier above {_MAX_ACCOUNTED_NOISE:g} is "
+            "beyond dp_accounting's arithmetic (it overflows), and at this delta the "
+            "closed-form bound does not reach epsilon = 0. Pass a noise multiplier up to "
+            f"{_MAX_ACCOUNTED_NOISE:g} (or math.inf: epsilon 0), or a larger delta."
+        )
     if truncated_batch_size is None:
         event = dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z))
     else:
@@ -165,7 +196,11 @@ def epsilon(
     and returns ``get_epsilon(delta)``, under add-or-remove-one adjacency.
 
     Args:
-      noise_multiplier: \(z \ge 0\) (0: no noise, \(\varepsilon = \infty\)).
+      noise_multiplier: \(z \ge 0\) (0: no noise, \(\varepsilon = \infty\);
+        ``math.inf``: the noise drowns the data, \(\varepsilon = 0\)). Above
+        \(10^{100}\), beyond ``dp_accounting``'s arithmetic, \(\varepsilon = 0\) comes
+        from a closed-form bound on the total variation distance (a ``ValueError`` where
+        ``delta`` is too small for it).
       sampling_probability: \(q \in [0, 1]\): expected batch size / dataset size.
       steps: the number of steps (0: \(\varepsilon = 0\)).
       delta: \(\delta \in (0, 1)\).
@@ -178,7 +213,7 @@ def epsilon(
       num_examples: the dataset size, with ``truncated_batch_size``.
 
     Returns:
-      \(\varepsilon\), a float (``inf`` without noise).
+      \(\varepsilon\), a float (``inf`` without noise, 0 with infinite noise).
 
     Raises:
       ImportError: ``dp_accounting`` is not installed (``pip install
@@ -191,14 +226,24 @@ def epsilon(
       >>> round(eps, 2)
       0.6
     """
-    owner = "epsilon"
+    return _checked_epsilon("epsilon", "noise_multiplier", noise_multiplier,
+                            sampling_probability, steps, delta, accountant,
+                            truncated_batch_size, num_examples)
+
+
+def _checked_epsilon(owner, what, noise_multiplier, sampling_probability, steps, delta,
+                     accountant, truncated_batch_size, num_examples):
+    """`epsilon` with its errors naming ``owner`` and the noise multiplier as ``what``."""
     q, steps, delta, tbs, n = _check_common(owner, sampling_probability, steps, delta,
                                             accountant, truncated_batch_size, num_examples)
-    z = _real(noise_multiplier, "noise_multiplier", owner)
+    z = _real(noise_multiplier, what, owner)
     if not z >= 0:
-        raise ValueError(f"{owner}(noise_multiplier=...): must be >= 0, got {z!r}.")
+        raise ValueError(
+            f"{owner}({what}=...): must be >= 0 (0: no noise; math.inf: epsilon 0), got "
+            f"{z!r}."
+        )
     dpa = dp_accounting_module(owner)
-    return _epsilon(dpa, z, q, steps, delta, accountant, tbs, n)
+    return _epsilon(dpa, z, q, steps, delta, accountant, tbs, n, owner, what)
 
 
 def calibrate_noise_multiplier(
@@ -254,10 +299,16 @@ def calibrate_noise_multiplier(
     q, steps, delta, tbs, n = _check_common(owner, sampling_probability, steps, delta,
                                             accountant, truncated_batch_size, num_examples)
     target = _real(target_epsilon, "target_epsilon", owner)
-    if not (0 < target < math.inf):
+    if target == math.inf:
         raise ValueError(
-            f"{owner}(target_epsilon=...): must be a positive finite number, got {target!r}: "
-            "no noise multiplier reaches epsilon <= 0."
+            f"{owner}(target_epsilon=inf): every noise multiplier meets it, 0 (no noise, no "
+            "privacy) included; pass the finite epsilon you mean to spend."
+        )
+    if not target > 0:
+        raise ValueError(
+            f"{owner}(target_epsilon=...): must be a positive finite number, got {target!r} "
+            "(epsilon is never negative, and 0 is not a calibration target): pass the "
+            "epsilon you mean to spend."
         )
     rtol = _real(rtol, "rtol", owner)
     if not 0 < rtol < 1:
@@ -408,8 +459,8 @@ def epsilon_of(
             f"{owner}: batch_size={B} is larger than num_examples={n}; the sampling "
             "probability batch_size / num_examples must be at most 1."
         )
-    return epsilon(
-        noise_multiplier=config["noise_multiplier"], sampling_probability=B / n, steps=steps,
-        delta=delta, accountant=accountant, truncated_batch_size=truncated_batch_size,
-        num_examples=None if truncated_batch_size is None else n,
+    return _checked_epsilon(
+        owner, "config['noise_multiplier']", config["noise_multiplier"], B / n, steps,
+        delta, accountant, truncated_batch_size,
+        None if truncated_batch_size is None else n,
     )

@@ -91,11 +91,22 @@ class _ClippedSumAs(js_stats.Statistic):
         return jax.tree.map(lambda x: x.astype(self.dtype), values["c"])
 
 
+def _is_index(n):
+    return isinstance(n, (int, np.integer)) and not isinstance(n, bool)
+
+
 def _nums(nums, what):
-    if isinstance(nums, (int, np.integer)) and not isinstance(nums, bool):
+    if _is_index(nums):
         return (int(nums),)
-    if isinstance(nums, Sequence) and nums and all(
-            isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in nums):
+    if isinstance(nums, Sequence) and not isinstance(nums, str) and all(
+            _is_index(n) for n in nums):
+        if not nums:  # (jax-privacy's words, which its tests match)
+            name = "Batch Argnums" if what == "batch_argnums" else what
+            role = ("holding the examples on axis 0 (the default 1: fun(params, batch))"
+                    if what == "batch_argnums" else
+                    "to differentiate (the default 0: the parameters)")
+            raise ValueError(f"{_OWNER}({what}={nums!r}): {name} must not be empty; name the "
+                             f"argument(s) {role}.")
         return tuple(int(n) for n in nums)
     raise TypeError(f"{_OWNER}({what}=...): expected an int or a non-empty tuple of ints, "
                     f"got {nums!r}.")
@@ -263,7 +274,8 @@ def clipped_grad(
       fun: the loss, ``fun(*args) -> scalar`` (or ``(scalar, aux)`` with ``has_aux``),
         written for a batch (``keep_batch_dim=True``: each example is passed with a leading
         axis of size 1) or for one example (``keep_batch_dim=False``).
-      argnums: the argument(s) differentiated (a tuple: a tuple of gradients).
+      argnums: the argument(s) differentiated (a tuple: a tuple of gradients). Their
+        Python floats are differentiated too, as by ``jax.grad``.
       has_aux: ``fun`` returns ``(loss, aux)``.
       l2_clip_norm: \(C > 0\) (``inf``: no clipping), or a pytree of bounds that is a
         prefix of the parameters' structure: per-layer clipping, each group of
@@ -317,10 +329,10 @@ def clipped_grad(
       >>> from jaxpr_surgery.privacy import clipped_grad
       >>> f = lambda param, data: 0.5 * jnp.mean((data - param) ** 2)
       >>> g = clipped_grad(f, l2_clip_norm=jnp.inf)
-      >>> g(3.0 * jnp.ones(()), jnp.array([0.0, 7.0, -2.0]))
+      >>> g(3.0, jnp.array([0, 7, -2]))
       Array(4., dtype=float32)
       >>> g = clipped_grad(f, l2_clip_norm=1.0, return_grad_norms=True)
-      >>> total, aux = g(3.0 * jnp.ones(()), jnp.array([0.0, 7.0, -2.0]))
+      >>> total, aux = g(3.0, jnp.array([0, 7, -2]))
       >>> total, aux.grad_norms
       (Array(1., dtype=float32), Array([3., 4., 5.], dtype=float32))
 
@@ -376,6 +388,7 @@ def _compiled(cfg):
 
     @functools.wraps(cfg.fun)
     def call(*args, **kwargs):
+        args = _floats_as_arrays(args, cfg.argnums)
         if "example_weights" in kwargs:
             raise TypeError(
                 f"{_OWNER}: takes is_padding_example (jax-privacy's), not example_weights: "
@@ -407,15 +420,45 @@ def _compiled(cfg):
     return call
 
 
+def _floats_as_arrays(args, argnums):
+    """The Python floats of the differentiated arguments as arrays: ``jax.grad``, and so
+    jax-privacy, differentiates them (``params = {"w": 2.5}``), where `per_example_stat`
+    holds a non-array leaf static."""
+    nums = (argnums,) if _is_index(argnums) else argnums
+    if not any(isinstance(x, float) for i in nums if i < len(args)
+               for x in jax.tree.leaves(args[i])):
+        return args
+    args = list(args)
+    for i in nums:
+        if i < len(args):
+            args[i] = jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, float) else x,
+                                   args[i])
+    return tuple(args)
+
+
 def _batch_size(args, batch_argnums):
     nargs = len(args)
     if max(batch_argnums) >= nargs:
         raise ValueError(f"{_OWNER}: batch_argnums={batch_argnums} names argument "
                          f"{max(batch_argnums)}, but the function got {nargs} argument(s).")
-    leaves = jax.tree.leaves([args[i] for i in batch_argnums])
-    if not leaves:
+    sizes = {}
+    for i in batch_argnums:
+        for path, x in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+            where = f"argument {i}{jax.tree_util.keystr(path)}"
+            if np.ndim(x) == 0:
+                raise ValueError(
+                    f"{_OWNER}: the batch {where} is a scalar; every array of the batch "
+                    f"argument(s) batch_argnums={batch_argnums} needs an example axis 0.")
+            sizes[where] = int(np.shape(x)[0])
+    if not sizes:
         raise ValueError(f"{_OWNER}: the batch argument(s) {batch_argnums} hold no arrays.")
-    return int(np.shape(leaves[0])[0])
+    if len(set(sizes.values())) > 1:  # (jax-privacy's words, which its tests match)
+        listed = ", ".join(f"{w}: {n}" for w, n in sizes.items())
+        raise ValueError(
+            f"{_OWNER}: Batch axis sizes differ ({listed}): every array of the batch "
+            f"argument(s) batch_argnums={batch_argnums} must have the same size along axis 0 "
+            "(one entry per example).")
+    return next(iter(sizes.values()))
 
 
 def _call(cfg, args, kwargs):
