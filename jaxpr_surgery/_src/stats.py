@@ -432,9 +432,11 @@ class NoiseScaleComponents(NamedTuple):
         return _safe_ratio(self.trace_cov, self.grad_sq_norm)
 
     def __str__(self):
+        if any(np.ndim(x) for x in self):  # batched (vmapped): the tuple reads better
+            return repr(self)
         try:
             g2, tr, n = (float(x) for x in self)  # concrete scalars only
-        except (TypeError, ValueError):  # traced (ConcretizationTypeError) or batched
+        except TypeError:  # traced: ConcretizationTypeError, a TypeError
             return repr(self)
         value = float(self.noise_scale)
         pieces = f"tr(Sigma) / |G|^2 = {tr:.4g} / {g2:.4g}"
@@ -446,10 +448,10 @@ class NoiseScaleComponents(NamedTuple):
                     f"gradient; B = {n:g})")
         if g2 <= 0:
             return (f"noise scale {value} (undefined): the unbiased |G|^2 estimate "
-                    f"|g_mean|^2 - tr(Sigma)/B = {g2 + tr / n:.4g} - {tr:.4g}/{n:g} = "
-                    f"{g2:.4g} is not positive: the batch mean is within its noise of "
-                    "zero. Average the pieces over steps (or batches) before dividing, "
-                    "or use a larger batch")
+                    f"|g_mean|^2 - tr(Sigma)/B = {g2 + tr / n if n else math.nan:.4g} - "
+                    f"{tr:.4g}/{n:g} = {g2:.4g} is not positive: the batch mean is within "
+                    "its noise of zero. Average the pieces over steps (or batches) before "
+                    "dividing, or use a larger batch")
         return f"noise scale {value:.4g} = {pieces} (unbiased pieces, B = {n:g})"
 
 
