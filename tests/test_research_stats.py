@@ -1,11 +1,15 @@
 """Research statistics (fourth moment, kurtosis, gradient diversity, norm quantiles):
-their values on known distributions, their arguments' validation and scalar levels.
+their values on known distributions, their arguments' validation and scalar levels; and the
+gradient noise scale where it is not defined (its documented value, and the printed reason).
 
 Every one of them is checked against the vmap(grad) oracle on every zoo model, in float64
 and float32, by the oracle matrix (test_oracle.py, ``STATS`` in conftest.py)."""
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,3 +69,70 @@ def test_norm_quantiles_scalar_level_gives_scalars():
         # a one-level sequence keeps its axis
         assert js.per_example_stat(loss, js.stats.norm_quantiles([0.5], per_leaf=False))(
             p, b).shape == (1,)
+
+
+# --------------------------------------------------------------------------- #
+# The gradient noise scale where it is not defined (issue 58, item 10)
+# --------------------------------------------------------------------------- #
+def _noise(z):
+    """``gradient_noise_scale`` and ``noise_scale_components`` under ``jit`` of a batch
+    whose per-example gradients are the rows of ``z``."""
+    lin = lambda w, b: jnp.mean(b["z"] @ w)  # noqa: E731 - per-example gradient z_b
+    stats = {"gns": js.stats.gradient_noise_scale(), "c": js.stats.noise_scale_components()}
+    out = jax.jit(js.per_example_stat(lin, stats))(jnp.zeros(2), {"z": jnp.asarray(z)})
+    np.testing.assert_array_equal(out["gns"], out["c"].noise_scale)  # one value, two ways
+    return float(out["gns"]), out["c"]
+
+
+def test_noise_scale_where_defined_prints_its_pieces():
+    # mean [2, 0]: |g|^2 = 4, tr = 2/3 + 2/3, |G|^2 = 4 - (4/3)/4 = 11/3
+    gns, c = _noise([[3.0, 0.0], [1.0, 0.0], [2.0, 1.0], [2.0, -1.0]])
+    assert gns == pytest.approx(4 / 11, rel=1e-6)
+    assert str(c) == ("noise scale 0.3636 = tr(Sigma) / |G|^2 = 1.333 / 3.667 "
+                      "(unbiased pieces, B = 4)")
+    assert repr(c).startswith("NoiseScaleComponents(grad_sq_norm=")  # repr stays the tuple's
+
+
+def test_noise_scale_undefined_is_inf_and_says_why():
+    """The mean is 0: the unbiased |G|^2 estimate is -tr/B < 0. Traced, the statistic cannot
+    raise: it is inf (documented), and the components printed say why."""
+    gns, c = _noise([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0], [0.0, -1.0]])
+    assert gns == math.inf
+    np.testing.assert_allclose([c.grad_sq_norm, c.trace_cov], [-1 / 3, 4 / 3], rtol=1e-6)
+    text = str(c)
+    assert text.startswith("noise scale inf (undefined): the unbiased |G|^2 estimate "), text
+    assert "|g_mean|^2 - tr(Sigma)/B = 0 - 1.333/4 = -0.3333 is not positive" in text, text
+    assert "Average the pieces over steps" in text, text
+    # pieces averaged over steps by hand print the same way (python floats)
+    avg = js.stats.NoiseScaleComponents(1.0, 4.0, 4.0)
+    assert str(avg).startswith("noise scale 4 = tr(Sigma) / |G|^2 = 4 / 1 ("), str(avg)
+
+
+def test_noise_scale_without_noise_and_nonfinite():
+    gns, c = _noise([[1.0, 2.0]] * 3)  # every example the same gradient: no noise
+    assert 0 <= gns < 1e-6  # (0 up to the rounding of the variance, which jax 0.10 shows)
+    same = js.stats.NoiseScaleComponents(jnp.float32(5.0), jnp.float32(0.0), jnp.float32(3.0))
+    assert same.noise_scale == 0 and str(same).startswith("noise scale 0: "), str(same)
+    assert "no noise" in str(same)
+    gns, c = _noise(np.zeros((3, 2), np.float32))  # 0 / 0: no noise either
+    assert gns == 0 and "no noise" in str(c)
+    gns, c = _noise([[1.0, 0.0], [np.nan, 0.0], [0.0, 1.0]])
+    assert math.isnan(gns)
+    assert str(c).startswith("noise scale nan: ") and "not finite" in str(c), str(c)
+
+
+def test_noise_scale_components_traced_or_batched_print_as_the_tuple():
+    lin = lambda w, b: jnp.mean(b["z"] @ w)  # noqa: E731
+    comp = js.per_example_stat(lin, js.stats.noise_scale_components())
+    z = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 3)), jnp.float32)
+    seen = []
+
+    def traced(w, b):
+        c = comp(w, b)
+        seen.append(str(c))  # a tracer has no value: no sentence, and no error
+        return c
+
+    jax.jit(traced)(jnp.zeros(3), {"z": z[0]})
+    assert seen[0].startswith("NoiseScaleComponents(grad_sq_norm="), seen[0]
+    two = jax.vmap(comp, in_axes=(None, 0))(jnp.zeros(3), {"z": z})  # two batches at once
+    assert two.trace_cov.shape == (2,) and str(two) == repr(two)

@@ -402,12 +402,17 @@ class _Snr(Statistic):
 class NoiseScaleComponents(NamedTuple):
     r"""Unbiased pieces of the gradient noise scale (McCandlish et al., App. A).
 
+    ``print(c)`` (``str``) reads concrete scalar pieces as a sentence: the value with
+    its pieces, or why it is not defined (see `noise_scale`); traced or batched
+    pieces print as the tuple. Averaged pieces print the same way:
+    ``NoiseScaleComponents(g2_avg, tr_avg, B)``.
+
     Attributes:
       grad_sq_norm: \(|G|^2\) estimated as \(\|\bar g\|^2 - \mathrm{tr}\hat\Sigma/B\)
         (may be negative on a small batch: average it over steps before dividing).
       trace_cov: \(\mathrm{tr}\,\Sigma\) estimated as \(\mathrm{tr}\hat\Sigma\), the
         summed per-coordinate variance (``ddof=1``: unbiased).
-      batch_size: \(B\).
+      batch_size: \(B\) (with example weights, the effective batch size).
     """
 
     grad_sq_norm: jax.Array
@@ -416,9 +421,38 @@ class NoiseScaleComponents(NamedTuple):
 
     @property
     def noise_scale(self):
-        r"""\(B_\mathrm{simple} = \mathrm{tr}\Sigma/|G|^2\) (``inf`` when the estimate of
-        \(|G|^2\) is not positive)."""
+        r"""\(B_\mathrm{simple} = \mathrm{tr}\Sigma/|G|^2\), ``trace_cov / grad_sq_norm``.
+
+        Not defined where the estimate of \(|G|^2\) is not positive (the batch mean
+        is within its noise of zero, common on a batch much smaller than the noise
+        scale): there ``inf``, the limit of a vanishing signal. ``0`` where
+        ``trace_cov`` is 0 (every example has the same gradient: no noise), ``nan``
+        where a piece is ``nan``. The values are traced (``jit``): nothing raises;
+        ``print`` the components to read the reason."""
         return _safe_ratio(self.trace_cov, self.grad_sq_norm)
+
+    def __str__(self):
+        if any(np.ndim(x) for x in self):  # batched (vmapped): the tuple reads better
+            return repr(self)
+        try:
+            g2, tr, n = (float(x) for x in self)  # concrete scalars only
+        except TypeError:  # traced: ConcretizationTypeError, a TypeError
+            return repr(self)
+        value = float(self.noise_scale)
+        pieces = f"tr(Sigma) / |G|^2 = {tr:.4g} / {g2:.4g}"
+        if not (math.isfinite(g2) and math.isfinite(tr)):
+            return (f"noise scale {value}: {pieces}, a piece is not finite (check the "
+                    "per-example gradients for NaN or inf: stats.nonfinite_count())")
+        if tr == 0:
+            return (f"noise scale 0: {pieces}, no noise (every example has the same "
+                    f"gradient; B = {n:g})")
+        if g2 <= 0:
+            return (f"noise scale {value} (undefined): the unbiased |G|^2 estimate "
+                    f"|g_mean|^2 - tr(Sigma)/B = {g2 + tr / n if n else math.nan:.4g} - "
+                    f"{tr:.4g}/{n:g} = {g2:.4g} is not positive: the batch mean is within "
+                    "its noise of zero. Average the pieces over steps (or batches) before "
+                    "dividing, or use a larger batch")
+        return f"noise scale {value:.4g} = {pieces} (unbiased pieces, B = {n:g})"
 
 
 def _noise_pieces(values, count, ddof, weights=None):
@@ -889,10 +923,17 @@ def gradient_noise_scale(ddof: int = 1) -> Statistic:
     \(\mathrm{tr}(\Sigma)\) is estimated by \(\mathrm{tr}\hat\Sigma\), the summed
     per-coordinate variance of the per-example gradients, and \(|G|^2\) by
     \(\|\bar g\|^2 - \mathrm{tr}\hat\Sigma/B\): the plain \(\|\bar g\|^2\) includes
-    the noise of the batch mean, which caps the plain ratio near \(B\). The result
-    is ``inf`` where the estimate of \(|G|^2\) is not positive. One batch's ratio
-    is noisy: to track it, average the pieces of `noise_scale_components` over
-    steps before dividing (`jaxpr_surgery.optim.track_gradient_statistics`).
+    the noise of the batch mean, which caps the plain ratio near \(B\).
+
+    Where the estimate of \(|G|^2\) is not positive, the noise scale is not
+    defined: the batch mean is within its noise of zero, common on a batch much
+    smaller than the noise scale. The result is then ``inf`` (the limit of a
+    vanishing signal); it is ``0`` where every example has the same gradient
+    (\(\mathrm{tr}\hat\Sigma = 0\)) and ``nan`` where a gradient holds a NaN. The
+    value is traced (``jit``), so nothing raises: to see the pieces and the reason,
+    request `noise_scale_components` instead and ``print`` the result. One batch's
+    ratio is noisy: to track it, average those pieces over steps before dividing
+    (`jaxpr_surgery.optim.track_gradient_statistics`).
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
@@ -903,6 +944,10 @@ def gradient_noise_scale(ddof: int = 1) -> Statistic:
       >>> out = js.per_example_stat(loss, js.stats.gradient_noise_scale())(jnp.zeros(2), batch)
       >>> print(np.asarray(out, float).round(4))
       1.5556
+      >>> # y = [1, 2, -3]: gradients [-2, 0], [0, -4], [6, 6], a mean within noise of zero
+      >>> noisy = dict(batch, y=jnp.array([1.0, 2.0, -3.0]))
+      >>> print(js.per_example_stat(loss, js.stats.gradient_noise_scale())(jnp.zeros(2), noisy))
+      inf
     """
     if not isinstance(ddof, int) or ddof < 0:
         raise ValueError(
@@ -916,8 +961,11 @@ def noise_scale_components() -> Statistic:
 
     ``grad_sq_norm`` \(=\|\bar g\|^2 - \mathrm{tr}\hat\Sigma/B\) estimates \(|G|^2\),
     ``trace_cov`` \(=\mathrm{tr}\hat\Sigma\) estimates \(\mathrm{tr}\,\Sigma\)
-    (``ddof=1``), and ``batch_size`` is \(B\); ``.noise_scale`` divides them.
-    Average the pieces over steps (or batches) before dividing.
+    (``ddof=1``), and ``batch_size`` is \(B\); ``.noise_scale`` divides them
+    (``inf`` where ``grad_sq_norm`` is not positive: see
+    `NoiseScaleComponents.noise_scale`). ``print`` them to read the value with its
+    pieces, or why it is not defined. Average the pieces over steps (or batches)
+    before dividing.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
@@ -927,6 +975,13 @@ def noise_scale_components() -> Statistic:
       >>> c = js.per_example_stat(loss, js.stats.noise_scale_components())(jnp.zeros(2), batch)
       >>> print(round(float(c.grad_sq_norm), 4), round(float(c.trace_cov), 4))
       12.0 18.6667
+      >>> print(c)
+      noise scale 1.556 = tr(Sigma) / |G|^2 = 18.67 / 12 (unbiased pieces, B = 3)
+      >>> noisy = dict(batch, y=jnp.array([1.0, 2.0, -3.0]))  # gradients [-2, 0], [0, -4], [6, 6]
+      >>> print(js.per_example_stat(loss, js.stats.noise_scale_components())(jnp.zeros(2), noisy))
+      noise scale inf (undefined): the unbiased |G|^2 estimate |g_mean|^2 - tr(Sigma)/B =
+      2.222 - 42.67/3 = -12 is not positive: the batch mean is within its noise of zero.
+      Average the pieces over steps (or batches) before dividing, or use a larger batch
     """
     return _NoiseComponents()
 
