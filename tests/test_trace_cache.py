@@ -642,3 +642,49 @@ def test_programs_are_the_same_in_every_process_so_jax_caches_them_across_runs(t
     first = run(1)
     assert len(first) >= 2, first  # (the cache is on: the statistics' programs were written)
     assert run(2) == first
+
+
+def _const_case(dtype, B=6):
+    r = np.random.default_rng(5)
+    w = r.standard_normal(3).astype(dtype)
+    b = {"x": r.standard_normal((B, 3)).astype(dtype), "y": r.standard_normal(B).astype(dtype)}
+    return w, b
+
+
+def test_eager_calls_switching_x64_with_closed_over_numpy_constants():
+    """A loss closing over NumPy float64 and int64 arrays, called eagerly with x64 off,
+    then on (float32 and float64 inputs), then off again: each call's values are the
+    oracle's. JAX converts such an array to the mode's dtype once, by its identity, for
+    as long as the conversion is alive, and the compiled function of the first call held
+    it: the trace under x64 got float32 constants in float64 operations (TypeError).
+    Another entry point on the same arrays, called first, held them as well."""
+    C = np.linspace(0.5, 1.5, 3)  # float64
+    IDX = np.array([2, 0, 1])  # int64
+
+    def loss(w, b):
+        return jnp.mean((b["x"][:, IDX] @ (w * C) - b["y"]) ** 2)
+
+    def oracle(w, b):
+        x = np.asarray(b["x"], np.float64)[:, IDX]
+        r = x @ (np.asarray(w, np.float64) * C) - b["y"]
+        G = 2 * r[:, None] * x * C
+        return G.mean(0), (G**2).mean(0), (G**2).sum(1)
+
+    f = js.per_example_stat(loss, (js.stats.mean(), js.stats.second_moment()))
+    g = js.per_example_stat(loss, js.stats.sq_norms())
+    for x64, dtype in ((False, np.float32), (True, np.float32), (True, np.float64),
+                       (False, np.float32)):
+        with zoo.x64() if x64 else contextlib.nullcontext():
+            w, b = _const_case(dtype)
+            want = oracle(w, b)
+            tol = dict(rtol=1e-11, atol=1e-13) if dtype == np.float64 else dict(rtol=2e-5,
+                                                                                atol=1e-6)
+            sq = g(w, b)  # (another entry point: its compiled functions hold them too)
+            got = (*f(w, b), sq)
+            # the mean like jax.grad (the parameters' dtype); the moments in the data's
+            # (float64 under x64: the float64 constant's, a float32 one with it off)
+            dtypes = (dtype, *[np.float64 if x64 else np.float32] * 2)
+            for a, e, dt in zip(got, want, dtypes):
+                assert a.dtype == dt, (x64, dtype, a.dtype)
+                np.testing.assert_allclose(a, e, **tol, err_msg=f"x64={x64} {dtype.__name__}")
+
