@@ -642,3 +642,110 @@ def test_programs_are_the_same_in_every_process_so_jax_caches_them_across_runs(t
     first = run(1)
     assert len(first) >= 2, first  # (the cache is on: the statistics' programs were written)
     assert run(2) == first
+
+
+def _const_case(dtype, B=6):
+    r = np.random.default_rng(5)
+    w = r.standard_normal(3).astype(dtype)
+    b = {"x": r.standard_normal((B, 3)).astype(dtype), "y": r.standard_normal(B).astype(dtype)}
+    return w, b
+
+
+def test_eager_calls_switching_x64_with_closed_over_numpy_constants():
+    """A loss closing over NumPy float64 and int64 arrays, called eagerly with x64 off,
+    then on (float32 and float64 inputs), then off again: each call's values are the
+    oracle's. JAX converts such an array to the mode's dtype once, by its identity, for
+    as long as the conversion is alive, and the compiled function of the first call held
+    it: the trace under x64 got float32 constants in float64 operations (TypeError).
+    Another entry point on the same arrays, called first, held them as well."""
+    C = np.linspace(0.5, 1.5, 3)  # float64
+    IDX = np.array([2, 0, 1])  # int64
+
+    def loss(w, b):
+        return jnp.mean((b["x"][:, IDX] @ (w * C) - b["y"]) ** 2)
+
+    def oracle(w, b):
+        x = np.asarray(b["x"], np.float64)[:, IDX]
+        r = x @ (np.asarray(w, np.float64) * C) - b["y"]
+        G = 2 * r[:, None] * x * C
+        return G.mean(0), (G**2).mean(0), (G**2).sum(1)
+
+    f = js.per_example_stat(loss, (js.stats.mean(), js.stats.second_moment()))
+    g = js.per_example_stat(loss, js.stats.sq_norms())
+    for x64, dtype in ((False, np.float32), (True, np.float32), (True, np.float64),
+                       (False, np.float32)):
+        with zoo.x64() if x64 else contextlib.nullcontext():
+            w, b = _const_case(dtype)
+            want = oracle(w, b)
+            tol = dict(rtol=1e-11, atol=1e-13) if dtype == np.float64 else dict(rtol=2e-5,
+                                                                                atol=1e-6)
+            sq = g(w, b)  # (another entry point: its compiled functions hold them too)
+            got = (*f(w, b), sq)
+            # the mean like jax.grad (the parameters' dtype); the moments in the data's
+            # (float64 under x64: the float64 constant's, a float32 one with it off)
+            dtypes = (dtype, *[np.float64 if x64 else np.float32] * 2)
+            for a, e, dt in zip(got, want, dtypes):
+                assert a.dtype == dt, (x64, dtype, a.dtype)
+                np.testing.assert_allclose(a, e, **tol, err_msg=f"x64={x64} {dtype.__name__}")
+
+
+def _no_promotion_loss(params, batch):  # (no rank promotion, one dtype)
+    h = jnp.tanh(batch["x"] @ params["l0"]["w"] + params["l0"]["b"][None, None])
+    return jnp.mean(jnp.sum((h - batch["y"]) ** 2, axis=(-2, -1)))
+
+
+def _bf16_loss(params, batch):  # (promotes bfloat16 with float32)
+    h = jnp.tanh(batch["x"].astype(jnp.bfloat16) @ params["l0"]["w"])
+    return jnp.mean(jnp.sum((h - batch["y"]) ** 2, axis=(-2, -1)))
+
+
+# config option -> (its context manager, another value than the tests' own; the precision
+# "float32" is as exact as conftest's "highest", so the values match on every backend)
+_SETTINGS = {
+    "jax_default_matmul_precision": (jax.default_matmul_precision, "float32"),
+    "jax_numpy_rank_promotion": (jax.numpy_rank_promotion, "raise"),
+    "jax_numpy_dtype_promotion": (jax.numpy_dtype_promotion, "strict"),
+    "jax_default_device": (jax.default_device, lambda: jax.devices()[-1]),
+}
+
+
+@pytest.mark.parametrize("setting", list(_SETTINGS))
+def test_eager_calls_are_traced_under_each_calls_configuration(setting):
+    """An eager call under another default matmul precision, rank or dtype promotion rule
+    or default device than the first call's is traced anew under it (jax.jit keys jax's
+    trace context; `fingerprint.EagerCache` the arguments' structure), and it shows:
+    values on that device, the loss's own promotions refused; back under the first
+    setting, the first trace serves."""
+    ctx, value = _SETTINGS[setting]
+    if setting == "jax_default_device":
+        if len(jax.devices()) < 2:
+            pytest.skip("needs two devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+        value = value()
+    seen = []
+
+    def loss(params, batch):
+        seen.append(getattr(jax.config, setting))
+        return _no_promotion_loss(params, batch)
+
+    params, batch = _case(1, jnp.float32)
+    f = js.per_example_stat(loss, js.stats.second_moment())
+    want = f(params, batch)
+    assert value not in seen, seen
+    with ctx(value):
+        got = f(params, batch)
+    assert seen[-1] == value, seen  # traced anew, under the call's setting
+    n = len(seen)
+    again = f(params, batch)
+    assert len(seen) == n, seen  # the first trace serves the first setting
+    for a, b, c in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(again)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        np.testing.assert_array_equal(b, c)
+        if setting == "jax_default_device":
+            assert a.devices() == {value} and b.devices() == {jax.devices()[0]}
+    offending = {"jax_numpy_rank_promotion": _stack(1, _layer),  # (a bias of rank 1)
+                 "jax_numpy_dtype_promotion": _bf16_loss}.get(setting)
+    if offending is not None:
+        g = js.per_example_stat(offending, js.stats.second_moment())
+        g(params, batch)
+        with ctx(value), pytest.raises(ValueError, match=value):
+            g(params, batch)

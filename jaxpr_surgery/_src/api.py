@@ -19,6 +19,7 @@ import numpy as np
 from jaxpr_surgery._src import analysis as A
 from jaxpr_surgery._src import chunking, compat, engine, independence, prefix, tiling
 from jaxpr_surgery._src import example_weights as ew
+from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
 
 PyTree = Any
@@ -813,10 +814,12 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
 
     Other keyword arguments pass through like jax.grad's: neither differentiated nor
     batched. Eager calls, also under transformations applied eagerly (``jax.grad``,
-    ``jax.vmap`` outside any jit), are compiled once per argument structure (jax.jit
-    then caches per shape and dtype), so they neither re-trace nor re-analyse nor run
-    one operation at a time; under a staging transformation (jit, pmap, shard_map, a
-    scan body) the computation is traced into the caller's."""
+    ``jax.vmap`` outside any jit), are compiled once per argument structure
+    (`fingerprint.EagerCache`; jax.jit then caches per shape and dtype, and per
+    configuration: x64, matmul precision, promotion rules, default device), so they
+    neither re-trace nor re-analyse nor run one operation at a time; under a staging
+    transformation (jit, pmap, shard_map, a scan body) the computation is traced into
+    the caller's."""
 
     def direct(args, kwargs):
         with collector_paused():
@@ -839,7 +842,7 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
             (jnp.asarray(w), *args), *prep.explicit,
         )
 
-    compiled = {}
+    compiled = fp.EagerCache()
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -858,16 +861,14 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
             hash(key)
         except TypeError:  # an unhashable static leaf: no cache
             return direct(args, kwargs)
-        if key not in compiled:
 
-            def run(arrays, key=key):
-                it = iter(arrays)
-                full = [next(it) if a else s for a, s in zip(key[1], key[2])]
-                a, k = jax.tree.unflatten(key[0], full)
-                return direct(a, k)
+        def run(arrays, key=key):
+            it = iter(arrays)
+            full = [next(it) if a else s for a, s in zip(key[1], key[2])]
+            a, k = jax.tree.unflatten(key[0], full)
+            return direct(a, k)
 
-            compiled[key] = jax.jit(run)
-        return compiled[key]([x for x, a in zip(leaves, is_arr) if a])
+        return compiled.get(key, lambda: run)([x for x, a in zip(leaves, is_arr) if a])
 
     return wrapped
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import weakref
 
 import jax
 import numpy as np
@@ -167,6 +168,50 @@ class TraceCache:
         if key not in self._fns:
             self._fns[key] = compute()
         return self._fns[key]
+
+
+# --------------------------------------------------------------------------- #
+# Eager calls, compiled once per argument structure
+# --------------------------------------------------------------------------- #
+_EAGER = weakref.WeakSet()  # every `EagerCache` alive
+_eager_x64 = None  # the x64 mode the entries of every EagerCache were traced in
+
+
+class EagerCache:
+    """The ``jax.jit`` of an entry point's eager calls, one per argument structure.
+
+    ``get(key, build)`` returns the jit of ``build()`` kept for ``key`` (the argument
+    structure, which leaves are arrays, the static leaves). Everything else that changes
+    a trace is keyed by ``jax.jit`` itself: it traces again where jax's trace context
+    differs (``jax_enable_x64``, the default matmul precision, rank and dtype
+    promotion, the default device, ...), as for any jitted function.
+
+    One thing jax.jit cannot key: JAX converts a NumPy array closed over by a traced
+    function (a float64 or int64 constant) to the dtype of the x64 mode once, by the
+    array's identity, and hands that conversion out again, under either mode, for as
+    long as it is alive. A compiled function holds the conversions of its constants,
+    so a trace under the other mode got the first mode's dtype (float32 values in
+    float64 operations: a TypeError). Before a call under the other x64 mode, the
+    entries of every EagerCache (two entry points may close over one array) are
+    dropped, which frees those conversions where nothing else holds them (a function
+    the caller jitted under the other mode does: a trace then fails as plain
+    ``jax.jit``'s does). Switching the mode back and forth compiles again."""
+
+    def __init__(self):
+        self._fns = {}
+        _EAGER.add(self)
+
+    def get(self, key, build):
+        global _eager_x64
+        x64 = bool(jax.config.jax_enable_x64)
+        if x64 != _eager_x64:
+            for cache in list(_EAGER):
+                cache._fns.clear()
+            _eager_x64 = x64
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = jax.jit(build())
+        return fn
 
 
 # --------------------------------------------------------------------------- #
