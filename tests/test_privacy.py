@@ -886,3 +886,30 @@ def test_public_names_have_docstrings():
         obj = getattr(js.privacy, name)
         if callable(obj):
             assert (obj.__doc__ or "").strip(), name
+
+
+def test_clipped_grad_switching_x64_with_closed_over_numpy_constants():
+    """`clipped_grad` called eagerly with x64 off, then on, then off again, on a loss
+    closing over a NumPy float64 array: its compiled functions are dropped when the mode
+    changes (fingerprint.EagerCache), as the main API's are; JAX's conversion of the
+    array, held by the first mode's function, made the second trace a TypeError."""
+    import contextlib
+
+    import zoo
+
+    C = np.linspace(0.5, 1.5, 3)  # float64
+
+    def loss(w, x, y):
+        return jnp.mean((x @ (w * C) - y) ** 2)
+
+    g = js.privacy.clipped_grad(loss, l2_clip_norm=1e6, batch_argnums=(1, 2))
+    for x64 in (False, True, False):
+        with zoo.x64() if x64 else contextlib.nullcontext():
+            dt = np.float64 if x64 else np.float32
+            r = np.random.default_rng(0)
+            w = jnp.asarray(r.standard_normal(3), dt)
+            x, y = jnp.asarray(r.standard_normal((4, 3)), dt), jnp.asarray(r.standard_normal(4), dt)
+            want = np.sum([2 * (np.asarray(x[b], np.float64) @ (np.asarray(w, np.float64) * C)
+                                - float(y[b])) * np.asarray(x[b], np.float64) * C
+                           for b in range(4)], 0)
+            np.testing.assert_allclose(np.asarray(g(w, x, y), np.float64), want, rtol=1e-4)

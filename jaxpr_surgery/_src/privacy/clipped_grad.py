@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxpr_surgery import stats as js_stats
 from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src.api import value_and_per_example_stat
 from jaxpr_surgery._src.optim.dp import dp_sensitivity
 
@@ -383,8 +384,9 @@ class _Config:
 def _compiled(cfg):
     """``cfg``'s function, compiled once per structure of its arguments when called
     eagerly (non-array leaves static, as in `per_example_stat`); traced into the caller's
-    computation under jit."""
-    cache = {}
+    computation under jit (`fingerprint.EagerCache`: also across a change of the x64
+    mode)."""
+    cache = fp.EagerCache()
 
     @functools.wraps(cfg.fun)
     def call(*args, **kwargs):
@@ -407,15 +409,16 @@ def _compiled(cfg):
             hash(key)
         except TypeError:
             return _call(cfg, args, kwargs)
-        if key not in cache:
-            def run(arr, key=key):
+        def build(key=key):
+            def run(arr):
                 it = iter(arr)
                 full = [next(it) if a else s for a, s in zip(key[1], key[2])]
                 a, k = jax.tree.unflatten(key[0], full)
                 return _call(cfg, a, k)
 
-            cache[key] = jax.jit(run)
-        return cache[key]([x for x, a in zip(leaves, arrays) if a])
+            return run
+
+        return cache.get(key, build)([x for x, a in zip(leaves, arrays) if a])
 
     return call
 
