@@ -20,7 +20,7 @@ import optax
 
 from jaxpr_surgery._src import api
 from jaxpr_surgery._src import example_weights as ew
-from jaxpr_surgery._src.optim.requests import request_of, update_kwargs
+from jaxpr_surgery._src.optim.requests import positive_int, request_of, update_kwargs
 from jaxpr_surgery._src.partials import (
     Partial,
     finalize_partial,
@@ -213,12 +213,7 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
       >>> bool(jnp.allclose(params, u, rtol=1e-5))
       True
     """
-    if isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer)) or every_k < 1:
-        raise ValueError(
-            f"{_OWNER}(every_k=...): expected a positive int (micro-batches per optimizer "
-            f"step), got {every_k!r}."
-        )
-    every_k = int(every_k)
+    every_k = positive_int(every_k, "every_k", _OWNER, "micro-batches per optimizer step")
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(f"{_OWNER}: expected an optax transformation, got {inner!r}.")
 

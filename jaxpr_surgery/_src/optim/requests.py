@@ -45,6 +45,8 @@ __all__ = [
     "register_static_hyperparams",
     "require",
     "require_like",
+    "is_int",
+    "positive_int",
     "request_of",
     "merge_requests",
     "PARAM_SHAPED",
@@ -640,6 +642,24 @@ def update_kwargs(stats: Mapping[str, Any], **extra) -> dict[str, Any]:
             "arguments; pass each once."
         )
     return {**stats, **extra}
+
+
+def is_int(value) -> bool:
+    """A Python or numpy integer (``4``, ``np.int64(4)``: a value read from a config or
+    an array's shape), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def positive_int(value, name: str, owner: str, meaning: str = "") -> int:
+    """``value`` as a Python int, if `is_int` and at least 1; else a ``ValueError`` naming
+    the hyperparameter ``owner(name=...)`` (``meaning``: what it counts, for the message).
+    One checker for every int hyperparameter of the optimizers."""
+    if not is_int(value) or value < 1:
+        what = f" ({meaning})" if meaning else ""
+        raise ValueError(
+            f"{owner}({name}=...): expected a positive int{what}, got {value!r}."
+        )
+    return int(value)
 
 
 def require(value, name: str, owner: str):
