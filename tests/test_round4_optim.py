@@ -5,11 +5,14 @@ hyperparameter."""
 
 from __future__ import annotations
 
+import _models as M
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import jaxpr_surgery as js
 import jaxpr_surgery.optim as jso
 
 KEY = jax.random.key(0)
@@ -21,6 +24,99 @@ def _finite(tree):
 
 def _all_nan(tree):
     return all(bool(np.all(np.isnan(x))) for x in jax.tree.leaves(tree))
+
+
+# --------------------------------------------------------------------------- #
+# Item 5: every state can be donated
+# --------------------------------------------------------------------------- #
+_LABELS = {"l1": "a", "l2": "b"}
+
+#: one (or more) of every transformation of js.optim, by factory name
+TRANSFORMS = {
+    "scale_by_adam": [lambda: jso.scale_by_adam()],
+    "scale_by_micro_adam": [lambda: jso.scale_by_micro_adam()],
+    "scale_by_micro_adam_var": [lambda: jso.scale_by_micro_adam_var()],
+    "scale_by_micro_adam_msq": [lambda: jso.scale_by_micro_adam_msq()],
+    "adam": [lambda: jso.adam(0.1)],
+    "micro_adam": [lambda: jso.micro_adam(0.1)],
+    "micro_adam_var": [lambda: jso.micro_adam_var(0.1)],
+    "micro_adam_msq": [lambda: jso.micro_adam_msq(0.1)],
+    "scale_by_shampoo": [lambda: jso.scale_by_shampoo(precondition_every=2)],
+    "shampoo": [lambda: jso.shampoo(0.1, per_example=False)],
+    "scale_by_per_example_sign": [lambda: jso.scale_by_per_example_sign()],
+    "per_example_sign_sgd": [lambda: jso.per_example_sign_sgd(0.1, b1=0.9)],
+    "sign_sgd": [lambda: jso.sign_sgd(0.1)],
+    "ema_of_sign": [lambda: jso.ema_of_sign(0.1)],
+    "sign_ema": [lambda: jso.sign_ema(0.1)],
+    "dp_aggregate": [lambda: jso.dp_aggregate(1.0, 1.0)],
+    "dp_sgd": [lambda: jso.dp_sgd(0.1, 1.0, 1.0, momentum=0.9)],
+    "dp_adam": [lambda: jso.dp_adam(0.1, 1.0, 1.0, batch_size=4)],
+    "track_gradient_statistics": [lambda: jso.track_gradient_statistics(),
+                                  lambda: jso.track_gradient_statistics(per_coordinate=False)],
+    "chain": [lambda: jso.chain(jso.track_gradient_statistics(), optax.adam(0.1))],
+    "named_chain": [lambda: jso.named_chain(("t", jso.track_gradient_statistics()),
+                                            ("a", jso.micro_adam(0.1)))],
+    "masked": [lambda: jso.masked(jso.track_gradient_statistics(), {"l1": True, "l2": False})],
+    "partition": [lambda: jso.partition({"a": jso.micro_adam(0.1),
+                                         "b": jso.track_gradient_statistics()}, _LABELS)],
+    "multi_transform": [lambda: jso.multi_transform({"a": jso.sign_ema(0.1),
+                                                     "b": optax.sgd(0.1)}, _LABELS)],
+    "inject_hyperparams": [lambda: jso.inject_hyperparams(jso.dp_sgd)(
+        learning_rate=0.1, clip_norm=optax.constant_schedule(1.0), noise_multiplier=1.0)],
+    "accumulate": [lambda: jso.accumulate(jso.adam(0.1), every_k=2),
+                   lambda: jso.accumulate(jso.chain(jso.track_gradient_statistics(),
+                                                    jso.micro_adam_var(0.1)), every_k=2),
+                   lambda: jso.accumulate(jso.dp_sgd(0.1, 1.0, 1.0), every_k=2)],
+}
+
+#: the names of js.optim that are not transformations (or factories of them)
+NOT_TRANSFORMS = {
+    "PerExampleTransformation", "AccumulatingTransformation", "AccumulateState",
+    "ScaleByMicroAdamState", "ScaleByShampooState", "TrackGradientStatisticsState",
+    "example_count", "stat_request", "update_kwargs", "dp_sensitivity",
+    "sqrt_batch_size_scaling", "adam_sqrt_scaling",
+}
+
+
+def test_every_transformation_is_tested_for_donation():
+    assert set(TRANSFORMS) == set(jso.__all__) - NOT_TRANSFORMS
+
+
+@pytest.fixture(scope="module")
+def problem():
+    """A small MLP, and every statistic any transformation requests (clip norm 1)."""
+    loss, params, batch = M.make_mlp(seed=34, batch_size=4)
+    request = {}
+    for name in ("dp_sgd", "micro_adam", "micro_adam_var", "per_example_sign_sgd", "shampoo"):
+        request.update(jso.stat_request(name, clip_norm=1.0))
+    stats = jax.jit(js.per_example_stat(loss, request))(params, batch)
+    return loss, params, batch, stats
+
+
+@pytest.mark.parametrize("make", [(name, i) for name, makes in TRANSFORMS.items()
+                                  for i in range(len(makes))], ids=str)
+def test_state_can_be_donated(problem, make):
+    """init, then two steps of a jitted update with the state donated (the usual
+    training step: optax.MultiSteps' state donates too). A state whose fields share one
+    buffer fails with "Attempt to donate the same buffer twice"."""
+    loss, params, batch, stats = problem
+    opt = TRANSFORMS[make[0]][make[1]]()
+    state = opt.init(params)
+    if isinstance(opt, jso.AccumulatingTransformation):
+        request = jso.stat_request(opt, state)
+        update = js.per_example_partial(loss, request)(params, batch)  # eager: no compile
+        extra = {"key": KEY}
+    else:
+        kw = {k: stats[k] for k in jso.stat_request(opt, state)}
+        update, extra = kw["mean"], jso.update_kwargs(kw, key=KEY)
+
+    step = jax.jit(lambda s, u, kw: opt.update(u, s, params, **kw), donate_argnums=0)
+    leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+    for _ in range(2):
+        updates, state = step(state, update, extra)
+    # donated (leaves returned unchanged, hyperparameters, are forwarded, not donated)
+    assert not leaves or any(x.is_deleted() for x in leaves)
+    assert jax.tree.structure(updates) == jax.tree.structure(params)
 
 
 # --------------------------------------------------------------------------- #

@@ -20,7 +20,12 @@ import optax
 
 from jaxpr_surgery._src import api
 from jaxpr_surgery._src import example_weights as ew
-from jaxpr_surgery._src.optim.requests import positive_int, request_of, update_kwargs
+from jaxpr_surgery._src.optim.requests import (
+    distinct_buffers,
+    positive_int,
+    request_of,
+    update_kwargs,
+)
 from jaxpr_surgery._src.partials import (
     Partial,
     finalize_partial,
@@ -175,6 +180,7 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
     ``update(partial, state, params=None, **extra_args)`` takes the micro-batch's
     partial in place of the gradient; ``extra_args`` (the DP noise ``key``) reach the
     inner update. The request is ``inner``'s: ``js.optim.stat_request(acc, state)``.
+    The state can be donated (``jax.jit(step, donate_argnums=...)``).
     Statistics per example (``sq_norms``, ``norms``) cannot be accumulated in a state
     of fixed shape and raise a ``ValueError``; so does, with weights, a statistic that
     reads every weight (the state keeps their total, sum of squares and largest: the
@@ -227,9 +233,11 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
             tuple(_zero_value(r, np.shape(x), acc_dtype_for(jnp.result_type(x))) for x in leaves)
             for r in reductions
         )
-        zero = jnp.zeros([], jnp.int32)
-        wzero = jnp.zeros([], weight_dtype(sums))
-        return AccumulateState(zero, zero, inner_state, sums, zero, wzero, wzero, wzero)
+        count = lambda: jnp.zeros([], jnp.int32)  # noqa: E731
+        weight = lambda: jnp.zeros([], weight_dtype(sums))  # noqa: E731
+        # every leaf its own buffer (also of the inner state): the state can be donated
+        return distinct_buffers(AccumulateState(
+            count(), count(), inner_state, sums, count(), weight(), weight(), weight()))
 
     def update_fn(updates, state, params=None, **extra_args):
         partial = updates
