@@ -27,6 +27,53 @@ def _all_nan(tree):
 
 
 # --------------------------------------------------------------------------- #
+# Item 2: a partial made for another DP configuration
+# --------------------------------------------------------------------------- #
+def test_accumulate_refuses_a_partial_of_other_settings():
+    """A micro-batch partial computed for clip_norm=100 does not step an accumulated
+    dp_sgd(clip_norm=1), eagerly or under jit (merge_partials and dp_sgd alone refuse
+    it too); the partial of the optimizer's own request is accepted."""
+    loss, params, batch = M.make_mlp(seed=31, batch_size=4)
+    acc = jso.accumulate(jso.dp_sgd(0.1, clip_norm=1.0, noise_multiplier=1.0), every_k=2)
+    state = acc.init(params)
+    other = js.per_example_partial(
+        loss, jso.stat_request(jso.dp_sgd(0.1, clip_norm=100.0, noise_multiplier=1.0))
+    )(params, batch)
+    own = js.per_example_partial(loss, jso.stat_request(acc, state))(params, batch)
+    match = r"other statistics: .*clipped_sum\(clip_norm=100.0\) where the optimizer requests"
+    with pytest.raises(ValueError, match=match):
+        acc.update(other, state, params, key=KEY)
+    with pytest.raises(ValueError, match=match):
+        jax.jit(lambda p, s: acc.update(p, s, params, key=KEY))(other, state)
+    with pytest.raises(ValueError, match="partial 1 holds other statistics"):
+        js.merge_partials(own, other)
+    _, state = acc.update(own, state, params, key=KEY)  # its own: accepted
+    with pytest.raises(ValueError, match=match):  # also after a first micro-batch
+        acc.update(other, state, params, key=KEY)
+
+
+def test_accumulate_accepts_a_clip_norm_scheduled_under_jit():
+    """A clip norm scheduled by inject_hyperparams is traced inside a jitted step, and
+    each stat_request builds it afresh: it cannot be compared there, so accumulate leaves
+    it to the DP update (which poisons a step whose clip norm differs) and steps."""
+    loss, params, batch = M.make_mlp(seed=32, batch_size=4)
+    inner = jso.inject_hyperparams(jso.dp_sgd)(
+        learning_rate=0.1, clip_norm=optax.linear_schedule(1.0, 0.5, 4), noise_multiplier=0.5)
+    acc = jso.accumulate(inner, every_k=2)
+
+    @jax.jit
+    def step(params, state):
+        partial = js.per_example_partial(loss, jso.stat_request(acc, state))(params, batch)
+        updates, state = acc.update(partial, state, params, key=KEY)
+        return optax.apply_updates(params, updates), state
+
+    state = acc.init(params)
+    for _ in range(2):
+        params, state = step(params, state)
+    assert int(state.gradient_step) == 1 and _finite(params)
+
+
+# --------------------------------------------------------------------------- #
 # Item 5: every state can be donated
 # --------------------------------------------------------------------------- #
 _LABELS = {"l1": "a", "l2": "b"}

@@ -33,6 +33,7 @@ from jaxpr_surgery._src.partials import (
     weight_dtype,
 )
 from jaxpr_surgery._src.reductions import acc_dtype_for
+from jaxpr_surgery._src.stats import Statistic, same_statistic
 
 __all__ = ["AccumulateState", "AccumulatingTransformation", "accumulate"]
 
@@ -136,6 +137,21 @@ def _check_partial(partial, request, state, owner):
             f"{owner}: the partial holds {spec.describe()}, but the optimizer requests "
             f"{sorted(request)}: compute it for js.optim.stat_request(acc, state)."
         )
+    # every statistic's settings too (a traced one, a clip norm scheduled under jit, is
+    # compared where it is used: a DP optimizer's update poisons a step that differs)
+    differ = [
+        f"{name} {got!r} where the optimizer requests {wanted!r}"
+        for name, got, wanted in zip(_stat_names(want[1]), spec.stats, want[0])
+        if not same_statistic(got, wanted) and not (_traced(got) or _traced(wanted))
+    ]
+    if differ:
+        raise ValueError(
+            f"{owner}: the partial was computed for other statistics: "
+            f"{_short_text('; '.join(differ))}. Their values would reach the inner "
+            "update as if they were its own (for a DP optimizer: noise sized for another "
+            "clipping than the partial's). Compute the partial of every micro-batch for "
+            "js.optim.stat_request(acc, state), from the current state."
+        )
     _refuse_per_example(spec.reductions, spec.describe(), owner)
     if partial.example_weights is not None:
         # the state keeps the weights' total, sum of squares and largest (`WeightSummary`)
@@ -157,9 +173,37 @@ def _check_partial(partial, request, state, owner):
         )
 
 
+def _stat_names(stat_tree):
+    """The path of each statistic of a request (``['clipped_sum']``), in flat order."""
+    flat = jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(stat_tree, list(range(stat_tree.num_leaves))))[0]
+    return [jax.tree_util.keystr(path) for path, _ in flat]
+
+
+def _traced(obj, depth=0) -> bool:
+    """Whether a statistic holds a traced value (among its attributes, their trees, the
+    statistics it holds), which `same_statistic` cannot compare."""
+    if isinstance(obj, jax.core.Tracer):
+        return True
+    if depth > 8:
+        return False
+    if isinstance(obj, (list, tuple)):
+        children = list(obj)
+    elif isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, Statistic) or hasattr(obj, "__dataclass_fields__"):
+        children = list(getattr(obj, "__dict__", {}).values())
+    else:
+        return False
+    return any(_traced(c, depth + 1) for c in children)
+
+
+def _short_text(text, n=240):
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
 def _short(tree, shapes):
-    text = f"{tree} with shapes {shapes}"
-    return text if len(text) <= 240 else text[:237] + "..."
+    return _short_text(f"{tree} with shapes {shapes}")
 
 
 def accumulate(inner: optax.GradientTransformation, every_k: int) -> AccumulatingTransformation:
@@ -179,8 +223,10 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
 
     ``update(partial, state, params=None, **extra_args)`` takes the micro-batch's
     partial in place of the gradient; ``extra_args`` (the DP noise ``key``) reach the
-    inner update. The request is ``inner``'s: ``js.optim.stat_request(acc, state)``.
-    The state can be donated (``jax.jit(step, donate_argnums=...)``).
+    inner update. The request is ``inner``'s: ``js.optim.stat_request(acc, state)``; a
+    partial of other statistics, or of the same ones with other settings (a DP partial
+    clipped at another clip norm), raises a ``ValueError``. The state can be donated
+    (``jax.jit(step, donate_argnums=...)``).
     Statistics per example (``sq_norms``, ``norms``) cannot be accumulated in a state
     of fixed shape and raise a ``ValueError``; so does, with weights, a statistic that
     reads every weight (the state keeps their total, sum of squares and largest: the
