@@ -74,6 +74,39 @@ def test_accumulate_accepts_a_clip_norm_scheduled_under_jit():
 
 
 # --------------------------------------------------------------------------- #
+# Item 3: weighted and unweighted micro-batches in one step
+# --------------------------------------------------------------------------- #
+def test_accumulate_refuses_weighted_and_unweighted_micro_batches():
+    """Weights of 5 in one micro-batch, none in the other, max_example_weight=1: refused
+    in either order (the state recorded the weights, the step read only the last
+    micro-batch's); under jit the step is NaN. Micro-batches all weighted or all
+    unweighted step as before."""
+    loss, params, batch = M.make_mlp(seed=33, batch_size=4)
+    acc = jso.accumulate(jso.dp_sgd(0.1, clip_norm=1.0, noise_multiplier=1.0), every_k=2)
+    f = js.per_example_partial(loss, jso.stat_request(acc, acc.init(params)))
+    weighted, plain = f(params, batch, example_weights=jnp.full(4, 5.0)), f(params, batch)
+    for first, last, why in ((weighted, plain, "had them"), (plain, weighted, "had none")):
+        _, state = acc.update(first, acc.init(params), params, key=KEY)
+        with pytest.raises(ValueError, match=f"accumulated before it {why}.*to every micro"):
+            acc.update(last, state, params, key=KEY)
+
+    # under jit: weights of 0.5 (within the bound), so that only the mixing poisons
+    half = f(params, batch, example_weights=jnp.full(4, 0.5))
+    update = jax.jit(lambda p, s: acc.update(p, s, params, key=KEY))
+    for pair, ok in (((half, plain), False), ((plain, half), False),
+                     ((half, half), True), ((plain, plain), True)):
+        state = acc.init(params)
+        for partial in pair:
+            updates, state = update(partial, state)
+        assert int(state.gradient_step) == 1
+        assert _finite(updates) if ok else _all_nan(updates), pair
+        if not ok:  # the next step starts afresh
+            for partial in (half, half):
+                updates, state = update(partial, state)
+            assert _finite(updates)
+
+
+# --------------------------------------------------------------------------- #
 # Item 5: every state can be donated
 # --------------------------------------------------------------------------- #
 _LABELS = {"l1": "a", "l2": "b"}

@@ -56,6 +56,9 @@ class AccumulateState(NamedTuple):
       weight_sq: the sum of their squared weights (float; 1 per example without
         ``example_weights``), for the effective batch size of weighted examples.
       weight_max: their largest weight (float).
+      weighted: whether the micro-batches since the last step carried
+        ``example_weights`` (bool; read while ``mini_step > 0``: the micro-batches of
+        one step carry weights all, or none).
     """
 
     mini_step: jax.Array
@@ -66,6 +69,7 @@ class AccumulateState(NamedTuple):
     total_weight: jax.Array
     weight_sq: jax.Array
     weight_max: jax.Array
+    weighted: jax.Array
 
 
 class AccumulatingTransformation(optax.GradientTransformationExtraArgs):
@@ -219,7 +223,8 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
     micro-batches of different sizes (statistics weigh every example alike), and with
     ``example_weights`` (token counts, padding): partials made with weights give the
     weighted statistics of the concatenated micro-batches and their weights. Pass weights
-    to every micro-batch or to none.
+    to every micro-batch or to none: a step whose micro-batches mix them raises a
+    ``ValueError`` (under ``jit``, its update is NaN).
 
     ``update(partial, state, params=None, **extra_args)`` takes the micro-batch's
     partial in place of the gradient; ``extra_args`` (the DP noise ``key``) reach the
@@ -283,13 +288,31 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
         weight = lambda: jnp.zeros([], weight_dtype(sums))  # noqa: E731
         # every leaf its own buffer (also of the inner state): the state can be donated
         return distinct_buffers(AccumulateState(
-            count(), count(), inner_state, sums, count(), weight(), weight(), weight()))
+            count(), count(), inner_state, sums, count(), weight(), weight(), weight(),
+            jnp.zeros([], jnp.bool_)))
 
     def update_fn(updates, state, params=None, **extra_args):
         partial = updates
         request = request_of(inner, state.inner_state, owner=_OWNER)
         _check_partial(partial, request, state, _OWNER)
         spec = partial._spec
+        weighted = partial.example_weights is not None
+        # the micro-batches of one step carry example_weights all, or none
+        mixed = (state.mini_step > 0) & (state.weighted != weighted)
+        if not isinstance(mixed, jax.core.Tracer) and bool(mixed):
+            k = int(state.mini_step)
+            before = f"the {k} micro-batch{'es' if k > 1 else ''} accumulated before it"
+            raise ValueError(
+                f"{_OWNER}: "
+                + (f"this micro-batch's partial has example_weights, but {before} had none"
+                   if weighted else
+                   f"this micro-batch's partial has no example_weights, but {before} had them")
+                + ". The step would take neither the weighted nor the unweighted statistics "
+                "of its micro-batches (and a DP optimizer would check its max_example_weight "
+                "against the last micro-batch's weights alone). Pass example_weights to "
+                "every micro-batch or to none (weights of 1 are the unweighted statistics; "
+                "0/1 padding: is_padding_example)."
+            )
         wdt = state.total_weight.dtype
         sums = merge_values(spec.reductions, state.sums, state.total_weight,
                             partial._values, partial.total_weight)
@@ -305,7 +328,8 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
             pw = jnp.asarray(pw).astype(wdt)
             sq, big = jnp.sum(jnp.square(pw)), jnp.max(pw, initial=0)
         wsq, wmax = state.weight_sq + sq, jnp.maximum(state.weight_max, big)
-        weighted = pw is not None
+        if isinstance(mixed, jax.core.Tracer):  # traced: the step's statistics are NaN
+            sums, w, wsq, wmax = ew.poison((sums, w, wsq, wmax), mixed)
 
         def step(sums, n, w, wsq, wmax, inner_state):
             weights = ew.WeightSummary(w, wsq, wmax) if weighted else None
@@ -332,6 +356,7 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
         )
         mini = jnp.where(now, 0, state.mini_step + 1).astype(jnp.int32)
         gstep = (state.gradient_step + now.astype(jnp.int32)).astype(jnp.int32)
-        return new_updates, AccumulateState(mini, gstep, inner_state, sums, n, w, wsq, wmax)
+        return new_updates, AccumulateState(mini, gstep, inner_state, sums, n, w, wsq, wmax,
+                                            jnp.full([], weighted, jnp.bool_))
 
     return AccumulatingTransformation(init_fn, update_fn, inner, every_k)
