@@ -20,7 +20,12 @@ import optax
 
 from jaxpr_surgery._src import api
 from jaxpr_surgery._src import example_weights as ew
-from jaxpr_surgery._src.optim.requests import request_of, update_kwargs
+from jaxpr_surgery._src.optim.requests import (
+    distinct_buffers,
+    positive_int,
+    request_of,
+    update_kwargs,
+)
 from jaxpr_surgery._src.partials import (
     Partial,
     finalize_partial,
@@ -28,6 +33,7 @@ from jaxpr_surgery._src.partials import (
     weight_dtype,
 )
 from jaxpr_surgery._src.reductions import acc_dtype_for
+from jaxpr_surgery._src.stats import Statistic, same_statistic
 
 __all__ = ["AccumulateState", "AccumulatingTransformation", "accumulate"]
 
@@ -50,6 +56,9 @@ class AccumulateState(NamedTuple):
       weight_sq: the sum of their squared weights (float; 1 per example without
         ``example_weights``), for the effective batch size of weighted examples.
       weight_max: their largest weight (float).
+      weighted: whether the micro-batches since the last step carried
+        ``example_weights`` (bool; read while ``mini_step > 0``: the micro-batches of
+        one step carry weights all, or none).
     """
 
     mini_step: jax.Array
@@ -60,6 +69,7 @@ class AccumulateState(NamedTuple):
     total_weight: jax.Array
     weight_sq: jax.Array
     weight_max: jax.Array
+    weighted: jax.Array
 
 
 class AccumulatingTransformation(optax.GradientTransformationExtraArgs):
@@ -131,6 +141,21 @@ def _check_partial(partial, request, state, owner):
             f"{owner}: the partial holds {spec.describe()}, but the optimizer requests "
             f"{sorted(request)}: compute it for js.optim.stat_request(acc, state)."
         )
+    # every statistic's settings too (a traced one, a clip norm scheduled under jit, is
+    # compared where it is used: a DP optimizer's update poisons a step that differs)
+    differ = [
+        f"{name} {got!r} where the optimizer requests {wanted!r}"
+        for name, got, wanted in zip(_stat_names(want[1]), spec.stats, want[0])
+        if not same_statistic(got, wanted) and not (_traced(got) or _traced(wanted))
+    ]
+    if differ:
+        raise ValueError(
+            f"{owner}: the partial was computed for other statistics: "
+            f"{_short_text('; '.join(differ))}. Their values would reach the inner "
+            "update as if they were its own (for a DP optimizer: noise sized for another "
+            "clipping than the partial's). Compute the partial of every micro-batch for "
+            "js.optim.stat_request(acc, state), from the current state."
+        )
     _refuse_per_example(spec.reductions, spec.describe(), owner)
     if partial.example_weights is not None:
         # the state keeps the weights' total, sum of squares and largest (`WeightSummary`)
@@ -152,9 +177,37 @@ def _check_partial(partial, request, state, owner):
         )
 
 
+def _stat_names(stat_tree):
+    """The path of each statistic of a request (``['clipped_sum']``), in flat order."""
+    flat = jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(stat_tree, list(range(stat_tree.num_leaves))))[0]
+    return [jax.tree_util.keystr(path) for path, _ in flat]
+
+
+def _traced(obj, depth=0) -> bool:
+    """Whether a statistic holds a traced value (among its attributes, their trees, the
+    statistics it holds), which `same_statistic` cannot compare."""
+    if isinstance(obj, jax.core.Tracer):
+        return True
+    if depth > 8:
+        return False
+    if isinstance(obj, (list, tuple)):
+        children = list(obj)
+    elif isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, Statistic) or hasattr(obj, "__dataclass_fields__"):
+        children = list(getattr(obj, "__dict__", {}).values())
+    else:
+        return False
+    return any(_traced(c, depth + 1) for c in children)
+
+
+def _short_text(text, n=240):
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
 def _short(tree, shapes):
-    text = f"{tree} with shapes {shapes}"
-    return text if len(text) <= 240 else text[:237] + "..."
+    return _short_text(f"{tree} with shapes {shapes}")
 
 
 def accumulate(inner: optax.GradientTransformation, every_k: int) -> AccumulatingTransformation:
@@ -170,11 +223,15 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
     micro-batches of different sizes (statistics weigh every example alike), and with
     ``example_weights`` (token counts, padding): partials made with weights give the
     weighted statistics of the concatenated micro-batches and their weights. Pass weights
-    to every micro-batch or to none.
+    to every micro-batch or to none: a step whose micro-batches mix them raises a
+    ``ValueError`` (under ``jit``, its update is NaN).
 
     ``update(partial, state, params=None, **extra_args)`` takes the micro-batch's
     partial in place of the gradient; ``extra_args`` (the DP noise ``key``) reach the
-    inner update. The request is ``inner``'s: ``js.optim.stat_request(acc, state)``.
+    inner update. The request is ``inner``'s: ``js.optim.stat_request(acc, state)``; a
+    partial of other statistics, or of the same ones with other settings (a DP partial
+    clipped at another clip norm), raises a ``ValueError``. The state can be donated
+    (``jax.jit(step, donate_argnums=...)``).
     Statistics per example (``sq_norms``, ``norms``) cannot be accumulated in a state
     of fixed shape and raise a ``ValueError``; so does, with weights, a statistic that
     reads every weight (the state keeps their total, sum of squares and largest: the
@@ -213,12 +270,7 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
       >>> bool(jnp.allclose(params, u, rtol=1e-5))
       True
     """
-    if isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer)) or every_k < 1:
-        raise ValueError(
-            f"{_OWNER}(every_k=...): expected a positive int (micro-batches per optimizer "
-            f"step), got {every_k!r}."
-        )
-    every_k = int(every_k)
+    every_k = positive_int(every_k, "every_k", _OWNER, "micro-batches per optimizer step")
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(f"{_OWNER}: expected an optax transformation, got {inner!r}.")
 
@@ -232,15 +284,35 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
             tuple(_zero_value(r, np.shape(x), acc_dtype_for(jnp.result_type(x))) for x in leaves)
             for r in reductions
         )
-        zero = jnp.zeros([], jnp.int32)
-        wzero = jnp.zeros([], weight_dtype(sums))
-        return AccumulateState(zero, zero, inner_state, sums, zero, wzero, wzero, wzero)
+        count = lambda: jnp.zeros([], jnp.int32)  # noqa: E731
+        weight = lambda: jnp.zeros([], weight_dtype(sums))  # noqa: E731
+        # every leaf its own buffer (also of the inner state): the state can be donated
+        return distinct_buffers(AccumulateState(
+            count(), count(), inner_state, sums, count(), weight(), weight(), weight(),
+            jnp.zeros([], jnp.bool_)))
 
     def update_fn(updates, state, params=None, **extra_args):
         partial = updates
         request = request_of(inner, state.inner_state, owner=_OWNER)
         _check_partial(partial, request, state, _OWNER)
         spec = partial._spec
+        weighted = partial.example_weights is not None
+        # the micro-batches of one step carry example_weights all, or none
+        mixed = (state.mini_step > 0) & (state.weighted != weighted)
+        if not isinstance(mixed, jax.core.Tracer) and bool(mixed):
+            k = int(state.mini_step)
+            before = f"the {k} micro-batch{'es' if k > 1 else ''} accumulated before it"
+            raise ValueError(
+                f"{_OWNER}: "
+                + (f"this micro-batch's partial has example_weights, but {before} had none"
+                   if weighted else
+                   f"this micro-batch's partial has no example_weights, but {before} had them")
+                + ". The step would take neither the weighted nor the unweighted statistics "
+                "of its micro-batches (and a DP optimizer would check its max_example_weight "
+                "against the last micro-batch's weights alone). Pass example_weights to "
+                "every micro-batch or to none (weights of 1 are the unweighted statistics; "
+                "0/1 padding: is_padding_example)."
+            )
         wdt = state.total_weight.dtype
         sums = merge_values(spec.reductions, state.sums, state.total_weight,
                             partial._values, partial.total_weight)
@@ -256,7 +328,8 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
             pw = jnp.asarray(pw).astype(wdt)
             sq, big = jnp.sum(jnp.square(pw)), jnp.max(pw, initial=0)
         wsq, wmax = state.weight_sq + sq, jnp.maximum(state.weight_max, big)
-        weighted = pw is not None
+        if isinstance(mixed, jax.core.Tracer):  # traced: the step's statistics are NaN
+            sums, w, wsq, wmax = ew.poison((sums, w, wsq, wmax), mixed)
 
         def step(sums, n, w, wsq, wmax, inner_state):
             weights = ew.WeightSummary(w, wsq, wmax) if weighted else None
@@ -283,6 +356,7 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
         )
         mini = jnp.where(now, 0, state.mini_step + 1).astype(jnp.int32)
         gstep = (state.gradient_step + now.astype(jnp.int32)).astype(jnp.int32)
-        return new_updates, AccumulateState(mini, gstep, inner_state, sums, n, w, wsq, wmax)
+        return new_updates, AccumulateState(mini, gstep, inner_state, sums, n, w, wsq, wmax,
+                                            jnp.full([], weighted, jnp.bool_))
 
     return AccumulatingTransformation(init_fn, update_fn, inner, every_k)

@@ -40,6 +40,7 @@ from jaxpr_surgery._src.norms import stacked_parts
 from jaxpr_surgery._src.optim.requests import (
     PerExampleTransformation,
     build_request,
+    positive_int,
     refuse_masked,
     register_request,
     register_static_hyperparams,
@@ -62,6 +63,8 @@ def _where(path):
 
 
 def _check(clip_norm, noise_multiplier, batch_size, owner, max_example_weight=1.0):
+    """Raises on a bad hyperparameter; returns ``batch_size`` (a Python int, None, or an
+    array injected by `inject_hyperparams`)."""
     entries = _bound_entries(clip_norm)
     if not entries:
         raise ValueError(
@@ -89,12 +92,10 @@ def _check(clip_norm, noise_multiplier, batch_size, owner, max_example_weight=1.
             )
     _check_max_weight(max_example_weight, noise_multiplier, owner)
     injected = isinstance(batch_size, (jax.Array, np.ndarray))  # by inject_hyperparams
-    if batch_size is not None and not injected and not (
-        isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size > 0
-    ):
-        raise ValueError(
-            f"{owner}(batch_size=...): must be a positive int or None, got {batch_size!r}."
-        )
+    if batch_size is None or injected:
+        return batch_size
+    return positive_int(batch_size, "batch_size", owner,
+                        "the fixed denominator, the expected batch size; or None")
 
 
 def _check_max_weight(M, noise_multiplier, owner):
@@ -407,7 +408,7 @@ def dp_aggregate(
       <https://arxiv.org/abs/1607.00133>, 2016
     """
     owner = "dp_aggregate"
-    _check(clip_norm, noise_multiplier, batch_size, owner, max_example_weight)
+    batch_size = _check(clip_norm, noise_multiplier, batch_size, owner, max_example_weight)
     no_noise = isinstance(noise_multiplier, (int, float)) and noise_multiplier == 0
     fixed_batch_size = batch_size
     configured_clip_norm = clip_norm

@@ -148,18 +148,18 @@ def track_gradient_statistics(
     owner = "track_gradient_statistics"
 
     def init_fn(params):
-        zero = jnp.zeros([], jnp.float32)
         if per_coordinate:
             mean_sq = optax.tree.zeros_like(params)
             variance = optax.tree.zeros_like(params)
         else:
             mean_sq = variance = None
+        # one array per field: a state whose fields share a buffer cannot be donated
         return TrackGradientStatisticsState(
             count=jnp.zeros([], jnp.int32),
             mean_sq=mean_sq,
             variance=variance,
-            sq_norm=zero,
-            trace_variance=zero,
+            sq_norm=jnp.zeros([], jnp.float32),
+            trace_variance=jnp.zeros([], jnp.float32),
         )
 
     def update_fn(

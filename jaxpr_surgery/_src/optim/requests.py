@@ -45,6 +45,9 @@ __all__ = [
     "register_static_hyperparams",
     "require",
     "require_like",
+    "is_int",
+    "positive_int",
+    "distinct_buffers",
     "request_of",
     "merge_requests",
     "PARAM_SHAPED",
@@ -261,14 +264,32 @@ def float_leaves(params):
     return None if params is None else jax.tree.map(one, params)
 
 
+def distinct_buffers(tree):
+    """``tree`` with a copy of every array that appears in it a second time, so that each
+    leaf owns its buffer: a state whose leaves share one cannot be donated
+    (``jax.jit(step, donate_argnums=...)``: "Attempt to donate the same buffer twice").
+    Traced leaves (``init`` under ``jit``) become distinct outputs anyway."""
+    seen = set()
+
+    def one(x):
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            if id(x) in seen:
+                return jnp.copy(x)
+            seen.add(id(x))
+        return x
+
+    return jax.tree.map(one, tree)
+
+
 def _skipping_nonfloat(init, update):
-    """``init`` and ``update`` that see the parameters' float leaves only (`float_leaves`)."""
+    """``init`` and ``update`` that see the parameters' float leaves only (`float_leaves`);
+    the state ``init`` returns owns a buffer per leaf (`distinct_buffers`)."""
     if getattr(init, "_js_float_leaves", False):
         return init, update
 
     @functools.wraps(init)
     def init_fn(params):
-        return init(float_leaves(params))
+        return distinct_buffers(init(float_leaves(params)))
 
     @functools.wraps(update)
     def update_fn(updates, state, params=None, **extra_args):
@@ -289,7 +310,9 @@ class PerExampleTransformation(optax.GradientTransformationExtraArgs):
     array (an integer buffer, a PRNG key), whose statistics `per_example_stat` skips
     (None, as ``eqx.filter_grad`` gives), gets no state and a ``None`` update, as
     optax gives for a ``None`` gradient. Apply the updates with ``eqx.apply_updates``
-    (``optax.apply_updates`` cannot add ``None`` to an array).
+    (``optax.apply_updates`` cannot add ``None`` to an array). Every array of the state
+    ``init`` returns has its own buffer, so the state can be donated
+    (``jax.jit(step, donate_argnums=...)``).
 
     Attributes:
       init: as in optax.
@@ -640,6 +663,24 @@ def update_kwargs(stats: Mapping[str, Any], **extra) -> dict[str, Any]:
             "arguments; pass each once."
         )
     return {**stats, **extra}
+
+
+def is_int(value) -> bool:
+    """A Python or numpy integer (``4``, ``np.int64(4)``: a value read from a config or
+    an array's shape), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def positive_int(value, name: str, owner: str, meaning: str = "") -> int:
+    """``value`` as a Python int, if `is_int` and at least 1; else a ``ValueError`` naming
+    the hyperparameter ``owner(name=...)`` (``meaning``: what it counts, for the message).
+    One checker for every int hyperparameter of the optimizers."""
+    if not is_int(value) or value < 1:
+        what = f" ({meaning})" if meaning else ""
+        raise ValueError(
+            f"{owner}({name}=...): expected a positive int{what}, got {value!r}."
+        )
+    return int(value)
 
 
 def require(value, name: str, owner: str):

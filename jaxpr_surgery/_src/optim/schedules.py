@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import optax
 
+from jaxpr_surgery._src.optim.requests import is_int
+
 __all__ = ["sqrt_batch_size_scaling", "adam_sqrt_scaling"]
+
+
+def _check_batch_sizes(base_batch_size, batch_size, owner):
+    """Batch sizes are positive numbers: ints (numpy's too, `is_int`) or floats."""
+    for name, value in (("base_batch_size", base_batch_size), ("batch_size", batch_size)):
+        number = is_int(value) or isinstance(value, (float, np.floating))
+        if not number or not value > 0:
+            raise ValueError(f"{owner}({name}=...): must be a positive number, got {value!r}.")
 
 
 def sqrt_batch_size_scaling(
@@ -50,11 +61,7 @@ def sqrt_batch_size_scaling(
       Malladi et al., On the SDEs and Scaling Rules for Adaptive Gradient
       Algorithms <https://arxiv.org/abs/2205.10287>, 2022
     """
-    for name, value in (("base_batch_size", base_batch_size), ("batch_size", batch_size)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise ValueError(
-                f"sqrt_batch_size_scaling({name}=...): must be a positive number, got {value!r}."
-            )
+    _check_batch_sizes(base_batch_size, batch_size, "sqrt_batch_size_scaling")
     factor = math.sqrt(batch_size / base_batch_size)
     if callable(base_lr):
         return lambda count: base_lr(count) * factor
@@ -98,11 +105,7 @@ def adam_sqrt_scaling(
       >>> {k: round(v, 10) for k, v in hp.items()}
       {'learning_rate': 0.002, 'b1': 0.6, 'b2': 0.96, 'eps': 5e-09}
     """
-    for name, value in (("base_batch_size", base_batch_size), ("batch_size", batch_size)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise ValueError(
-                f"adam_sqrt_scaling({name}=...): must be a positive number, got {value!r}."
-            )
+    _check_batch_sizes(base_batch_size, batch_size, "adam_sqrt_scaling")
     kappa = batch_size / base_batch_size
     out = {"learning_rate": sqrt_batch_size_scaling(learning_rate, base_batch_size, batch_size)}
     for name, beta in (("b1", b1), ("b2", b2)):

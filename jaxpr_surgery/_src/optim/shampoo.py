@@ -26,6 +26,7 @@ import optax
 from jaxpr_surgery._src import stats as _stats
 from jaxpr_surgery._src.optim.requests import (
     PerExampleTransformation,
+    positive_int,
     register_request,
     register_static_hyperparams,
     require_like,
@@ -144,8 +145,9 @@ def scale_by_shampoo(
       Gupta, Koren & Singer, Shampoo: Preconditioned Stochastic Tensor Optimization
       <https://arxiv.org/abs/1802.09568>, 2018
     """
-    eps = _checked_hyperparams(b2, eps, max_dim, precondition_every)
-    stat = _stats.kron_moments(max_dim)  # validates max_dim
+    eps, max_dim, precondition_every = _checked_hyperparams(b2, eps, max_dim,
+                                                           precondition_every)
+    stat = _stats.kron_moments(max_dim)
 
     def init_fn(params):
         return _init_state(params, max_dim)
@@ -186,7 +188,7 @@ def scale_by_shampoo(
 def _checked_hyperparams(b2, eps, max_dim, precondition_every):
     """Raises on a bad hyperparameter of `scale_by_shampoo` (arrays injected by
     ``optax.inject_hyperparams`` pass unchecked); returns ``eps``, a Python float where
-    it is a number."""
+    it is a number, and ``max_dim`` and ``precondition_every`` as Python ints."""
     if isinstance(b2, (int, float)) and not 0 <= b2 < 1:
         raise ValueError(f"scale_by_shampoo(b2=...): must be in [0, 1), got {b2!r}.")
     injected = (jax.Array, np.ndarray, np.generic)
@@ -203,16 +205,11 @@ def _checked_hyperparams(b2, eps, max_dim, precondition_every):
             "js.optim.inject_hyperparams, which keeps max_dim static, or pass "
             "static_args=('max_dim', 'precondition_every')."
         )
-    if (
-        isinstance(precondition_every, bool)
-        or not isinstance(precondition_every, int)
-        or (precondition_every < 1)
-    ):
-        raise ValueError(
-            "scale_by_shampoo(precondition_every=...): must be a positive int, got "
-            f"{precondition_every!r}."
-        )
-    return eps
+    max_dim = positive_int(max_dim, "max_dim", "scale_by_shampoo",
+                           "the largest axis kept as a full matrix")
+    precondition_every = positive_int(precondition_every, "precondition_every",
+                                      "scale_by_shampoo", "steps between inverse roots")
+    return eps, max_dim, precondition_every
 
 
 def _acc_dtype(p):
