@@ -244,3 +244,25 @@ def test_int_hyperparameters_refuse_bools_floats_and_non_positive(bad):
     ):
         with pytest.raises(ValueError, match=name + r"...\): expected a positive int"):
             make()
+
+
+# --------------------------------------------------------------------------- #
+# Float hyperparameters of the DP optimizers: numpy scalars, infinite noise
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("factory", [jso.dp_sgd, jso.dp_adam])
+def test_dp_noise_multiplier_inf_and_numpy_floats_are_checked(factory):
+    """``noise_multiplier=inf`` was accepted and made every update non-finite; numpy float
+    scalars skipped the checks (``np.float32(-1)`` accepted) and ``np.float32(0)`` was not
+    read as 'no noise' (a key still required)."""
+    for z in (float("inf"), np.float32(np.inf), np.float32(-1), np.float64(np.nan)):
+        with pytest.raises(ValueError, match="noise_multiplier"):
+            factory(0.1, 1.0, z)
+    with pytest.raises(ValueError, match="clip_norm"):
+        factory(0.1, np.float32(-1.0), 1.0)
+    g = {"w": jnp.array([[0.3, -0.4], [1.0, 2.0]])}
+    kw = {"clipped_sum": g, "max_weight": jnp.ones(()), "clip_norm": 1.0}
+    tx = factory(0.1, np.float32(1.0), np.float32(0.0), batch_size=4)
+    u, _ = tx.update(g, tx.init(g), g, **kw)  # no noise: no key needed
+    ref = factory(0.1, 1.0, 0.0, batch_size=4)
+    want, _ = ref.update(g, ref.init(g), g, **kw)
+    np.testing.assert_array_equal(u["w"], want["w"])

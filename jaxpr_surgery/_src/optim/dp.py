@@ -79,9 +79,10 @@ def _check(clip_norm, noise_multiplier, batch_size, owner, max_example_weight=1.
                 f"{owner}(clip_norm=...): must be > 0 (or inf){_where(path)}, got {C!r}."
             )
     if isinstance(noise_multiplier, (int, float)):
-        if not noise_multiplier >= 0:
+        if not 0 <= noise_multiplier < math.inf:
             raise ValueError(
-                f"{owner}(noise_multiplier=...): must be >= 0, got {noise_multiplier!r}."
+                f"{owner}(noise_multiplier=...): must be finite and >= 0 (0 for no noise), "
+                f"got {noise_multiplier!r}: infinite noise leaves no signal in the update."
             )
         infinite = [p for p, C in entries if isinstance(C, (int, float)) and math.isinf(C)]
         if noise_multiplier > 0 and infinite:
@@ -143,6 +144,14 @@ def _noise_like(key, tree, std):
 #: Relative difference tolerated between the clip norm the clipping used and the
 #: optimizer's (two computations of one scheduled value in different dtypes).
 CLIP_NORM_RTOL = 1e-4
+
+
+def _plain(x):
+    """A numpy scalar (``np.float32(0.5)``, ``np.int64(1)``) as the Python number it
+    holds; anything else as it is."""
+    if isinstance(x, (np.floating, np.integer)) and not isinstance(x, np.bool_):
+        return x.item()
+    return x
 
 
 def _is_number(x) -> bool:
@@ -408,6 +417,9 @@ def dp_aggregate(
       <https://arxiv.org/abs/1607.00133>, 2016
     """
     owner = "dp_aggregate"
+    # numpy scalars as the Python numbers they are (checked, and `no_noise`, alike)
+    clip_norm, noise_multiplier, max_example_weight = jax.tree.map(
+        _plain, (clip_norm, noise_multiplier, max_example_weight))
     batch_size = _check(clip_norm, noise_multiplier, batch_size, owner, max_example_weight)
     no_noise = isinstance(noise_multiplier, (int, float)) and noise_multiplier == 0
     fixed_batch_size = batch_size
