@@ -457,7 +457,9 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
         + [A.DATA] * len(prep.ex_leaves)
         + [None] * len(prep.other_leaves)
     )
-    an = A.analyse_jaxpr(closed.jaxpr, in_tags, n)
+    an = A.analyse_jaxpr(closed.jaxpr, in_tags, n, prep.data_axes | _axis_names(opts.axis_name))
+    if an.crossing:
+        raise _crossing_error(an.crossing, prep.diff_paths, name)
     if opts.strict:
         bad = [(prep.diff_paths[i], li.reasons) for i, li in enumerate(an.leaves) if li.residual]
         if bad:
@@ -479,6 +481,27 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
         opts.chunk_size, prep.B, act, lambda: chunking.accumulator_bytes(reductions, leaf_avals)
     )
     return Front(closed, out_tree, an, leaf_avals, plan, cs, act)
+
+
+def _crossing_error(crossing, paths, name):
+    """The refusal of parameters that go through a collective over the examples' mesh
+    axes (`analysis.Analysis.crossing`)."""
+    _, eqn, axes = crossing[0]
+    leaves = sorted(set().union(*(c[0] for c in crossing)))
+    names = ", ".join(paths[i] for i in leaves)
+    prims = ", ".join(dict.fromkeys(str(c[1].primitive) for c in crossing))
+    ax = ", ".join(repr(a) for a in sorted(axes, key=str))
+    return NotImplementedError(
+        f"{name}: parameter leaf/leaves {names} go through {prims} over mesh axis {ax} "
+        f"(first{A._at(eqn)}), the axis the examples are split on: each example's gradient "
+        "would take "
+        "in the examples of the other devices (the transpose of a collective sums over "
+        "them), so every statistic would be wrong. Gather (or otherwise combine) the "
+        "parameters outside the statistic and pass the whole ones, e.g. "
+        f"per_example_stat(fn)(jax.lax.all_gather(params, {ax}, tiled=True), batch), or "
+        "shard them with jax.jit and a NamedSharding (XLA partitions the program; no "
+        "axis_name)."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
