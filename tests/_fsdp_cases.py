@@ -230,9 +230,52 @@ def case_custom_vjp_gather():
     return local, _params(), {k: P("fsdp") for k in ("w1", "b1", "w2")}, body, _mesh()
 
 
+def case_gather_2d():
+    """The batch over ('data', 'fsdp'), the weights sharded over 'fsdp' and gathered
+    over it alone (replicated over 'data')."""
+    local, params, specs, whole, _ = case_gather(0, True)
+    return local, params, specs, whole, _mesh((2, 4), ("data", "fsdp")), {"data": ("data", "fsdp")}
+
+
+def body_tied(p, b):
+    return body(p, b) + 0.1 * jnp.mean(jnp.tanh(b["x"] @ p["w1"]) ** 2)
+
+
+def case_gather_twice():
+    """w1 gathered twice (two uses, each behind its own gather: one whole weight)."""
+    def local(p, b):
+        g = {k: jax.lax.all_gather(v, "fsdp", tiled=True) for k, v in p.items()}
+        w1b = jax.lax.all_gather(p["w1"], "fsdp", tiled=True)
+        return body(g, b) + 0.1 * jnp.mean(jnp.tanh(b["x"] @ w1b) ** 2)
+    return local, _params(), {k: P("fsdp") for k in ("w1", "b1", "w2")}, body_tied, _mesh()
+
+
+def case_gather_and_use():
+    """w1 gathered and also used as the shard itself: not a view of the whole weight."""
+    def local(p, b):
+        g = {k: jax.lax.all_gather(v, "fsdp", tiled=True) for k, v in p.items()}
+        return body(g, b) + jnp.sum(p["w1"] ** 2)
+    return local, _params(), {k: P("fsdp") for k in ("w1", "b1", "w2")}, None, _mesh()
+
+
+def case_gather_kron():
+    local, params, specs, whole, mesh = case_gather(0, True)
+    return local, params, specs, whole, mesh, {"stats": {"kron": js.stats.kron_moments()}}
+
+
+def case_gather_no_axis_name():
+    local, params, specs, whole, mesh = case_gather(0, True)
+    return local, params, specs, whole, mesh, {"axis_name": None}
+
+
+def case_gather_unchecked():
+    local, params, specs, whole, mesh = case_gather(0, True)
+    return local, params, specs, whole, mesh, {"check_vma": False}
+
+
 def case_gather_model_axis():
     """Tensor parallelism: w1 sharded and gathered over 'model', the batch over 'data'
-    (a gather over an axis the examples are not split on: exact per example)."""
+    (a gather over an axis the examples are not split on)."""
     def local(p, b):
         return body({**p, "w1": jax.lax.all_gather(p["w1"], "model", axis=1, tiled=True)}, b)
     return (local, _params(), {"w1": P(None, "model"), "b1": P(), "w2": P()}, body,
@@ -244,6 +287,12 @@ CASES = {
     "gather_untiled": lambda: case_gather(0, False),
     "gather_axis1": lambda: case_gather(1, True),
     "gather_some": case_gather_some,
+    "gather_2d": case_gather_2d,
+    "gather_twice": case_gather_twice,
+    "gather_unchecked": case_gather_unchecked,
+    "gather_and_use": case_gather_and_use,
+    "gather_kron": case_gather_kron,
+    "gather_no_axis_name": case_gather_no_axis_name,
     "psum_parts": case_psum_parts,
     "psum_replicated": case_psum_replicated,
     "ppermute": case_ppermute,
@@ -254,27 +303,30 @@ CASES = {
 }
 
 
-def run_case(name, stats=tuple(STATS), chunk=None):
-    local, params, specs, whole, mesh = CASES[name]()
-    data = mesh.axis_names[0]
+def run_case(name, chunk=None):
+    local, params, specs, whole, mesh, *opt = CASES[name]()
+    opt = opt[0] if opt else {}
+    data = opt.get("data", mesh.axis_names[0])
+    axis_name = opt.get("axis_name", data)
     batch = _batch()
-    req = {s: STATS[s]() for s in stats}
+    req = opt.get("stats") or {s: STATS[s]() for s in STATS}
     out_specs = {s: (P(data) if s == "sq_norms" else {k: P(data) for k in specs}
-                     if s in PER_EXAMPLE else specs) for s in stats}
-    fn = js.per_example_stat(local, req, axis_name=data, chunk_size=chunk)
-    sm = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P(data)), out_specs=out_specs))
-    res = {"case": name}
+                     if s in PER_EXAMPLE else specs) for s in req}
+    fn = js.per_example_stat(local, req, axis_name=axis_name, chunk_size=chunk)
+    sm = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P(data)), out_specs=out_specs,
+                               check_vma=opt.get("check_vma", True)))
+    res = {"case": name + (f":{chunk}" if chunk else "")}
     try:
         got = sm(_place(mesh, params, specs), _place(mesh, batch, P(data)))
     except (NotImplementedError, ValueError) as e:
         res["refused"] = f"{type(e).__name__}: {e}"
         return res
     want = _oracle(_per_example_grads(local, params, batch, specs, mesh, data))
-    res["err"] = {s: _close(got[s], want[s], s) for s in stats}
+    res["err"] = {s: _close(got[s], want[s], s) for s in req}
     if whole is not None:
         ref = js.per_example_stat(whole, req)(params, batch)
         res["err_whole"] = {s: _close(got[s], jax.tree.map(np.asarray, ref[s]), s)
-                            for s in stats}
+                            for s in req}
     return res
 
 

@@ -8,7 +8,9 @@ Every statistic is either exact (against JAX's own per-example gradients of the 
 ``per_example_stat`` on the whole parameters) or refused at trace time, naming the leaf,
 the collective and the axis: never a silent number. (Before, every such statistic was
 wrong: the per-example gradient through the collective took in the other devices'
-examples.)
+examples.) A leaf whose every use is an ``all_gather`` over ``axis_name`` (tiled or not,
+on any axis, in chunks, on a 2-D mesh, without ``check_vma``) is exact; elementwise
+statistics come back sharded like the leaf, norms are of the whole weight's gradient.
 
 The cases run in one subprocess with 8 fake CPU devices (tests/_fsdp_cases.py).
 """
@@ -27,12 +29,19 @@ pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-#: case -> "exact", or the collective the refusal names
+#: case -> "exact", or the collective the refusal names (":1": in chunks of one example)
 EXPECT = {
-    "gather_tiled": "all_gather",
-    "gather_untiled": "all_gather",
-    "gather_axis1": "all_gather",
-    "gather_some": "all_gather",
+    "gather_tiled": "exact",
+    "gather_tiled:1": "exact",
+    "gather_untiled": "exact",
+    "gather_axis1": "exact",
+    "gather_some:3": "exact",
+    "gather_2d": "exact",
+    "gather_twice": "exact",
+    "gather_unchecked": "exact",
+    "gather_and_use": "all_gather",
+    "gather_no_axis_name": "all_gather",
+    "gather_kron": "KronSum",
     "psum_parts": "psum",
     "psum_replicated": "psum",
     "ppermute": "ppermute",
@@ -40,8 +49,8 @@ EXPECT = {
     "psum_scatter": "reduce_scatter",
     "custom_vjp_gather": "all_gather",
 }
-LEAVES = {"gather_some": ["w1"], "psum_replicated": ["w1"], "ppermute": ["w1"],
-          "all_to_all": ["w1"], "psum_scatter": ["w1"], "gather_axis1": ["w1", "w2"]}
+LEAVES = {"psum_replicated": ["w1"], "ppermute": ["w1"], "all_to_all": ["w1"],
+          "psum_scatter": ["w1"], "gather_and_use": ["w1"]}
 TOL = 2e-5  # float32 against the float64 reduction of JAX's per-example gradients
 
 
@@ -69,8 +78,10 @@ def test_collective_on_parameter_exact_or_refused(results, case):
         return
     msg = r.get("refused")
     assert msg is not None, f"{case}: not refused, errors {r.get('err')}"
-    assert msg.startswith("NotImplementedError: per_example_stat: parameter leaf"), msg
+    assert msg.startswith("NotImplementedError: per_example_stat: "), msg
     assert EXPECT[case] in msg and "'fsdp'" in msg, msg
     for leaf in LEAVES.get(case, ["b1", "w1", "w2"]):
         assert f"['{leaf}']" in msg, msg
     assert "outside the statistic" in msg and "NamedSharding" in msg, msg
+    if EXPECT[case] != "KronSum":
+        assert "parameter leaf/leaves" in msg and "axis_name" in msg, msg

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import chunking, compat, engine, independence, prefix, tiling
+from jaxpr_surgery._src import chunking, compat, engine, gathers, independence, prefix, tiling
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import stats as S
 
@@ -419,6 +419,9 @@ class Front:
     plan: Any
     chunk: int | None
     activation_bytes: Any  # int, or a callable giving it (computed once, on demand)
+    # leaf index -> the all_gather over ``axis_name`` lifted out of the loss (FSDP in
+    # shard_map, `gathers.lift`): the leaf's statistics are of the whole weight
+    gathers: dict = dataclasses.field(default_factory=dict)
 
 
 def front_half(prep, reductions, opts, name, check=None, check_budget=True):
@@ -457,6 +460,9 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
         + [A.DATA] * len(prep.ex_leaves)
         + [None] * len(prep.other_leaves)
     )
+    closed, lifted = gathers.lift(closed, n, _axis_names(opts.axis_name))
+    if lifted:
+        gathers.check_reductions(lifted, reductions, prep.diff_paths, name)
     an = A.analyse_jaxpr(closed.jaxpr, in_tags, n, prep.data_axes | _axis_names(opts.axis_name))
     if an.crossing:
         raise _crossing_error(an.crossing, prep.diff_paths, name)
@@ -470,6 +476,8 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
                 "leaves (chunk_size bounds the memory)."
             )
     leaf_avals = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in prep.diff_leaves]
+    for i, e in lifted.items():  # (the whole weight's statistics)
+        leaf_avals[i] = jax.ShapeDtypeStruct(e.outvars[0].aval.shape, e.outvars[0].aval.dtype)
     plan = engine.make_plan(
         closed, an, leaf_avals, reductions, len(prep.ex_leaves), len(prep.other_leaves),
         out_tree, budget=opts.memory_budget_bytes, flatten=prep.leaf_flatten(),
@@ -480,7 +488,7 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     cs = chunking.resolve(
         opts.chunk_size, prep.B, act, lambda: chunking.accumulator_bytes(reductions, leaf_avals)
     )
-    return Front(closed, out_tree, an, leaf_avals, plan, cs, act)
+    return Front(closed, out_tree, an, leaf_avals, plan, cs, act, lifted)
 
 
 def _crossing_error(crossing, paths, name):
@@ -496,7 +504,9 @@ def _crossing_error(crossing, paths, name):
         f"(first{A._at(eqn)}), the axis the examples are split on: each example's gradient "
         "would take "
         "in the examples of the other devices (the transpose of a collective sums over "
-        "them), so every statistic would be wrong. Gather (or otherwise combine) the "
+        "them), so every statistic would be wrong. Served: a leaf whose every use is an "
+        "all_gather of the leaf itself over axes of axis_name at the top level of fn "
+        "(hand-written FSDP; pass axis_name). Otherwise gather (or combine) the "
         "parameters outside the statistic and pass the whole ones, e.g. "
         f"per_example_stat(fn)(jax.lax.all_gather(params, {ax}, tiled=True), batch), or "
         "shard them with jax.jit and a NamedSharding (XLA partitions the program; no "
@@ -565,7 +575,9 @@ def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
             int(front.chunk), zero.values, reductions, w,
         )
 
-    args = (prep.diff_leaves, prep.ex_leaves, prep.other_leaves, plan.closed.consts)
+    diff = [gathers.gather(front.gathers[i], x) if i in front.gathers else x
+            for i, x in enumerate(prep.diff_leaves)]
+    args = (diff, prep.ex_leaves, prep.other_leaves, plan.closed.consts)
     if w is None:
         values, loss_b, aux = evaluate(*args, None)
     else:  # (derivatives that no example of weight 0 spoils)
@@ -588,6 +600,10 @@ def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
             for j, vals in values.items()
         }
         loss_sum = jax.lax.psum(loss_sum, opts.axis_name)
+        for j, vals in values.items():  # (a gathered leaf: each device keeps its shard)
+            if not reductions[j].per_example:
+                for i, e in front.gathers.items():
+                    vals[i] = gathers.scatter(e, vals[i])
         if w is None:
             count = N
         else:
