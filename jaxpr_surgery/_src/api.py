@@ -595,15 +595,16 @@ def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
     whole_w = w
     if opts.axis_name is not None:
         N = jax.lax.psum(B, opts.axis_name)
+        # (a gathered leaf: each device keeps its shard, `gathers.combine`)
         values = {
-            j: [_weighing(reductions[j], w).combine_axis(v, B, N, opts.axis_name) for v in vals]
+            j: [gathers.combine(front.gathers[i], _weighing(reductions[j], w), v, B, N,
+                                opts.axis_name)
+                if i in front.gathers
+                else _weighing(reductions[j], w).combine_axis(v, B, N, opts.axis_name)
+                for i, v in enumerate(vals)]
             for j, vals in values.items()
         }
         loss_sum = jax.lax.psum(loss_sum, opts.axis_name)
-        for j, vals in values.items():  # (a gathered leaf: each device keeps its shard)
-            if not reductions[j].per_example:
-                for i, e in front.gathers.items():
-                    vals[i] = gathers.scatter(e, vals[i])
         if w is None:
             count = N
         else:

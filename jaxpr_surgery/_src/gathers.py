@@ -101,13 +101,43 @@ def scatter(eqn, value):
     return jax.tree.map(one, value)
 
 
+def _innermost(r):
+    while isinstance(r, S.Weighted):
+        r = r.inner
+    return r
+
+
+# reductions combined over the devices by a plain sum (`Reduction.combine_axis`: psum)
+_SUMMED = (S.PhiSum.combine_axis, S.ClippedSum.combine_axis)
+
+
+def combine(eqn, r, value, n_local, N, axis_name):
+    """The value of reduction ``r`` over every device's examples for a leaf gathered by
+    ``eqn``, this device's shard of it: a sum (of a function, a clipped sum) is
+    reduce-scattered over the gather's axes (the transpose of the gather, as ``jax.grad``
+    gives the shard's gradient; summed over the other axes of ``axis_name``); any other
+    value is combined whole (`Reduction.combine_axis`: a Chan merge), then sliced."""
+    if r.per_example:
+        return value
+    if type(_innermost(r)).combine_axis not in _SUMMED:
+        return scatter(eqn, r.combine_axis(value, n_local, N, axis_name))
+    names = _gather_axes(eqn)
+    every = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    rest = tuple(a for a in every if a not in names)
+    if rest:
+        value = jax.lax.psum(value, rest)
+    return jax.tree.map(
+        lambda x: jax.lax.psum_scatter(
+            x, names if len(names) > 1 else names[0],
+            scatter_dimension=eqn.params["all_gather_dimension"], tiled=eqn.params["tiled"]),
+        value)
+
+
 def check_reductions(gathers, reductions, paths, name):
     """Refuses a statistic a gathered leaf cannot give: only elementwise ones (each
     device keeps its shard) and per-example norms (of the whole weight) are served."""
     for r in reductions:
-        inner = r
-        while isinstance(inner, S.Weighted):
-            inner = inner.inner
+        inner = _innermost(r)
         if isinstance(inner, (S.ElementwiseReduction, S.SqNorms, S.Norms)):
             continue
         leaves = ", ".join(paths[i] for i in sorted(gathers))
