@@ -258,6 +258,15 @@ def case_gather_and_use():
     return local, _params(), {k: P("fsdp") for k in ("w1", "b1", "w2")}, None, _mesh()
 
 
+def case_gather_in_jit():
+    """The gather inside a jitted helper: not lifted (refused)."""
+    gather = jax.jit(lambda w: jax.lax.all_gather(w, "fsdp", tiled=True))
+
+    def local(p, b):
+        return body({**p, "w1": gather(p["w1"])}, b)
+    return local, _params(), {"w1": P("fsdp"), "b1": P(), "w2": P()}, None, _mesh()
+
+
 def case_gather_kron():
     local, params, specs, whole, mesh = case_gather(0, True)
     return local, params, specs, whole, mesh, {"stats": {"kron": js.stats.kron_moments()}}
@@ -292,6 +301,7 @@ CASES = {
     "gather_unchecked": case_gather_unchecked,
     "gather_and_use": case_gather_and_use,
     "gather_kron": case_gather_kron,
+    "gather_in_jit": case_gather_in_jit,
     "gather_no_axis_name": case_gather_no_axis_name,
     "psum_parts": case_psum_parts,
     "psum_replicated": case_psum_replicated,

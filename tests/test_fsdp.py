@@ -42,6 +42,7 @@ EXPECT = {
     "gather_and_use": "all_gather",
     "gather_no_axis_name": "all_gather",
     "gather_kron": "KronSum",
+    "gather_in_jit": "all_gather",
     "psum_parts": "psum",
     "psum_replicated": "psum",
     "ppermute": "ppermute",
@@ -50,7 +51,7 @@ EXPECT = {
     "custom_vjp_gather": "all_gather",
 }
 LEAVES = {"psum_replicated": ["w1"], "ppermute": ["w1"], "all_to_all": ["w1"],
-          "psum_scatter": ["w1"], "gather_and_use": ["w1"]}
+          "psum_scatter": ["w1"], "gather_and_use": ["w1"], "gather_in_jit": ["w1"]}
 TOL = 2e-5  # float32 against the float64 reduction of JAX's per-example gradients
 
 
