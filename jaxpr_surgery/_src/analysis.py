@@ -277,6 +277,11 @@ class Analysis:
     forwards: dict = dataclasses.field(default_factory=dict)
     # eqn path -> paths of its taps (`Site.tap_of`), in order
     taps: dict = dataclasses.field(default_factory=dict)
+    # ``(leaves, eqn, axes)`` of each collective over the examples' mesh axes (an
+    # ``all_gather`` over the batch's axis in hand-written FSDP, a ``psum``,
+    # ``ppermute``, ...) that parameter ``leaves`` go through: a per-example gradient
+    # through it would mix the examples of different devices (`api.front_half` refuses)
+    crossing: list = dataclasses.field(default_factory=list)
 
     def at(self, p):
         """The sites at the equation at ``p``: its own, then its taps."""
@@ -383,8 +388,12 @@ def _scale_step(eqn, pos, tags):
 
 
 class _Analyzer:
-    def __init__(self, n_leaves):
+    def __init__(self, n_leaves, data_axes=frozenset()):
         self.leaves = [LeafInfo() for _ in range(n_leaves)]
+        self.data_axes = frozenset(data_axes)
+        # (leaves, eqn, axes) of each collective over the examples' mesh axes that a
+        # parameter goes through (`Analysis.crossing`)
+        self.crossing = []
         self.sites = {}
         self.primitives = set()
         self.patterns = {}  # Var -> ("bcast"|"iota"|"eq"|"onehot", info): one-hot detection
@@ -497,6 +506,8 @@ class _Analyzer:
         n_out = len(eqn.outvars)
         params_tags = [t for t in tags if isinstance(t, _PARAM_TAGS)]
         has_data = any(t == DATA for t in tags)
+        if params_tags and self.data_axes:
+            self.collective_on_parameter(eqn, params_tags)
 
         if prim in _CALL_PRIMS:
             return self.call(eqn, tags, path, scan_lengths, has_data)
@@ -546,6 +557,17 @@ class _Analyzer:
             return [DATA] * n_out
         self.site(eqn, tags, tag, pv, pos, path, scan_lengths)
         return [DATA] * n_out
+
+    def collective_on_parameter(self, eqn, params_tags):
+        """Records ``eqn`` (or a collective inside it, where the walk does not enter it:
+        a ``custom_vjp``, a loop) when it communicates over the examples' mesh axes and
+        a parameter goes through it (`Analysis.crossing`)."""
+        axes = compat.collective_axes(eqn) & self.data_axes
+        inner = eqn
+        if not axes and eqn.primitive not in (*_CALL_PRIMS, compat.remat_p, compat.scan_p):
+            inner, axes = _collective_within(compat.subjaxprs(eqn), self.data_axes)
+        if axes:
+            self.crossing.append((self.union(params_tags), inner, axes))
 
     def call(self, eqn, tags, path, scan_lengths, has_data):
         """A jit / closed_call / call: its body is walked in place."""
@@ -821,13 +843,30 @@ def _site_inputs(tag, eqn, base, extra):
     return tuple(ext)
 
 
+def _collective_within(jaxprs, data_axes):
+    """``(eqn, axes)`` of the first collective over ``data_axes`` in ``jaxprs`` or the
+    jaxprs they call, else ``(None, frozenset())``."""
+    for j in jaxprs:
+        for e in getattr(j, "jaxpr", j).eqns:
+            axes = compat.collective_axes(e) & data_axes
+            if axes:
+                return e, axes
+            found = _collective_within(compat.subjaxprs(e), data_axes)
+            if found[1]:
+                return found
+    return None, frozenset()
+
+
 def _at(eqn):
     src = compat.source_line(eqn)
     return f" at {src}" if src else ""
 
 
-def analyse_jaxpr(jaxpr, in_tags, n_leaves):
-    a = _Analyzer(n_leaves)
+def analyse_jaxpr(jaxpr, in_tags, n_leaves, data_axes=frozenset()):
+    """The `Analysis` of the per-example ``jaxpr``; ``data_axes``: the mesh axes the
+    examples are split over (``axis_name`` and the axes the batch varies over inside
+    ``shard_map``), whose collectives on parameters `Analysis.crossing` lists."""
+    a = _Analyzer(n_leaves, data_axes)
     outs = a.run(jaxpr, in_tags, (), ())
     if outs and isinstance(outs[0], _PARAM_TAGS):
         a.residual(outs[0], "the loss depends on it without passing through example data")
@@ -865,7 +904,7 @@ def analyse_jaxpr(jaxpr, in_tags, n_leaves):
                     fw.append(v)
     return Analysis(
         a.leaves, sites, scopes, a.primitives, {k: tuple(v) for k, v in forwards.items()},
-        {p: tuple(q) for p, q in taps.items()},
+        {p: tuple(q) for p, q in taps.items()}, a.crossing,
     )
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import chunking, compat, engine, independence, prefix, tiling
+from jaxpr_surgery._src import chunking, compat, engine, gathers, independence, prefix, tiling
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
@@ -420,6 +420,9 @@ class Front:
     plan: Any
     chunk: int | None
     activation_bytes: Any  # int, or a callable giving it (computed once, on demand)
+    # leaf index -> the all_gather over ``axis_name`` lifted out of the loss (FSDP in
+    # shard_map, `gathers.lift`): the leaf's statistics are of the whole weight
+    gathers: dict = dataclasses.field(default_factory=dict)
 
 
 def front_half(prep, reductions, opts, name, check=None, check_budget=True):
@@ -458,7 +461,12 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
         + [A.DATA] * len(prep.ex_leaves)
         + [None] * len(prep.other_leaves)
     )
-    an = A.analyse_jaxpr(closed.jaxpr, in_tags, n)
+    closed, lifted = gathers.lift(closed, n, _axis_names(opts.axis_name))
+    if lifted:
+        gathers.check_reductions(lifted, reductions, prep.diff_paths, name)
+    an = A.analyse_jaxpr(closed.jaxpr, in_tags, n, prep.data_axes | _axis_names(opts.axis_name))
+    if an.crossing:
+        raise _crossing_error(an.crossing, prep.diff_paths, name)
     if opts.strict:
         bad = [(prep.diff_paths[i], li.reasons) for i, li in enumerate(an.leaves) if li.residual]
         if bad:
@@ -469,6 +477,8 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
                 "leaves (chunk_size bounds the memory)."
             )
     leaf_avals = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in prep.diff_leaves]
+    for i, e in lifted.items():  # (the whole weight's statistics)
+        leaf_avals[i] = jax.ShapeDtypeStruct(e.outvars[0].aval.shape, e.outvars[0].aval.dtype)
     plan = engine.make_plan(
         closed, an, leaf_avals, reductions, len(prep.ex_leaves), len(prep.other_leaves),
         out_tree, budget=opts.memory_budget_bytes, flatten=prep.leaf_flatten(),
@@ -479,7 +489,30 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     cs = chunking.resolve(
         opts.chunk_size, prep.B, act, lambda: chunking.accumulator_bytes(reductions, leaf_avals)
     )
-    return Front(closed, out_tree, an, leaf_avals, plan, cs, act)
+    return Front(closed, out_tree, an, leaf_avals, plan, cs, act, lifted)
+
+
+def _crossing_error(crossing, paths, name):
+    """The refusal of parameters that go through a collective over the examples' mesh
+    axes (`analysis.Analysis.crossing`)."""
+    _, eqn, axes = crossing[0]
+    leaves = sorted(set().union(*(c[0] for c in crossing)))
+    names = ", ".join(paths[i] for i in leaves)
+    prims = ", ".join(dict.fromkeys(str(c[1].primitive) for c in crossing))
+    ax = ", ".join(repr(a) for a in sorted(axes, key=str))
+    return NotImplementedError(
+        f"{name}: parameter leaf/leaves {names} go through {prims} over mesh axis {ax} "
+        f"(first{A._at(eqn)}), the axis the examples are split on: each example's gradient "
+        "would take "
+        "in the examples of the other devices (the transpose of a collective sums over "
+        "them), so every statistic would be wrong. Served: a leaf whose every use is an "
+        "all_gather of the leaf itself over axes of axis_name at the top level of fn "
+        "(hand-written FSDP; pass axis_name). Otherwise gather (or combine) the "
+        "parameters outside the statistic and pass the whole ones, e.g. "
+        f"per_example_stat(fn)(jax.lax.all_gather(params, {ax}, tiled=True), batch), or "
+        "shard them with jax.jit and a NamedSharding (XLA partitions the program; no "
+        "axis_name)."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,7 +576,9 @@ def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
             int(front.chunk), zero.values, reductions, w,
         )
 
-    args = (prep.diff_leaves, prep.ex_leaves, prep.other_leaves, plan.closed.consts)
+    diff = [gathers.gather(front.gathers[i], x) if i in front.gathers else x
+            for i, x in enumerate(prep.diff_leaves)]
+    args = (diff, prep.ex_leaves, prep.other_leaves, plan.closed.consts)
     if w is None:
         values, loss_b, aux = evaluate(*args, None)
     else:  # (derivatives that no example of weight 0 spoils)
@@ -561,8 +596,13 @@ def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
     whole_w = w
     if opts.axis_name is not None:
         N = jax.lax.psum(B, opts.axis_name)
+        # (a gathered leaf: each device keeps its shard, `gathers.combine`)
         values = {
-            j: [_weighing(reductions[j], w).combine_axis(v, B, N, opts.axis_name) for v in vals]
+            j: [gathers.combine(front.gathers[i], _weighing(reductions[j], w), v, B, N,
+                                opts.axis_name)
+                if i in front.gathers
+                else _weighing(reductions[j], w).combine_axis(v, B, N, opts.axis_name)
+                for i, v in enumerate(vals)]
             for j, vals in values.items()
         }
         loss_sum = jax.lax.psum(loss_sum, opts.axis_name)

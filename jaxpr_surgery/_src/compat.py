@@ -178,6 +178,34 @@ def _vma_cast_prims():
 
 vma_cast_prims = _vma_cast_prims()
 
+
+def _collective_prims():
+    """The primitives that communicate over named mesh axes (psum, all_gather,
+    psum_scatter, ppermute, all_to_all, pmax, ...): every primitive of jax's parallel
+    module but the identity casts of the shard_map type system and ``axis_index``."""
+    from jax._src.lax import parallel
+
+    out = set()
+    for n in dir(parallel):
+        p = getattr(parallel, n)
+        if n.endswith("_p") and isinstance(p, _core.Primitive):
+            out.add(p)
+    return frozenset(out - set(vma_cast_prims) - {parallel.axis_index_p})
+
+
+collective_prims = _collective_prims()
+all_gather_p = _first(lambda: __import__("jax._src.lax.parallel", fromlist=["x"]).all_gather_p)
+
+
+def collective_axes(eqn) -> frozenset:
+    """The named mesh axes ``eqn`` communicates over (empty for any other equation;
+    positional axes, ints, are not named)."""
+    if eqn.primitive not in collective_prims:
+        return frozenset()
+    names = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+    names = names if isinstance(names, (tuple, list)) else (names,)
+    return frozenset(a for a in names if not isinstance(a, int))
+
 # Primitives that jax.vmap batches only with every operand batched on axis 0 (any other
 # mix raises "ragged_dot vmap over any dim but 0 - NYI"): the engine broadcasts their
 # unbatched operands to the batch before it maps them.

@@ -1,0 +1,152 @@
+"""Parameters gathered over the examples' mesh axis: hand-written FSDP inside ``shard_map``.
+
+A loss that starts with ``w = jax.lax.all_gather(w_shard, "fsdp", tiled=True)``, the
+examples split over ``"fsdp"`` as well, uses the whole weight on every device. Each
+example's gradient of the shard is a slice of its gradient of the whole weight, which
+the device that holds the example computes alone. So the gather is lifted out of the
+per-example jaxpr (`lift`): the whole weight becomes the differentiated input, gathered
+once before the statistics (`gather`); every device reduces its own examples'
+gradients of the whole weight, the devices' values are combined over ``axis_name`` as
+for a replicated weight, and each device keeps its shard of a leaf-shaped statistic
+(`scatter`: the transpose of the gather, as ``jax.grad`` gives the shard's gradient).
+Per-example norms are those of the whole weight's gradient, which the device holds for
+its own examples: no sum over the devices, and clipping reads them as they are.
+
+Any other collective over the examples' axes that a parameter goes through is refused
+(`analysis.Analysis.crossing`).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import stats as S
+
+
+def _gather_axes(eqn):
+    names = eqn.params["axis_name"]
+    return tuple(names) if isinstance(names, (tuple, list)) else (names,)
+
+
+def liftable(eqn, axes):
+    """``eqn`` is an ``all_gather`` over some of ``axes`` (the ``axis_name`` the
+    examples are split on) of the whole axis group."""
+    return (
+        eqn.primitive is compat.all_gather_p
+        and eqn.params.get("axis_index_groups") is None
+        and bool(_gather_axes(eqn))
+        and all(not isinstance(a, int) and a in axes for a in _gather_axes(eqn))
+    )
+
+
+def lift(closed, n_leaves, axes):
+    """``(closed, gathers)``: the per-example jaxpr with the ``all_gather`` of each
+    parameter leaf whose every use is that gather (over ``axes``, the same each time)
+    removed, the gathered value its input in place of the leaf; ``gathers``: leaf index
+    -> the gather's equation (`gather`, `scatter`). Leaves used any other way are left
+    as they are (and refused by the analysis where a collective over ``axes`` remains)."""
+    jaxpr = closed.jaxpr
+    if not axes:
+        return closed, {}
+    uses = {v: [] for v in jaxpr.invars[:n_leaves]}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            if not isinstance(v, compat.Literal) and v in uses:
+                uses[v].append(e)
+    outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
+    gathers, subst, drop = {}, {}, set()
+    for i, v in enumerate(jaxpr.invars[:n_leaves]):
+        es = uses[v]
+        if not es or v in outs or not all(liftable(e, axes) for e in es):
+            continue
+        first = es[0]
+        if any(e.params != first.params for e in es[1:]):
+            continue
+        gathers[i] = first
+        drop.update(id(e) for e in es)
+        subst.update({e.outvars[0]: first.outvars[0] for e in es[1:]})
+    if not gathers:
+        return closed, {}
+
+    def sub(vs):
+        return [subst.get(x, x) if not isinstance(x, compat.Literal) else x for x in vs]
+
+    invars = [gathers[i].outvars[0] if i in gathers else v for i, v in enumerate(jaxpr.invars)]
+    eqns = [e.replace(invars=sub(e.invars)) if subst else e
+            for e in jaxpr.eqns if id(e) not in drop]
+    new = jaxpr.replace(invars=invars, eqns=eqns, outvars=sub(jaxpr.outvars))
+    return compat.ClosedJaxpr(new, closed.consts), gathers
+
+
+def gather(eqn, x):
+    """The whole weight from the device's shard ``x``, by the loss's own gather."""
+    return compat.bind_eqn(eqn, [x])[0]
+
+
+def scatter(eqn, value):
+    """This device's shard of a statistic shaped like the whole weight (a tree of
+    arrays: moments): the slice the gather put there."""
+    names = _gather_axes(eqn)
+    a = eqn.params["all_gather_dimension"]
+    n = eqn.params["axis_size"]
+    idx = jax.lax.axis_index(names if len(names) > 1 else names[0])
+
+    def one(x):
+        if eqn.params["tiled"]:
+            k = x.shape[a] // n
+            return jax.lax.dynamic_slice_in_dim(x, idx * k, k, axis=a)
+        return jax.lax.dynamic_index_in_dim(x, idx, axis=a, keepdims=False)
+
+    return jax.tree.map(one, value)
+
+
+def _innermost(r):
+    while isinstance(r, S.Weighted):
+        r = r.inner
+    return r
+
+
+# reductions combined over the devices by a plain sum (`Reduction.combine_axis`: psum)
+_SUMMED = (S.PhiSum.combine_axis, S.ClippedSum.combine_axis)
+
+
+def combine(eqn, r, value, n_local, N, axis_name):
+    """The value of reduction ``r`` over every device's examples for a leaf gathered by
+    ``eqn``, this device's shard of it: a sum (of a function, a clipped sum) is
+    reduce-scattered over the gather's axes (the transpose of the gather, as ``jax.grad``
+    gives the shard's gradient; summed over the other axes of ``axis_name``); any other
+    value is combined whole (`Reduction.combine_axis`: a Chan merge), then sliced."""
+    if r.per_example:
+        return value
+    if type(_innermost(r)).combine_axis not in _SUMMED:
+        return scatter(eqn, r.combine_axis(value, n_local, N, axis_name))
+    names = _gather_axes(eqn)
+    every = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    rest = tuple(a for a in every if a not in names)
+    if rest:
+        value = jax.lax.psum(value, rest)
+    return jax.tree.map(
+        lambda x: jax.lax.psum_scatter(
+            x, names if len(names) > 1 else names[0],
+            scatter_dimension=eqn.params["all_gather_dimension"], tiled=eqn.params["tiled"]),
+        value)
+
+
+def check_reductions(gathers, reductions, paths, name):
+    """Refuses a statistic a gathered leaf cannot give: only elementwise ones (each
+    device keeps its shard) and per-example norms (of the whole weight) are served."""
+    for r in reductions:
+        inner = _innermost(r)
+        if isinstance(inner, (S.ElementwiseReduction, S.SqNorms, S.Norms)):
+            continue
+        leaves = ", ".join(paths[i] for i in sorted(gathers))
+        raise NotImplementedError(
+            f"{name}: {inner.describe()} of a parameter leaf gathered over the examples' "
+            f"mesh axis ({leaves}, all_gather over "
+            f"{', '.join(repr(a) for a in _gather_axes(next(iter(gathers.values()))))}) "
+            "is not served: only elementwise statistics (mean, sum, moments, variance, "
+            "sign_mean, clipped sums, each device keeping its shard) and per-example "
+            "norms are. Gather the parameters outside the statistic and pass the whole "
+            "ones, or shard them with jax.jit and a NamedSharding (no axis_name)."
+        )

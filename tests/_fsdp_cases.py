@@ -1,0 +1,347 @@
+"""Parameters sharded over the batch's own mesh axis inside ``shard_map`` (hand-written
+FSDP), and other collectives on a parameter: run by tests/test_fsdp.py in a subprocess
+with 8 fake CPU devices, which prints one JSON object per case.
+
+Each case is a loss written for one device (its parameter shards, its examples) and the
+same loss on whole parameters. The oracle is JAX's own: the per-example gradients of
+the shards by ``jax.grad`` under the same ``shard_map`` of the loss of one example at a
+time (a one-hot weight over the whole batch), reduced in numpy float64. A case is either
+exact (every statistic within ``tol`` of the oracle, and of ``per_example_stat`` on the
+whole parameters where there is one) or refused at trace time with the error's message;
+anything else is a silent wrong number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8"
+                               + " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxpr_surgery as js  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+NDEV, N, CLIP = 8, 32, 0.5
+D, H, C = 8, 16, 8
+
+
+def _params(seed=0):
+    r = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)  # noqa: E731
+    return {"w1": f(D, H) / 2, "b1": f(H) / 4, "w2": f(H, C) / 3}
+
+
+def _batch(seed=1):
+    r = np.random.default_rng(seed)
+    return {"x": jnp.asarray(r.normal(size=(N, D)), jnp.float32),
+            "y": jnp.asarray(r.normal(size=(N, C)), jnp.float32)}
+
+
+def body(p, b):
+    h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
+
+
+STATS = {
+    "mean": lambda: js.stats.mean(),
+    "sum": lambda: js.stats.sum(),
+    "second_moment": lambda: js.stats.second_moment(),
+    "variance": lambda: js.stats.variance(),
+    "sign_mean": lambda: js.stats.sign_mean(),
+    "sq_norms": lambda: js.stats.sq_norms(),
+    "norms_per_leaf": lambda: js.stats.norms(per_leaf=True),
+    "clipped_mean": lambda: js.stats.clipped_mean(CLIP),
+    "clipped_sum": lambda: js.stats.clipped_sum(CLIP),
+}
+PER_EXAMPLE = ("sq_norms", "norms_per_leaf")
+
+
+def _oracle(G):
+    """Every statistic of per-example gradients ``G`` (a dict of ``[N, ...]``), float64."""
+    G = {k: np.asarray(v, np.float64) for k, v in G.items()}
+    sq = {k: np.sum(v.reshape(N, -1) ** 2, axis=1) for k, v in G.items()}
+    total = sum(sq.values())
+    c = np.minimum(1.0, CLIP / np.sqrt(total))
+    clip = {k: np.tensordot(c, v, axes=1) for k, v in G.items()}
+    return {
+        "mean": {k: v.mean(0) for k, v in G.items()},
+        "sum": {k: v.sum(0) for k, v in G.items()},
+        "second_moment": {k: (v ** 2).mean(0) for k, v in G.items()},
+        "variance": {k: v.var(0, ddof=1) for k, v in G.items()},
+        "sign_mean": {k: np.sign(v).mean(0) for k, v in G.items()},
+        "sq_norms": total,
+        "norms_per_leaf": {k: np.sqrt(v) for k, v in sq.items()},
+        "clipped_mean": {k: v / N for k, v in clip.items()},
+        "clipped_sum": clip,
+    }
+
+
+def _close(got, want, stat):
+    """Max error of ``got`` over ``want``'s scale, per leaf; sign_mean forgives one
+    flipped sign per coordinate (a gradient within rounding of 0)."""
+    pairs = [(got[k], want[k]) for k in want] if isinstance(want, dict) else [(got, want)]
+    errs = []
+    for g, w in pairs:
+        g = np.asarray(g, np.float64)
+        if g.shape != np.shape(w):
+            return float("inf")
+        err = np.abs(g - w)
+        if stat == "sign_mean":
+            err = np.where(err <= 2.0 / N + 1e-6, 0.0, err)
+        errs.append(float(err.max() / max(np.abs(w).max(), 1e-30)))
+    return max(errs)
+
+
+def _mesh(shape=(NDEV,), names=("fsdp",)):
+    return jax.make_mesh(shape, names)
+
+
+def _per_example_grads(local_one, params, batch, specs, mesh, data="fsdp"):
+    """JAX's per-example gradients of the parameters (sharded like ``specs``) under
+    ``shard_map``: ``jax.grad`` of one example's loss at a time (one-hot weights)."""
+    def masked(p, b, m):
+        losses = jax.vmap(lambda x: local_one(p, jax.tree.map(lambda v: v[None], x)))(b)
+        return jnp.sum(m * losses)
+
+    g = jax.jit(jax.shard_map(jax.grad(masked), mesh=mesh,
+                              in_specs=(specs, P(data), P(data)), out_specs=specs))
+    eye = np.eye(N, dtype=np.float32)
+    params, batch = _place(mesh, params, specs), _place(mesh, batch, P(data))
+    outs = [g(params, batch, _place(mesh, jnp.asarray(eye[k]), P(data))) for k in range(N)]
+    return {k: np.stack([np.asarray(o[k]) for o in outs]) for k in params}
+
+
+def _place(mesh, tree, specs):
+    if isinstance(specs, P):
+        return jax.device_put(tree, NamedSharding(mesh, specs))
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs,
+                        is_leaf=lambda s: isinstance(s, P))
+
+
+# --------------------------------------------------------------------------- #
+# The cases: (local loss, params, parameter specs, whole-parameter loss or None, mesh)
+# --------------------------------------------------------------------------- #
+def _gather_all(axis=0, tiled=True):
+    def local(p, b):
+        g = {}
+        for k, w in p.items():
+            if w.ndim == 2 or axis == 0:
+                full = jax.lax.all_gather(w, "fsdp", axis=axis if w.ndim == 2 else 0,
+                                          tiled=tiled)
+                if not tiled:  # [8, *shard] -> the whole weight
+                    a = axis if w.ndim == 2 else 0
+                    full = jnp.moveaxis(full, 0, a)
+                    shape = list(w.shape)
+                    shape[a] *= NDEV
+                    full = full.reshape(shape)
+                g[k] = full
+            else:
+                g[k] = w
+        return body(g, b)
+    return local
+
+
+def case_gather(axis=0, tiled=True):
+    params = _params()
+    if axis == 0:
+        specs = {"w1": P("fsdp"), "b1": P("fsdp"), "w2": P("fsdp")}
+    else:
+        specs = {"w1": P(None, "fsdp"), "b1": P(), "w2": P(None, "fsdp")}
+    return _gather_all(axis, tiled), params, specs, body, _mesh()
+
+
+def case_gather_some():
+    """Only w1 gathered; b1 and w2 replicated (mixed FSDP and data parallelism)."""
+    def local(p, b):
+        return body({**p, "w1": jax.lax.all_gather(p["w1"], "fsdp", tiled=True)}, b)
+    return local, _params(), {"w1": P("fsdp"), "b1": P(), "w2": P()}, body, _mesh()
+
+
+def case_psum_parts():
+    """The weight is the sum of every device's part (each holds a whole-sized one)."""
+    params = _params()
+    params = {k: jnp.concatenate([v / NDEV] * NDEV) for k, v in params.items()}
+
+    def local(p, b):
+        return body({k: jax.lax.psum(v, "fsdp") for k, v in p.items()}, b)
+    return local, params, {k: P("fsdp") for k in params}, None, _mesh()
+
+
+def case_psum_replicated():
+    def local(p, b):
+        return body({**p, "w1": jax.lax.psum(p["w1"], "fsdp") / NDEV}, b)
+    return local, _params(), {k: P() for k in ("w1", "b1", "w2")}, body, _mesh()
+
+
+def case_ppermute():
+    """Each device uses its neighbour's rows of w1 (and its own w2, gathered)."""
+    perm = [(i, (i + 1) % NDEV) for i in range(NDEV)]
+
+    def local(p, b):
+        w1 = jax.lax.all_gather(jax.lax.ppermute(p["w1"], "fsdp", perm), "fsdp", tiled=True)
+        return body({**p, "w1": w1}, b)
+    return local, _params(), {"w1": P("fsdp"), "b1": P(), "w2": P()}, None, _mesh()
+
+
+def case_all_to_all():
+    def local(p, b):
+        w1 = jax.lax.all_to_all(p["w1"], "fsdp", 0, 1, tiled=True)  # [8, 2] -> [1, 16]
+        return body({**p, "w1": jnp.tile(w1, (8, 1))}, b)
+    return local, _params(), {"w1": P(None, "fsdp"), "b1": P(), "w2": P()}, None, _mesh()
+
+
+def case_psum_scatter():
+    """ZeRO-style: a replicated weight reduce-scattered, the shards gathered again."""
+    def local(p, b):
+        w1 = jax.lax.psum_scatter(jax.lax.pvary(p["w1"], "fsdp") if hasattr(jax.lax, "pvary")
+                                  else p["w1"], "fsdp", tiled=True) / NDEV
+        return body({**p, "w1": jax.lax.all_gather(w1, "fsdp", tiled=True)}, b)
+    return local, _params(), {k: P() for k in ("w1", "b1", "w2")}, body, _mesh()
+
+
+def case_custom_vjp_gather():
+    """A gather whose backward pass is written by hand (ZeRO-style: psum_scatter of the
+    gradient)."""
+    @jax.custom_vjp
+    def gather(w):
+        return jax.lax.all_gather(w, "fsdp", tiled=True)
+
+    def fwd(w):
+        return gather(w), None
+
+    def bwd(_, ct):
+        return (jax.lax.psum_scatter(ct, "fsdp", tiled=True),)
+
+    gather.defvjp(fwd, bwd)
+
+    def local(p, b):
+        return body({k: gather(v) for k, v in p.items()}, b)
+    return local, _params(), {k: P("fsdp") for k in ("w1", "b1", "w2")}, body, _mesh()
+
+
+def case_gather_2d():
+    """The batch over ('data', 'fsdp'), the weights sharded over 'fsdp' and gathered
+    over it alone (replicated over 'data')."""
+    local, params, specs, whole, _ = case_gather(0, True)
+    return local, params, specs, whole, _mesh((2, 4), ("data", "fsdp")), {"data": ("data", "fsdp")}
+
+
+def body_tied(p, b):
+    return body(p, b) + 0.1 * jnp.mean(jnp.tanh(b["x"] @ p["w1"]) ** 2)
+
+
+def case_gather_twice():
+    """w1 gathered twice (two uses, each behind its own gather: one whole weight)."""
+    def local(p, b):
+        g = {k: jax.lax.all_gather(v, "fsdp", tiled=True) for k, v in p.items()}
+        w1b = jax.lax.all_gather(p["w1"], "fsdp", tiled=True)
+        return body(g, b) + 0.1 * jnp.mean(jnp.tanh(b["x"] @ w1b) ** 2)
+    return local, _params(), {k: P("fsdp") for k in ("w1", "b1", "w2")}, body_tied, _mesh()
+
+
+def case_gather_and_use():
+    """w1 gathered and also used as the shard itself: not a view of the whole weight."""
+    def local(p, b):
+        g = {k: jax.lax.all_gather(v, "fsdp", tiled=True) for k, v in p.items()}
+        return body(g, b) + jnp.sum(p["w1"] ** 2)
+    return local, _params(), {k: P("fsdp") for k in ("w1", "b1", "w2")}, None, _mesh()
+
+
+def case_gather_in_jit():
+    """The gather inside a jitted helper: not lifted (refused)."""
+    gather = jax.jit(lambda w: jax.lax.all_gather(w, "fsdp", tiled=True))
+
+    def local(p, b):
+        return body({**p, "w1": gather(p["w1"])}, b)
+    return local, _params(), {"w1": P("fsdp"), "b1": P(), "w2": P()}, None, _mesh()
+
+
+def case_gather_kron():
+    local, params, specs, whole, mesh = case_gather(0, True)
+    return local, params, specs, whole, mesh, {"stats": {"kron": js.stats.kron_moments()}}
+
+
+def case_gather_no_axis_name():
+    local, params, specs, whole, mesh = case_gather(0, True)
+    return local, params, specs, whole, mesh, {"axis_name": None}
+
+
+def case_gather_unchecked():
+    local, params, specs, whole, mesh = case_gather(0, True)
+    return local, params, specs, whole, mesh, {"check_vma": False}
+
+
+def case_gather_model_axis():
+    """Tensor parallelism: w1 sharded and gathered over 'model', the batch over 'data'
+    (a gather over an axis the examples are not split on)."""
+    def local(p, b):
+        return body({**p, "w1": jax.lax.all_gather(p["w1"], "model", axis=1, tiled=True)}, b)
+    return (local, _params(), {"w1": P(None, "model"), "b1": P(), "w2": P()}, body,
+            _mesh((2, 4), ("data", "model")))
+
+
+CASES = {
+    "gather_tiled": lambda: case_gather(0, True),
+    "gather_untiled": lambda: case_gather(0, False),
+    "gather_axis1": lambda: case_gather(1, True),
+    "gather_some": case_gather_some,
+    "gather_2d": case_gather_2d,
+    "gather_twice": case_gather_twice,
+    "gather_unchecked": case_gather_unchecked,
+    "gather_and_use": case_gather_and_use,
+    "gather_kron": case_gather_kron,
+    "gather_in_jit": case_gather_in_jit,
+    "gather_no_axis_name": case_gather_no_axis_name,
+    "psum_parts": case_psum_parts,
+    "psum_replicated": case_psum_replicated,
+    "ppermute": case_ppermute,
+    "all_to_all": case_all_to_all,
+    "psum_scatter": case_psum_scatter,
+    "custom_vjp_gather": case_custom_vjp_gather,
+    "gather_model_axis": case_gather_model_axis,
+}
+
+
+def run_case(name, chunk=None):
+    local, params, specs, whole, mesh, *opt = CASES[name]()
+    opt = opt[0] if opt else {}
+    data = opt.get("data", mesh.axis_names[0])
+    axis_name = opt.get("axis_name", data)
+    batch = _batch()
+    req = opt.get("stats") or {s: STATS[s]() for s in STATS}
+    out_specs = {s: (P(data) if s == "sq_norms" else {k: P(data) for k in specs}
+                     if s in PER_EXAMPLE else specs) for s in req}
+    fn = js.per_example_stat(local, req, axis_name=axis_name, chunk_size=chunk)
+    sm = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P(data)), out_specs=out_specs,
+                               check_vma=opt.get("check_vma", True)))
+    res = {"case": name + (f":{chunk}" if chunk else "")}
+    try:
+        got = sm(_place(mesh, params, specs), _place(mesh, batch, P(data)))
+    except (NotImplementedError, ValueError) as e:
+        res["refused"] = f"{type(e).__name__}: {e}"
+        return res
+    want = _oracle(_per_example_grads(local, params, batch, specs, mesh, data))
+    res["err"] = {s: _close(got[s], want[s], s) for s in req}
+    if whole is not None:
+        ref = js.per_example_stat(whole, req)(params, batch)
+        res["err_whole"] = {s: _close(got[s], jax.tree.map(np.asarray, ref[s]), s)
+                            for s in req}
+    return res
+
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(CASES)
+    for spec in names:
+        name, _, chunk = spec.partition(":")
+        print(json.dumps(run_case(name, chunk=int(chunk) if chunk else None)), flush=True)

@@ -1,0 +1,88 @@
+"""Parameters sharded over the batch's own mesh axis inside ``shard_map`` (hand-written
+FSDP: each weight ``all_gather``-ed over the axis the examples are split on), and the
+other collectives a parameter may go through on that axis (psum, ppermute, all_to_all,
+psum_scatter, a gather with a hand-written backward pass).
+
+Every statistic is either exact (against JAX's own per-example gradients of the shards,
+``jax.grad`` under the same ``shard_map`` one example at a time, and against
+``per_example_stat`` on the whole parameters) or refused at trace time, naming the leaf,
+the collective and the axis: never a silent number. (Before, every such statistic was
+wrong: the per-example gradient through the collective took in the other devices'
+examples.) A leaf whose every use is an ``all_gather`` over ``axis_name`` (tiled or not,
+on any axis, in chunks, on a 2-D mesh, without ``check_vma``) is exact; elementwise
+statistics come back sharded like the leaf, norms are of the whole weight's gradient.
+
+The cases run in one subprocess with 8 fake CPU devices (tests/_fsdp_cases.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+#: case -> "exact", or the collective the refusal names (":1": in chunks of one example)
+EXPECT = {
+    "gather_tiled": "exact",
+    "gather_tiled:1": "exact",
+    "gather_untiled": "exact",
+    "gather_axis1": "exact",
+    "gather_some:3": "exact",
+    "gather_2d": "exact",
+    "gather_twice": "exact",
+    "gather_unchecked": "exact",
+    "gather_and_use": "all_gather",
+    "gather_no_axis_name": "all_gather",
+    "gather_kron": "KronSum",
+    "gather_in_jit": "all_gather",
+    "psum_parts": "psum",
+    "psum_replicated": "psum",
+    "ppermute": "ppermute",
+    "all_to_all": "all_to_all",
+    "psum_scatter": "reduce_scatter",
+    "custom_vjp_gather": "all_gather",
+}
+LEAVES = {"psum_replicated": ["w1"], "ppermute": ["w1"], "all_to_all": ["w1"],
+          "psum_scatter": ["w1"], "gather_and_use": ["w1"], "gather_in_jit": ["w1"]}
+TOL = 2e-5  # float32 against the float64 reduction of JAX's per-example gradients
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable, os.path.join(HERE, "_fsdp_cases.py"), *EXPECT],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {r["case"]: r for r in rows}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECT))
+def test_collective_on_parameter_exact_or_refused(results, case):
+    r = results[case]
+    if EXPECT[case] == "exact":
+        assert "refused" not in r, r.get("refused")
+        for key in ("err", "err_whole"):
+            bad = {s: e for s, e in r.get(key, {}).items() if not e <= TOL}
+            assert not bad, f"{case}: wrong {key} {bad}"
+        return
+    msg = r.get("refused")
+    assert msg is not None, f"{case}: not refused, errors {r.get('err')}"
+    assert msg.startswith("NotImplementedError: per_example_stat: "), msg
+    assert EXPECT[case] in msg and "'fsdp'" in msg, msg
+    for leaf in LEAVES.get(case, ["b1", "w1", "w2"]):
+        assert f"['{leaf}']" in msg, msg
+    assert "outside the statistic" in msg and "NamedSharding" in msg, msg
+    if EXPECT[case] != "KronSum":
+        assert "parameter leaf/leaves" in msg and "axis_name" in msg, msg
