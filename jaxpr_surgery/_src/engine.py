@@ -31,8 +31,8 @@ from jaxpr_surgery._src.interpreter import (
     make_weighted_site_fn,
 )
 from jaxpr_surgery._src.norms import (
+    GHOST_TOLERANCE,
     combine_norms,
-    ghost_tolerance,
     live_examples,
     recompute_flagged,
     rounding,
@@ -40,7 +40,7 @@ from jaxpr_surgery._src.norms import (
     staged_sum,
     untrusted,
 )
-from jaxpr_surgery._src.reductions import KeptExamples, nonfinite_examples
+from jaxpr_surgery._src.reductions import ClipNorms, KeptExamples, nonfinite_examples
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import (
     Candidate,
@@ -100,8 +100,8 @@ class Plan:
         except that a clipped sum needs only the norms there (its weighted sum comes
         once every leaf's norm is known)."""
         req = {rkey(j): r for j, r in enumerate(self.reductions) if not r.weighted_by_norm}
-        if self.has_clip and S.Norms() not in req.values():
-            req["norms"] = S.Norms()
+        if self.has_clip:  # (the norms clipping divides by: `ClipNorms`)
+            req[CLIP_NORMS] = ClipNorms()
         return req
 
     def bound(self, r, i, carry=None):
@@ -118,6 +118,9 @@ class Plan:
 
 def rkey(j):
     return f"r{j}"
+
+
+CLIP_NORMS = "clip_norms"  # the key of a site's `ClipNorms` (never an `rkey`)
 
 
 def make_plan(
@@ -469,8 +472,7 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
                 if rkey(j) in ct:
                     values[j][i] = plan.bound(r, i).to_leaf(ct[rkey(j)], site, B)
             if plan.has_clip:  # the norms came with the other statistics
-                key = next(k for k, r in plan.site_requests().items() if r == S.Norms())
-                norms_leaf[i] = S.Norms().to_leaf(ct[key], site, B)
+                norms_leaf[i] = S.Norms().to_leaf(ct[CLIP_NORMS], site, B)
             if plan.keep_for_clip:  # and the ingredients, for the reweighted sum
                 deferred[i] = _weighted_leaf([(site, plan.kernels[site.path], ct["ing"])], cache)
         else:  # ingredients (merged afterwards: measured slower when its tile loop
@@ -930,10 +932,8 @@ def _single_site_leaf(plan, i, ing3, B, values, norms_leaf, cache):
         rkey(j): r for j, r in enumerate(bound)
         if not r.weighted_by_norm and r.direct_ok(s) and S.lookup(LEAF_ROUTES, r) is None
     }
-    norm_key = next((key for key, r in req.items() if r == S.Norms()), None)
-    if plan.needs_norms and norm_key is None:
-        norm_key = "norms"
-        req[norm_key] = S.Norms()
+    if plan.needs_norms:  # (the norms clipping divides by: `ClipNorms`)
+        req[CLIP_NORMS] = ClipNorms()
     sk = cache.site_key(s, k)
     key = sk and fp.keyed(lambda: ("leaf", sk, fp.value_key(req)))
 
@@ -951,7 +951,7 @@ def _single_site_leaf(plan, i, ing3, B, values, norms_leaf, cache):
         if rkey(j) in out:
             values[j][i] = out[rkey(j)]
     if plan.needs_norms:
-        norms_leaf[i] = out[norm_key]
+        norms_leaf[i] = out[CLIP_NORMS]
     acc = S.acc_dtype_for(plan.leaf_avals[i].dtype)
     mat = _leaf_mat([ing3], acc)
     rest = [j for j, r in enumerate(bound) if rkey(j) not in req and not r.weighted_by_norm]
@@ -986,12 +986,13 @@ class _SharedLeaf:
         self.facs = leaf_factors(ings) if wants_kron and plan.weights is None else None
         self._rescued = {}  # id(sq) -> (sq, norms, recomputed): one per leaf
         self._untrusted = {}  # id(sq) -> [B] bool (`sq_norms`)
+        self._bound = {}  # id(sq) -> [B], the bound of its rounding (`sq_norms`)
         self._sq = None
 
     def sq_norms(self):
         """Squared norms from each site's ghost norms and the pairs' cross terms, and
         which examples' sum cannot be trusted (`norms.untrusted`: the bound of its own
-        and cross terms' rounding exceeds `norms.ghost_tolerance` of it, terms that
+        and cross terms' rounding exceeds `norms.GHOST_TOLERANCE` of it, terms that
         cancelled), recomputed from the example's summed gradient (`norms`)."""
         if self._sq is None:
             crosses = [
@@ -1004,9 +1005,10 @@ class _SharedLeaf:
             mags = sum(o for o, _ in own) + 2 * sum(jnp.abs(c) for c, _ in crosses)
             bound = (sum(e for _, e in own) + 2 * sum(e for _, e in crosses)
                      + rounding(len(own) + len(crosses), sq.dtype) * mags)
-            tol = ghost_tolerance(int(np.prod(self.aval.shape)), sq.dtype)
+            tol = GHOST_TOLERANCE
             self._sq = sq
             self._untrusted[id(sq)] = untrusted(sq, bound, tol)
+            self._bound[id(sq)] = bound
         return self._sq
 
     def norms(self, sq):
@@ -1026,6 +1028,15 @@ class _SharedLeaf:
             self._rescued[id(sq)] = (sq, recompute_flagged(exact, args, sqrt0(sq), bad), bad)
         return self._rescued[id(sq)][1]
 
+    def clip_norms(self):
+        """The norms clipping divides by (`ClipNorms`): where the ghost sum holds, its
+        value plus the bound of its rounding; the recomputed norm elsewhere."""
+        sq = self.sq_norms()
+        n = self.norms(sq)
+        bound = self._bound[id(sq)]
+        return jnp.where(self._rescued[id(sq)][2] | jnp.logical_not(bound > 0), n,
+                         sqrt0(sq + bound))
+
     def trusted_sq(self, sq):
         """``sq`` where it holds, the square of the recomputed norm where not (`norms`)."""
         n = self.norms(sq)
@@ -1042,7 +1053,7 @@ class _SharedLeaf:
             if j not in todo and not r.weighted_by_norm and not r.linear:
                 values[j][i] = S.lookup(SHARED_ROUTES, r)(self, plan.bound(r, i))
         if plan.needs_norms and None not in todo:
-            norms_leaf[i] = self.norms(self.sq_norms())
+            norms_leaf[i] = self.clip_norms()
         if sums:
             w = jnp.ones((B,), self.acc) if plan.weights is None else plan.weights[0]
             total = weighted(w.astype(self.acc))

@@ -97,13 +97,14 @@ def recompute_flagged(exact, args, values, bad):
 # --------------------------------------------------------------------------- #
 # A ghost form sums products of Gram entries, ``sum_nm (x_n . x_m)(dy_n . dy_m)``, whose
 # terms may cancel: its rounding error is bounded by the terms' magnitudes, not by its
-# value. An example keeps the ghost value only where that worst-case bound (`rounding`,
-# any summation order) is at most `ghost_tolerance` of the value: the rounding the exact
-# route (the example's ``G_b`` formed, its squares summed) may itself make, and never
-# more than ``GHOST_TOLERANCE_CAP``. Elsewhere the example's ``G_b`` is formed alone
-# (`recompute_flagged`), so a norm that clips is never below the true one by more than
-# the rounding of the per-example gradient itself.
-GHOST_TOLERANCE_CAP = 2.0**-8
+# value. Each example's ghost value comes with a worst-case bound of that error, whatever
+# order its sums run in (`rounding`). Where the bound exceeds ``GHOST_TOLERANCE`` of the
+# value (it cannot exclude that the value is all rounding: cancelled terms), the
+# example's ``G_b`` is formed alone (`recompute_flagged`). Elsewhere the statistics keep
+# the value, and clipping divides by the square root of the value plus the bound
+# (`reductions.ClipNorms`): never below the norm of the per-example gradient, so no
+# example passes its clip with more than ``C``, whatever its inputs.
+GHOST_TOLERANCE = 1.0
 
 
 def rounding(n, dtype):
@@ -112,13 +113,6 @@ def rounding(n, dtype):
     rounding and second-order terms: ``|fl(sum) - sum| <= rounding(n) sum |terms|``."""
     k = (n + 1) * float(jnp.finfo(dtype).eps) / 2
     return 2 * k / (1 - k) if k < 0.5 else float("inf")
-
-
-def ghost_tolerance(size, dtype):
-    """The largest relative error bound a ghost form's value may keep: that of the sum
-    of ``size`` squares (the exact route's own, over the elements of ``G_b``), at most
-    ``GHOST_TOLERANCE_CAP``."""
-    return min(GHOST_TOLERANCE_CAP, rounding(size, dtype))
 
 
 def untrusted(value, bound, tol):

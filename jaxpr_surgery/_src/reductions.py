@@ -961,6 +961,16 @@ class Norms(_ExampleNorms):
 
 
 @dataclasses.dataclass(frozen=True)
+class ClipNorms(Norms):
+    """The per-example norms clipping divides by (engine-internal): `Norms`, except
+    where a cheap form gave the value (a token-axis ghost norm, a tied table's cross
+    terms, whose terms may cancel): there its value plus the worst-case bound of its
+    rounding (`norms.untrusted`), never below the norm of the per-example gradient, so
+    no example passes its clip with more than ``C``. The statistic `Norms` keeps the
+    value itself."""
+
+
+@dataclasses.dataclass(frozen=True)
 class KeptExamples(Reduction):
     """The per-example gradients themselves, ``[B, *leaf]`` (engine-internal): what a
     site keeps for a clipped sum where its tile loop forms them for the norms anyway

@@ -38,6 +38,7 @@ from jaxpr_surgery._src.norms import (  # noqa: F401 - re-exported for the kerne
     sqrt0,
 )
 from jaxpr_surgery._src.reductions import (  # noqa: F401 - acc_dtype_for re-exported
+    ClipNorms,
     KeptExamples,
     acc_dtype_for,
 )
@@ -214,9 +215,12 @@ def direct_norms(kernel, ctx, reductions, compute, depth=0):
         for k in keys:  # the squares: inf only where past the dtype's range
             out[k] = norms if isinstance(reductions[k], S.Norms) else q * s * s
         return out
+    clip = None
     if kernel.has_sq_and_norms():
         out = dict(compute(req))
-        sq, norms = stacked(kernel.sq_and_norms, depth)(ctx)
+        sq, norms, bound = stacked(kernel.sq_and_norms_bound, depth)(ctx)
+        # clipping: the value and the bound of its rounding (`ClipNorms`)
+        clip = jnp.where(bound > 0, sqrt0(sq + bound), norms)
     else:
         # a string key like the others: a request dict is a pytree that jax flattens
         # (vmapped over a scanned leaf's layers), and it cannot sort mixed key types
@@ -232,7 +236,11 @@ def direct_norms(kernel, ctx, reductions, compute, depth=0):
         else:
             norms = kernel.norms_from(ctx, sq, depth)
     for k in keys:
-        out[k] = norms if isinstance(reductions[k], S.Norms) else honest_sq(sq, norms)
+        r = reductions[k]
+        if isinstance(r, ClipNorms) and clip is not None:
+            out[k] = clip
+        else:
+            out[k] = norms if isinstance(r, S.Norms) else honest_sq(sq, norms)
     return out
 
 
@@ -488,6 +496,12 @@ class Kernel:
     def sq_and_norms(self, ing):
         """``(sq, norms)``: squared norms, and norms exact where the squares overflow."""
         raise NotImplementedError
+
+    def sq_and_norms_bound(self, ing):
+        """``(sq, norms, bound)``: `sq_and_norms` and the bound of their rounding beyond
+        the exact route's (`sq_norms_bound`; 0 here)."""
+        sq, norms = self.sq_and_norms(ing)
+        return sq, norms, jnp.zeros_like(sq)
 
     def norms_from(self, ing, sq, depth=0):
         """``[B]`` norms of ``G_b`` from this site's squared norms ``sq`` (of ``ing``:

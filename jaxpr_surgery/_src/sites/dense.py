@@ -29,8 +29,8 @@ from jaxpr_surgery._src import compat, dots, fused, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src import stats_research as R
 from jaxpr_surgery._src.norms import (
+    GHOST_TOLERANCE,
     exponent,
-    ghost_tolerance,
     pow2,
     rounding,
     staged_sum,
@@ -678,8 +678,8 @@ class DenseKernel(Kernel):
 
     def ghost_sq_and_norms(self, ing):
         """``(sq, norms)`` by the ghost form, with one loop over the examples it cannot
-        give: where its worst-case rounding may exceed what the exact route's own
-        rounding allows (`ghost_sq_bound`: cancelled terms), or it overflowed (float32
+        give: where the worst-case bound of its rounding cannot exclude that the value is
+        all rounding (`ghost_sq_bound`: cancelled terms), or it overflowed (float32
         norms past ``2^64``), those examples' ``G_b`` formed alone, its squares summed
         and its norm taken against its largest element (`base.example_norm`)."""
         return self._ghost(ing)[:2]
@@ -692,6 +692,8 @@ class DenseKernel(Kernel):
         return sq, bound
 
     def _ghost(self, ing):
+        """``(sq, norms, bound)``: `ghost_sq_and_norms` and the bound of the values kept
+        (0 where ``G_b`` was formed), which clipping adds (`reductions.ClipNorms`)."""
         sq, bound, bad = self.ghost_sq_bound(ing)
         x, dy = ing
 
@@ -705,7 +707,7 @@ class DenseKernel(Kernel):
     def ghost_sq_bound(self, ing):
         """``(ghost, bound, untrusted)``, each ``[B]``: the ghost form ``sum_knm (x_n .
         x_m)(dy_n . dy_m)``, a bound on its rounding error whatever the order of its sums,
-        and the examples where that bound exceeds `norms.ghost_tolerance` of it. Each Gram
+        and the examples where that bound exceeds `norms.GHOST_TOLERANCE` of it. Each Gram
         entry is off by at most ``rounding(C) |x_n| |x_m|`` (``F``: ``|dy_n| |dy_m|``), the
         sum of products by ``rounding(N + K N)`` of the sum of their magnitudes (over ``m``,
         then, after a barrier, over ``k, n``): the bound is these three sums, ``N^2`` per
@@ -726,7 +728,7 @@ class DenseKernel(Kernel):
             + rounding(F, dt) * jnp.einsum("bkn,bknm,bkm->b", nd, ax, nd, precision=HIGHEST)
             + rounding(N + K * N, dt) * jnp.einsum("bknm,bknm->b", ax, ad, precision=HIGHEST)
         )
-        return ghost, bound, untrusted(ghost, bound, ghost_tolerance(K * C * F, dt))
+        return ghost, bound, untrusted(ghost, bound, GHOST_TOLERANCE)
 
     def has_sq_and_norms(self):
         """The ghost form gives both in one loop (`direct_norms`)."""
@@ -734,6 +736,9 @@ class DenseKernel(Kernel):
 
     def sq_and_norms(self, ing):
         return self.ghost_sq_and_norms(ing)
+
+    def sq_and_norms_bound(self, ing):
+        return self._ghost(ing)
 
     def weighted_sum(self, ing, c):
         if not isinstance(ing, tuple):  # G_b kept for the clip (`keeps_products_for_clip`)

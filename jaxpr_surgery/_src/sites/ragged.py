@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxpr_surgery._src import compat, tiling
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.norms import ghost_tolerance, rounding, staged_sum, untrusted
+from jaxpr_surgery._src.norms import GHOST_TOLERANCE, rounding, staged_sum, untrusted
 from jaxpr_surgery._src.sites.base import (
     BATCH_RULES,
     STREAMED,
@@ -317,7 +317,7 @@ class RaggedKernel(DenseKernel):
             + rounding(n, dt) * jnp.einsum("bm,bmn,bn->b", nd, ax, nd, precision=hi)
             + rounding(2 * M, dt) * jnp.einsum("bmn,bmn->b", ax, ad, precision=hi)
         )
-        return ghost, bound, untrusted(ghost, bound, ghost_tolerance(g * k * n, dt))
+        return ghost, bound, untrusted(ghost, bound, GHOST_TOLERANCE)
 
     # reporting ------------------------------------------------------------------ #
     def rule(self, reduction, B):
