@@ -588,7 +588,7 @@ class _Interp:
                 isinstance(t, (Sum, One)) for t in live) > 1:
             return [Unknown(eqn, "combines sums of examples taken out of the batch one by one "
                                  "in a way the check does not follow")] * n
-        if rule is not _elementwise and any(isinstance(t, Cur) for t in live):
+        if rule is not _elementwise and not collective and any(isinstance(t, Cur) for t in live):
             return [Unknown(eqn, "combines the current example of a loop over the examples "
                                  "with other values")] * n
         acc = next((t for t in live if isinstance(t, Acc)), None)
@@ -1180,27 +1180,40 @@ def _pad(it, eqn, tags):
     return [_moved(t, (-1,) * lo + _positions(t, it.B) + (-1,) * hi, it.B, eqn)]
 
 
+def _alike_parts(it, parts) -> bool:
+    """Whether values of the examples put side by side along the batch axis, ``parts``
+    (variable, the example at each of its positions), treat every example alike: for each
+    key of what computed a part (`_Interp.key`), every example at as many positions (the
+    parts of a batch split and computed alike, or the whole batch computed two ways)."""
+    counts: dict = {}
+    for v, pos in parts:
+        c = counts.setdefault(it.key(v), np.zeros(it.B))
+        np.add.at(c, [i for i in pos if i >= 0], 1)
+    return all(_alike(c) for c in counts.values())
+
+
 def _side_by_side(it, eqn, tags, dim, stacking):
     """Values of single examples taken out of the batch (`One`) put side by side along
     ``dim`` (``jnp.stack`` of per-example terms), with constants and, concatenating, with
     slices of the batch along it: an `Ex` along ``dim`` naming each position's example,
-    where every value of the examples is computed alike (`_Interp.key`)."""
-    pos, keys, by = [], set(), None
+    where the examples are computed alike (`_alike_parts`)."""
+    pos, parts, by = [], [], None
     for v, u in zip(eqn.invars, tags):
         n = 1 if stacking else _shape(v)[dim]
         if u is None:
             pos.extend((-1,) * n)
             continue
         if isinstance(u, One):
-            pos.extend((u.example,) * n)
+            mine = (u.example,) * n
             by = by or u.by
         elif not stacking and isinstance(u, Ex) and u.axis == dim and _along(u, "", eqn) is None:
-            pos.extend(_positions(u, it.B))
+            mine = _positions(u, it.B)
         else:
             return Unknown(eqn, "puts values of examples taken out of the batch one by one "
                                 "beside other values of the examples")
-        keys.add(it.key(v))
-    if len(keys) > 1:
+        pos.extend(mine)
+        parts.append((v, mine))
+    if not _alike_parts(it, parts):
         return Cross(eqn, "puts side by side the values of examples taken out of the batch one "
                           "by one (x[i], jnp.unstack, a Python loop over the batch) that are not "
                           "computed alike (by the same operations on each example's own "
@@ -1219,7 +1232,8 @@ def _concatenate(it, eqn, tags):
             bad = _along(u, "concatenates along the batch axis", eqn)
             if bad is not None:
                 return [bad]
-        if len({it.key(v) for v, u in zip(eqn.invars, tags) if u is not None}) > 1:
+        parts = [(v, _positions(u, it.B)) for v, u in zip(eqn.invars, tags) if u is not None]
+        if len(parts) > 1 and not _alike_parts(it, parts):
             # jnp.concatenate([f(x[:k]), g(x[k:])]): the examples' terms differ by position
             return [Unknown(eqn, "concatenates along the batch axis values of the examples "
                                  "that are not computed alike (by the same operations on each "
