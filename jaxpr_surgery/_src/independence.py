@@ -33,16 +33,17 @@ axis through the jaxpr. Every variable gets a tag:
 * `Cross` -- the examples interact: where it arose (an equation, and the reduction over
   the batch it combined with per-example values or used non-linearly);
 * `Unknown` -- the jaxpr cannot decide (a gather or scatter across the batch axis by
-  data, as in graph batching; a primitive without a rule).
+  data, as in graph batching; a primitive without a rule; a psum over a named axis the
+  call does not know, which is at least its operand: `Unknown.under`).
 
 Beside the tags, values tagged None may be *lined up* with the batch (`Lined`): an axis
 of size B whose entries differ by position (an argument outside ``batch_argnums``,
 ``jnp.arange(B)``, random bits of one key with the batch's shape). Where such an axis
-meets the batch axis element by element, in a contraction or as ``take_along_axis``'s
-indices, example b meets entry b in the batch loss, but example b alone in a batch of
-one meets all B entries: `Cross`, naming the value and its fix. A value that merely has
-an axis of size B (a ``[d, B]`` weight) is never a signal; only its meeting the batch
-axis is.
+meets the batch axis element by element, in a contraction or as the indices (or updates)
+of a gather or scatter along it, example b meets entry b in the batch loss, but example b
+alone in a batch of one meets all B entries: `Cross`, naming the value and its fix. A
+value that merely has an axis of size B (a ``[d, B]`` weight) is never a signal; only its
+meeting the batch axis is.
 
 The loss must come out ``None`` or `Sum` (a partial one weighing every example alike):
 `Cross` raises `CrossExampleError`, `Unknown` warns with `CrossExampleWarning`. Rules are
@@ -228,6 +229,14 @@ _ONE_BY_ONE_FIX = (
     "compute the terms of all examples at once, as one array along the batch axis "
     "(vectorised code, or jax.vmap / lax.map of the loss of one example), and take their "
     "mean or sum; to weigh the examples, pass example_weights= to the returned function"
+)
+
+
+_PAIRED_FIX = (
+    "compute each example's term from that example alone (x[i] with x[i], never with x[j]: "
+    "a term that pairs examples, or normalises one by others, has no per-example gradient), "
+    "as one array along the batch axis (vectorised code, or jax.vmap / lax.map of the loss "
+    "of one example)"
 )
 
 
@@ -607,13 +616,13 @@ class _Interp:
             if isinstance(t, One) and t.example != i:
                 return Cross(eqn, f"combines example {i} with example {t.example}, each "
                                   "taken out of the batch", t.by,
-                             how=f"example {t.example} taken out by")
+                             how=f"example {t.example} taken out by", fix=_PAIRED_FIX)
             if isinstance(t, Sum):
                 return _cross_sum(eqn, f"combines example {i}, taken out of the batch, with", t)
             if isinstance(t, (Ex, Cur)) and _single(t) != i:
                 return Cross(eqn, f"combines example {i}, taken out of the batch, with the "
                                   "values of other examples", one.by,
-                             how=f"example {i} taken out by")
+                             how=f"example {i} taken out by", fix=_PAIRED_FIX)
         return Unknown(eqn, f"combines example {i}, taken out of the batch, with a slice of "
                             "the batch that holds it")
 
@@ -666,14 +675,15 @@ class _Interp:
             if isinstance(t, One) and t.example != i:
                 return Cross(eqn, f"combines example {i} with example {t.example}, each "
                                   "taken out of the batch", t.by,
-                             how=f"example {t.example} taken out by")
+                             how=f"example {t.example} taken out by", fix=_PAIRED_FIX)
         grid = [t for t in ex if isinstance(t, Ex)]
         if grid and len(grid) + sum(isinstance(t, One) for t in ex) == len(ex):
             merged = self.merge([dataclasses.replace(grid[0], perm=(i,), by=one.by), *grid])
             if merged is not None:
                 return merged
         return Cross(eqn, f"combines example {i}, taken out of the batch, with the values of "
-                          "other examples", one.by, how=f"example {i} taken out by")
+                          "other examples", one.by, how=f"example {i} taken out by",
+                     fix=_PAIRED_FIX)
 
     def added(self, eqn, tags):
         """Values of single examples (`One`) and sums added or subtracted: the terms of
