@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -127,6 +128,35 @@ def test_loop_adding_one_term_per_example_is_a_per_example_mean(loss):
             np.testing.assert_allclose(mean[k], grad[k], rtol=1e-9, atol=1e-12)
 
 
+def _rnn_one(p, x, y):  # a scan over the tokens of one example
+    del y
+    _, ys = lax.scan(lambda h, xt: (jnp.tanh(h @ p["v"] + xt), h @ p["w"]), jnp.zeros(D), x)
+    return jnp.mean(ys ** 2)
+
+
+def _terms(p, b, one=_one):
+    return [one(p, b["x"][i], b["y"][i]) for i in range(_n(b))]
+
+
+NO_ALARM = {
+    "checkpointed_terms": lambda p, b: sum(_terms(p, b, jax.checkpoint(_one))) / _n(b),
+    "scan_in_each_term": lambda p, b: sum(_terms(p, b, _rnn_one)) / _n(b),
+    "running_total_from_zeros": lambda p, b: functools.reduce(
+        lambda tot, term: tot + term, _terms(p, b), jnp.zeros(())) / _n(b),
+    "regulariser_added_once": lambda p, b: (sum(_terms(p, b)) + jnp.sum(p["w"] ** 2)) / _n(b),
+    "halves_each_halved": lambda p, b: (sum(_terms(p, b)[:2]) / 2 + sum(_terms(p, b)[2:]) / 2),
+    "token_vectors_summed": lambda p, b: jnp.mean(sum(  # [T, V] per example, added up
+        jnp.tanh(b["x"][i] @ p["v"]) @ p["w"] for i in range(_n(b)))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NO_ALARM))
+def test_more_loops_over_the_examples_are_no_alarm(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert js.explain(NO_ALARM[name])(_params(), _batch()).independence == "independent"
+
+
 # --------------------------------------------------------------------------- #
 # Terms that combine examples, weigh them unequally or differ: refused
 # --------------------------------------------------------------------------- #
@@ -157,8 +187,25 @@ def first_example_only(p, b):
 
 
 def stacked_unlike(p, b):
-    terms = [_one(p, b["x"][i], b["y"][i]) for i in range(_n(b))]
+    terms = _terms(p, b)
     return jnp.mean(jnp.stack([2.0 * terms[0], *terms[1:]]))
+
+
+def first_half_without_gradient(p, b):
+    terms = _terms(p, b)
+    return (lax.stop_gradient(terms[0] + terms[1]) + terms[2] + terms[3]) / 4
+
+
+_WEIGHTS = np.array([1.0, 2.0, 1.0, 1.0], np.float32)
+
+
+def weighted_by_a_closed_over_array(p, b):
+    return sum(_WEIGHTS[i] * term for i, term in enumerate(_terms(p, b)))
+
+
+def halves_scaled_differently(p, b):
+    terms = _terms(p, b)
+    return (terms[0] + terms[1]) * 2.0 + (terms[2] + terms[3])
 
 
 PAIRED = "from that example alone (x[i] with x[i], never with x[j]"
@@ -171,6 +218,10 @@ REFUSED = {
     weighted_by_position: ("add", "not computed alike", "example_weights="),
     first_example_only: ("slice", "example 0 counts 1 more than examples 1, 2, 3", "vmap"),
     stacked_unlike: ("stack|concatenate", "not computed alike", "vmap"),
+    first_half_without_gradient: ("add", "not computed alike", "vmap"),
+    weighted_by_a_closed_over_array: ("add", "not computed alike", "example_weights="),
+    halves_scaled_differently: ("add", "examples 0, 1 count 1 more than examples 2, 3",
+                                "vmap"),
 }
 
 

@@ -604,7 +604,7 @@ class _Interp:
         if acc is not None and rule is not _elementwise and rule is not _identity:
             return [Cross(eqn, _ACC_WHY, acc.origin, how="in the loop")] * n
         outs = rule(self, eqn, tags)
-        if parts and rule is not _elementwise:
+        if parts and rule is not _elementwise and prim not in _TRANSPARENT:
             outs = self.rekeyed(eqn, tags, outs)
         return outs
 
@@ -1973,6 +1973,9 @@ _FOLD = {p: f for p, f in (
     (P.max, np.maximum), (P.min, np.minimum), (P.lt, np.less), (P.le, np.less_equal),
     (P.gt, np.greater), (P.ge, np.greater_equal), (P.eq, np.equal), (P.ne, np.not_equal),
 ) if p is not None}
+
+# identities that leave a value as it is (stop_gradient changes its gradient)
+_TRANSPARENT = frozenset(p for p in _IDENTITY if p is not None and p is not P.stop_gradient)
 
 # elementwise ops that add up the terms of a partial sum (`_Interp.added`)
 _ADDING = frozenset(p for p in (P.add, P.sub, P.add_jaxvals) if p is not None)
