@@ -20,27 +20,35 @@ axis through the jaxpr. Every variable gets a tag:
   more often than others (``losses[:k]``) is told from one counting each once;
 * `Cur` -- inside the body of a scan over the batch axis (``lax.map`` over examples, or
   a ``fori_loop`` from 0 to B that reads ``x[i]``): it depends on the current example;
+* `One` -- a single example taken out of the batch (``x[i]``, ``jnp.unstack``, a Python
+  loop over the batch): every element depends on that example only;
 * `Sum` -- a sum over examples of per-example terms (``reduce_sum`` over the batch axis,
   a contraction of it with a constant or with another example-aligned value), closed
   under the linear operations (+, -, multiplication or division by a constant, layout);
-  `Acc` is the carry of such a loop that adds each example's term to it;
+  `Acc` is the carry of such a loop that adds each example's term to it. Terms of
+  examples taken out one by one (``sum(loss(x[i]) for i in range(B))``) make a *partial*
+  sum: per term the weight of each example and a key of what computed it (`_Interp.key`:
+  the same operations on each example's own values, the example's position left out).
+  The loss is a mean of per-example terms when every term weighs all examples alike;
 * `Cross` -- the examples interact: where it arose (an equation, and the reduction over
   the batch it combined with per-example values or used non-linearly);
 * `Unknown` -- the jaxpr cannot decide (a gather or scatter across the batch axis by
-  data, as in graph batching; a primitive without a rule).
+  data, as in graph batching; a primitive without a rule; a psum over a named axis the
+  call does not know, which is at least its operand: `Unknown.under`).
 
 Beside the tags, values tagged None may be *lined up* with the batch (`Lined`): an axis
 of size B whose entries differ by position (an argument outside ``batch_argnums``,
 ``jnp.arange(B)``, random bits of one key with the batch's shape). Where such an axis
-meets the batch axis element by element, in a contraction or as ``take_along_axis``'s
-indices, example b meets entry b in the batch loss, but example b alone in a batch of
-one meets all B entries: `Cross`, naming the value and its fix. A value that merely has
-an axis of size B (a ``[d, B]`` weight) is never a signal; only its meeting the batch
-axis is.
+meets the batch axis element by element, in a contraction or as the indices (or updates)
+of a gather or scatter along it, example b meets entry b in the batch loss, but example b
+alone in a batch of one meets all B entries: `Cross`, naming the value and its fix. A
+value that merely has an axis of size B (a ``[d, B]`` weight) is never a signal; only its
+meeting the batch axis is.
 
-The loss must come out ``None`` or `Sum`: `Cross` raises `CrossExampleError`, `Unknown`
-warns with `CrossExampleWarning`. Rules are keyed by primitive objects; an unknown
-primitive touching the examples gives `Unknown`, never a false alarm.
+The loss must come out ``None`` or `Sum` (a partial one weighing every example alike):
+`Cross` raises `CrossExampleError`, `Unknown` warns with `CrossExampleWarning`. Rules are
+keyed by primitive objects; an unknown primitive touching the examples gives `Unknown`,
+never a false alarm.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, fingerprint
 
 P = compat.prims
 
@@ -102,8 +110,21 @@ class Cur:
 
 
 @dataclasses.dataclass(frozen=True)
+class One:
+    """A value of one example taken out of the batch (``x[i]``, ``jnp.unstack``, a
+    Python loop over the batch): every element depends on example ``example`` only."""
+
+    example: int
+    by: Any = dataclasses.field(default=None, compare=False)  # the eqn that took it out
+
+
+@dataclasses.dataclass(frozen=True)
 class Sum:
     origin: Any = dataclasses.field(default=None, compare=False)  # the eqn summing examples
+    # a partial sum of the terms of examples taken out one by one (`One`): pairs (key of
+    # what computed the term, the weight of each example); empty: all examples alike
+    terms: frozenset = frozenset()
+    by: Any = dataclasses.field(default=None, compare=False)  # an eqn taking one out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +164,9 @@ class Cross:
 class Unknown:
     eqn: Any = dataclasses.field(compare=False)
     why: str = dataclasses.field(compare=False)
+    # where known, the tag the value has at least (a psum over an axis that may hold
+    # other examples is at least its operand): what it meets is `Cross` where that is
+    under: Any = dataclasses.field(default=None, compare=False)
 
 
 _MAX_ROUNDS = 8  # fixpoint of loop carries (the lattice is 4 high)
@@ -175,9 +199,82 @@ def _cross_sum(eqn, what, s):
     return Cross(eqn, f"{what} a sum over the batch", s.origin)
 
 
+def _alike(w) -> bool:
+    """Whether the weights ``w`` of a partial sum's term count every example alike."""
+    w = np.asarray(w, float)
+    return bool(np.allclose(w, w[0], rtol=1e-9, atol=1e-9 * max(1.0, float(np.abs(w).max()))))
+
+
+def _partial(eqn, terms: dict, by) -> Sum:
+    """The sum of ``terms`` (key -> the weight of each example): a plain `Sum` where every
+    term weighs the examples alike."""
+    if all(_alike(w) for w in terms.values()):
+        return Sum(eqn)
+    return Sum(eqn, frozenset((k, tuple(float(x) for x in w)) for k, w in terms.items()), by)
+
+
+def _scaled(s: Sum, c: float) -> Sum:
+    """The partial sum ``s`` times the constant ``c``."""
+    return _partial(s.origin, {k: c * np.asarray(w) for k, w in s.terms}, s.by)
+
+
+def _literal_scalar(v):
+    """The value of ``v`` where it is a real scalar literal, else None."""
+    if not _is_literal(v) or np.ndim(v.val) != 0 or np.iscomplexobj(v.val):
+        return None
+    return float(v.val)
+
+
+_ONE_BY_ONE_FIX = (
+    "compute the terms of all examples at once, as one array along the batch axis "
+    "(vectorised code, or jax.vmap / lax.map of the loss of one example), and take their "
+    "mean or sum; to weigh the examples, pass example_weights= to the returned function"
+)
+
+
+_PAIRED_FIX = (
+    "compute each example's term from that example alone (x[i] with x[i], never with x[j]: "
+    "a term that pairs examples, or normalises one by others, has no per-example gradient), "
+    "as one array along the batch axis (vectorised code, or jax.vmap / lax.map of the loss "
+    "of one example)"
+)
+
+
+def _examples(bs) -> str:
+    shown = ", ".join(str(b) for b in bs[:6]) + (f", ... ({len(bs)} in all)" if len(bs) > 6
+                                                  else "")
+    return f"example{'s' if len(bs) > 1 else ''} {shown}"
+
+
+def _uneven(s: Sum) -> str:
+    """Why the partial sum ``s`` is not a mean of per-example terms."""
+    if len(s.terms) > 1:
+        return ("adds up the terms of examples taken out of the batch one by one (x[i], "
+                "jnp.unstack, a Python loop over the batch) that are not computed alike (by "
+                "the same operations on each example's own values), so they are not one "
+                "per-example loss")
+    ((_, w),) = s.terms
+    groups: dict = {}
+    for b, x in enumerate(w):  # relative to the least counted (a sum of every example's
+        groups.setdefault(float(f"{x - min(w):.12g}"), []).append(b)  # term adds to all)
+    least = groups.pop(0.0)
+    more = "; ".join(f"{_examples(bs)} {'count' if len(bs) > 1 else 'counts'} {x:g}"
+                     for x, bs in sorted(groups.items(), key=lambda kv: kv[1][0]))
+    return ("weighs the examples taken out of the batch one by one (x[i], jnp.unstack, a "
+            f"Python loop over the batch) unequally: {more} more than {_examples(least)}")
+
+
 def _positions(t: Ex, n: int) -> tuple:
     """The example at each position along ``t``'s axis (of size ``n``)."""
     return t.perm if t.perm is not None else tuple(range(n))
+
+
+def _single(t):
+    """The one example at every position of ``t``'s axis (padding aside), or None."""
+    if not isinstance(t, Ex) or t.perm is None:
+        return None
+    got = {i for i in t.perm if i >= 0}
+    return got.pop() if len(got) == 1 else None
 
 
 def _reordered(t: Ex, perm, B: int, eqn) -> Ex:
@@ -186,6 +283,14 @@ def _reordered(t: Ex, perm, B: int, eqn) -> Ex:
     if perm == tuple(range(B)):
         return dataclasses.replace(t, perm=None, by=None)
     return dataclasses.replace(t, perm=perm, by=eqn)
+
+
+def _moved(t: Ex, perm, B: int, eqn):
+    """`_reordered`, or `One` where the positions hold one example (``x[i:i + 1]``: every
+    element depends on it alone, wherever later layout changes move that axis)."""
+    t = _reordered(t, perm, B, eqn)
+    i = _single(t)
+    return t if i is None else One(i, eqn)
 
 
 def _equal_weights(t: Ex, B: int) -> bool:
@@ -226,6 +331,21 @@ def reshape_axis(in_shape, out_shape, t: Ex, B: int):
 # --------------------------------------------------------------------------- #
 # The interpreter
 # --------------------------------------------------------------------------- #
+class _Frame:
+    """One run of a jaxpr by `_Interp`: its variables' tags (``env``), the enclosing
+    jaxpr's atoms bound to its inputs (``outer``, in ``parent``), and the keys of its
+    variables (`_Interp.key`) numbered so far (its first ``done`` equations)."""
+
+    def __init__(self, jaxpr, env, outer, parent, serial):
+        self.jaxpr, self.env, self.outer, self.parent = jaxpr, env, outer, parent
+        self.serial = serial
+        self.keys: dict = {}
+        self.defs: dict = {}  # variable -> the equation computing it, once numbered
+        self.calls: dict = {}  # id of a call-like equation -> the frame that ran its body
+        self.done = 0
+        self.inputs = None
+
+
 class _Interp:
     def __init__(self, B: int, data_axes: frozenset):
         self.B = B
@@ -241,9 +361,18 @@ class _Interp:
         # values that do not depend on the examples (tag None), per axis of size B whose
         # entries differ by position: axis -> `Lined`
         self.lined: dict = {}
+        # the jaxprs being run, innermost last, and the keys of what computed a value
+        # (`key`): interned nodes, jaxprs' keys by id, objects whose id is in a key
+        self.frames: list = []
+        self.serials = itertools.count()
+        self.nodes: dict = {}
+        self.jaxpr_keys: dict = {}
+        self.pinned: list = []
 
-    def run(self, jaxpr, in_tags, env=None):
-        """The tags of ``jaxpr``'s outputs; ``env`` (a dict) receives every variable's."""
+    def run(self, jaxpr, in_tags, env=None, outer=None, call=None):
+        """The tags of ``jaxpr``'s outputs; ``env`` (a dict) receives every variable's.
+        ``outer``: the enclosing jaxpr's atoms bound to (some of) ``jaxpr``'s inputs;
+        ``call``: the enclosing call-like equation whose body ``jaxpr`` is."""
         env = {} if env is None else env
         for v, t in zip(jaxpr.invars, in_tags):
             env[v] = t
@@ -251,20 +380,189 @@ class _Interp:
         def read(v):
             return None if _is_literal(v) else env.get(v)
 
-        for eqn in jaxpr.eqns:
-            tags = [read(v) for v in eqn.invars]
-            if eqn.primitive in _TRACKED:
-                self.track(eqn)
-            if all(t is None for t in tags):
-                outs = [None] * len(eqn.outvars)  # a function of constants only
-                self.follow_lined(eqn)
-            else:
-                for v in eqn.outvars:  # tagged by the rules; calls pass theirs out
-                    self.lined.pop(v, None)
-                outs = self.eqn(eqn, tags)
-            for v, t in zip(eqn.outvars, outs):
-                env[v] = t
+        parent = self.frames[-1] if self.frames else None
+        frame = _Frame(jaxpr, env, outer, parent, next(self.serials))
+        if call is not None and parent is not None:
+            parent.calls[id(call)] = frame  # its results' keys are its body's (`number`)
+        self.frames.append(frame)
+        try:
+            for eqn in jaxpr.eqns:
+                tags = [read(v) for v in eqn.invars]
+                if eqn.primitive in _TRACKED:
+                    self.track(eqn)
+                if all(t is None for t in tags):
+                    outs = [None] * len(eqn.outvars)  # a function of constants only
+                    self.follow_lined(eqn)
+                else:
+                    for v in eqn.outvars:  # tagged by the rules; calls pass theirs out
+                        self.lined.pop(v, None)
+                    outs = self.eqn(eqn, tags)
+                for v, t in zip(eqn.outvars, outs):
+                    env[v] = t
+        finally:
+            self.frames.pop()
         return [read(v) for v in jaxpr.outvars]
+
+    # -- what computed a value: keys ------------------------------------------ #
+    def intern(self, node) -> int:
+        k = self.nodes.get(node)
+        if k is None:
+            k = self.nodes[node] = len(self.nodes)
+        return k
+
+    def pin(self, obj) -> int:
+        """``id(obj)``, valid as long as this interpreter (which keeps ``obj`` alive)."""
+        self.pinned.append(obj)
+        return id(obj)
+
+    def key(self, v, frame=None) -> int:
+        """A key of what computed ``v`` (in the innermost jaxpr being run, or ``frame``):
+        equal keys, equal operations on equal inputs (the enclosing jaxprs' inputs, by
+        variable, and literals, by value), where the position of the example taken out
+        of the batch axis is left out: ``f(x[0])`` and ``f(x[1])`` have one key, so the
+        terms of a loop over the examples can be told to be one per-example function.
+        Computed on demand, equation by equation up to ``v``'s."""
+        frame = self.frames[-1] if frame is None else frame
+        if _is_literal(v):
+            val = np.asarray(v.val)
+            return self.intern(("literal", str(val.dtype), val.shape, val.tobytes()))
+        got = frame.keys.get(v)
+        if got is not None:
+            return got
+        if frame.inputs is None:
+            frame.inputs = {*frame.jaxpr.invars, *frame.jaxpr.constvars}
+        if v in frame.inputs:
+            src = frame.outer.get(v) if frame.outer else None
+            got = (self.key(src, frame.parent) if src is not None
+                   else self.intern(("input", frame.serial, self.pin(v))))
+            frame.keys[v] = got
+            return got
+        eqns = frame.jaxpr.eqns
+        while v not in frame.keys and frame.done < len(eqns):
+            frame.done += 1
+            self.number(eqns[frame.done - 1], frame)
+        if v not in frame.keys:  # pragma: no cover - every variable is an input or defined
+            frame.keys[v] = self.intern(("input", frame.serial, self.pin(v)))
+        return frame.keys[v]
+
+    def number(self, eqn, frame):
+        """The keys of ``eqn``'s results (`key`); a call's are its body's."""
+        body = frame.calls.get(id(eqn))
+        if body is not None and len(body.jaxpr.outvars) == len(eqn.outvars):
+            for o, b in zip(eqn.outvars, body.jaxpr.outvars):
+                frame.keys[o] = self.key(b, body)
+                frame.defs[o] = eqn
+            return
+        prim, params = eqn.primitive, dict(eqn.params)
+        ins = [self.key(v, frame) for v in eqn.invars]
+        tags = [None if _is_literal(v) else frame.env.get(v) for v in eqn.invars]
+        same = False  # every result has one key (the examples' positions left out)
+        t = tags[0] if tags else None
+        if isinstance(t, Ex):  # moves the examples along the batch axis: say not where
+            a, nd = t.axis, len(_shape(eqn.invars[0]))
+            if prim is P.slice:
+                for name in ("start_indices", "limit_indices", "strides"):
+                    if params.get(name) is not None:
+                        params[name] = tuple(None if j == a else x
+                                             for j, x in enumerate(params[name]))
+            elif prim is P.dynamic_slice:
+                ins[1 + a] = -1
+            elif prim is P.pad:
+                params["padding_config"] = tuple(
+                    None if j == a else tuple(c) for j, c in enumerate(params["padding_config"]))
+            elif prim in (P.split, compat.unstack_p) and params["axis"] % nd == a:
+                params.pop("sizes", None)
+                same = True
+        if prim in (P.concatenate, compat.stack_p) and any(
+                isinstance(u, One) or (isinstance(u, Ex) and u.axis == params.get("dimension"))
+                for u in tags):  # examples side by side along the batch axis: their order
+            ins = sorted(set(ins))  # is in the tags
+        node = (prim, self.params_key(eqn.primitive, params), tuple(ins))
+        for k, o in enumerate(eqn.outvars):
+            frame.keys[o] = self.intern((node, 0 if same else k))
+            frame.defs[o] = eqn
+
+    def constant(self, v, frame=None, depth=0):
+        """The value of a scalar ``v`` computed from literals alone (the index of
+        ``lax.dynamic_index_in_dim(x, i)`` after jnp's wrap-around of negative indices),
+        else None."""
+        frame = self.frames[-1] if frame is None else frame
+        if _is_literal(v):
+            return np.asarray(v.val) if np.ndim(v.val) == 0 else None
+        if _shape(v) or depth > 16:
+            return None
+        self.key(v, frame)  # numbers the equations up to v's
+        e = frame.defs.get(v)
+        if e is None:
+            src = frame.outer.get(v) if frame.outer else None
+            return None if src is None else self.constant(src, frame.parent, depth + 1)
+        if frame.calls.get(id(e)) is not None or len(e.outvars) != 1:
+            return None
+        ins = [self.constant(u, frame, depth + 1) for u in e.invars]
+        if any(x is None for x in ins):
+            return None
+        if e.primitive is P.select_n:
+            return ins[1 + int(ins[0])]
+        if e.primitive is P.convert_element_type:
+            return ins[0].astype(e.params["new_dtype"])
+        fold = _FOLD.get(e.primitive)
+        return None if fold is None else np.asarray(fold(*ins))
+
+    def term_key(self, v) -> int:
+        """The `key` of ``v``, a term of a partial sum, less the values added to it that
+        do not depend on the examples (a sum over the batch plus a constant is one, and
+        Python's ``sum`` starts from 0)."""
+        frame = self.frames[-1]
+        self.key(v)
+        e = frame.defs.get(v)
+        while e is not None and e.primitive in _ADDING:
+            a, b = e.invars
+            ta, tb = (None if _is_literal(u) else frame.env.get(u) for u in (a, b))
+            if tb is None and isinstance(ta, One):
+                v = a
+            elif ta is None and isinstance(tb, One) and e.primitive is not P.sub:
+                v = b
+            else:
+                break
+            self.key(v)
+            e = frame.defs.get(v)
+        return self.key(v)
+
+    def params_key(self, prim, params):
+        custom = prim in _CUSTOM  # their rules' callables: the primal is in the jaxpr
+        return tuple((name, self.param_key(params[name], custom)) for name in sorted(params))
+
+    def param_key(self, value, custom):
+        if isinstance(value, compat.ClosedJaxpr):
+            return ("closed", self.jaxpr_key(value.jaxpr),
+                    tuple(self.pin(c) for c in value.consts))
+        if isinstance(value, compat.Jaxpr):
+            return ("open", self.jaxpr_key(value))
+        if isinstance(value, (tuple, list)):
+            return tuple(self.param_key(x, custom) for x in value)
+        if custom and callable(value):
+            return "rule"
+        try:
+            return fingerprint.value_key(value)
+        except fingerprint.Unkeyable:
+            return ("object", self.pin(value))
+
+    def jaxpr_key(self, jaxpr) -> int:
+        """A key of ``jaxpr`` as a function of its inputs (`key`, by position)."""
+        got = self.jaxpr_keys.get(id(jaxpr))
+        if got is not None and got[0] is jaxpr:
+            return got[1]
+        frame = _Frame(jaxpr, {}, None, None, next(self.serials))
+        for i, v in enumerate(jaxpr.invars):
+            frame.keys[v] = self.intern(("argument", i))
+        for i, v in enumerate(jaxpr.constvars):
+            frame.keys[v] = self.intern(("constant", i))
+        for eqn in jaxpr.eqns:
+            self.number(eqn, frame)
+        frame.done = len(jaxpr.eqns)
+        k = self.intern(("jaxpr", tuple(self.key(o, frame) for o in jaxpr.outvars)))
+        self.jaxpr_keys[id(jaxpr)] = (jaxpr, k)
+        return k
 
     def eqn(self, eqn, tags):
         prim, n = eqn.primitive, len(eqn.outvars)
@@ -274,24 +572,73 @@ class _Interp:
         for t in tags:
             if isinstance(t, Cross):
                 return [t] * n
-        for t in tags:
-            if isinstance(t, Unknown):
-                return [t] * n
+        doubt = next((t for t in tags if isinstance(t, Unknown)), None)
+        if doubt is not None:
+            if any(isinstance(t, Unknown) and t.under is None for t in tags):
+                return [doubt] * n
+            outs = self.eqn(eqn, [t.under if isinstance(t, Unknown) else t for t in tags])
+            return [o if o is None or isinstance(o, (Cross, Unknown))
+                    else dataclasses.replace(doubt, under=o) for o in outs]
         live = [t for t in tags if t is not None]
-        if isinstance(live[0], Cur) and all(t == live[0] for t in live):
+        collective = prim in _COLLECTIVES  # a named axis may hold other examples
+        if (not collective and isinstance(live[0], (Cur, One))
+                and all(t == live[0] for t in live)):
             return [live[0]] * n  # any function of one example and constants
         rule = _RULES.get(prim)
         if rule is None and _is_elementwise(prim):
             rule = _elementwise
         if rule is None:
             return self.unknown(eqn, tags, "has no rule here (a primitive the check does not know)")
-        if rule is not _elementwise and any(isinstance(t, Cur) for t in live):
+        one = next((t for t in live if isinstance(t, One)), None)
+        if one is not None and not collective and rule not in _SIDE_BY_SIDE:
+            return [self.picked(eqn, live, one)] * n
+        parts = any(isinstance(t, Sum) and t.terms for t in live)
+        if parts and rule is not _elementwise and sum(
+                isinstance(t, (Sum, One)) for t in live) > 1:
+            return [Unknown(eqn, "combines sums of examples taken out of the batch one by one "
+                                 "in a way the check does not follow")] * n
+        if rule is not _elementwise and not collective and any(isinstance(t, Cur) for t in live):
             return [Unknown(eqn, "combines the current example of a loop over the examples "
                                  "with other values")] * n
         acc = next((t for t in live if isinstance(t, Acc)), None)
         if acc is not None and rule is not _elementwise and rule is not _identity:
             return [Cross(eqn, _ACC_WHY, acc.origin, how="in the loop")] * n
-        return rule(self, eqn, tags)
+        outs = rule(self, eqn, tags)
+        if parts and rule is not _elementwise and prim not in _TRANSPARENT:
+            outs = self.rekeyed(eqn, tags, outs)
+        return outs
+
+    def picked(self, eqn, live, one: One):
+        """An operation (other than elementwise, or putting values side by side) on a value
+        of one example taken out of the batch and on other values of the examples."""
+        i = one.example
+        for t in live:
+            if isinstance(t, One) and t.example != i:
+                return Cross(eqn, f"combines example {i} with example {t.example}, each "
+                                  "taken out of the batch", t.by,
+                             how=f"example {t.example} taken out by", fix=_PAIRED_FIX)
+            if isinstance(t, Sum):
+                return _cross_sum(eqn, f"combines example {i}, taken out of the batch, with", t)
+            if isinstance(t, (Ex, Cur)) and _single(t) != i:
+                return Cross(eqn, f"combines example {i}, taken out of the batch, with the "
+                                  "values of other examples", one.by,
+                             how=f"example {i} taken out by", fix=_PAIRED_FIX)
+        return Unknown(eqn, f"combines example {i}, taken out of the batch, with a slice of "
+                            "the batch that holds it")
+
+    def rekeyed(self, eqn, tags, outs):
+        """The results of an operation other than + and - on a partial sum (`Sum.terms`)
+        and constants: the keys of its terms record the operation and the constants."""
+        pos = next(j for j, t in enumerate(tags) if isinstance(t, Sum) and t.terms)
+        node = (eqn.primitive, self.params_key(eqn.primitive, eqn.params), pos,
+                tuple(-1 if j == pos else self.key(v) for j, v in enumerate(eqn.invars)))
+        res = []
+        for k, o in enumerate(outs):
+            if isinstance(o, Sum) and o.terms:
+                o = dataclasses.replace(o, terms=frozenset(
+                    (self.intern(("through", node, k, key)), w) for key, w in o.terms))
+            res.append(o)
+        return res
 
     @staticmethod
     def unknown(eqn, tags, why):
@@ -302,12 +649,15 @@ class _Interp:
 
     # -- combining operands ------------------------------------------------ #
     def meet(self, eqn, tags):
-        """Operands combined element by element: their common `Ex`/`Cur`, a `Cross`, or
-        None when no operand depends on individual examples."""
-        ex = [t for t in tags if isinstance(t, (Ex, Cur))]
+        """Operands combined element by element: their common `Ex`/`Cur`/`One`, a
+        `Cross`, or None when no operand depends on individual examples."""
+        ex = [t for t in tags if isinstance(t, (Ex, Cur, One))]
         sums = [t for t in tags if isinstance(t, Sum)]
         if ex and sums:
             return _cross_sum(eqn, "combines per-example values with", sums[0])
+        one = next((t for t in ex if isinstance(t, One)), None)
+        if one is not None and any(t != one for t in ex):
+            return self.meet_one(eqn, ex, one)
         if ex and any(t != ex[0] for t in ex):
             merged = self.merge(ex)
             if merged is not None:
@@ -315,6 +665,45 @@ class _Interp:
             by = next((t.by for t in ex if isinstance(t, Ex) and t.by is not None), None)
             return Cross(eqn, "combines values of different examples", by, how="reordered by")
         return ex[0] if ex else None
+
+    def meet_one(self, eqn, ex, one: One):
+        """A value of one example taken out of the batch met element by element by other
+        values of the examples: a slice of the batch holding that example alone (a
+        ``x[i:i + 1]``) keeps it, anything else combines examples."""
+        i = one.example
+        for t in ex:
+            if isinstance(t, One) and t.example != i:
+                return Cross(eqn, f"combines example {i} with example {t.example}, each "
+                                  "taken out of the batch", t.by,
+                             how=f"example {t.example} taken out by", fix=_PAIRED_FIX)
+        grid = [t for t in ex if isinstance(t, Ex)]
+        if grid and len(grid) + sum(isinstance(t, One) for t in ex) == len(ex):
+            merged = self.merge([dataclasses.replace(grid[0], perm=(i,), by=one.by), *grid])
+            if merged is not None:
+                return merged
+        return Cross(eqn, f"combines example {i}, taken out of the batch, with the values of "
+                          "other examples", one.by, how=f"example {i} taken out by",
+                     fix=_PAIRED_FIX)
+
+    def added(self, eqn, tags):
+        """Values of single examples (`One`) and sums added or subtracted: the terms of
+        a (partial) sum."""
+        terms: dict = {}
+        by = None
+        for j, (v, t) in enumerate(zip(eqn.invars, tags)):
+            sign = -1.0 if eqn.primitive is P.sub and j == 1 else 1.0
+            if isinstance(t, One):
+                w = np.zeros(self.B)
+                w[t.example] = sign
+                got = [(self.term_key(v), w)]
+            elif isinstance(t, Sum):
+                got = [(k, sign * np.asarray(w)) for k, w in t.terms]
+            else:
+                continue
+            by = by or t.by
+            for k, w in got:
+                terms[k] = terms.get(k, 0.0) + w
+        return _partial(eqn, terms, by)
 
     def merge(self, ex):
         """`Ex` tags along one axis whose examples agree position by position (where one
@@ -343,6 +732,9 @@ class _Interp:
         acc = next((t for t in tags if isinstance(t, Acc)), None)
         if acc is not None:
             return [self.accumulate(eqn, tags, acc)] * n
+        if (eqn.primitive in _ADDING and any(isinstance(t, One) for t in tags)
+                and all(t is None or isinstance(t, (One, Sum)) for t in tags)):
+            return [self.added(eqn, tags)] * n  # sum(loss(x[i]) for i in range(B))
         t = self.meet(eqn, tags)
         if isinstance(t, Cross):
             return [t] * n
@@ -363,11 +755,13 @@ class _Interp:
             outs.append(t if ok else Unknown(eqn, "changes the shape around the batch axis"))
         return outs
 
-    def lined_up(self, eqn, tags, t: Ex, pairs=None):
+    def lined_up(self, eqn, tags, t: Ex, pairs=None, index=False):
         """A `Cross` where an operand that does not depend on the examples has, at the
         batch axis of ``t``, an axis of size B whose entries differ by position
         (`Lined`). ``pairs``: (operand, its axis that meets the batch axis), default
-        every operand tagged None at ``t.axis`` (element by element)."""
+        every operand tagged None at ``t.axis`` (element by element). ``index``: the
+        operands are indices that pick the examples (a position from ``jnp.arange`` is
+        how a loss addresses its examples there, not a value)."""
         if t.outer != 1 or t.inner != 1:
             return None
         if pairs is None:
@@ -378,8 +772,8 @@ class _Interp:
             src = self.lined.get(v, {}).get(a)
             if src is None or _shape(v)[a] != self.B:
                 continue
-            if src.position and not jax.numpy.issubdtype(eqn.outvars[0].aval.dtype,
-                                                         jax.numpy.inexact):
+            if src.position and (index or not jax.numpy.issubdtype(
+                    eqn.outvars[0].aval.dtype, jax.numpy.inexact)):
                 continue
             return Cross(
                 eqn, f"lines up each example with the entry at its position along an axis of "
@@ -387,24 +781,40 @@ class _Interp:
                 f"entries) of {src.what}", src.eqn, fix=src.fix)
         return None
 
-    @staticmethod
-    def linear(eqn, tags):
-        """An elementwise op on sums over the batch and constants."""
+    def linear(self, eqn, tags):
+        """An elementwise op on sums over the batch and constants. On a partial sum
+        (`Sum.terms`) + and - add up the terms, a literal factor scales their weights, and
+        any other linear op is recorded in their keys (`rekeyed`)."""
         prim = eqn.primitive
         sums = [t for t in tags if isinstance(t, Sum)]
+        partial = any(t.terms for t in sums)
+        if prim in _ADDING:
+            return self.added(eqn, tags) if partial else sums[0]
         if prim in _LINEAR:
-            return sums[0]
+            if partial and prim is P.neg:
+                return _scaled(sums[0], -1.0)
+            return self.rekeyed(eqn, tags, [sums[0]])[0] if partial else sums[0]
         if prim is P.mul:
-            return sums[0] if len(sums) == 1 else _cross_sum(eqn, "multiplies", sums[1])
-        if prim is P.div:
-            if tags[1] is None:
-                return sums[0]
-            return _cross_sum(eqn, "divides by", tags[1])
-        if prim is P.select_n:
-            if tags[0] is None:
-                return sums[0]
-            return _cross_sum(eqn, "selects by", tags[0])
-        return _cross_sum(eqn, f"applies {prim} to", sums[0])
+            if len(sums) > 1:
+                return _cross_sum(eqn, "multiplies", sums[1])
+            c = _literal_scalar(eqn.invars[1 - tags.index(sums[0])])
+        elif prim is P.div:
+            if tags[1] is not None:
+                return _cross_sum(eqn, "divides by", tags[1])
+            c = _literal_scalar(eqn.invars[1])
+            c = None if not c else 1.0 / c
+        elif prim is P.select_n:
+            if tags[0] is not None:
+                return _cross_sum(eqn, "selects by", tags[0])
+            if partial and len(sums) > 1:
+                return Unknown(eqn, "selects between sums of examples taken out of the batch "
+                                    "one by one")
+            c = None
+        else:
+            return _cross_sum(eqn, f"applies {prim} to", sums[0])
+        if not partial:
+            return sums[0]
+        return _scaled(sums[0], c) if c is not None else self.rekeyed(eqn, tags, [sums[0]])[0]
 
     @staticmethod
     def accumulate(eqn, tags, acc):
@@ -441,10 +851,10 @@ class _Interp:
         return Unknown(eqn, "holds values that depend on the examples in different ways "
                             "(in different iterations or branches)")
 
-    def fixpoint(self, eqn, body, consts, carry, xs, level=None):
+    def fixpoint(self, eqn, body, consts, carry, xs, level=None, outer=None):
         carry = list(carry)
         for _ in range(_MAX_ROUNDS):
-            outs = self.run(body, list(consts) + carry + list(xs))
+            outs = self.run(body, list(consts) + carry + list(xs), outer=outer)
             new = [self.join(eqn, c, o, level) for c, o in zip(carry, outs)]
             if new == carry:
                 return carry, outs[len(carry) :]
@@ -472,7 +882,8 @@ class _Interp:
                     else compat.call_parts(eqn)[0] if prim in _CALLS
                     else compat.custom_call_parts(eqn)[0])
             self.enter(eqn.invars, body.invars)
-            self.run(body, [None] * len(body.invars))
+            self.run(body, [None] * len(body.invars), outer=dict(zip(body.invars, eqn.invars)),
+                     call=eqn)
             self.enter(body.outvars, eqn.outvars)
             return
         ins = [None if _is_literal(v) else self.lined.get(v) for v in eqn.invars]
@@ -558,6 +969,8 @@ def _reduce_tag(it, eqn, t, axes, summing):
     if isinstance(t, Sum):
         return t if summing else _cross_sum(eqn, f"applies {eqn.primitive} to", t)
     if t.axis in axes:
+        if _single(t) is not None:  # over a slice of the batch holding one example
+            return One(_single(t), t.by)
         if not summing:
             return Cross(eqn, "reduces over the batch axis (across examples)")
         return _summed(it, eqn, t)
@@ -565,11 +978,15 @@ def _reduce_tag(it, eqn, t, axes, summing):
 
 
 def _summed(it, eqn, t: Ex):
-    """A sum along ``t``'s batch axis: `Sum` where it counts every example equally."""
+    """A sum along ``t``'s batch axis: `Sum` where it counts every example equally, `One`
+    where it holds one example (``loss(x[i:i + 1])``)."""
+    if _single(t) is not None:
+        return One(_single(t), t.by)
     if _equal_weights(t, it.B):
         return Sum(eqn)
     return Cross(eqn, "sums the examples with unequal weights (leaves some out or counts "
-                      "some more often than others)", t.by, how="reordered by")
+                      "some more often than others)", t.by, how="reordered by",
+                 fix=_ONE_BY_ONE_FIX)
 
 
 def _reduce(summing):
@@ -585,7 +1002,7 @@ def _cumulative(linear):
         (t,) = tags
         if isinstance(t, Sum):
             return [t if linear else _cross_sum(eqn, f"applies {eqn.primitive} to", t)]
-        if t.axis == eqn.params["axis"]:
+        if t.axis == eqn.params["axis"] and _single(t) is None:
             return [Cross(eqn, "accumulates along the batch axis (across examples)")]
         return [t]
 
@@ -664,7 +1081,9 @@ def _squeeze(it, eqn, tags):
         return [t]
     nd = len(_shape(eqn.invars[0]))
     dims = [d % nd for d in eqn.params["dimensions"]]
-    if t.axis in dims:  # x[k] of a batch axis sliced to one example
+    if t.axis in dims:  # x[i]: the batch axis sliced to one example
+        if isinstance(t, Ex) and (t.outer, t.inner) == (1, 1) and t.perm is not None:
+            return [One(t.perm[0], t.by) if t.perm[0] >= 0 else None]
         return [Unknown(eqn, "takes a single example out of the batch")]
     return [dataclasses.replace(t, axis=t.axis - sum(d < t.axis for d in dims))]
 
@@ -691,7 +1110,7 @@ def _rev(it, eqn, tags):
     bad = _along(t, "reverses the batch axis", eqn)
     if bad is not None:
         return [bad]
-    return [_reordered(t, _positions(t, it.B)[::-1], it.B, eqn)]
+    return [_moved(t, _positions(t, it.B)[::-1], it.B, eqn)]
 
 
 def _slice(it, eqn, tags):
@@ -706,7 +1125,7 @@ def _slice(it, eqn, tags):
     bad = _along(t, "slices the batch axis (keeps some examples)", eqn)
     if bad is not None:
         return [bad]
-    return [_reordered(t, _positions(t, it.B)[start:limit:strides[a]], it.B, eqn)]
+    return [_moved(t, _positions(t, it.B)[start:limit:strides[a]], it.B, eqn)]
 
 
 def _index_operands(eqn, tags, first):
@@ -732,8 +1151,12 @@ def _dynamic_slice(it, eqn, tags):
     if (level is not None and (t.outer, t.inner, t.perm) == (1, 1, None)
             and eqn.params["slice_sizes"][t.axis] == 1):
         return [Cur(level)]  # x[i] in a loop whose counter i runs over the examples
-    ok = eqn.params["slice_sizes"][t.axis] == _shape(eqn.invars[0])[t.axis]
-    return [_whole_axis(it, eqn, t, ok, "slices the batch axis (keeps some examples)")]
+    size, whole = eqn.params["slice_sizes"][t.axis], _shape(eqn.invars[0])[t.axis]
+    start = it.constant(index) if size != whole and _along(t, "", eqn) is None else None
+    if start is not None:  # x[i] at an index known from the jaxpr
+        start = min(max(int(start), 0), whole - size)  # dynamic_slice clamps
+        return [_moved(t, _positions(t, it.B)[start : start + size], it.B, eqn)]
+    return [_whole_axis(it, eqn, t, size == whole, "slices the batch axis (keeps some examples)")]
 
 
 def _dynamic_update_slice(it, eqn, tags):
@@ -764,11 +1187,54 @@ def _pad(it, eqn, tags):
     bad = _along(t, "pads the batch axis", eqn)
     if bad is not None or lo < 0 or hi < 0 or interior != 0:
         return [bad or Unknown(eqn, "pads the batch axis")]
-    return [_reordered(t, (-1,) * lo + _positions(t, it.B) + (-1,) * hi, it.B, eqn)]
+    return [_moved(t, (-1,) * lo + _positions(t, it.B) + (-1,) * hi, it.B, eqn)]
+
+
+def _alike_parts(it, parts) -> bool:
+    """Whether values of the examples put side by side along the batch axis, ``parts``
+    (variable, the example at each of its positions), treat every example alike: for each
+    key of what computed a part (`_Interp.key`), every example at as many positions (the
+    parts of a batch split and computed alike, or the whole batch computed two ways)."""
+    counts: dict = {}
+    for v, pos in parts:
+        c = counts.setdefault(it.key(v), np.zeros(it.B))
+        np.add.at(c, [i for i in pos if i >= 0], 1)
+    return all(_alike(c) for c in counts.values())
+
+
+def _side_by_side(it, eqn, tags, dim, stacking):
+    """Values of single examples taken out of the batch (`One`) put side by side along
+    ``dim`` (``jnp.stack`` of per-example terms), with constants and, concatenating, with
+    slices of the batch along it: an `Ex` along ``dim`` naming each position's example,
+    where the examples are computed alike (`_alike_parts`)."""
+    pos, parts, by = [], [], None
+    for v, u in zip(eqn.invars, tags):
+        n = 1 if stacking else _shape(v)[dim]
+        if u is None:
+            pos.extend((-1,) * n)
+            continue
+        if isinstance(u, One):
+            mine = (u.example,) * n
+            by = by or u.by
+        elif not stacking and isinstance(u, Ex) and u.axis == dim and _along(u, "", eqn) is None:
+            mine = _positions(u, it.B)
+        else:
+            return Unknown(eqn, "puts values of examples taken out of the batch one by one "
+                                "beside other values of the examples")
+        pos.extend(mine)
+        parts.append((v, mine))
+    if not _alike_parts(it, parts):
+        return Cross(eqn, "puts side by side the values of examples taken out of the batch one "
+                          "by one (x[i], jnp.unstack, a Python loop over the batch) that are not "
+                          "computed alike (by the same operations on each example's own "
+                          "values)", by, how="an example taken out by", fix=_ONE_BY_ONE_FIX)
+    return _moved(Ex(dim), pos, it.B, eqn)
 
 
 def _concatenate(it, eqn, tags):
     dim = eqn.params["dimension"]
+    if any(isinstance(u, One) for u in tags):
+        return [_side_by_side(it, eqn, tags, dim, False)]
     ex = [u for u in tags if isinstance(u, Ex)]
     if ex and all(u.axis == dim for u in ex) and not any(isinstance(u, Sum) for u in tags):
         # along the batch axis: each operand brings its examples (constants: none)
@@ -776,11 +1242,17 @@ def _concatenate(it, eqn, tags):
             bad = _along(u, "concatenates along the batch axis", eqn)
             if bad is not None:
                 return [bad]
+        parts = [(v, _positions(u, it.B)) for v, u in zip(eqn.invars, tags) if u is not None]
+        if len(parts) > 1 and not _alike_parts(it, parts):
+            # jnp.concatenate([f(x[:k]), g(x[k:])]): the examples' terms differ by position
+            return [Unknown(eqn, "concatenates along the batch axis values of the examples "
+                                 "that are not computed alike (by the same operations on each "
+                                 "example's own values)")]
         pos = []
         for v, u in zip(eqn.invars, tags):
             n = _shape(v)[dim]
             pos.extend((-1,) * n if u is None else _positions(u, it.B))
-        return [_reordered(ex[0], pos, it.B, eqn)]
+        return [_moved(ex[0], pos, it.B, eqn)]
     t = it.meet(eqn, tags)
     if isinstance(t, Cross):
         return [t]
@@ -800,12 +1272,15 @@ def _split(it, eqn, tags):
         return [bad] * n
     pos, outs, k = _positions(t, it.B), [], 0
     for size in eqn.params["sizes"]:
-        outs.append(_reordered(t, pos[k : k + size], it.B, eqn))
+        outs.append(_moved(t, pos[k : k + size], it.B, eqn))
         k += size
     return outs
 
 
 def _stack(it, eqn, tags):
+    if any(isinstance(u, One) for u in tags):
+        axis = eqn.params["axis"] % len(_shape(eqn.outvars[0]))
+        return [_side_by_side(it, eqn, tags, axis, True)]
     t = it.meet(eqn, tags)
     if isinstance(t, Cross):
         return [t]
@@ -821,8 +1296,11 @@ def _unstack(it, eqn, tags):
     if isinstance(t, Sum):
         return [t] * n
     axis = eqn.params["axis"] % len(_shape(eqn.invars[0]))
-    if t.axis == axis:
-        return [Unknown(eqn, "splits the batch axis into single examples")] * n
+    if t.axis == axis:  # for x in jnp.unstack(batch): single examples
+        bad = _along(t, "splits the batch axis into single examples", eqn)
+        if bad is not None:
+            return [bad] * n
+        return [One(i, eqn) if i >= 0 else None for i in _positions(t, it.B)]
     return [dataclasses.replace(t, axis=t.axis - (t.axis > axis))] * n
 
 
@@ -965,6 +1443,7 @@ def _gather(it, eqn, tags):
     def unknown(why):
         return [Unknown(eqn, why)]
 
+    out_batch_axes = range(len(ishape) - 1)  # the indices' axes but the index vectors'
     cand = None
     if ti is not None:
         if ti.axis == len(ishape) - 1:
@@ -985,12 +1464,18 @@ def _gather(it, eqn, tags):
             comp = it.components(indices)[smap.index(k)] if not _is_literal(indices) else None
             lined_up = comp is not None and comp < len(ishape) - 1 and ishape[comp] == oshape[k]
             if not lined_up or sizes[k] != 1:
+                if ti is None:  # x[order] with an order outside the batch
+                    lined = it.lined_up(eqn, tags, to, [(indices, j) for j in out_batch_axes],
+                                        index=True)
+                    if lined is not None:
+                        return [lined]
                 return unknown("gathers along the batch axis by data (the examples are "
                                "indexed by values, as in graph batching)")
             mine = dataclasses.replace(to, axis=out_batch[comp])  # x[jnp.arange(B), ...]
             if ti is not None and ti.axis != comp:
                 return unknown("gathers from one example by the indices of another")
-            if ti is None:  # x[jnp.arange(B), labels] with labels outside the batch
+            if ti is None and indices not in it.iota:  # x[jnp.arange(B)]: the examples
+                # x[jnp.arange(B), labels] with labels outside the batch
                 lined = it.lined_up(eqn, tags, to, [(indices, comp)])
                 if lined is not None:
                     return [lined]
@@ -1027,7 +1512,13 @@ def _scatter(it, eqn, tags):
     uscatter = [d for d in range(len(ushape)) if d not in uwin]  # <-> indices' dims but last
     op_win = [d for d in range(len(oshape)) if d not in inserted and d not in obatch]
 
-    def unknown():
+    def unknown(t=None):
+        if t is not None and ti is None and not _is_literal(indices):
+            # zeros(B).at[order].set(losses) with an order outside the batch
+            lined = it.lined_up(eqn, tags, t, [(indices, j) for j in range(len(ishape) - 1)],
+                                index=True)
+            if lined is not None:
+                return [lined]
         return [Unknown(eqn, "scatters across the batch axis by data (the examples are "
                              "indexed by values, as in graph batching)")]
 
@@ -1060,7 +1551,7 @@ def _scatter(it, eqn, tags):
         else:
             k = operand_axis(uscatter.index(u))
             if k is None:
-                return unknown()
+                return unknown(tu)
         want.append(dataclasses.replace(tu, axis=k))
     if ti is not None:
         k = operand_axis(ti.axis)
@@ -1069,22 +1560,33 @@ def _scatter(it, eqn, tags):
         want.append(dataclasses.replace(ti, axis=k))
     if any(w != want[0] for w in want):
         return unknown()
-    k = want[0].axis
+    t = want[0]
+    k = t.axis
     scattered = k in sdims or k in obatch
     if scattered and k not in (operand_axis(j) for j in range(len(ishape) - 1)):
-        return unknown()
+        return unknown(t)
     if not scattered and k in inserted:
         return unknown()
-    return [want[0]]
+    # x.at[jnp.arange(B), labels] with labels (or the updates) outside the batch
+    pairs = []
+    if ti is None and not _is_literal(indices) and indices not in it.iota:
+        pairs += [(indices, j) for j in range(len(ishape) - 1) if operand_axis(j) == k]
+    if tu is None:
+        pairs += [(updates, u) for j, u in enumerate(uscatter) if operand_axis(j) == k]
+        pairs += [(updates, u) for u in uwin if op_win[uwin.index(u)] == k]
+    lined = it.lined_up(eqn, tags, t, pairs) if pairs else None
+    return [lined or t]
 
 
 def _collective(summing):
     """psum/pmax/pmin. Integer axes are positional: ``vmap(..., axis_name=...)`` turns a
     collective over its axis into a reduction over the mapped axis (batch norm written
     per example with ``lax.pmean``). Named axes the examples do not vary over (tensor
-    parallelism) add up parts of the same examples; those the batch is split over
+    parallelism: in a typed ``shard_map`` the operand varies over them, the batch does
+    not) add up parts of the same examples; those the batch is split over
     (``axis_name``, or the axes the batch varies over in ``shard_map``) add up other
-    devices' examples."""
+    devices' examples. A named axis the call knows neither way (``pmap`` or ``shard_map``
+    with ``check_vma=False`` without ``axis_name``, whose types say nothing) is undecided."""
 
     def rule(it, eqn, tags):
         axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
@@ -1093,9 +1595,20 @@ def _collective(summing):
         named = [a for a in axes if not isinstance(a, (int, np.integer))]
         data = [a for a in named if a in it.data_axes]
         outs = []
-        for t in tags[: len(eqn.outvars)]:
-            if t is not None and positional:
+        for v, t in zip(eqn.invars, tags[: len(eqn.outvars)]):
+            if t is not None and positional and not isinstance(t, (Cur, One)):
                 t = _reduce_tag(it, eqn, t, positional, summing)
+            varying = compat._aval_vma(v.aval) or frozenset()
+            unknown = [a for a in named if a not in it.data_axes and a not in varying]
+            if t is not None and unknown and not data and not isinstance(t, (Cross, Unknown)):
+                names = ", ".join(repr(a) for a in unknown)
+                t = Unknown(
+                    eqn, f"reduces over the named axis {names}, which the call does not know "
+                    "(no axis_name, and no types that say what varies over it): if the batch "
+                    f"is split over it, pass axis_name={unknown[0]!r} and do not reduce the loss "
+                    "over it in fn (per_example_stat combines the devices' examples itself); "
+                    "if it splits the model (tensor parallelism), run under shard_map with "
+                    "check_vma=True, whose types tell the check", under=t)
             if t is not None and data and not isinstance(t, Cross):
                 names = ", ".join(repr(a) for a in data)
                 t = Cross(
@@ -1115,7 +1628,7 @@ def _enter_run(it, eqn, jaxpr, tags):
     """``jaxpr`` (the body of a call-like ``eqn``) run on ``tags``; the values lined up
     with the batch (`Lined`) pass in and out."""
     it.enter(eqn.invars, jaxpr.invars)
-    outs = it.run(jaxpr, tags)
+    outs = it.run(jaxpr, tags, outer=dict(zip(jaxpr.invars, eqn.invars)), call=eqn)
     it.enter(jaxpr.outvars, eqn.outvars)
     return outs
 
@@ -1179,7 +1692,8 @@ def _scan(it, eqn, tags):
         for k in _counters(prm, nc, ncar, eqn.invars):
             level = next(it.levels) if level is None else level
             it.counter[body.invars[nc + k]] = level
-    carry, ys = it.fixpoint(eqn, body, tags[:nc], tags[nc : nc + ncar], xs, level)
+    carry, ys = it.fixpoint(eqn, body, tags[:nc], tags[nc : nc + ncar], xs, level,
+                            outer=dict(zip(body.invars[:nc], eqn.invars[:nc])))
     done = []
     for t in carry:
         if isinstance(t, Acc) and t.level == level:
@@ -1205,14 +1719,17 @@ def _while(it, eqn, tags):
     it.enter([], wp.cond.invars[cn:])
     it.enter(eqn.invars[cn : cn + bn], wp.body.invars[:bn])
     it.enter([], wp.body.invars[bn:])
-    carry, _ = it.fixpoint(eqn, wp.body, tags[cn : cn + bn], tags[cn + bn :], [])
+    carry, _ = it.fixpoint(eqn, wp.body, tags[cn : cn + bn], tags[cn + bn :], [],
+                           outer=dict(zip(wp.body.invars[:bn], eqn.invars[cn : cn + bn])))
     seen = {}
-    (pred,) = it.run(wp.cond, list(tags[:cn]) + carry, seen)
+    (pred,) = it.run(wp.cond, list(tags[:cn]) + carry, seen,
+                     outer=dict(zip(wp.cond.invars[:cn], eqn.invars[:cn])))
     if pred is None:
         return carry
-    if isinstance(pred, (Ex, Cur)):
+    if isinstance(pred, (Ex, Cur, One)):
         # a batched predicate (jax.vmap of a while_loop): each element of the leading axes
-        # stops on its own, so every carry follows the predicate's examples
+        # stops on its own, so every carry follows the predicate's examples; a loop on
+        # one example taken out of the batch runs as often as on that example alone
         return [it.join(eqn, c, pred) for c in carry]
     # a loop that runs until the last example is done: the values of the examples that
     # a batch of one would have stopped earlier are right if the body leaves them alone
@@ -1356,7 +1873,7 @@ def _cond(it, eqn, tags):
     outs = None
     for br in compat.cond_branches(eqn):
         it.enter(eqn.invars[1:], br.invars)
-        o = it.run(br, ops)
+        o = it.run(br, ops, outer=dict(zip(br.invars, eqn.invars[1:])))
         outs = o if outs is None else [it.join(eqn, a, b) for a, b in zip(outs, o)]
     if idx is None:
         return outs
@@ -1449,6 +1966,26 @@ _LINEAR = frozenset(
         P.real, P.imag, P.conj, *_IDENTITY,
     ) if p is not None
 )
+
+# scalar ops on literals that `_Interp.constant` evaluates
+_FOLD = {p: f for p, f in (
+    (P.add, np.add), (P.sub, np.subtract), (P.mul, np.multiply), (P.neg, np.negative),
+    (P.max, np.maximum), (P.min, np.minimum), (P.lt, np.less), (P.le, np.less_equal),
+    (P.gt, np.greater), (P.ge, np.greater_equal), (P.eq, np.equal), (P.ne, np.not_equal),
+) if p is not None}
+
+# identities that leave a value as it is (stop_gradient changes its gradient)
+_TRANSPARENT = frozenset(p for p in _IDENTITY if p is not None and p is not P.stop_gradient)
+
+# elementwise ops that add up the terms of a partial sum (`_Interp.added`)
+_ADDING = frozenset(p for p in (P.add, P.sub, P.add_jaxvals) if p is not None)
+
+# reductions over named axes: they see values of one example (`Cur`, `One`) themselves
+_COLLECTIVES = frozenset(p for p in (P.psum, P.psum_invariant, P.pmax, P.pmin) if p is not None)
+
+# rules that see values of single examples taken out of the batch (`One`) next to other
+# values of the examples; any other rule combining them gets `_Interp.picked`
+_SIDE_BY_SIDE = (_elementwise, _identity, _concatenate, _stack)
 
 # elementwise ops through which the running sum of a loop over the examples stays one
 _ACCUMULATING = frozenset(
@@ -1734,8 +2271,15 @@ def verdict(prep, data_axes=frozenset()) -> Verdict:
         if lined:
             it.lined[v] = lined
     (out,) = it.run(closed.jaxpr, tags)[:1]
-    if out is None or isinstance(out, Sum):
+    if isinstance(out, One):  # the loss of one example taken out of the batch
+        weights = np.zeros(prep.B)
+        weights[out.example] = 1.0
+        out = Sum(out.by, frozenset({(-1, tuple(weights))}))
+    if out is None or (isinstance(out, Sum) and not out.terms):
         return Verdict(INDEPENDENT, "")
+    if isinstance(out, Sum):
+        cross = Cross(out.origin, _uneven(out), out.by, how="an example taken out by")
+        return Verdict(CROSS, _describe(cross, closed.jaxpr), _ONE_BY_ONE_FIX)
     if isinstance(out, Cross):
         return Verdict(CROSS, _describe(out, closed.jaxpr), out.fix)
     if isinstance(out, Unknown):
