@@ -39,6 +39,7 @@ from jaxpr_surgery._src.norms import (
     sqrt0,
     staged_sum,
     untrusted,
+    with_bound,
 )
 from jaxpr_surgery._src.reductions import ClipNorms, KeptExamples, nonfinite_examples
 from jaxpr_surgery._src.sites import kernel_for
@@ -1033,9 +1034,8 @@ class _SharedLeaf:
         value plus the bound of its rounding; the recomputed norm elsewhere."""
         sq = self.sq_norms()
         n = self.norms(sq)
-        bound = self._bound[id(sq)]
-        return jnp.where(self._rescued[id(sq)][2] | jnp.logical_not(bound > 0), n,
-                         sqrt0(sq + bound))
+        bound = jnp.where(self._rescued[id(sq)][2], 0, self._bound[id(sq)])
+        return with_bound(n, sq, bound)
 
     def trusted_sq(self, sq):
         """``sq`` where it holds, the square of the recomputed norm where not (`norms`)."""

@@ -115,6 +115,14 @@ def rounding(n, dtype):
     return 2 * k / (1 - k) if k < 0.5 else float("inf")
 
 
+def with_bound(norms, sq, bound):
+    """The norms clipping divides by: ``sqrt(sq + bound)`` where a ghost value ``sq`` kept
+    a positive ``bound`` (as ``norms sqrt(1 + bound / sq)``: no square past the range),
+    ``norms`` elsewhere."""
+    has = bound > 0
+    return jnp.where(has, norms * jnp.sqrt(1 + bound / jnp.where(has & (sq > 0), sq, 1)), norms)
+
+
 def untrusted(value, bound, tol):
     """``[B]``: the examples whose ghost ``value`` cannot be trusted: its error ``bound``
     exceeds ``tol`` of it (cancelled terms: a value near zero or negative against large

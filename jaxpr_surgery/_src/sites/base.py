@@ -36,6 +36,7 @@ from jaxpr_surgery._src.norms import (  # noqa: F401 - re-exported for the kerne
     recompute_flagged,
     scale_examples,
     sqrt0,
+    with_bound,
 )
 from jaxpr_surgery._src.reductions import (  # noqa: F401 - acc_dtype_for re-exported
     ClipNorms,
@@ -220,7 +221,7 @@ def direct_norms(kernel, ctx, reductions, compute, depth=0):
         out = dict(compute(req))
         sq, norms, bound = stacked(kernel.sq_and_norms_bound, depth)(ctx)
         # clipping: the value and the bound of its rounding (`ClipNorms`)
-        clip = jnp.where(bound > 0, sqrt0(sq + bound), norms)
+        clip = with_bound(norms, sq, bound)
     else:
         # a string key like the others: a request dict is a pytree that jax flattens
         # (vmapped over a scanned leaf's layers), and it cannot sort mixed key types
