@@ -169,6 +169,7 @@ LAYERS = (
     # entry points (explain, partials and privacy build on api)
     ("api", "check", "explain", "explain_table", "optim", "partials", "privacy"),
     ("chunking",),  # sizes chunks by lowering the engine
+    ("gathers",),  # hand-written FSDP: leaves gathered over the examples' axis (api uses it)
     ("engine",),
     ("interpreter",),
     ("analysis",),  # asks the site registry (sites.base.kind_for) which kernel serves a site

@@ -818,13 +818,14 @@ def _cross_fast(sa, ka, inga, sb, kb, ingb):
     hi = jax.lax.Precision.HIGHEST
     A = jnp.einsum("btc,bnc->btn", dye, other, precision=hi)
     P = jnp.take_along_axis(picked, ids[:, None, :], axis=2)  # [B, N, T]
-    cross = staged_sum(jnp.einsum("btn,bnt->bt", A, P, precision=hi))
+    P = jnp.swapaxes(P, 1, 2)  # [B, T, N]
+    cross = staged_sum(jnp.sum(A * P, -1))  # (products and sums: no unit batch dots)
     ne = jnp.sqrt(jnp.sum(jnp.square(dye), -1))
     no = jnp.sqrt(jnp.sum(jnp.square(other), -1))
     aP, dt = jnp.abs(P), cross.dtype
     N, T = other.shape[1], ids.shape[1]
-    bound = (rounding(dye.shape[-1], dt) * jnp.einsum("bt,bn,bnt->b", ne, no, aP, precision=hi)
-             + rounding(N + T, dt) * jnp.einsum("btn,bnt->b", jnp.abs(A), aP, precision=hi))
+    bound = (rounding(dye.shape[-1], dt) * jnp.sum(ne[:, :, None] * no[:, None, :] * aP, (1, 2))
+             + rounding(N + T, dt) * jnp.sum(jnp.abs(A) * aP, (1, 2)))
     return cross, bound
 
 

@@ -718,15 +718,19 @@ class DenseKernel(Kernel):
         K, N, C, F = c["K"], c["N"], c["C"], c["F"]
         X = self.tokens(x)
         gx, gd = _gram(X, HIGHEST), _gram(dy, HIGHEST)
-        ghost = staged_sum(jnp.einsum("bknm,bknm->bkn", gx, gd, precision=HIGHEST))
+        # (products and sums, no dots: a dot batched over a unit axis is laid out badly
+        # by XLA:CPU, and the examples' unit batch dims are squeezed everywhere else)
+        ghost = staged_sum(jnp.sum(gx * gd, -1))
         nx = jnp.sqrt(jnp.sum(jnp.square(X), -1))
         nd = jnp.sqrt(jnp.sum(jnp.square(dy), -1))
         ax, ad = jnp.abs(gx), jnp.abs(gd)
         dt = ghost.dtype
+        outer = lambda v: v[..., :, None] * v[..., None, :]  # noqa: E731
+        every = (1, 2, 3)
         bound = (
-            rounding(C, dt) * jnp.einsum("bkn,bknm,bkm->b", nx, ad, nx, precision=HIGHEST)
-            + rounding(F, dt) * jnp.einsum("bkn,bknm,bkm->b", nd, ax, nd, precision=HIGHEST)
-            + rounding(N + K * N, dt) * jnp.einsum("bknm,bknm->b", ax, ad, precision=HIGHEST)
+            rounding(C, dt) * jnp.sum(outer(nx) * ad, every)
+            + rounding(F, dt) * jnp.sum(outer(nd) * ax, every)
+            + rounding(N + K * N, dt) * jnp.sum(ax * ad, every)
         )
         return ghost, bound, untrusted(ghost, bound, GHOST_TOLERANCE)
 

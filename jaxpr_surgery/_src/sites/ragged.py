@@ -307,15 +307,16 @@ class RaggedKernel(DenseKernel):
         same = (gid[:, :, None] == gid[:, None, :]) & (gid < g)[:, :, None]
         gx = jnp.where(same, jnp.einsum("bmc,bnc->bmn", xr, xr, precision=hi), 0)
         gd = jnp.where(same, jnp.einsum("bmf,bnf->bmn", d, d, precision=hi), 0)
-        ghost = staged_sum(jnp.einsum("bmn,bmn->bm", gx, gd, precision=hi))
+        ghost = staged_sum(jnp.sum(gx * gd, -1))  # (products and sums, as the dense's)
         nx = jnp.sqrt(jnp.sum(jnp.square(xr), -1))
         nd = jnp.sqrt(jnp.sum(jnp.square(d), -1))
         ax, ad = jnp.abs(gx), jnp.abs(gd)
         dt = ghost.dtype
+        outer = lambda v: v[..., :, None] * v[..., None, :]  # noqa: E731
         bound = (
-            rounding(k, dt) * jnp.einsum("bm,bmn,bn->b", nx, ad, nx, precision=hi)
-            + rounding(n, dt) * jnp.einsum("bm,bmn,bn->b", nd, ax, nd, precision=hi)
-            + rounding(2 * M, dt) * jnp.einsum("bmn,bmn->b", ax, ad, precision=hi)
+            rounding(k, dt) * jnp.sum(outer(nx) * ad, (1, 2))
+            + rounding(n, dt) * jnp.sum(outer(nd) * ax, (1, 2))
+            + rounding(2 * M, dt) * jnp.sum(ax * ad, (1, 2))
         )
         return ghost, bound, untrusted(ghost, bound, GHOST_TOLERANCE)
 
