@@ -823,6 +823,17 @@ EXTENDED = {
     "test_variance_numerics.py::test_raw_form_within_its_bound_where_kept": {
         f"{s}-200" for s in ("0.0", "1.0", "3.0", "10.0", "30.0", "100.0", "1000.0", "10000.0")},
     "test_dp_finetune_quick.py::test_dp_finetune_private_step_matches_vmap_grad": {"per-layer"},
+    # (bfloat16 again where float32's inputs cancel the same way; the tied table and the long
+    # contraction stay in both dtypes)
+    "test_dp_bounds.py::test_clipping_norms_never_fall_below_the_true_norm": {
+        "dense-bfloat16", "embedding-bfloat16", "conv-bfloat16", "scale_shift-bfloat16"},
+    # (states built the way the default tier's already are: optax's own, or one per leaf)
+    "test_round4_optim.py::test_state_can_be_donated": {
+        f"('{n}', 0)" for n in (
+            "scale_by_micro_adam", "scale_by_micro_adam_var", "scale_by_micro_adam_msq",
+            "micro_adam", "micro_adam_var", "micro_adam_msq", "shampoo",
+            "scale_by_per_example_sign", "per_example_sign_sgd", "sign_sgd", "ema_of_sign",
+            "sign_ema", "dp_aggregate", "dp_adam", "multi_transform", "inject_hyperparams")},
 }
 
 
