@@ -366,3 +366,20 @@ def assert_consistent(name, actual, reference, rtol=1e-5, atol=1e-6, err_msg="")
 def take(tree, i):
     """Entry ``i`` of the leading axis of every leaf."""
     return jax.tree.map(lambda x: x[i], tree)
+
+
+def assert_independent_and_exact(loss, params, batch):
+    """``loss`` (float64 ``params`` and ``batch``) is proved a mean of per-example terms
+    with no warning, and ``mean()`` equals both the vmap(grad) oracle and ``jax.grad``
+    (the cross-example tests' check that a loss is served, not only let through)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert js.explain(loss)(params, batch).independence == "independent"
+        mean = jax.jit(js.per_example_stat(loss, js.stats.mean()))(params, batch)
+    grad = jax.grad(loss)(params, batch)
+    oracle = zoo.vmap_grads(loss, params, batch)
+    for k in params:
+        np.testing.assert_allclose(mean[k], oracle[k].mean(0), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(mean[k], grad[k], rtol=1e-9, atol=1e-12)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import warnings
 
+import _models as M
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -911,16 +912,7 @@ def test_no_alarm_on_exact_losses_and_mean_is_the_oracle(name):
     and mean() equals both the vmap(grad) oracle and jax.grad."""
     loss = EXACT[name]
     with jax.enable_x64(True):
-        p, b = _params(jnp.float64), _batch(jnp.float64)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert js.explain(loss)(p, b).independence == "independent"
-            mean = jax.jit(js.per_example_stat(loss, js.stats.mean()))(p, b)
-        grad = jax.grad(loss)(p, b)
-        oracle = zoo.vmap_grads(loss, p, b)
-        for k in p:
-            np.testing.assert_allclose(mean[k], oracle[k].mean(0), rtol=1e-9, atol=1e-12)
-            np.testing.assert_allclose(mean[k], grad[k], rtol=1e-9, atol=1e-12)
+        M.assert_independent_and_exact(loss, _params(jnp.float64), _batch(jnp.float64))
 
 
 def _running_max(p, b):

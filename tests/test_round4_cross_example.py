@@ -18,11 +18,11 @@ from __future__ import annotations
 import functools
 import warnings
 
+import _models as M
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import zoo
 from jax import lax
 from jax.sharding import PartitionSpec as PS
 
@@ -116,16 +116,7 @@ def test_loop_adding_one_term_per_example_is_a_per_example_mean(loss):
     """Warned ("takes a single example out of the batch"): now proved, and mean() equals
     both the vmap(grad) oracle and jax.grad."""
     with jax.enable_x64(True):
-        p, b = _params(jnp.float64), _batch(jnp.float64)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert js.explain(loss)(p, b).independence == "independent"
-            mean = jax.jit(js.per_example_stat(loss, js.stats.mean()))(p, b)
-        grad = jax.grad(loss)(p, b)
-        oracle = zoo.vmap_grads(loss, p, b)
-        for k in p:
-            np.testing.assert_allclose(mean[k], oracle[k].mean(0), rtol=1e-9, atol=1e-12)
-            np.testing.assert_allclose(mean[k], grad[k], rtol=1e-9, atol=1e-12)
+        M.assert_independent_and_exact(loss, _params(jnp.float64), _batch(jnp.float64))
 
 
 def _rnn_one(p, x, y):  # a scan over the tokens of one example

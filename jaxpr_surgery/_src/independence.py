@@ -195,6 +195,14 @@ _ACC_WHY = ("carries the examples' values from one iteration of a loop over the 
             "the examples)")
 
 
+def _paired(eqn, i, other):
+    """Example ``i`` combined with another example (``other``, a `One`), each taken out of
+    the batch."""
+    return Cross(eqn, f"combines example {i} with example {other.example}, each taken out "
+                      "of the batch", other.by, how=f"example {other.example} taken out by",
+                 fix=_PAIRED_FIX)
+
+
 def _cross_sum(eqn, what, s):
     return Cross(eqn, f"{what} a sum over the batch", s.origin)
 
@@ -614,9 +622,7 @@ class _Interp:
         i = one.example
         for t in live:
             if isinstance(t, One) and t.example != i:
-                return Cross(eqn, f"combines example {i} with example {t.example}, each "
-                                  "taken out of the batch", t.by,
-                             how=f"example {t.example} taken out by", fix=_PAIRED_FIX)
+                return _paired(eqn, i, t)
             if isinstance(t, Sum):
                 return _cross_sum(eqn, f"combines example {i}, taken out of the batch, with", t)
             if isinstance(t, (Ex, Cur)) and _single(t) != i:
@@ -673,9 +679,7 @@ class _Interp:
         i = one.example
         for t in ex:
             if isinstance(t, One) and t.example != i:
-                return Cross(eqn, f"combines example {i} with example {t.example}, each "
-                                  "taken out of the batch", t.by,
-                             how=f"example {t.example} taken out by", fix=_PAIRED_FIX)
+                return _paired(eqn, i, t)
         grid = [t for t in ex if isinstance(t, Ex)]
         if grid and len(grid) + sum(isinstance(t, One) for t in ex) == len(ex):
             merged = self.merge([dataclasses.replace(grid[0], perm=(i,), by=one.by), *grid])
