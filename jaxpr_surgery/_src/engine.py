@@ -911,10 +911,6 @@ def _leaf_mat(ings, acc):
     return mat
 
 
-def _site_sq_norms(s, k, ing, B):
-    return S.SqNorms().to_leaf(_stacked(k.sq_norms, s.depth)(ing), s, B)
-
-
 def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
     """Reductions of a leaf from its sites' ingredients (after the backward pass)."""
     deferred[i] = _weighted_leaf(ings, cache)
