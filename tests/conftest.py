@@ -717,7 +717,8 @@ _ZOO_NAMES = sorted(zoo.ZOO, key=len, reverse=True)
 #: reproduction quick modes, a compiled multi-device reference, third-party models built
 #: once per process): their tests stay on one worker, so the setup runs once.
 SHARED_FIXTURE_MODULES = ("test_reproduce_quick.py", "test_benchmarks_quick.py",
-                          "test_across_devices.py", "test_third_party.py", "test_fsdp.py")
+                          "test_across_devices.py", "test_third_party.py", "test_fsdp.py",
+                          "test_gspmd.py")
 
 
 def _zoo_scope(nodeid: str) -> str:

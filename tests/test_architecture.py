@@ -170,6 +170,7 @@ LAYERS = (
     ("api", "check", "explain", "explain_table", "optim", "partials", "privacy"),
     ("chunking",),  # sizes chunks by lowering the engine
     ("gathers",),  # hand-written FSDP: leaves gathered over the examples' axis (api uses it)
+    ("devices",),  # a batch sharded by XLA: reduced device by device (api uses it)
     ("engine",),
     ("interpreter",),
     ("analysis",),  # asks the site registry (sites.base.kind_for) which kernel serves a site

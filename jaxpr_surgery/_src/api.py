@@ -17,7 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import analysis as A
-from jaxpr_surgery._src import chunking, compat, engine, gathers, independence, prefix, tiling
+from jaxpr_surgery._src import (
+    chunking,
+    compat,
+    devices,
+    engine,
+    gathers,
+    independence,
+    prefix,
+    tiling,
+)
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
@@ -805,7 +814,7 @@ def _value_and_stat(fn, stat, opts, name):
         raise TypeError(f"{name}: fn must be callable, got {fn!r}.")
 
     def body(prep, spec):
-        loss, aux, result = _compute(prep, stat, opts, name, spec)
+        loss, aux, result = _compute(prep, stat, prep.opts, name, spec)
         return ((loss, aux) if opts.has_aux else loss), result
 
     return entry(fn, opts, name, body, _ddofs(stat), empty_ok=defined_when_empty(stat))
@@ -870,6 +879,14 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
         f = functools.partial(fn, **kwargs) if kwargs else fn
         prep = _Prepared(f, args, opts, name)
         if prep.explicit is None:
+            D = devices.split_count(prep, opts)
+            if D > 1:  # (a batch sharded by XLA: each device's examples reduced on it)
+                if opts.check:  # (on the whole batch: a part's examples may be one)
+                    independence.check(prep, name, prep.data_axes)
+                part = devices.part_options(opts, D)
+                return devices.split_call(
+                    lambda a, sp: body(_Prepared(f, a, part, name), sp),
+                    args, spec, prep.batch_argnums, prep.B, D)
             return body(prep, spec)
         # inside auto_axes the arguments (and the weights) are new values: prepare them there
         if spec is None:

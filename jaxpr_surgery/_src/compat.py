@@ -689,3 +689,31 @@ def user_frames(eqn, stop_dir: str) -> list:
         return out
     except Exception:  # noqa: BLE001 - no source info in this jax
         return []
+
+
+def abstract_mesh_of(x):
+    """The (abstract) mesh ``x`` is typed on, or None (no mesh, or an empty one)."""
+    try:
+        mesh = jax.typeof(x).sharding.mesh
+    except Exception:  # noqa: BLE001
+        return None
+    if not getattr(mesh, "axis_names", ()) or not hasattr(mesh, "axis_types"):
+        return None
+    return mesh
+
+
+def is_auto(axis_type) -> bool:
+    """An axis type XLA's partitioner decides (Auto: not Explicit, not Manual)."""
+    return axis_type == getattr(jax.sharding.AxisType, "Auto", None)
+
+
+def mapped_over(x, axis_name) -> bool:
+    """``x`` varies along the ``jax.vmap`` axis named ``axis_name`` (traced inside it)."""
+    from jax._src.interpreters import batching
+
+    if not isinstance(x, batching.BatchTracer):
+        return False
+    data = getattr(x._trace, "axis_data", None)
+    bd, unmapped = x.batch_dim, getattr(batching, "NotMapped", ())
+    return getattr(data, "name", None) == axis_name and bd is not None and not (
+        isinstance(unmapped, type) and isinstance(bd, unmapped))

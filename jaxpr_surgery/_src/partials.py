@@ -456,6 +456,6 @@ def per_example_partial(
 
     def body(prep, spec):
         flat = api._flatten_stats(stat)
-        return from_reduced(flat, prep.layout(), api.reduce_call(prep, flat, opts, name, spec))
+        return from_reduced(flat, prep.layout(), api.reduce_call(prep, flat, prep.opts, name, spec))
 
     return api.entry(fn, opts, name, body, all_zero_ok=True)

@@ -152,6 +152,20 @@ class CentralMoments(S.ElementwiseReduction):
         other = self.finish(ShiftedSums(K, *s), na + nb)
         return jax.tree.map(lambda u, v: jnp.where((na > 0) & (nb > 0), u, v), out, other)
 
+    def combine_axis(self, value, n_local, N, axis_name):
+        """Every device's central sums about the whole batch's mean (one ``psum`` of the
+        mean, then of each power: ``_shifted`` moves a device's sums from its own mean by
+        ``d = mean_d - mean``, the terms of Pébay's merge, without gathering every
+        device's sums). Within derivatives in the weights: the default merge."""
+        if ew.is_open():
+            return super().combine_axis(value, n_local, N, axis_name)
+        n = _as(n_local, value.mean)
+        mean = jax.lax.psum(value.mean * n, axis_name) / _as(N, value.mean)
+        z = jnp.zeros_like(value.m2)
+        _, s2, s3, s4 = _shifted((z, value.m2, value.m3, value.m4), n, value.mean - mean)
+        s2, s3, s4 = jax.lax.psum((s2, s3, s4), axis_name)
+        return CentralSums(mean, S.nonneg(s2), s3, S.nonneg(s4))
+
     @fp.traced_once
     def accumulate(self, acc, n, value, m):
         """``acc``'s sums and ``value``'s ``m`` examples about ``acc``'s shift (with no

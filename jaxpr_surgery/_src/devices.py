@@ -1,0 +1,86 @@
+"""The batch split by device under XLA's partitioner (``jax.jit`` with shardings).
+
+Under ``jax.jit`` with sharded inputs the program is one global computation that
+XLA partitions. Loops over examples (tiles of per-example gradients, chunks of
+the batch) slice the batch axis, which XLA cannot slice where it is sharded: it
+gathers the whole batch onto every device instead, and the statistic moves many
+times grad's bytes (docs/howto/sharded.md). Here the batch ``[B, ...]`` is seen as
+``[D, B/D, ...]``, ``D`` a multiple of the number of devices it can be sharded over,
+and the call runs under ``jax.vmap`` over ``D`` with a private axis name, as under
+``shard_map`` with ``axis_name``: every loop runs within one device's examples (a
+chunk or tile takes examples from every device at once) and the reductions are
+combined across ``D`` (`Reduction.combine_axis`: sums by ``psum``, centred moments
+merged), which XLA lowers to grad's own reduce-scatter or all-reduce. Per-example
+values come back in the batch's order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpr_surgery._src import compat
+
+AXIS = "jaxpr_surgery:devices"  # the vmap axis of the split (never a user's axis name)
+
+
+def part_options(opts, D: int):
+    """``opts`` for one of ``D`` parts: combined across the split's axis, ``chunk_size``
+    (examples at once over the whole batch) divided among the parts, the examples'
+    independence proved once on the whole batch (`split_call`'s caller)."""
+    cs = opts.chunk_size
+    if isinstance(cs, (int, np.integer)) and not isinstance(cs, bool):
+        cs = max(1, int(cs) // D)
+    return dataclasses.replace(opts, axis_name=AXIS, chunk_size=cs, check=False)
+
+
+def auto_mesh_size(arrays) -> int:
+    """The number of devices of the mesh that ``arrays`` are typed on whose axes XLA
+    partitions (Auto; 1 without a mesh, inside ``shard_map`` or for Explicit axes)."""
+    size = 1
+    for x in arrays:
+        mesh = compat.abstract_mesh_of(x)
+        if mesh is None:
+            continue
+        n = math.prod(s for s, t in zip(mesh.axis_sizes, mesh.axis_types) if compat.is_auto(t))
+        size = max(size, n)
+    return size
+
+
+def split_count(prep, opts) -> int:
+    """``D`` for this call (1: no split): under an Auto mesh of more than one device,
+    without ``axis_name`` and outside ``shard_map``, the largest divisor of the batch
+    size that divides the mesh's size."""
+    if opts.axis_name is not None or prep.data_axes or prep.B < 2:
+        return 1
+    n = auto_mesh_size([*prep.ex_leaves, *prep.diff_leaves])
+    return math.gcd(prep.B, n) if n > 1 else 1
+
+
+def split_call(call, args, spec, batch_argnums, B: int, D: int):
+    """``call(args, spec)`` (an entry point's body on a `_Prepared` of ``args``) over
+    ``D`` parts of the batch under ``jax.vmap`` with axis name `AXIS`; values combined
+    across the parts (the same for every part) come back once, per-example ones (a
+    part's own) in the batch's order."""
+    args = list(args)
+    split = lambda x: jnp.reshape(x, (D, B // D) + jnp.shape(x)[1:])  # noqa: E731
+    parts = [jax.tree.map(split, args[i]) for i in batch_argnums]
+    w = None if spec is None else split(jnp.asarray(spec[1]))
+    mapped = []
+
+    def one(parts, w):
+        a = list(args)
+        for i, p in zip(batch_argnums, parts):
+            a[i] = p
+        out = call(tuple(a), None if spec is None else (spec[0], w))
+        mapped[:] = [compat.mapped_over(x, AXIS) for x in jax.tree.leaves(out)]
+        return out
+
+    out = jax.vmap(one, in_axes=(0, None if w is None else 0), axis_name=AXIS)(parts, w)
+    leaves, tree = jax.tree.flatten(out)
+    leaves = [x.reshape((B,) + x.shape[2:]) if m else x[0] for x, m in zip(leaves, mapped)]
+    return jax.tree.unflatten(tree, leaves)

@@ -1,0 +1,298 @@
+"""Models sharded by XLA's partitioner (``jax.jit`` with ``NamedSharding``): FSDP, tensor
+parallelism, both on a 2-D mesh, a scan-over-layers stack sharded on a feature axis.
+Run by tests/test_gspmd.py in a subprocess with 8 fake CPU devices, in float64; prints
+one JSON object per case.
+
+The oracle is JAX's own: ``jax.vmap(jax.grad(per-example loss))`` on one device, reduced
+in numpy. A case is exact (every statistic within ``TOL`` of the oracle), or refused
+with the error's message; anything else is a silent wrong number. Each case also
+reports the executed collective bytes of E[g^2] against jax.grad's (the loops that
+slice the batch no longer gather it: tests/test_gspmd.py bounds the ratio loosely;
+the benchmark measures it, benchmarks/shard_bench.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxpr_surgery as js  # noqa: E402
+
+TOL = 1e-9
+CLIP = 0.05
+
+
+# --------------------------------------------------------------------------- #
+# Models
+# --------------------------------------------------------------------------- #
+def lm(B=16, T=8, d=32, L=2, V=128, H=2, seed=0):
+    """A GPT-style model: tied embedding, attention, MLP, layer norms."""
+    r = np.random.default_rng(seed)
+    n = lambda *s: jnp.asarray(r.normal(size=s) * 0.2)  # noqa: E731
+    p = {"emb": n(V, d), "pos": n(T, d), "lnf_g": 1 + n(d), "lnf_b": n(d), "blocks": []}
+    for _ in range(L):
+        p["blocks"].append({"ln_g": 1 + n(d), "ln_b": n(d), "qkv": n(d, 3 * d),
+                            "proj": n(d, d), "fc": n(d, 4 * d), "fc_b": n(4 * d),
+                            "out": n(4 * d, d)})
+    batch = {"tok": jnp.asarray(r.integers(0, V, (B, T))),
+             "tgt": jnp.asarray(r.integers(0, V, (B, T)))}
+
+    def ln(x, g, b):
+        m = x.mean(-1, keepdims=True)
+        v = ((x - m) ** 2).mean(-1, keepdims=True)
+        return (x - m) * jax.lax.rsqrt(v + 1e-5) * g + b
+
+    def loss(p, b):
+        x = p["emb"][b["tok"]] + p["pos"][None]
+        Bq, Tq, _ = x.shape
+        mask = jnp.tril(jnp.ones((Tq, Tq), bool))
+        for blk in p["blocks"]:
+            h = ln(x, blk["ln_g"], blk["ln_b"])
+            q, k, v = jnp.split(h @ blk["qkv"], 3, axis=-1)
+            sh = lambda t: t.reshape(Bq, Tq, H, d // H)  # noqa: E731
+            a = jnp.einsum("bthk,bshk->bhts", sh(q), sh(k)) / np.sqrt(d // H)
+            a = jax.nn.softmax(jnp.where(mask, a, -1e9), -1)
+            o = jnp.einsum("bhts,bshk->bthk", a, sh(v)).reshape(Bq, Tq, d)
+            x = x + o @ blk["proj"]
+            x = x + jax.nn.gelu(h @ blk["fc"] + blk["fc_b"]) @ blk["out"]
+        z = ln(x, p["lnf_g"], p["lnf_b"]) @ p["emb"].T
+        lp = jax.nn.log_softmax(z)
+        return -jnp.mean(jnp.take_along_axis(lp, b["tgt"][..., None], -1))
+
+    return loss, p, batch
+
+
+def scan_mlp(B=16, d=16, L=3, seed=0):
+    """Layers stacked ``[L, d, d]`` and run by ``lax.scan``."""
+    r = np.random.default_rng(seed)
+    p = {"w": jnp.asarray(r.normal(size=(L, d, d)) / np.sqrt(d)),
+         "b": jnp.asarray(r.normal(size=(L, d)) * 0.1),
+         "head": jnp.asarray(r.normal(size=(d, 4)) / np.sqrt(d))}
+    batch = {"x": jnp.asarray(r.normal(size=(B, d))), "y": jnp.asarray(r.normal(size=(B, 4)))}
+
+    def loss(p, b):
+        def layer(h, wb):
+            return jnp.tanh(h @ wb[0] + wb[1]), None
+        h, _ = jax.lax.scan(layer, b["x"], (p["w"], p["b"]))
+        return jnp.mean((h @ p["head"] - b["y"]) ** 2)
+
+    return loss, p, batch
+
+
+def batchnorm(B=16, d=8, seed=0):
+    """Examples interact (a batch-norm over the batch): must be refused."""
+    r = np.random.default_rng(seed)
+    p = {"w": jnp.asarray(r.normal(size=(d, d)))}
+    batch = {"x": jnp.asarray(r.normal(size=(B, d)))}
+
+    def loss(p, b):
+        h = b["x"] @ p["w"]
+        h = (h - h.mean(0)) / (h.std(0) + 1e-3)
+        return jnp.mean(h ** 2 * jnp.arange(d))
+
+    return loss, p, batch
+
+
+# --------------------------------------------------------------------------- #
+# Shardings
+# --------------------------------------------------------------------------- #
+def specs(setup, params):
+    """FSDP: matrices over 'fsdp' on their largest axis that 4 divides; TP (Megatron):
+    qkv/fc by columns, proj/out/emb by rows over 'model'; 2d: both; scan: the stack's
+    feature axis. Vectors replicated."""
+    def fsdp(x):
+        if x.ndim < 2:
+            return P()
+        axes = sorted(range(x.ndim), key=lambda a: -x.shape[a])
+        a = next((a for a in axes if x.shape[a] % 4 == 0), None)
+        return P(*[("fsdp" if i == a else None) for i in range(x.ndim)])
+
+    def tp(path, x, axis="model"):
+        name = str(path[-1].key) if hasattr(path[-1], "key") else ""
+        if name in ("qkv", "fc"):
+            return P(None, axis)
+        if name in ("proj", "out", "emb"):
+            return P(axis, None)
+        if name == "w":  # a scan stack [L, d, d]: its output features
+            return P(None, None, axis)
+        return P()
+
+    if setup == "fsdp":
+        return jax.tree.map(fsdp, params), P(("data", "fsdp"))
+    if setup == "tp":
+        return jax.tree_util.tree_map_with_path(tp, params), P("data")
+    if setup == "2d":  # batch over 'fsdp', weights over 'model'
+        return jax.tree_util.tree_map_with_path(tp, params), P("fsdp")
+    raise ValueError(setup)
+
+
+MESHES = {"fsdp": ((2, 4), ("data", "fsdp")), "tp": ((2, 4), ("data", "model")),
+          "2d": ((4, 2), ("fsdp", "model"))}
+
+
+def place(setup, params, batch):
+    shape, names = MESHES[setup]
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    ps, bs = specs(setup, params)
+    ns = lambda s: NamedSharding(mesh, s)  # noqa: E731
+    pshard = jax.tree.map(ns, ps, is_leaf=lambda s: isinstance(s, P))
+    return (jax.device_put(params, pshard), jax.device_put(batch, ns(bs)), pshard, ns(bs))
+
+
+# --------------------------------------------------------------------------- #
+# Oracle
+# --------------------------------------------------------------------------- #
+STATS = {
+    "mean": js.stats.mean, "second_moment": js.stats.second_moment,
+    "variance": js.stats.variance, "sign_mean": js.stats.sign_mean,
+    "sq_norms": js.stats.sq_norms, "norms_per_leaf": lambda: js.stats.norms(per_leaf=True),
+    "clipped_mean": lambda: js.stats.clipped_mean(CLIP), "kurtosis": js.stats.kurtosis,
+}
+
+
+def per_example_grads(loss, params, batch):
+    one = lambda p, ex: loss(p, jax.tree.map(lambda v: v[None], ex))  # noqa: E731
+    g = jax.jit(jax.vmap(jax.grad(one), (None, 0)))(params, batch)
+    return [np.asarray(x, np.float64) for x in jax.tree.leaves(g)], jax.tree.structure(params)
+
+
+def oracle(G, tree, w=None):
+    N = G[0].shape[0]
+    w = np.ones(N) if w is None else np.asarray(w, np.float64)
+    W = w.sum()
+    wb = lambda g: w.reshape((-1,) + (1,) * (g.ndim - 1))  # noqa: E731
+    un = lambda xs: jax.tree.unflatten(tree, xs)  # noqa: E731
+    mean = [np.sum(wb(g) * g, 0) / W for g in G]
+    sq = sum(np.sum(g.reshape(N, -1) ** 2, 1) for g in G)
+    c = np.minimum(1.0, CLIP / np.sqrt(sq))
+    live = (w > 0).astype(np.float64)  # (per-example values read 0 at weight 0)
+    var = [np.sum(wb(g) * (g - m) ** 2, 0) / (W - 1) for g, m in zip(G, mean)]
+    m2c = [np.sum(wb(g) * (g - m) ** 2, 0) / W for g, m in zip(G, mean)]
+    m4c = [np.sum(wb(g) * (g - m) ** 4, 0) / W for g, m in zip(G, mean)]
+    return {
+        "mean": un(mean),
+        "second_moment": un([np.sum(wb(g) * g ** 2, 0) / W for g in G]),
+        "variance": un(var),
+        "sign_mean": un([np.sum(wb(g) * np.sign(g), 0) / W for g in G]),
+        "sq_norms": sq * live,
+        "norms_per_leaf": un([live * np.sqrt(np.sum(g.reshape(N, -1) ** 2, 1)) for g in G]),
+        "clipped_mean": un([np.tensordot(w * c, g, 1) / W for g in G]),
+        "kurtosis": un([np.where(v > 1e-12 * np.max(v), k / np.where(v > 0, v, 1) ** 2, np.nan)
+                        for k, v in zip(m4c, m2c)]),
+    }
+
+
+def error(got, want, stat, N):
+    errs = []
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if g.shape != w.shape:
+            return float("inf")
+        err = np.abs(g - w)
+        if stat == "sign_mean":  # (one sign within rounding of 0 may flip)
+            err = np.where(err <= 2.0 / N + 1e-9, 0.0, err)
+        if stat == "kurtosis":  # (ill-conditioned where the variance is ~0)
+            err = np.where(np.isnan(w), 0.0, err)
+            w = np.where(np.isnan(w), 0.0, w)
+        errs.append(float(np.max(err) / max(np.max(np.abs(w)), 1e-30)))
+    return max(errs)
+
+
+# --------------------------------------------------------------------------- #
+# Cases
+# --------------------------------------------------------------------------- #
+def run_case(name, model, setup, chunk, weights=False):
+    loss, params, batch = model()
+    G, tree = per_example_grads(loss, params, batch)
+    N = G[0].shape[0]
+    w = None
+    if weights:
+        w = np.random.default_rng(3).integers(0, 3, N).astype(np.float64)
+        w[0] = 0.0
+    want = oracle(G, tree, w)
+    p, b, pshard, bshard = place(setup, params, batch)
+    kw = {} if w is None else {"example_weights": jax.device_put(jnp.asarray(w), bshard)}
+    errs = {}
+    for k, mk in STATS.items():
+        if w is not None and k in ("kurtosis",):
+            continue
+        f = jax.jit(js.per_example_stat(loss, mk(), chunk_size=chunk))
+        out = f(p, b, **kw)
+        errs[k] = error(out, want[k], k, N)
+        if k == "mean":  # typed like the parameters where jit places them
+            errs["mean_sharded"] = 0.0 if all(
+                len(x.sharding.device_set) == 8 for x in jax.tree.leaves(out)) else 1.0
+    vf = jax.jit(js.value_and_per_example_stat(loss, js.stats.mean(), chunk_size=chunk))
+    val, _ = vf(p, b, **kw)
+    ref = np.sum((np.ones(N) if w is None else w) * np.asarray(
+        jax.vmap(lambda ex: loss(params, jax.tree.map(lambda v: v[None], ex)))(batch)))
+    errs["loss"] = abs(float(val) - ref / (N if w is None else w.sum())) / abs(ref / N)
+    return {"case": name, "errors": errs}
+
+
+def run_refusal(name, model, setup):
+    loss, params, batch = model()
+    p, b, _, _ = place(setup, params, batch)
+    try:
+        jax.jit(js.per_example_stat(loss, js.stats.mean()))(p, b)
+    except Exception as e:  # noqa: BLE001
+        return {"case": name, "refused": type(e).__name__, "message": str(e)[:300]}
+    return {"case": name, "refused": None}
+
+
+def run_comms(name, model, setup):
+    """Executed collective bytes of E[g^2] (whole batch) over jax.grad's."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.shard_bench import collective_bytes as cb  # noqa: PLC0415
+
+    loss, params, batch = model()
+    _, _, pshard, bshard = place(setup, params, batch)
+    sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+    ap = jax.tree.map(sds, params, pshard)
+    ab = jax.tree.map(lambda x: sds(x, bshard), batch)
+    cost = lambda f: cb(jax.jit(f, out_shardings=pshard).lower(ap, ab).compile().as_text())[1]  # noqa: E731
+    g = cost(jax.grad(loss))
+    m2 = cost(js.per_example_stat(loss, js.stats.second_moment(), chunk_size=None))
+    return {"case": name, "ratio": m2 / max(g, 1)}
+
+
+CASES = {
+    "fsdp": lambda: run_case("fsdp", lm, "fsdp", None),
+    "fsdp:3": lambda: run_case("fsdp:3", lm, "fsdp", 3),
+    "fsdp:auto": lambda: run_case("fsdp:auto", lm, "fsdp", "auto"),
+    "fsdp:weights": lambda: run_case("fsdp:weights", lm, "fsdp", None, weights=True),
+    "fsdp:B12": lambda: run_case("fsdp:B12", lambda: lm(B=12), "2d", None),
+    "tp": lambda: run_case("tp", lm, "tp", None),
+    "tp:3": lambda: run_case("tp:3", lm, "tp", 3),
+    "2d": lambda: run_case("2d", lm, "2d", None),
+    "scan:tp": lambda: run_case("scan:tp", scan_mlp, "tp", None),
+    "scan:fsdp:5": lambda: run_case("scan:fsdp:5", scan_mlp, "fsdp", 5),
+    "batchnorm": lambda: run_refusal("batchnorm", lambda: batchnorm(B=8), "fsdp"),
+    "comms:fsdp": lambda: run_comms("comms:fsdp", lm, "fsdp"),
+}
+
+if __name__ == "__main__":
+    import time
+
+    for name in (sys.argv[1:] or CASES):
+        t0 = time.perf_counter()
+        try:
+            out = CASES[name]()
+        except Exception as e:  # noqa: BLE001
+            out = {"case": name, "crash": f"{type(e).__name__}: {str(e)[:400]}"}
+        out["seconds"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(out), flush=True)
