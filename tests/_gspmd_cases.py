@@ -281,6 +281,8 @@ CASES = {
     "2d": lambda: run_case("2d", lm, "2d", None),
     "scan:tp": lambda: run_case("scan:tp", scan_mlp, "tp", None),
     "scan:fsdp:5": lambda: run_case("scan:fsdp:5", scan_mlp, "fsdp", 5),
+    "blocks:tp": lambda: run_case("blocks:tp", lambda: lm(V=8192, d=64, L=1), "tp", None),
+    "blocks:fsdp:3": lambda: run_case("blocks:fsdp:3", lambda: lm(V=8192, d=64, L=1), "fsdp", 3),
     "batchnorm": lambda: run_refusal("batchnorm", lambda: batchnorm(B=8), "fsdp"),
     "comms:fsdp": lambda: run_comms("comms:fsdp", lm, "fsdp"),
 }

@@ -182,8 +182,8 @@ LAYERS = (
     ("reductions",),  # the Reduction protocol and the built-in reductions
     ("fingerprint",),  # structural keys: repeated layers and per-leaf functions traced once
     # a site's view of its leaf; norms past the range of their squares; example weights;
-    # trees given as a prefix of the parameters'
-    ("views", "norms", "example_weights", "prefix"),
+    # trees given as a prefix of the parameters'; blocks of features (cuts)
+    ("views", "norms", "example_weights", "prefix", "cuts"),
     ("compat",),
 )
 

@@ -17,8 +17,8 @@ from _models import assert_tree_close, oracle, per_example_grads
 from conftest import REDUCTION_STAT_IDS, check_against_reference, reference, run_stat
 
 import jaxpr_surgery as js
+from jaxpr_surgery._src import cuts, tiling
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src import tiling
 
 pytestmark = pytest.mark.slow
 
@@ -132,8 +132,8 @@ def test_reduce_tiles_blocks_equal_whole():
         reds = [S.SQUARE, S.SIGN, S.SUM, S.Centered(), S.SqNorms(), S.CenteredAbout(mean)]
         make = lambda b0, n: jax.lax.dynamic_slice_in_dim(G, b0, n, 0)  # noqa: E731
 
-        def make_f(b0, n, f0, fs):
-            return jax.lax.dynamic_slice_in_dim(make(b0, n), f0, fs, 2)
+        def make_f(b0, n, cut):
+            return cuts.take(cut, make(b0, n), 2)
 
         whole = tiling.reduce_tiles(make, B, reds, 3, shape=shape, dtype=G.dtype)
         cut = tiling.reduce_tiles(
@@ -144,6 +144,50 @@ def test_reduce_tiles_blocks_equal_whole():
         np.testing.assert_allclose(
             np.asarray(cut[5].m2), np.asarray(jnp.sum(jnp.square(G - mean), 0)), rtol=1e-12
         )
+
+
+@pytest.mark.parametrize("nd,n", [(2, 12), (4, 16), (3, 13)])
+def test_strided_blocks_equal_whole(nd, n):
+    """Under a batch split over ``nd`` devices (devices.py) the blocks are strided
+    (cuts.py): every built-in reduction equals the one-tile loop's; an axis no strided
+    count fits (13: prime) runs whole."""
+    with zoo.x64():
+        B, shape = 5, (3, n)
+        G = jax.random.normal(jax.random.PRNGKey(2), (B,) + shape, jnp.float64) - 2.0
+        mean = jnp.mean(G, 0)
+        reds = [S.SQUARE, S.SIGN, S.SUM, S.Centered(), S.SqNorms(), S.CenteredAbout(mean)]
+        make = lambda b0, k: jax.lax.dynamic_slice_in_dim(G, b0, k, 0)  # noqa: E731
+        seen = []
+
+        def make_f(b0, k, cut):
+            seen.append(cut)
+            return cuts.take(cut, make(b0, k), 2)
+
+        whole = tiling.reduce_tiles(make, B, reds, 3, shape=shape, dtype=G.dtype)
+        with tiling.split_over(nd):
+            cut = tiling.reduce_tiles(
+                make, B, reds, 1, shape=shape, dtype=G.dtype, features=(1, 4, make_f)
+            )
+        for w, c in zip(jax.tree.leaves(whole), jax.tree.leaves(cut)):
+            np.testing.assert_allclose(np.asarray(c), np.asarray(w), rtol=1e-12)
+        if n % nd:
+            assert not seen
+        else:
+            assert seen and all(isinstance(c, cuts.Strided) and c.size % nd == 0 for c in seen)
+
+
+def test_strided_rows_of_a_table():
+    """An embedding's ids in a strided block of rows: their place in it, ``size`` (dropped)
+    outside; `cuts.put` puts a block's values back where `cuts.take` read them."""
+    ids = jnp.arange(12)
+    c = cuts.Strided(0, 1, 4, 3)  # rows 1, 4, 7, 10
+    np.testing.assert_array_equal(cuts.rows(c, ids),
+                                  [4, 0, 4, 4, 1, 4, 4, 2, 4, 4, 3, 4])
+    x = jnp.arange(24.0).reshape(2, 12)
+    np.testing.assert_array_equal(cuts.take(c, x, 1), x[:, 1::3])
+    back = cuts.put(c, jnp.zeros_like(x), cuts.take(c, x, 1), 1)
+    np.testing.assert_array_equal(back[:, 1::3], x[:, 1::3])
+    assert float(jnp.sum(back)) == float(jnp.sum(x[:, 1::3]))
 
 
 @pytest.mark.parametrize("T", [256, 32])

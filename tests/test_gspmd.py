@@ -1,7 +1,8 @@
 """Parameters sharded by XLA's partitioner (``jax.jit`` with ``NamedSharding``): FSDP,
 tensor parallelism, both on a 2-D mesh, a scan-over-layers stack; in chunks (with a
 remainder), the whole batch, ``"auto"``; with example weights; a batch that the mesh's
-size does not divide.
+size does not divide; a vocabulary-sized tied table reduced in blocks of its rows
+(strided over the devices, cuts.py).
 
 Every statistic equals JAX's own per-example gradients (``vmap(grad)`` on one device,
 float64) reduced in numpy, and comes back sharded where jit places it. The batch is
@@ -29,8 +30,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TOL = 1e-9  # float64 against float64
 
-DEFAULT = ("fsdp:3", "tp", "scan:fsdp:5", "batchnorm", "comms:fsdp")
-EXTENDED = ("fsdp", "fsdp:auto", "fsdp:weights", "fsdp:B12", "tp:3", "2d", "scan:tp")
+DEFAULT = ("fsdp:3", "tp", "blocks:tp", "scan:fsdp:5", "batchnorm", "comms:fsdp")
+EXTENDED = ("fsdp", "fsdp:auto", "fsdp:weights", "fsdp:B12", "tp:3", "2d", "scan:tp",
+            "blocks:fsdp:3")
 
 
 @functools.cache
@@ -50,7 +52,7 @@ def _result(case):
     return _run(DEFAULT if case in DEFAULT else EXTENDED)[case]
 
 
-@pytest.mark.parametrize("case", ["fsdp:3", "tp", "scan:fsdp:5"]
+@pytest.mark.parametrize("case", ["fsdp:3", "tp", "blocks:tp", "scan:fsdp:5"]
                          + [pytest.param(c, marks=pytest.mark.extended) for c in EXTENDED])
 def test_sharded_statistics_equal_the_oracle(case):
     r = _result(case)

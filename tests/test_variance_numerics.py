@@ -23,8 +23,8 @@ import zoo
 from _models import x64
 
 import jaxpr_surgery as js
+from jaxpr_surgery._src import cuts, tiling
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src import tiling
 from jaxpr_surgery._src.sites import dense
 
 
@@ -370,8 +370,7 @@ def test_carried_chunks_match_the_whole_batch(B, cs, tile, features):
             make = lambda b0, size: jax.lax.dynamic_slice_in_dim(Gc, b0, size, 0)  # noqa: E731
             feats = None
             if features:  # blocks of 3 on axis 1 (a remainder of 1)
-                feats = (1, 3, lambda b0, size, f0, fs: jax.lax.dynamic_slice_in_dim(
-                    make(b0, size), f0, fs, 2))
+                feats = (1, 3, lambda b0, size, cut: cuts.take(cut, make(b0, size), 2))
             return tiling.reduce_tiles(make, Gc.shape[0], reds, tile, shape=shape,
                                        dtype=Gc.dtype, features=feats, carry=carry)
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, dots, kron, tiling, views
+from jaxpr_surgery._src import compat, cuts, dots, kron, tiling, views
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
@@ -662,7 +662,7 @@ def _tiled_materialised(plan, ings, mat, B, reductions):
     ks = [k for _, k, _ in ings]
     tile = tiling.leaf_tile(B, aval.shape, acc, plan.budget, ks)
     ft = leaf_feature_tile(B, aval.shape, acc, plan.budget, ks)
-    features = ft and (*ft, lambda b0, size, f0, fs: mat(b0, size, (ft[0], f0, fs)))
+    features = ft and (*ft, mat)
     return tiling.reduce_tiles(
         mat, B, reductions, tile, shape=tuple(aval.shape), dtype=acc,
         features=features,
@@ -902,7 +902,7 @@ def _leaf_mat(ings, acc):
                 g = jnp.moveaxis(_stacked(k.materialise, s.depth)(ing), s.depth, 0)
                 v = _to_leaf(g, s).astype(acc)
                 if cut is not None:
-                    v = compat.slice_at(v, cut[1], cut[2], cut[0] + 1)
+                    v = cuts.take(cut, v, cuts.axis_of(cut) + 1)
                 total = v if total is None else total + v
             else:
                 total = k.add_to_leaf(ing, total, lambda g, s=s: _to_leaf(g, s), cut)

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, views
+from jaxpr_surgery._src import compat, cuts, views
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src.norms import combine_norms, materialised_norms, sqrt0, stacked_parts
@@ -192,11 +192,11 @@ class Reduction(abc.ABC):
         del acc, n
         return None
 
-    def block(self, axis, f0, size):
-        """This reduction restricted to the features ``f0:f0+size`` on ``axis`` of one
-        example's gradient (`feature_blocks`); reductions holding arrays shaped like
-        the gradient cut them."""
-        del axis, f0, size
+    def block(self, cut):
+        """This reduction restricted to the block ``cut`` (cuts.py) of the features of
+        one example's gradient (`feature_blocks`); reductions holding arrays shaped like
+        the gradient cut them (`cuts.take`)."""
+        del cut
         return self
 
     # -- example weights (`Weighted`) ------------------------------------------ #
@@ -624,8 +624,8 @@ class Weighted(Reduction):
     def total(self, acc, n):
         return self.inner.total(acc, self.W(n))
 
-    def block(self, axis, f0, size):
-        return Weighted(self.inner.block(axis, f0, size), self.w, self.n0, self.W0)
+    def block(self, cut):
+        return Weighted(self.inner.block(cut), self.w, self.n0, self.W0)
 
     def zeros(self, shape, dtype, B):  # the chunk's examples, all of gradient zero
         del B
@@ -894,8 +894,8 @@ class CenteredAbout(ElementwiseReduction):
     def merge(self, a, na, b, nb):
         return Moments(a.mean, a.m2 + b.m2)
 
-    def block(self, axis, f0, size):
-        return CenteredAbout(compat.slice_at(self.mean, f0, size, axis))
+    def block(self, cut):
+        return CenteredAbout(cuts.take(cut, self.mean, cuts.axis_of(cut)))
 
 
 class _ExampleNorms(Reduction):

@@ -13,7 +13,7 @@ XLA:CPU runs several times faster than a batched ``dot_general``; elsewhere
 tiles hold as many examples as the budget allows (a batched GEMM per tile).
 
 Where one example's ``G`` is itself large (a vocabulary-sized unembedding or
-tied table), sites that can produce a slice of it (``make_f(b0, size, f0, fs)``)
+tied table), sites that can produce a block of it (``make_f(b0, size, cut)``, cuts.py)
 are also tiled over features: an outer loop over blocks of one axis, an inner
 loop over examples, so the block and its accumulators stay in cache (on CPU)
 or within the budget (elsewhere) while every reduction reads it.
@@ -21,12 +21,13 @@ or within the budget (elsewhere) while every reduction reads it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import compat, fused
+from jaxpr_surgery._src import compat, cuts, fused
 from jaxpr_surgery._src import stats as S
 
 DEFAULT_MEMORY_BUDGET_BYTES = 64 << 20  # per tile of materialised per-example gradients
@@ -146,8 +147,8 @@ def reduce_tiles(
       tile: examples per tile.
       shape, dtype: of one example's ``G``.
       features: optional ``(axis, size, make_f)`` (`feature_tile`'s block and
-        ``make_f(b0, size, f0, fs) -> G[b0:b0+size]`` restricted to ``f0:f0+fs`` on
-        ``axis``): blocks of features in an outer loop, examples in the inner one.
+        ``make_f(b0, size, cut) -> G[b0:b0+size]`` restricted to the block ``cut`` on
+        ``axis``, cuts.py): blocks of features in an outer loop, examples in the inner one.
         Used where every reduction has `Reduction.feature_blocks`; else ignored.
       carry: optional `stats.Carry` (values aligned with ``reductions``, None for one
         that is not carried): the running accumulators of the ``carry.n`` examples of
@@ -174,7 +175,8 @@ def reduce_tiles(
         out = _fused(make, B, reductions, tile, shape, dtype, features, inits, n0, factors)
         if out is not None:
             return out
-    if features is not None and all(r.feature_blocks for r in reductions):
+    if features is not None and all(r.feature_blocks for r in reductions) and (
+            _SPLIT[-1] == 1 or strided_count(shape[features[0]], features[1], _SPLIT[-1])):
         return _feature_blocks(features, B, reductions, tile, tuple(shape), dtype, inits, n0)
     if B == 1 and all(i is None for i in inits):
         # one example (a chunk of one, on CPU): its values, no loop and no accumulator
@@ -343,35 +345,36 @@ def _tile_loop(make, B, reductions, tile, shape, dtype, inits, n0, finish=True):
 def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0):
     """`reduce_tiles` with an outer loop over blocks of one axis of ``G``: each
     reduction restricted to the block (`Reduction.block`), its values put in place
-    (``"place"``) or added (``"add"``, per-example sums over the features)."""
+    (``"place"``) or added (``"add"``, per-example sums over the features). Contiguous
+    blocks, or strided ones (cuts.py) under a batch split by device (`split_over`)."""
     axis, fs, make_f = features
     n = shape[axis]
     fs = int(max(1, min(fs, n)))
-    nf, rem = divmod(n, fs)
     adds = [r.feature_blocks == "add" for r in reductions]
     carried = any(i is not None for i in inits)
+    nd = _SPLIT[-1]
+    if nd > 1:
+        nf, rem = strided_count(n, fs, nd), 0
+        full = lambda k: cuts.Strided(axis, k, n // nf, nf)  # noqa: E731
+    else:
+        nf, rem = divmod(n, fs)
+        full = lambda k: (axis, k * fs, fs)  # noqa: E731
 
-    def block(f0, size):
-        sub = shape[:axis] + (size,) + shape[axis + 1 :]
+    def block(cut):
+        sub = shape[:axis] + (cuts.size_of(cut),) + shape[axis + 1 :]
 
-        def cut(m):
-            return None if m is None else jax.tree.map(
-                lambda x: compat.slice_at(x, f0, size, axis), m
-            )
+        def cut_init(m):
+            return None if m is None else jax.tree.map(lambda x: cuts.take(cut, x, axis), m)
 
         return reduce_tiles(
-            lambda b0, bs: make_f(b0, bs, f0, size), B,
-            [r.block(axis, f0, size) for r in reductions], tile, shape=sub, dtype=dtype,
-            carry=S.Carry([cut(i) for i in inits], n0) if carried else None,
+            lambda b0, bs: make_f(b0, bs, cut), B,
+            [r.block(cut) for r in reductions], tile, shape=sub, dtype=dtype,
+            carry=S.Carry([cut_init(i) for i in inits], n0) if carried else None,
         )
 
-    def put(acc, vals, f0):
+    def put(acc, vals, cut):
         return [
-            a + v if p else jax.tree.map(
-                # (lax's default, wrap-around select included: with the block's offset
-                # passed as it is XLA:CPU ran s512's variance 1.3x slower)
-                lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, f0, axis), a, v
-            )
+            a + v if p else jax.tree.map(lambda a, v: cuts.put(cut, a, v, axis), a, v)
             for a, v, p in zip(acc, vals, adds)
         ]
 
@@ -381,12 +384,40 @@ def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0):
 
     # Every block runs in the loop, from zeros typed like a block's values (abstract:
     # nothing is computed twice), so XLA compiles the block's program once.
-    first = jax.eval_shape(lambda: block(0, fs))
+    first = jax.eval_shape(lambda: block(full(0)))
     acc = [jax.tree.map(lambda s, p=p: zeros(s, not p), v) for v, p in zip(first, adds)]
-    acc = jax.lax.fori_loop(0, nf, lambda k, acc: put(acc, block(k * fs, fs), k * fs), acc)
+    acc = jax.lax.fori_loop(0, nf, lambda k, acc: put(acc, block(full(k)), full(k)), acc)
     if rem:
-        acc = put(acc, block(nf * fs, rem), nf * fs)
+        tail = (axis, nf * fs, rem)
+        acc = put(acc, block(tail), tail)
     return acc
+
+
+# Devices a batch is split over (devices.py), innermost last: feature blocks are then
+# strided (cuts.py), so that a block takes a share of every device's piece of an axis
+# XLA splits among them.
+_SPLIT = [1]
+
+
+@contextlib.contextmanager
+def split_over(nd: int):
+    """Feature blocks strided for a batch split over ``nd`` devices while this runs."""
+    _SPLIT.append(int(nd))
+    try:
+        yield
+    finally:
+        _SPLIT.pop()
+
+
+def strided_count(n: int, fs: int, nd: int) -> int | None:
+    """Blocks of strided features on an axis of ``n``: the fewest, of at most ``fs``
+    features where one divides, whose size ``nd`` divides (each device's piece of the
+    axis, split in up to ``nd`` pieces, in every block); None where no count does."""
+    ok = [nf for nf in range(2, n + 1) if n % nf == 0 and (n // nf) % nd == 0]
+    if not ok:
+        return None
+    small = [nf for nf in ok if n // nf <= fs]
+    return small[0] if small else ok[-1]
 
 
 def sum_tiles(f, B: int, tile: int):

@@ -24,7 +24,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, cuts
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.norms import (  # noqa: F401 - re-exported for the kernels
     example_norm,
@@ -451,14 +451,13 @@ class Kernel:
         this to produce ``G`` in the leaf's layout directly (no per-tile transpose) or
         to add into ``total`` in place.
 
-        ``cut = (axis, f0, size)`` restricts ``G`` (and ``total``) to ``f0:f0+size`` on
-        leaf ``axis`` (a block of features, tiling.py). This default forms the whole
+        ``cut`` (cuts.py) restricts ``G`` (and ``total``) to a block of features on a
+        leaf axis (tiling.py). This default forms the whole
         ``G`` first; kernels produce the block alone on the axes `leaf_cut_axes` names.
         """
         g = to_leaf(self.materialise(ing)).astype(self.acc)
         if cut is not None:
-            axis, f0, size = cut
-            g = compat.slice_at(g, f0, size, axis + 1)
+            g = cuts.take(cut, g, cuts.axis_of(cut) + 1)
         return g if total is None else total + g
 
     def leaf_cut_axes(self):

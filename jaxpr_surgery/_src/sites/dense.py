@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, dots, fused, kron, tiling
+from jaxpr_surgery._src import compat, cuts, dots, fused, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src import stats_research as R
 from jaxpr_surgery._src.norms import (
@@ -449,17 +449,16 @@ class DenseKernel(Kernel):
 
     # tiles ------------------------------------------------------------------ #
     def _tile_G(self, x, dy, b0, size, cut=None, tokens=None):
-        """Canonical ``G [size, K, C, F]`` of examples ``b0 .. b0+size``; with ``cut =
-        (axis, f0, fs)`` only ``f0:f0+fs`` on canonical ``axis`` (1: C, 2: F). ``x`` as
+        """Canonical ``G [size, K, C, F]`` of examples ``b0 .. b0+size``; with a ``cut``
+        (cuts.py) only its block on canonical axis 1 (C) or 2 (F). ``x`` as
         `prepare` keeps it, or canonical ``X`` with ``tokens`` the identity."""
         xs = (tokens or self.tokens)(compat.slice_at(x, b0, size, 0))
         ds = compat.slice_at(dy, b0, size, 0)
         if cut is not None:
-            axis, f0, fs = cut
-            if axis == 1:
-                xs = compat.slice_at(xs, f0, fs, 3)
+            if cuts.axis_of(cut) == 1:
+                xs = cuts.take(cut, xs, 3)
             else:
-                ds = compat.slice_at(ds, f0, fs, 3)
+                ds = cuts.take(cut, ds, 3)
         return _products(xs, ds)
 
     def tile(self, B, budget=None):
@@ -496,7 +495,7 @@ class DenseKernel(Kernel):
         ft = self.feature_tile(B, budget)
         features = ft and (
             *ft,
-            lambda b0, size, f0, fs: self._tile_G(x, dy, b0, size, (ft[0], f0, fs), tokens),
+            lambda b0, size, cut: self._tile_G(x, dy, b0, size, cut, tokens),
         )
         return tiling.reduce_tiles(
             lambda b0, size: self._tile_G(x, dy, b0, size, tokens=tokens),
@@ -644,9 +643,8 @@ class DenseKernel(Kernel):
         xs = x.reshape((b,) + c["kdims"] + (N,) + c["cdims"])
         ds = dy.reshape((b,) + c["kdims"] + (N,) + c["fdims"])
         if cut is not None:  # canonical sub-axis j of leaf axis `axis`
-            axis, f0, size = cut
-            j = axes[axis]
-            cut_at = lambda a, pos: compat.slice_at(a, f0, size, pos)  # noqa: E731
+            j = axes[cuts.axis_of(cut)]
+            cut_at = lambda a, pos: cuts.take(cut, a, pos)  # noqa: E731
             if j < nk:
                 xs, ds = cut_at(xs, 1 + j), cut_at(ds, 1 + j)
             elif j < nk + nc:

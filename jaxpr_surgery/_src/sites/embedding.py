@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, kron
+from jaxpr_surgery._src import compat, cuts, kron
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src import stats_research as R
 from jaxpr_surgery._src.sites.base import (
@@ -328,14 +328,12 @@ class EmbeddingKernel(Kernel):
         dy = dy.astype(self.acc)
         rows, cols = self.V, self.d
         if cut is not None:
-            axis, f0, size = cut
-            if axis == 0:
-                ids = ids - f0
-                ids = jnp.where((ids >= 0) & (ids < size), ids, size)  # outside: dropped
-                rows = size
+            if cuts.axis_of(cut) == 0:
+                ids = cuts.rows(cut, ids)  # (outside the block: dropped)
+                rows = cuts.size_of(cut)
             else:
-                dy = compat.slice_at(dy, f0, size, 2)
-                cols = size
+                dy = cuts.take(cut, dy, 2)
+                cols = cuts.size_of(cut)
         if total is None:
             total = jnp.zeros((ids.shape[0], rows, cols), dy.dtype)
         b = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, tiling
+from jaxpr_surgery._src import compat, cuts, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.norms import GHOST_TOLERANCE, rounding, staged_sum, untrusted
 from jaxpr_surgery._src.sites.base import (
@@ -240,8 +240,7 @@ class RaggedKernel(DenseKernel):
         x, gid = self._split(x)
         d = dy[:, 0]
         if cut is not None:
-            _, f0, fs = cut
-            d = compat.slice_at(d, f0, fs, 2)
+            d = cuts.take(cut, d, 2)
         G = jax.vmap(lambda x, d, i: grouped_outer(x, d, i, self.c["G"]))(x, d, gid)
         return G.reshape(G.shape[0], 1, self.c["C"], G.shape[-1])
 
