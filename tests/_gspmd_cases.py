@@ -162,6 +162,7 @@ STATS = {
     "sq_norms": js.stats.sq_norms, "norms_per_leaf": lambda: js.stats.norms(per_leaf=True),
     "clipped_mean": lambda: js.stats.clipped_mean(CLIP), "kurtosis": js.stats.kurtosis,
 }
+PER_LAYER = "clipped_per_layer"  # (a bound per leaf: built in run_case from the params)
 
 
 def per_example_grads(loss, params, batch):
@@ -191,6 +192,8 @@ def oracle(G, tree, w=None):
         "sq_norms": sq * live,
         "norms_per_leaf": un([live * np.sqrt(np.sum(g.reshape(N, -1) ** 2, 1)) for g in G]),
         "clipped_mean": un([np.tensordot(w * c, g, 1) / W for g in G]),
+        PER_LAYER: un([np.tensordot(w * np.minimum(1.0, CLIP / np.sqrt(np.sum(
+            g.reshape(N, -1) ** 2, 1))), g, 1) / W for g in G]),
         "kurtosis": un([np.where(v > 1e-12 * np.max(v), k / np.where(v > 0, v, 1) ** 2, np.nan)
                         for k, v in zip(m4c, m2c)]),
     }
@@ -227,7 +230,8 @@ def run_case(name, model, setup, chunk, weights=False):
     p, b, pshard, bshard = place(setup, params, batch)
     kw = {} if w is None else {"example_weights": jax.device_put(jnp.asarray(w), bshard)}
     errs = {}
-    for k, mk in STATS.items():
+    stats = {**STATS, PER_LAYER: lambda: js.stats.clipped_mean(jax.tree.map(lambda _: CLIP, params))}
+    for k, mk in stats.items():
         if w is not None and k in ("kurtosis",):
             continue
         f = jax.jit(js.per_example_stat(loss, mk(), chunk_size=chunk))
@@ -270,6 +274,36 @@ def run_comms(name, model, setup):
     return {"case": name, "ratio": m2 / max(g, 1)}
 
 
+def run_dp(name, setup):
+    """One ``dp_sgd`` and one ``dp_adam`` step under the sharding against one device's,
+    for the same key: the noise is drawn where each shard lives (jax's partitionable
+    threefry), never replicated or correlated across shards."""
+    import optax  # noqa: PLC0415
+
+    loss, params, batch = lm()
+    p, b, pshard, _ = place(setup, params, batch)
+    errs, sharded = {}, {}
+    for oname, opt in (("dp_sgd", js.optim.dp_sgd(0.1, CLIP, 1.1, momentum=0.9)),
+                       ("dp_adam", js.optim.dp_adam(1e-2, CLIP, 1.1))):
+        req = js.optim.stat_request(opt)
+
+        def step(params, state, batch, key, opt=opt, req=req):
+            stats = js.per_example_stat(loss, req)(params, batch)
+            upd, state = opt.update(stats["mean"], state, params,
+                                    **js.optim.update_kwargs(stats, key=key))
+            return optax.apply_updates(params, upd)
+
+        key = jax.random.key(7)
+        ref = jax.jit(step)(params, opt.init(params), batch, key)
+        got = jax.jit(step, out_shardings=pshard)(p, opt.init(p), b, key)
+        moved = jax.tree.map(lambda a, r, q: np.max(np.abs(np.asarray(a) - np.asarray(r)))
+                             / np.max(np.abs(np.asarray(r) - np.asarray(q)) + 1e-30),
+                             got, ref, params)
+        errs[oname] = float(max(jax.tree.leaves(moved)))
+        sharded[oname] = all(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(got))
+    return {"case": name, "errors": errs, "sharded": sharded}
+
+
 CASES = {
     "fsdp": lambda: run_case("fsdp", lm, "fsdp", None),
     "fsdp:3": lambda: run_case("fsdp:3", lm, "fsdp", 3),
@@ -283,6 +317,8 @@ CASES = {
     "scan:fsdp:5": lambda: run_case("scan:fsdp:5", scan_mlp, "fsdp", 5),
     "blocks:tp": lambda: run_case("blocks:tp", lambda: lm(V=8192, d=64, L=1), "tp", None),
     "blocks:fsdp:3": lambda: run_case("blocks:fsdp:3", lambda: lm(V=8192, d=64, L=1), "fsdp", 3),
+    "dp:fsdp": lambda: run_dp("dp:fsdp", "fsdp"),
+    "dp:tp": lambda: run_dp("dp:tp", "tp"),
     "batchnorm": lambda: run_refusal("batchnorm", lambda: batchnorm(B=8), "fsdp"),
     "comms:fsdp": lambda: run_comms("comms:fsdp", lm, "fsdp"),
 }

@@ -2,7 +2,7 @@
 tensor parallelism, both on a 2-D mesh, a scan-over-layers stack; in chunks (with a
 remainder), the whole batch, ``"auto"``; with example weights; a batch that the mesh's
 size does not divide; a vocabulary-sized tied table reduced in blocks of its rows
-(strided over the devices, cuts.py).
+(strided over the devices, cuts.py); per-layer clipping; DP-SGD and DP-Adam steps.
 
 Every statistic equals JAX's own per-example gradients (``vmap(grad)`` on one device,
 float64) reduced in numpy, and comes back sharded where jit places it. The batch is
@@ -30,9 +30,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TOL = 1e-9  # float64 against float64
 
-DEFAULT = ("fsdp:3", "tp", "blocks:tp", "scan:fsdp:5", "batchnorm", "comms:fsdp")
+DEFAULT = ("fsdp:3", "tp", "blocks:tp", "scan:fsdp:5", "batchnorm", "comms:fsdp", "dp:fsdp")
 EXTENDED = ("fsdp", "fsdp:auto", "fsdp:weights", "fsdp:B12", "tp:3", "2d", "scan:tp",
-            "blocks:fsdp:3")
+            "blocks:fsdp:3", "dp:tp")
 
 
 @functools.cache
@@ -59,8 +59,20 @@ def test_sharded_statistics_equal_the_oracle(case):
     assert "crash" not in r, r.get("crash")
     bad = {s: e for s, e in r["errors"].items() if not e <= TOL}
     assert not bad, f"{case}: wrong {bad}"
-    assert {"mean", "variance", "kurtosis", "sq_norms", "clipped_mean", "loss"} <= set(
-        r["errors"]) or case == "fsdp:weights"
+    assert {"mean", "variance", "sq_norms", "clipped_mean", "clipped_per_layer",
+            "loss"} <= set(r["errors"])
+    assert "kurtosis" in r["errors"] or case == "fsdp:weights"
+
+
+@pytest.mark.parametrize("case", ["dp:fsdp", pytest.param("dp:tp", marks=pytest.mark.extended)])
+def test_dp_step_equals_one_device(case):
+    """A dp_sgd and a dp_adam step (clipped sums, noise, update) under the sharding: the
+    one-device update for the same key (relative to the step), sharded like the
+    parameters (the noise drawn where each shard lives)."""
+    r = _result(case)
+    assert "crash" not in r, r.get("crash")
+    assert all(e < 1e-9 for e in r["errors"].values()), r
+    assert all(r["sharded"].values()), r
 
 
 def test_interacting_examples_refused_on_the_whole_batch():
