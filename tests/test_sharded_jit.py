@@ -70,3 +70,36 @@ def test_batch_sharded_jit_with_mesh_context_and_chunks():
     ora = M.oracle_of("mlp")
     M.assert_stat_close("variance", out["variance"], ora["variance"])
     M.assert_stat_close("norms", out["norms"], ora["norms"])
+
+
+def test_explicit_annotations_in_the_loss_refused_clearly():
+    """A loss written for sharding in types (``out_sharding=`` naming the batch's Explicit
+    axis) cannot be typed on the batch of one each example's gradient is traced on: a
+    NotImplementedError that names the axes and the Auto-mode fix (it was jax's
+    "PartitionSpec passed to dot_general cannot contain axis names that are of type
+    Auto"); jax.grad runs. The Auto-mode rewrite of the same loss is exact."""
+    loss, params, batch, mesh = _placed("mlp", "Explicit")
+    auto = jax.make_mesh((NDEV,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def head(p, b, h):
+        logits = jax.numpy.tanh(h + p["l1"]["b"]) @ p["l2"]["w"] + p["l2"]["b"]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jax.numpy.mean(jax.numpy.take_along_axis(logp, b["y"][:, None], axis=-1))
+
+    def typed(p, b):  # a model written for explicit sharding
+        return head(p, b, jax.numpy.matmul(b["x"], p["l1"]["w"], out_sharding=P("d", None)))
+
+    with jax.set_mesh(mesh):
+        jax.jit(jax.grad(typed))(params, batch)
+        with pytest.raises(NotImplementedError, match=r"Explicit mode.*AxisType.Auto"):
+            jax.jit(js.per_example_stat(typed, js.stats.mean()))(params, batch)
+
+    def hinted(p, b):  # the same model for XLA's partitioner
+        h = b["x"] @ p["l1"]["w"]
+        return head(p, b, jax.lax.with_sharding_constraint(h, NamedSharding(auto, P("d", None))))
+
+    _, aparams, abatch, _ = _placed("mlp", "Auto")
+    got = jax.jit(js.per_example_stat(hinted, js.stats.mean()))(aparams, abatch)
+    want = js.per_example_stat(hinted, js.stats.mean())(*jax.device_get((aparams, abatch)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)

@@ -853,6 +853,20 @@ def collector_paused():
             gc.enable()
 
 
+def _explicit_annotation_error(name, axes) -> str:
+    return (
+        f"{name}: the loss annotates shardings over the mesh axes {tuple(axes)} in Explicit "
+        "mode (sharding in types: out_sharding= or jax.sharding.reshard). The statistics are "
+        "computed with those axes in Auto mode (each example's gradient is traced on a batch "
+        "of one, which an annotation of the batch's axis cannot type), where such an "
+        "annotation is invalid. Fix: make the mesh's axes Auto (jax.make_mesh(..., "
+        "axis_types=(jax.sharding.AxisType.Auto,) * n)) and write the annotations as "
+        "jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)); the statistics are "
+        "then computed by XLA's partitioner, each device reducing its own examples "
+        "(docs/howto/sharded.md)."
+    )
+
+
 def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty_ok=False):
     """The function an entry point returns: ``body(prep, spec)`` of the `_Prepared`
     call and its ``example_weights`` / ``is_padding_example`` (``spec``, or None;
@@ -889,15 +903,20 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
                     args, spec, prep.batch_argnums, prep.B, D)
             return body(prep, spec)
         # inside auto_axes the arguments (and the weights) are new values: prepare them there
-        if spec is None:
+        try:
+            if spec is None:
+                return compat.in_auto_mode(
+                    lambda *a: body(_Prepared(f, a, opts, name), None), args, *prep.explicit
+                )
+            kind, w = spec
             return compat.in_auto_mode(
-                lambda *a: body(_Prepared(f, a, opts, name), None), args, *prep.explicit
+                lambda w, *a: body(_Prepared(f, a, opts, name), (kind, w)),
+                (jnp.asarray(w), *args), *prep.explicit,
             )
-        kind, w = spec
-        return compat.in_auto_mode(
-            lambda w, *a: body(_Prepared(f, a, opts, name), (kind, w)),
-            (jnp.asarray(w), *args), *prep.explicit,
-        )
+        except ValueError as e:
+            if "of type Auto or Manual" not in str(e):
+                raise
+            raise NotImplementedError(_explicit_annotation_error(name, prep.explicit[1])) from e
 
     compiled = fp.EagerCache()
 
