@@ -230,7 +230,8 @@ def run_case(name, model, setup, chunk, weights=False):
     p, b, pshard, bshard = place(setup, params, batch)
     kw = {} if w is None else {"example_weights": jax.device_put(jnp.asarray(w), bshard)}
     errs = {}
-    stats = {**STATS, PER_LAYER: lambda: js.stats.clipped_mean(jax.tree.map(lambda _: CLIP, params))}
+    per_leaf = jax.tree.map(lambda _: CLIP, params)
+    stats = {**STATS, PER_LAYER: lambda: js.stats.clipped_mean(per_leaf)}
     for k, mk in stats.items():
         if w is not None and k in ("kurtosis",):
             continue
