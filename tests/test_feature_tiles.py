@@ -164,7 +164,7 @@ def test_strided_blocks_equal_whole(nd, n):
             return cuts.take(cut, make(b0, k), 2)
 
         whole = tiling.reduce_tiles(make, B, reds, 3, shape=shape, dtype=G.dtype)
-        with tiling.split_over(nd):
+        with cuts.split_over(nd):
             cut = tiling.reduce_tiles(
                 make, B, reds, 1, shape=shape, dtype=G.dtype, features=(1, 4, make_f)
             )
@@ -251,3 +251,23 @@ def test_cache_sized_blocks_where_they_pay(monkeypatch, T):
                                 memory_budget_bytes=3 << 20)
         np.testing.assert_allclose(f(params, batch)["w"], want["second_moment"], rtol=1e-10)
         assert seen and all(s * d * 8 <= 3 << 20 for s in seen), seen
+
+
+@pytest.mark.parametrize("nd", [1, 4])
+def test_example_norm_in_blocks_strided_or_not(nd):
+    """One example's norm in feature blocks (the recompute of a flagged example), past
+    float32's range of squares: contiguous blocks (the last shifted back), or strided
+    ones under a batch split over ``nd`` devices (cuts.py); both the exact norm."""
+    from jaxpr_surgery._src import norms
+
+    g = np.random.default_rng(nd).normal(size=(1, 3, 24)).astype(np.float32) * 1e30
+    seen = []
+
+    def make(cut):
+        seen.append(cut)
+        return jnp.asarray(g) if cut is None else cuts.take(cut, jnp.asarray(g), 2)
+
+    with cuts.split_over(nd):
+        got = float(norms.example_norm(make, (1, 5, 24)))
+    np.testing.assert_allclose(got, np.linalg.norm(g.astype(np.float64)), rtol=1e-6)
+    assert all(isinstance(c, cuts.Strided) == (nd > 1) for c in seen if c is not None)

@@ -13,6 +13,7 @@ accumulator takes a block's values through `put`.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -68,3 +69,35 @@ def rows(cut, ids):
     _, f0, size = cut
     ids = ids - f0
     return jnp.where((ids >= 0) & (ids < size), ids, size)
+
+
+# Devices a batch is split over (devices.py), innermost last: feature blocks are then
+# strided (cuts.py), so that a block takes a share of every device's piece of an axis
+# XLA splits among them.
+_SPLIT = [1]
+
+
+def split_count() -> int:
+    """The devices of the innermost batch split being traced (1: none)."""
+    return _SPLIT[-1]
+
+
+@contextlib.contextmanager
+def split_over(nd: int):
+    """Feature blocks strided for a batch split over ``nd`` devices while this runs."""
+    _SPLIT.append(int(nd))
+    try:
+        yield
+    finally:
+        _SPLIT.pop()
+
+
+def strided_count(n: int, fs: int, nd: int) -> int | None:
+    """Blocks of strided features on an axis of ``n``: the fewest, of at most ``fs``
+    features where one divides, whose size ``nd`` divides (each device's piece of the
+    axis, split in up to ``nd`` pieces, in every block); None where no count does."""
+    ok = [nf for nf in range(2, n + 1) if n % nf == 0 and (n // nf) % nd == 0]
+    if not ok:
+        return None
+    small = [nf for nf in ok if n // nf <= fs]
+    return small[0] if small else ok[-1]

@@ -15,7 +15,7 @@ import contextvars
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, cuts
 
 # The examples whose per-example values are kept (`live_examples`), while a call with
 # ``example_weights`` traces the statistics of its sites and leaves; None otherwise.
@@ -158,6 +158,16 @@ def example_norm(make, blocks=None):
         m = jnp.max(jnp.abs(g))
         return m * jnp.sqrt(jnp.sum(jnp.square(g / jnp.where(m > 0, m, 1))))
     axis, size, n = blocks
+    nd = cuts.split_count()
+    nf = cuts.strided_count(n, size, nd) if nd > 1 else None
+    if nf is not None:  # (a batch split by device: blocks strided over them, cuts.py)
+        def strided(k, state):
+            return add(state, make(cuts.Strided(axis, k, n // nf, nf)))
+
+        first = cuts.Strided(axis, 0, n // nf, nf)
+        zero = jnp.zeros((), jax.eval_shape(lambda: make(first)).dtype)
+        scale, ssq = jax.lax.fori_loop(0, nf, strided, (zero, zero))
+        return scale * jnp.sqrt(ssq)
 
     def block(k, state):
         f0 = k * size

@@ -21,7 +21,6 @@ or within the budget (elsewhere) while every reduction reads it.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import jax
@@ -175,8 +174,9 @@ def reduce_tiles(
         out = _fused(make, B, reductions, tile, shape, dtype, features, inits, n0, factors)
         if out is not None:
             return out
+    nd = cuts.split_count()
     if features is not None and all(r.feature_blocks for r in reductions) and (
-            _SPLIT[-1] == 1 or strided_count(shape[features[0]], features[1], _SPLIT[-1])):
+            nd == 1 or cuts.strided_count(shape[features[0]], features[1], nd)):
         return _feature_blocks(features, B, reductions, tile, tuple(shape), dtype, inits, n0)
     if B == 1 and all(i is None for i in inits):
         # one example (a chunk of one, on CPU): its values, no loop and no accumulator
@@ -352,9 +352,9 @@ def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0):
     fs = int(max(1, min(fs, n)))
     adds = [r.feature_blocks == "add" for r in reductions]
     carried = any(i is not None for i in inits)
-    nd = _SPLIT[-1]
+    nd = cuts.split_count()
     if nd > 1:
-        nf, rem = strided_count(n, fs, nd), 0
+        nf, rem = cuts.strided_count(n, fs, nd), 0
         full = lambda k: cuts.Strided(axis, k, n // nf, nf)  # noqa: E731
     else:
         nf, rem = divmod(n, fs)
@@ -391,33 +391,6 @@ def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0):
         tail = (axis, nf * fs, rem)
         acc = put(acc, block(tail), tail)
     return acc
-
-
-# Devices a batch is split over (devices.py), innermost last: feature blocks are then
-# strided (cuts.py), so that a block takes a share of every device's piece of an axis
-# XLA splits among them.
-_SPLIT = [1]
-
-
-@contextlib.contextmanager
-def split_over(nd: int):
-    """Feature blocks strided for a batch split over ``nd`` devices while this runs."""
-    _SPLIT.append(int(nd))
-    try:
-        yield
-    finally:
-        _SPLIT.pop()
-
-
-def strided_count(n: int, fs: int, nd: int) -> int | None:
-    """Blocks of strided features on an axis of ``n``: the fewest, of at most ``fs``
-    features where one divides, whose size ``nd`` divides (each device's piece of the
-    axis, split in up to ``nd`` pieces, in every block); None where no count does."""
-    ok = [nf for nf in range(2, n + 1) if n % nf == 0 and (n // nf) % nd == 0]
-    if not ok:
-        return None
-    small = [nf for nf in ok if n // nf <= fs]
-    return small[0] if small else ok[-1]
 
 
 def sum_tiles(f, B: int, tile: int):
