@@ -77,7 +77,7 @@ def lm(B=16, T=8, d=32, L=2, V=128, H=2, seed=0):
 
 
 def scan_mlp(B=16, d=16, L=3, seed=0):
-    """Layers stacked ``[L, d, d]`` and run by ``lax.scan``."""
+    """Layers stacked ``[L, d, d]`` and run by ``lax.scan`` over ``jax.checkpoint``."""
     r = np.random.default_rng(seed)
     p = {"w": jnp.asarray(r.normal(size=(L, d, d)) / np.sqrt(d)),
          "b": jnp.asarray(r.normal(size=(L, d)) * 0.1),
@@ -85,6 +85,7 @@ def scan_mlp(B=16, d=16, L=3, seed=0):
     batch = {"x": jnp.asarray(r.normal(size=(B, d))), "y": jnp.asarray(r.normal(size=(B, 4)))}
 
     def loss(p, b):
+        @jax.checkpoint  # (rematerialised, as large models' stacks are)
         def layer(h, wb):
             return jnp.tanh(h @ wb[0] + wb[1]), None
         h, _ = jax.lax.scan(layer, b["x"], (p["w"], p["b"]))
