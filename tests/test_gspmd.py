@@ -88,3 +88,33 @@ def test_fsdp_second_moment_does_not_gather_the_batch():
     r = _result("comms:fsdp")
     assert "crash" not in r, r.get("crash")
     assert r["ratio"] < 2.0, r
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_of_four_devices_equal_one():
+    """Multi-host: two processes (jax.distributed, gloo collectives on CPU) of four devices
+    each, the parameters FSDP-sharded over all eight: every statistic equals one process's
+    unsharded value (float64), in chunks."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("XLA_FLAGS", None)
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_multihost_worker.py"),
+                               str(i), port], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+        r = json.loads(line[len("RESULT "):])
+        assert r["devices"] == 8, r
+        bad = {k: e for k, e in r["errors"].items() if not e <= TOL}
+        assert not bad, r
