@@ -182,3 +182,30 @@ def test_shard_map_central_moments_equal_full_batch(chunk):
         for a, b in zip(jax.tree.leaves(out[k]), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=2e-3, atol=1e-6,
                                        err_msg=k)
+
+
+def test_parameter_gathered_over_a_model_axis_refused_clearly():
+    """A weight sharded over the model axis of a (data, model) mesh and gathered over it
+    in the loss, the batch over 'data' (axis_name): a NotImplementedError naming the leaf,
+    the collective and the axis (was a custom-VJP type error from jax about varying
+    manual axes); jax.grad runs."""
+    mesh = jax.make_mesh((2, NDEV // 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rng = np.random.default_rng(0)
+    params = {"w": jax.numpy.asarray(rng.normal(size=(8, 4 * NDEV)), jax.numpy.float32),
+              "v": jax.numpy.asarray(rng.normal(size=(8,)), jax.numpy.float32)}
+    batch = {"x": jax.numpy.asarray(rng.normal(size=(8, 8)), jax.numpy.float32)}
+
+    def local(p, b):
+        w = jax.lax.all_gather(p["w"], "model", axis=1, tiled=True)
+        return jax.numpy.mean(jax.numpy.tanh(b["x"] @ w) ** 2) + jax.numpy.sum(p["v"] ** 2)
+
+    specs = {"w": P(None, "model"), "v": P()}
+    grad = jax.shard_map(jax.grad(local), mesh=mesh, in_specs=(specs, P("data")),
+                         out_specs=specs, check_vma=False)
+    jax.jit(grad)(params, batch)
+    stat = jax.shard_map(js.per_example_stat(local, js.stats.second_moment(), axis_name="data"),
+                         mesh=mesh, in_specs=(specs, P("data")), out_specs=specs)
+    with pytest.raises(NotImplementedError, match=r"\['w'\] go through all_gather over mesh "
+                       r"axis 'model'.*not split on"):
+        jax.jit(stat)(params, batch)

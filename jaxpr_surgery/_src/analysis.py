@@ -282,6 +282,9 @@ class Analysis:
     # ``ppermute``, ...) that parameter ``leaves`` go through: a per-example gradient
     # through it would mix the examples of different devices (`api.front_half` refuses)
     crossing: list = dataclasses.field(default_factory=list)
+    # the same over mesh axes the examples are not split on only (a parameter gathered
+    # over a model axis inside ``shard_map``): refused (`api.front_half`)
+    model_crossing: list = dataclasses.field(default_factory=list)
 
     def at(self, p):
         """The sites at the equation at ``p``: its own, then its taps."""
@@ -394,6 +397,7 @@ class _Analyzer:
         # (leaves, eqn, axes) of each collective over the examples' mesh axes that a
         # parameter goes through (`Analysis.crossing`)
         self.crossing = []
+        self.model_crossing = []
         self.sites = {}
         self.primitives = set()
         self.patterns = {}  # Var -> ("bcast"|"iota"|"eq"|"onehot", info): one-hot detection
@@ -562,12 +566,15 @@ class _Analyzer:
         """Records ``eqn`` (or a collective inside it, where the walk does not enter it:
         a ``custom_vjp``, a loop) when it communicates over the examples' mesh axes and
         a parameter goes through it (`Analysis.crossing`)."""
-        axes = compat.collective_axes(eqn) & self.data_axes
+        named = compat.collective_axes(eqn)
+        axes = named & self.data_axes
         inner = eqn
         if not axes and eqn.primitive not in (*_CALL_PRIMS, compat.remat_p, compat.scan_p):
             inner, axes = _collective_within(compat.subjaxprs(eqn), self.data_axes)
         if axes:
             self.crossing.append((self.union(params_tags), inner, axes))
+        elif named:  # over other mesh axes only (a model axis): `Analysis.model_crossing`
+            self.model_crossing.append((self.union(params_tags), eqn, named))
 
     def call(self, eqn, tags, path, scan_lengths, has_data):
         """A jit / closed_call / call: its body is walked in place."""
@@ -904,7 +911,7 @@ def analyse_jaxpr(jaxpr, in_tags, n_leaves, data_axes=frozenset()):
                     fw.append(v)
     return Analysis(
         a.leaves, sites, scopes, a.primitives, {k: tuple(v) for k, v in forwards.items()},
-        {p: tuple(q) for p, q in taps.items()}, a.crossing,
+        {p: tuple(q) for p, q in taps.items()}, a.crossing, a.model_crossing,
     )
 
 

@@ -476,6 +476,8 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     an = A.analyse_jaxpr(closed.jaxpr, in_tags, n, prep.data_axes | _axis_names(opts.axis_name))
     if an.crossing:
         raise _crossing_error(an.crossing, prep.diff_paths, name)
+    if an.model_crossing:
+        raise _model_crossing_error(an.model_crossing, prep.diff_paths, name)
     if opts.strict:
         bad = [(prep.diff_paths[i], li.reasons) for i, li in enumerate(an.leaves) if li.residual]
         if bad:
@@ -521,6 +523,25 @@ def _crossing_error(crossing, paths, name):
         f"per_example_stat(fn)(jax.lax.all_gather(params, {ax}, tiled=True), batch), or "
         "shard them with jax.jit and a NamedSharding (XLA partitions the program; no "
         "axis_name)."
+    )
+
+
+def _model_crossing_error(crossing, paths, name):
+    """The refusal of parameters that go through a collective over mesh axes the
+    examples are not split on (`analysis.Analysis.model_crossing`)."""
+    _, eqn, axes = crossing[0]
+    leaves = sorted(set().union(*(c[0] for c in crossing)))
+    names = ", ".join(paths[i] for i in leaves)
+    prims = ", ".join(dict.fromkeys(str(c[1].primitive) for c in crossing))
+    ax = ", ".join(repr(a) for a in sorted(axes, key=str))
+    return NotImplementedError(
+        f"{name}: parameter leaf/leaves {names} go through {prims} over mesh axis {ax} "
+        f"(first{A._at(eqn)}), an axis the examples are not split on (not in axis_name): "
+        "a collective on a parameter itself is served only over the examples' axes "
+        "(hand-written FSDP). Tensor parallelism in shard_map uses each shard as it is "
+        "(combine activations, not parameters). Otherwise gather the parameters outside "
+        "the statistic and pass the whole ones, or shard them with jax.jit and a "
+        "NamedSharding (XLA partitions the program; docs/howto/sharded.md)."
     )
 
 
