@@ -3,7 +3,8 @@ results equal the unsharded computation.
 
 Both Auto mesh axes and Explicit axes (sharding in types; the default of
 ``jax.make_mesh`` in jax 0.10) are supported: with Explicit axes the core runs
-in Auto mode for those axes and returns replicated outputs.
+in Auto mode for those axes, its outputs typed like jax.grad's (the parameters' and
+the batch's shardings).
 """
 
 from __future__ import annotations
@@ -103,3 +104,34 @@ def test_explicit_annotations_in_the_loss_refused_clearly():
     want = js.per_example_stat(hinted, js.stats.mean())(*jax.device_get((aparams, abatch)))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_explicit_axes_statistics_typed_like_the_gradients():
+    """Sharding in types: parameter-shaped statistics come back typed with the
+    parameters' shardings, as jax.grad's gradients do, per-example vectors with the
+    batch's; the values equal the unsharded ones."""
+    mesh = jax.make_mesh((2, NDEV // 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(0)
+    f32 = lambda *s: jax.numpy.asarray(rng.normal(size=s), jax.numpy.float32)  # noqa: E731
+    params, batch = {"w1": f32(6, 4 * NDEV) / 2, "w2": f32(4 * NDEV, 3) / 4}, {
+        "x": f32(8, 6), "y": f32(8, 3)}
+
+    def loss(p, b):
+        return jax.numpy.mean((jax.numpy.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+    stats = {"mean": js.stats.mean(), "var": js.stats.variance(), "norms": js.stats.norms()}
+    ref = js.per_example_stat(loss, stats)(params, batch)
+    with jax.set_mesh(mesh):
+        p = {"w1": jax.device_put(params["w1"], NamedSharding(mesh, P(None, "model"))),
+             "w2": jax.device_put(params["w2"], NamedSharding(mesh, P()))}
+        b = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        grad = jax.jit(jax.grad(loss))(p, b)
+        out = jax.jit(js.per_example_stat(loss, stats))(p, b)
+    for k in ("w1", "w2"):
+        assert jax.typeof(out["mean"][k]).sharding.spec == jax.typeof(grad[k]).sharding.spec
+        assert jax.typeof(out["var"][k]).sharding.spec == jax.typeof(grad[k]).sharding.spec
+    assert tuple(jax.typeof(out["norms"]).sharding.spec) == ("data",)
+    assert tuple(jax.typeof(out["mean"]["w1"]).sharding.spec) == (None, "model")
+    for g, w in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)

@@ -874,6 +874,35 @@ def collector_paused():
             gc.enable()
 
 
+def _typed_like_inputs(out, args, prep):
+    """``out`` (computed replicated, Explicit axes switched to Auto) typed as jax.grad's
+    results are: every subtree shaped like the differentiated arguments with their
+    shardings (a local slice of the replicated value, no communication), every ``[B]``
+    vector with the batch's (per-example values). Leaves that match nothing stay
+    replicated."""
+    diff = args[prep.argnums[0]] if prep.single else tuple(args[i] for i in prep.argnums)
+    pdef = jax.tree.structure(diff)
+    shardings = [jax.typeof(x).sharding if _is_array(x) else None for x in jax.tree.leaves(diff)]
+    bs = jax.typeof(prep.ex_leaves[0]).sharding
+    bspec = jax.sharding.PartitionSpec(*tuple(bs.spec)[:1]) if bs.spec else None
+
+    def like_params(t):
+        return not _is_array(t) and jax.tree.structure(t) == pdef
+
+    def retype(t):
+        if like_params(t):
+            leaves = [jax.sharding.reshard(x, s)
+                      if s is not None and _is_array(x) and jnp.shape(x) == jnp.shape(p) else x
+                      for x, s, p in zip(jax.tree.leaves(t), shardings, jax.tree.leaves(diff))]
+            return jax.tree.unflatten(pdef, leaves)
+        if (bspec is not None and _is_array(t) and jnp.ndim(t) == 1
+                and jnp.shape(t)[0] == prep.B):
+            return jax.sharding.reshard(t, jax.sharding.NamedSharding(bs.mesh, bspec))
+        return t
+
+    return jax.tree.map(retype, out, is_leaf=lambda t: like_params(t) or _is_array(t))
+
+
 def _explicit_annotation_error(name, axes) -> str:
     return (
         f"{name}: the loss annotates shardings over the mesh axes {tuple(axes)} in Explicit "
@@ -926,14 +955,16 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
         # inside auto_axes the arguments (and the weights) are new values: prepare them there
         try:
             if spec is None:
-                return compat.in_auto_mode(
+                out = compat.in_auto_mode(
                     lambda *a: body(_Prepared(f, a, opts, name), None), args, *prep.explicit
                 )
-            kind, w = spec
-            return compat.in_auto_mode(
-                lambda w, *a: body(_Prepared(f, a, opts, name), (kind, w)),
-                (jnp.asarray(w), *args), *prep.explicit,
-            )
+            else:
+                kind, w = spec
+                out = compat.in_auto_mode(
+                    lambda w, *a: body(_Prepared(f, a, opts, name), (kind, w)),
+                    (jnp.asarray(w), *args), *prep.explicit,
+                )
+            return _typed_like_inputs(out, args, prep)
         except ValueError as e:
             if "of type Auto or Manual" not in str(e):
                 raise
