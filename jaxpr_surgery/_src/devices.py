@@ -11,7 +11,9 @@ and the call runs under ``jax.vmap`` over ``D`` with a private axis name, as und
 chunk or tile takes examples from every device at once) and the reductions are
 combined across ``D`` (`Reduction.combine_axis`: sums by ``psum``, centred moments
 merged), which XLA lowers to grad's own reduce-scatter or all-reduce. Per-example
-values come back in the batch's order.
+values come back in the batch's order. Loops over blocks of a weight's features
+are strided over the devices while the split is traced (`cuts.split_over`), so
+that a block takes a share of every device's piece of an axis XLA splits.
 """
 
 from __future__ import annotations
