@@ -276,13 +276,13 @@ def run_comms(name, model, setup):
     return {"case": name, "ratio": m2 / max(g, 1)}
 
 
-def run_dp(name, setup):
+def run_dp(name, setup, layers=2):
     """One ``dp_sgd`` and one ``dp_adam`` step under the sharding against one device's,
     for the same key: the noise is drawn where each shard lives (jax's partitionable
     threefry), never replicated or correlated across shards."""
     import optax  # noqa: PLC0415
 
-    loss, params, batch = lm()
+    loss, params, batch = lm(L=layers)
     p, b, pshard, _ = place(setup, params, batch)
     errs, sharded = {}, {}
     for oname, opt in (("dp_sgd", js.optim.dp_sgd(0.1, CLIP, 1.1, momentum=0.9)),
@@ -308,18 +308,18 @@ def run_dp(name, setup):
 
 CASES = {
     "fsdp": lambda: run_case("fsdp", lm, "fsdp", None),
-    "fsdp:3": lambda: run_case("fsdp:3", lm, "fsdp", 3),
+    "fsdp:3": lambda: run_case("fsdp:3", lambda: lm(L=1), "fsdp", 3),
     "fsdp:auto": lambda: run_case("fsdp:auto", lm, "fsdp", "auto"),
     "fsdp:weights": lambda: run_case("fsdp:weights", lm, "fsdp", None, weights=True),
     "fsdp:B12": lambda: run_case("fsdp:B12", lambda: lm(B=12), "2d", None),
-    "tp": lambda: run_case("tp", lm, "tp", None),
+    "tp": lambda: run_case("tp", lambda: lm(L=1), "tp", None),
     "tp:3": lambda: run_case("tp:3", lm, "tp", 3),
     "2d": lambda: run_case("2d", lm, "2d", None),
     "scan:tp": lambda: run_case("scan:tp", scan_mlp, "tp", None),
     "scan:fsdp:5": lambda: run_case("scan:fsdp:5", scan_mlp, "fsdp", 5),
     "blocks:tp": lambda: run_case("blocks:tp", lambda: lm(V=8192, d=64, L=1), "tp", None),
     "blocks:fsdp:3": lambda: run_case("blocks:fsdp:3", lambda: lm(V=8192, d=64, L=1), "fsdp", 3),
-    "dp:fsdp": lambda: run_dp("dp:fsdp", "fsdp"),
+    "dp:fsdp": lambda: run_dp("dp:fsdp", "fsdp", layers=1),
     "dp:tp": lambda: run_dp("dp:tp", "tp"),
     "batchnorm": lambda: run_refusal("batchnorm", lambda: batchnorm(B=8), "fsdp"),
     "comms:fsdp": lambda: run_comms("comms:fsdp", lm, "fsdp"),

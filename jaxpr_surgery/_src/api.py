@@ -882,9 +882,13 @@ def _typed_like_inputs(out, args, prep):
     replicated."""
     diff = args[prep.argnums[0]] if prep.single else tuple(args[i] for i in prep.argnums)
     pdef = jax.tree.structure(diff)
-    shardings = [jax.typeof(x).sharding if _is_array(x) else None for x in jax.tree.leaves(diff)]
-    bs = jax.typeof(prep.ex_leaves[0]).sharding
-    bspec = jax.sharding.PartitionSpec(*tuple(bs.spec)[:1]) if bs.spec else None
+    def placed(x):  # (a sharding on a mesh: not an array outside any)
+        s = jax.typeof(x).sharding if _is_array(x) else None
+        return s if getattr(getattr(s, "mesh", None), "axis_names", ()) else None
+
+    shardings = [placed(x) for x in jax.tree.leaves(diff)]
+    bs = placed(prep.ex_leaves[0])
+    bspec = jax.sharding.PartitionSpec(*tuple(bs.spec)[:1]) if bs and bs.spec else None
 
     def like_params(t):
         return not _is_array(t) and jax.tree.structure(t) == pdef
