@@ -53,7 +53,8 @@ def _result(case):
 
 
 @pytest.mark.parametrize("case", ["fsdp:3", "tp", "blocks:tp", "scan:fsdp:5"]
-                         + [pytest.param(c, marks=pytest.mark.extended) for c in EXTENDED])
+                         + [pytest.param(c, marks=pytest.mark.extended) for c in EXTENDED
+                            if not c.startswith("dp:")])
 def test_sharded_statistics_equal_the_oracle(case):
     r = _result(case)
     assert "crash" not in r, r.get("crash")
