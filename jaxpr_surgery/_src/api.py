@@ -503,14 +503,22 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     return Front(closed, out_tree, an, leaf_avals, plan, cs, act, lifted)
 
 
-def _crossing_error(crossing, paths, name):
-    """The refusal of parameters that go through a collective over the examples' mesh
-    axes (`analysis.Analysis.crossing`)."""
+def _crossing_parts(crossing, paths):
+    """``(first equation, leaf paths, primitives, axes)`` of ``crossing`` (a list of
+    ``(leaves, eqn, axes)``, `analysis.Analysis.crossing` / ``model_crossing``), as the
+    refusals name them."""
     _, eqn, axes = crossing[0]
     leaves = sorted(set().union(*(c[0] for c in crossing)))
     names = ", ".join(paths[i] for i in leaves)
     prims = ", ".join(dict.fromkeys(str(c[1].primitive) for c in crossing))
     ax = ", ".join(repr(a) for a in sorted(axes, key=str))
+    return eqn, names, prims, ax
+
+
+def _crossing_error(crossing, paths, name):
+    """The refusal of parameters that go through a collective over the examples' mesh
+    axes (`analysis.Analysis.crossing`)."""
+    eqn, names, prims, ax = _crossing_parts(crossing, paths)
     return NotImplementedError(
         f"{name}: parameter leaf/leaves {names} go through {prims} over mesh axis {ax} "
         f"(first{A._at(eqn)}), the axis the examples are split on: each example's gradient "
@@ -529,11 +537,7 @@ def _crossing_error(crossing, paths, name):
 def _model_crossing_error(crossing, paths, name):
     """The refusal of parameters that go through a collective over mesh axes the
     examples are not split on (`analysis.Analysis.model_crossing`)."""
-    _, eqn, axes = crossing[0]
-    leaves = sorted(set().union(*(c[0] for c in crossing)))
-    names = ", ".join(paths[i] for i in leaves)
-    prims = ", ".join(dict.fromkeys(str(c[1].primitive) for c in crossing))
-    ax = ", ".join(repr(a) for a in sorted(axes, key=str))
+    eqn, names, prims, ax = _crossing_parts(crossing, paths)
     return NotImplementedError(
         f"{name}: parameter leaf/leaves {names} go through {prims} over mesh axis {ax} "
         f"(first{A._at(eqn)}), an axis the examples are not split on (not in axis_name): "

@@ -161,23 +161,21 @@ def example_norm(make, blocks=None):
     nd = cuts.split_count()
     nf = cuts.strided_count(n, size, nd) if nd > 1 else None
     if nf is not None:  # (a batch split by device: blocks strided over them, cuts.py)
-        def strided(k, state):
-            return add(state, make(cuts.Strided(axis, k, n // nf, nf)))
-
-        first = cuts.Strided(axis, 0, n // nf, nf)
-        zero = jnp.zeros((), jax.eval_shape(lambda: make(first)).dtype)
-        scale, ssq = jax.lax.fori_loop(0, nf, strided, (zero, zero))
-        return scale * jnp.sqrt(ssq)
+        count, cut = nf, lambda k: cuts.Strided(axis, k, n // nf, nf)  # noqa: E731
+    else:
+        count, cut = -(-n // size), lambda k: (axis, k * size, size)  # noqa: E731
 
     def block(k, state):
+        g = make(cut(k))
+        if nf is not None:  # (strided blocks partition the axis)
+            return add(state, g)
         f0 = k * size
-        g = make((axis, f0, size))
         idx = jnp.minimum(f0, n - size) + jnp.arange(size)  # where the slice landed
         keep = (idx >= f0).reshape((size,) + (1,) * (g.ndim - axis - 2))
         return add(state, g, keep)
 
-    zero = jnp.zeros((), jax.eval_shape(lambda: make((axis, 0, size))).dtype)
-    scale, ssq = jax.lax.fori_loop(0, -(-n // size), block, (zero, zero))
+    zero = jnp.zeros((), jax.eval_shape(lambda: make(cut(0))).dtype)
+    scale, ssq = jax.lax.fori_loop(0, count, block, (zero, zero))
     return scale * jnp.sqrt(ssq)
 
 
