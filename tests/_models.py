@@ -12,7 +12,11 @@ statistic's name with its constructor.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.extend
@@ -30,6 +34,31 @@ needs_devices = pytest.mark.skipif(
     reason=f"needs {NDEV} devices: run with XLA_FLAGS=--xla_force_host_platform_device_count="
     f"{NDEV} set before jax initialises (tests/conftest.py does this)",
 )
+
+#: the checkout, and the folder of the tests' scripts
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+
+def subprocess_env():
+    """This process's environment for a script under tests/ that sets its own device
+    count: the checkout importable, CPU only, no inherited ``XLA_FLAGS``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def run_cases(script, cases, timeout):
+    """``{case: row}`` of the JSON lines that ``script`` (under tests/) prints for
+    ``cases``, run in a subprocess (`subprocess_env`)."""
+    out = subprocess.run([sys.executable, os.path.join(TESTS, script), *cases],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {r["case"]: r for r in rows}
+
 
 B = 8
 CLIP = 0.5  # clip norm used throughout; below most per-example norms of the models

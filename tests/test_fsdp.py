@@ -17,17 +17,11 @@ The cases run in one subprocess with 8 fake CPU devices (tests/_fsdp_cases.py).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
+import _models as M
 import pytest
 
 pytestmark = pytest.mark.slow
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 #: case -> "exact", or the collective the refusal names (":1": in chunks of one example)
 EXPECT = {
@@ -57,15 +51,7 @@ TOL = 2e-5  # float32 against the float64 reduction of JAX's per-example gradien
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, os.path.join(HERE, "_fsdp_cases.py"), *EXPECT],
-                         env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    return {r["case"]: r for r in rows}
+    return M.run_cases("_fsdp_cases.py", EXPECT, timeout=900)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECT))

@@ -22,12 +22,11 @@ import os
 import subprocess
 import sys
 
+import _models as M
 import pytest
 
 pytestmark = pytest.mark.slow
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 TOL = 1e-9  # float64 against float64
 
 DEFAULT = ("fsdp:3", "tp", "blocks:tp", "scan:fsdp:5", "batchnorm", "comms:fsdp", "dp:fsdp")
@@ -37,15 +36,7 @@ EXTENDED = ("fsdp", "fsdp:auto", "fsdp:weights", "fsdp:B12", "tp:3", "2d", "scan
 
 @functools.cache
 def _run(cases):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, os.path.join(HERE, "_gspmd_cases.py"), *cases],
-                         env=env, capture_output=True, text=True, timeout=1200)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    return {r["case"]: r for r in rows}
+    return M.run_cases("_gspmd_cases.py", cases, timeout=1200)
 
 
 def _result(case):
@@ -103,13 +94,9 @@ def test_two_processes_of_four_devices_equal_one():
     """Multi-host: two processes (jax.distributed, gloo collectives on CPU) of four devices
     each, the parameters FSDP-sharded over all eight: every statistic equals one process's
     unsharded value (float64), in chunks."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_multihost_worker.py"),
-                               str(i), port], env=env, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, os.path.join(M.TESTS, "_multihost_worker.py"),
+                               str(i), port], env=M.subprocess_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
