@@ -71,25 +71,64 @@ def rows(cut, ids):
     return jnp.where((ids >= 0) & (ids < size), ids, size)
 
 
-# Devices a batch is split over (devices.py), innermost last: feature blocks are then
-# strided (cuts.py), so that a block takes a share of every device's piece of an axis
-# XLA splits among them.
-_SPLIT = [1]
+# Devices a batch is split over (devices.py), innermost last: ``(count, axis name,
+# shares)``. Feature blocks are then strided (cuts.py), so that a block takes a share
+# of every device's piece of an axis XLA splits among them, and tile loops combine each
+# finished value across the split at once (tiling.py's `_shared`) except where the
+# caller keeps them each part's own (`own_values`).
+_SPLIT = [(1, None, False)]
 
 
 def split_count() -> int:
     """The devices of the innermost batch split being traced (1: none)."""
-    return _SPLIT[-1]
+    return _SPLIT[-1][0]
+
+
+def split_axis():
+    """The axis name of the innermost batch split being traced (None: none)."""
+    return _SPLIT[-1][1]
+
+
+def shares() -> bool:
+    """Finished values are combined across the split at once (not within `own_values`)."""
+    return _SPLIT[-1][2] and _SPLIT[-1][1] is not None
 
 
 @contextlib.contextmanager
-def split_over(nd: int):
-    """Feature blocks strided for a batch split over ``nd`` devices while this runs."""
-    _SPLIT.append(int(nd))
+def split_over(nd: int, axis_name=None):
+    """A batch split over ``nd`` devices along ``axis_name`` while this runs."""
+    _SPLIT.append((int(nd), axis_name, True))
     try:
         yield
     finally:
         _SPLIT.pop()
+
+
+@contextlib.contextmanager
+def own_values(on: bool = True):
+    """While this runs (``on``), finished values stay each part's own, combined once at
+    the end (`Reduction.combined_share` not taken): values merged into a part's running
+    accumulator (a chunk of a chunk loop: combining each chunk's would cost a collective
+    per chunk and leave the accumulators per part all the same)."""
+    if not on:
+        yield
+        return
+    _SPLIT.append(_SPLIT[-1][:2] + (False,))
+    try:
+        yield
+    finally:
+        _SPLIT.pop()
+
+
+def any_part(flag):
+    """``flag`` (a traced bool) of any part of the batch split being traced: every part
+    then takes the same branch of a ``lax.cond`` on it (a share is only right where every
+    part takes one), and the cond stays one (on a flag that differs between the parts,
+    ``vmap`` runs both branches)."""
+    axis = split_axis()
+    if axis is None:
+        return flag
+    return lax.psum(jnp.asarray(flag, jnp.int32), axis) > 0
 
 
 def strided_count(n: int, fs: int, nd: int) -> int | None:

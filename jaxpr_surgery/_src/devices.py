@@ -82,7 +82,7 @@ def split_call(call, args, spec, batch_argnums, B: int, D: int):
         mapped[:] = [compat.mapped_over(x, AXIS) for x in jax.tree.leaves(out)]
         return out
 
-    with cuts.split_over(D):  # (feature blocks strided: cuts.py)
+    with cuts.split_over(D, AXIS):  # (feature blocks strided: cuts.py)
         out = jax.vmap(one, in_axes=(0, None if w is None else 0), axis_name=AXIS)(parts, w)
     leaves, tree = jax.tree.flatten(out)
     leaves = [x.reshape((B,) + x.shape[2:]) if m else x[0] for x, m in zip(leaves, mapped)]

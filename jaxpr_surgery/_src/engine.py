@@ -365,6 +365,11 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None, we
     weight 0 as zeros (`interpreter.mask_examples`). Within derivatives in the weights
     (`example_weights.kept`) only those that are not finite: the others take part,
     weighted by 0, and their per-example values are read 0 later (`api.finalize_values`)."""
+    with cuts.own_values(carry is not None):  # (a chunk's: merged into the carry)
+        return _run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry, weights)
+
+
+def _run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry, weights):
     if weights is not None:
         plan = dataclasses.replace(plan, weights=weights)
     ch = _Chunk(list(diff_leaves), list(ex_leaves), list(other_leaves), B, data_axes)

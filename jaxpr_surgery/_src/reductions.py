@@ -257,6 +257,18 @@ class Reduction(abc.ABC):
                 cur, n_cur = self.merge(cur, n_cur, cur, n_cur), 2 * n_cur
         return out
 
+    def combined_share(self, value, n_local, axis_name, parts):
+        """``value`` (one part's, of ``n_local`` examples, finished) combined at once over
+        the ``parts`` parts of a batch split by device along ``axis_name`` (devices.py),
+        as one part's share: a value the same on every part whose union over the parts
+        (`merge`, `combine_axis`) is the whole batch's. Tile and block loops keep then
+        one accumulator for every part instead of one per part (XLA holds each device's
+        parts: under FSDP a whole leaf per device where grad holds its shard), and XLA
+        reduces each block as it is finished. (Exact where ``parts`` is a power of
+        two; otherwise to the last bit.) None: combined at the end only (the default)."""
+        del value, n_local, axis_name, parts
+        return None
+
     def combine_axis(self, value, n_local, N, axis_name):
         """Every device's value over the whole batch split along ``axis_name`` (each
         device holds ``n_local`` of its ``N`` examples): per-example values stay with
@@ -632,6 +644,11 @@ class Weighted(Reduction):
         W = jnp.sum(self.w).astype(dtype)
         return self.inner.from_weighted(jnp.zeros((1,) + tuple(shape), dtype), W[None])
 
+    def combined_share(self, value, n_local, axis_name, parts):  # (as `combine_axis`)
+        del n_local
+        with ew.opened():
+            return self.inner.combined_share(value, jnp.sum(self.w), axis_name, parts)
+
     def combine_axis(self, value, n_local, N, axis_name):  # (the whole local batch)
         del n_local, N
         W = jnp.sum(self.w)
@@ -729,6 +746,10 @@ class PhiSum(ElementwiseReduction):
 
     def zeros(self, shape, dtype, B):
         return B * self.apply(jnp.zeros(tuple(shape), dtype))
+
+    def combined_share(self, value, n_local, axis_name, parts):
+        del n_local
+        return jax.lax.psum(value, axis_name) / parts
 
     def combine_axis(self, value, n_local, N, axis_name):
         return jax.lax.psum(value, axis_name)
@@ -871,6 +892,13 @@ class Centered(ElementwiseReduction):
         mean = jax.lax.psum(value.mean * n_local, axis_name) / N
         m2 = jax.lax.psum(value.m2 + n_local * jnp.square(value.mean - mean), axis_name)
         return Moments(mean, m2)
+
+    def combined_share(self, value, n_local, axis_name, parts):
+        if ew.is_open():  # (raw sums of a part of weight 0: combined at the end)
+            return None
+        N = jax.lax.psum(jnp.asarray(n_local, value.mean.dtype), axis_name)
+        m = self.combine_axis(value, n_local, N, axis_name)
+        return Moments(m.mean, m.m2 / parts)  # (equal means: no term between parts)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

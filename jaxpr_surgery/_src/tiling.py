@@ -177,15 +177,35 @@ def reduce_tiles(
     nd = cuts.split_count()
     if features is not None and all(r.feature_blocks for r in reductions) and (
             nd == 1 or cuts.strided_count(shape[features[0]], features[1], nd)):
+        # (each block's values combined by its own `reduce_tiles`: `_shared`)
         return _feature_blocks(features, B, reductions, tile, tuple(shape), dtype, inits, n0)
     if B == 1 and all(i is None for i in inits):
         # one example (a chunk of one, on CPU): its values, no loop and no accumulator
         G = make(0, 1).astype(dtype)
-        return [r.from_examples(G) for r in reductions]
+        return _shared(reductions, inits, B, [r.from_examples(G) for r in reductions])
     derived = _derived_sums(reductions, inits)
     if derived:
-        return _with_derived_sums(make, B, reductions, tile, shape, dtype, inits, n0, derived)
-    return _tile_loop(make, B, reductions, tile, shape, dtype, inits, n0)
+        vals = _with_derived_sums(make, B, reductions, tile, shape, dtype, inits, n0, derived)
+    else:
+        vals = _tile_loop(make, B, reductions, tile, shape, dtype, inits, n0)
+    return _shared(reductions, inits, B, vals)
+
+
+def _shared(reductions, inits, B, vals):
+    """Under a batch split by device (devices.py) the finished values combined across
+    the split at once, as each part's share (`Reduction.combined_share`): a block loop
+    then holds one accumulator for every part, and XLA reduces each block where it is
+    finished, as grad reduces each layer's gradient, instead of holding every part's
+    values of every leaf to the end. Carried accumulators and per-example values stay
+    the part's own."""
+    if not cuts.shares():
+        return vals
+    nd, axis = cuts.split_count(), cuts.split_axis()
+    out = []
+    for r, i, v in zip(reductions, inits, vals):
+        s = None if i is not None or r.per_example else r.combined_share(v, B, axis, nd)
+        out.append(v if s is None else s)
+    return out
 
 
 def _fused(make, B, reductions, tile, shape, dtype, features, inits, n0, factors):
@@ -194,7 +214,8 @@ def _fused(make, B, reductions, tile, shape, dtype, features, inits, n0, factors
     take = [i for i, r in enumerate(reductions) if fused.builtin(r)]
     if not take or not fused.applies([reductions[i] for i in take], dtype, factors):
         return None
-    vals = fused.phi_sums(*factors, [reductions[i] for i in take])
+    vals = _shared([reductions[i] for i in take], [inits[i] for i in take], B,
+                   fused.phi_sums(*factors, [reductions[i] for i in take]))
     out = {
         i: v if inits[i] is None else reductions[i].accumulate(inits[i], n0, v, B)
         for i, v in zip(take, vals)

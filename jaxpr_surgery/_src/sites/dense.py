@@ -548,7 +548,7 @@ class DenseKernel(Kernel):
         w = None if w is None else w.astype(self.acc)
         mean, m2, ill = merge_raw_groups(x, d, w, self.acc, raw, merge)
         return jax.lax.cond(
-            ill,
+            cuts.any_part(ill),
             lambda: self._centered_expansion(x, d) if w is None else self._centered_tiles(
                 x, d, w),
             lambda: S.Moments(self.to_view(mean), self.to_view(S.nonneg(m2))),
@@ -602,7 +602,7 @@ class DenseKernel(Kernel):
                 tokens=lambda t: t,  # x is canonical already
             )[0].m2
 
-        m2 = jax.lax.cond(ill, exact, lambda: S.nonneg(m2))
+        m2 = jax.lax.cond(cuts.any_part(ill), exact, lambda: S.nonneg(m2))
         return S.Moments(self.to_view(mean), self.to_view(m2))
 
     def materialise(self, ing):
@@ -920,7 +920,7 @@ def _central_value(k, ctx, r, w=None):
         return k.tiled(x[:, :, None], d[:, :, None], [r if w is None else S.Weighted(r, w)],
                        budget=small, tokens=lambda t: t)[0]  # (x is canonical already)
 
-    out = jax.lax.cond(ill, exact, lambda: sums)
+    out = jax.lax.cond(cuts.any_part(ill), exact, lambda: sums)
     return R.CentralSums(*(k.to_view(v) for v in out))
 
 
