@@ -922,10 +922,11 @@ def _leaf_mat(ings, acc):
 def _ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache):
     """Reductions of a leaf from its sites' ingredients (after the backward pass)."""
     deferred[i] = _weighted_leaf(ings, cache)
-    if len(ings) == 1:
-        _single_site_leaf(plan, i, ings[0], B, values, norms_leaf, cache)
-    else:
-        _SharedLeaf(plan, i, ings, B).run(values, norms_leaf, deferred[i])
+    with tiling.anchored(jax.tree.leaves([ing for _, _, ing in ings])[0]):
+        if len(ings) == 1:
+            _single_site_leaf(plan, i, ings[0], B, values, norms_leaf, cache)
+        else:
+            _SharedLeaf(plan, i, ings, B).run(values, norms_leaf, deferred[i])
 
 
 def _single_site_leaf(plan, i, ing3, B, values, norms_leaf, cache):

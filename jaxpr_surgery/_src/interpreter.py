@@ -16,7 +16,7 @@ import collections
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, tiling
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
@@ -761,7 +761,8 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
                     return carried(kernel, ctx, req, sink, B)
                 return kernel.direct_all(ctx, req if ex_w is None else weigh(req, ex_w))
 
-            with live_examples(None if ex_w is None else ew.live(ex_w)):
+            with live_examples(None if ex_w is None else ew.live(ex_w)), tiling.anchored(
+                    jax.tree.leaves(sdy)[0]):
                 out = direct_norms(kernel, ctx, direct, compute)
             if want_ing:  # (per-example products kept from the tile loop: those)
                 out["ing"] = out.pop(KEPT) if KEPT in out else kernel.ingredients(ctx)

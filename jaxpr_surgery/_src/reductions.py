@@ -531,6 +531,20 @@ def weighs(r) -> bool:
     return not (r.per_example or r.weighted_by_norm)
 
 
+def _definer(cls, name):
+    return next(c for c in cls.__mro__ if name in vars(c))
+
+
+def combined_share(r, value, n_local, axis_name, parts):
+    """``r.combined_share(...)`` where ``r``'s class defines it along with its
+    `combine_axis` (a subclass that overrides `combine_axis` alone is combined at the
+    end only: its parent's share would not be its combination's)."""
+    cls = type(r)
+    if not issubclass(_definer(cls, "combined_share"), _definer(cls, "combine_axis")):
+        return None
+    return r.combined_share(value, n_local, axis_name, parts)
+
+
 class Weighted(Reduction):
     """``inner`` over examples weighted by ``w_b >= 0`` (``example_weights``), run by the
     same tile loops, chunks and devices as any reduction: those speak in counts of
@@ -647,7 +661,7 @@ class Weighted(Reduction):
     def combined_share(self, value, n_local, axis_name, parts):  # (as `combine_axis`)
         del n_local
         with ew.opened():
-            return self.inner.combined_share(value, jnp.sum(self.w), axis_name, parts)
+            return combined_share(self.inner, value, jnp.sum(self.w), axis_name, parts)
 
     def combine_axis(self, value, n_local, N, axis_name):  # (the whole local batch)
         del n_local, N

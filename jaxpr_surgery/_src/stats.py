@@ -46,6 +46,7 @@ from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names
     acc_dtype_for,
     check_nonfinite,
     clip_factor,
+    combined_share,
     equal_as_bool,
     function_name,
     gather_over_axis,

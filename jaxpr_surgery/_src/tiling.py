@@ -21,6 +21,7 @@ or within the budget (elsewhere) while every reduction reads it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -203,7 +204,7 @@ def _shared(reductions, inits, B, vals):
     nd, axis = cuts.split_count(), cuts.split_axis()
     out = []
     for r, i, v in zip(reductions, inits, vals):
-        s = None if i is not None or r.per_example else r.combined_share(v, B, axis, nd)
+        s = None if i is not None or r.per_example else S.combined_share(r, v, B, axis, nd)
         out.append(v if s is None else s)
     return out
 
@@ -312,7 +313,7 @@ def _tile_loop(make, B, reductions, tile, shape, dtype, inits, n0, finish=True):
     if nfull > 1 and all(r.per_example or r.carries for r in reductions):
         # every tile in the loop, from empty accumulators typed like a tile's values
         # (abstract: nothing computed twice), so XLA compiles the tile's program once
-        acc = _empty_accumulators(make, reductions, tile, shape, dtype, B, inits)
+        acc = _late(_empty_accumulators(make, reductions, tile, shape, dtype, B, inits))
         t, since = 0, -tile  # (the first tile's own examples make its shift)
     else:  # the first tile peeled: the accumulators take its type
         acc = _first_tile(reductions, make(0, tile).astype(dtype), B, inits, n0)
@@ -406,7 +407,7 @@ def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0):
     # Every block runs in the loop, from zeros typed like a block's values (abstract:
     # nothing is computed twice), so XLA compiles the block's program once.
     first = jax.eval_shape(lambda: block(full(0)))
-    acc = [jax.tree.map(lambda s, p=p: zeros(s, not p), v) for v, p in zip(first, adds)]
+    acc = _late([jax.tree.map(lambda s, p=p: zeros(s, not p), v) for v, p in zip(first, adds)])
     acc = jax.lax.fori_loop(0, nf, lambda k, acc: put(acc, block(full(k)), full(k)), acc)
     if rem:
         tail = (axis, nf * fs, rem)
@@ -426,6 +427,31 @@ def sum_tiles(f, B: int, tile: int):
     if rem:
         acc = jax.tree.map(jnp.add, acc, f(nfull * tile, rem))
     return acc
+
+
+# The array a site's statistics start from (its cotangent, `anchored`), innermost last.
+_ANCHOR = [None]
+
+
+@contextlib.contextmanager
+def anchored(x):
+    """While this runs, the tile and block loops' zero accumulators are made no earlier
+    than ``x`` (a site's cotangent, interpreter.py): XLA's CPU scheduler otherwise
+    allocated every loop's zeros (their copies, one per loop) at the start of the program,
+    holding every site's accumulators at once (the kurtosis: 5 per site; under FSDP
+    1.5x grad's temporary memory)."""
+    _ANCHOR.append(x)
+    try:
+        yield
+    finally:
+        _ANCHOR.pop()
+
+
+def _late(acc):
+    """``acc`` (zeros) made once the innermost `anchored` array is there."""
+    if _ANCHOR[-1] is None:
+        return acc
+    return jax.lax.optimization_barrier((acc, _ANCHOR[-1]))[0]
 
 
 def bytes_of(shape, dtype) -> int:
