@@ -219,7 +219,12 @@ def error(got, want, stat, N):
 # --------------------------------------------------------------------------- #
 # Cases
 # --------------------------------------------------------------------------- #
-def run_case(name, model, setup, chunk, weights=False):
+# (the default tier's cases skip these: the same reductions as second_moment and sq_norms
+# through the same sites; the extended cases take every statistic)
+LIGHT = ("sign_mean", "norms_per_leaf")
+
+
+def run_case(name, model, setup, chunk, weights=False, light=False):
     loss, params, batch = model()
     G, tree = per_example_grads(loss, params, batch)
     N = G[0].shape[0]
@@ -234,7 +239,7 @@ def run_case(name, model, setup, chunk, weights=False):
     per_leaf = jax.tree.map(lambda _: CLIP, params)
     stats = {**STATS, PER_LAYER: lambda: js.stats.clipped_mean(per_leaf)}
     for k, mk in stats.items():
-        if w is not None and k in ("kurtosis",):
+        if (w is not None and k in ("kurtosis",)) or (light and k in LIGHT):
             continue
         f = jax.jit(js.per_example_stat(loss, mk(), chunk_size=chunk))
         out = f(p, b, **kw)
@@ -261,7 +266,8 @@ def run_refusal(name, model, setup):
 
 
 def run_comms(name, model, setup):
-    """Executed collective bytes of E[g^2] (whole batch) over jax.grad's."""
+    """Executed collective bytes of E[g^2] (whole batch) over jax.grad's, and per-device
+    temporary memory of E[g^2], the variance and the kurtosis over jax.grad's."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks.shard_bench import collective_bytes as cb  # noqa: PLC0415
 
@@ -270,10 +276,18 @@ def run_comms(name, model, setup):
     sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     ap = jax.tree.map(sds, params, pshard)
     ab = jax.tree.map(lambda x: sds(x, bshard), batch)
-    cost = lambda f: cb(jax.jit(f, out_shardings=pshard).lower(ap, ab).compile().as_text())[1]  # noqa: E731
-    g = cost(jax.grad(loss))
-    m2 = cost(js.per_example_stat(loss, js.stats.second_moment(), chunk_size=None))
-    return {"case": name, "ratio": m2 / max(g, 1)}
+    def cost(f):
+        c = jax.jit(f, out_shardings=pshard).lower(ap, ab).compile()
+        return cb(c.as_text())[1], c.memory_analysis().temp_size_in_bytes
+
+    g, gt = cost(jax.grad(loss))
+    out = {"case": name}
+    for k in ("second_moment", "variance", "kurtosis"):
+        c, t = cost(js.per_example_stat(loss, getattr(js.stats, k)(), chunk_size=None))
+        if k == "second_moment":
+            out["ratio"] = c / max(g, 1)
+        out[f"temp_{k}"] = t / max(gt, 1)
+    return out
 
 
 def run_dp(name, setup, layers=2):
@@ -308,21 +322,23 @@ def run_dp(name, setup, layers=2):
 
 CASES = {
     "fsdp": lambda: run_case("fsdp", lm, "fsdp", None),
-    "fsdp:3": lambda: run_case("fsdp:3", lambda: lm(L=1), "fsdp", 3),
+    "fsdp:3": lambda: run_case("fsdp:3", lambda: lm(L=1), "fsdp", 3, light=True),
     "fsdp:auto": lambda: run_case("fsdp:auto", lm, "fsdp", "auto"),
     "fsdp:weights": lambda: run_case("fsdp:weights", lm, "fsdp", None, weights=True),
     "fsdp:B12": lambda: run_case("fsdp:B12", lambda: lm(B=12), "2d", None),
-    "tp": lambda: run_case("tp", lambda: lm(L=1), "tp", None),
+    "tp": lambda: run_case("tp", lambda: lm(L=1), "tp", None, light=True),
     "tp:3": lambda: run_case("tp:3", lm, "tp", 3),
     "2d": lambda: run_case("2d", lm, "2d", None),
     "scan:tp": lambda: run_case("scan:tp", scan_mlp, "tp", None),
-    "scan:fsdp:5": lambda: run_case("scan:fsdp:5", scan_mlp, "fsdp", 5),
-    "blocks:tp": lambda: run_case("blocks:tp", lambda: lm(V=8192, d=64, L=1), "tp", None),
+    "scan:fsdp:5": lambda: run_case("scan:fsdp:5", scan_mlp, "fsdp", 5, light=True),
+    "blocks:tp": lambda: run_case("blocks:tp", lambda: lm(V=8192, d=64, L=1), "tp", None,
+                                  light=True),
     "blocks:fsdp:3": lambda: run_case("blocks:fsdp:3", lambda: lm(V=8192, d=64, L=1), "fsdp", 3),
     "dp:fsdp": lambda: run_dp("dp:fsdp", "fsdp", layers=1),
     "dp:tp": lambda: run_dp("dp:tp", "tp"),
     "batchnorm": lambda: run_refusal("batchnorm", lambda: batchnorm(B=8), "fsdp"),
-    "comms:fsdp": lambda: run_comms("comms:fsdp", lm, "fsdp"),
+    "comms:fsdp": lambda: run_comms(
+        "comms:fsdp", lambda: lm(B=16, T=32, d=128, L=2, V=2048), "fsdp"),
 }
 
 if __name__ == "__main__":

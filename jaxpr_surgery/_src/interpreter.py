@@ -764,6 +764,8 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
             with live_examples(None if ex_w is None else ew.live(ex_w)), tiling.anchored(
                     jax.tree.leaves(sdy)[0]):
                 out = direct_norms(kernel, ctx, direct, compute)
+            # (under a device split; with example weights, over the weighted examples)
+            out = tiling.shared_values(direct if ex_w is None else weigh(direct, ex_w), out, B)
             if want_ing:  # (per-example products kept from the tile loop: those)
                 out["ing"] = out.pop(KEPT) if KEPT in out else kernel.ingredients(ctx)
             for k in (EX_WEIGHTS, CARRY_WEIGHT):  # (inputs: no cotangent)

@@ -192,6 +192,19 @@ def reduce_tiles(
     return _shared(reductions, inits, B, vals)
 
 
+def shared_values(reductions, values, B):
+    """A site's finished values (dicts keyed alike: ``{key: reduction}``, ``{key: value}``)
+    combined across a batch split by device at once (`_shared`): the values of a layer
+    inside a scan then stack one for every part, not one per part. A value combined
+    already (by its tile loop) is unchanged: a share's share is itself."""
+    if not cuts.shares():
+        return values
+    keys = [k for k, r in reductions.items() if k in values]
+    vals = _shared([reductions[k] for k in keys], [None] * len(keys), B,
+                   [values[k] for k in keys])
+    return {**values, **dict(zip(keys, vals))}
+
+
 def _shared(reductions, inits, B, vals):
     """Under a batch split by device (devices.py) the finished values combined across
     the split at once, as each part's share (`Reduction.combined_share`): a block loop
