@@ -799,8 +799,10 @@ EXTENDED = {
     "test_example_weights.py::test_weighted_matches_frequency_oracle_f64": {
         "equinox_mlp", "custom_vjp_and_cond", "rnn", "embedding_modes",
         "transformer_scan_remat"},
+    # (the mlp's merge in the default tier: the transformer's is one of the longest
+    # tests at jax 0.10, its sites' partial sums alike)
     "test_partials.py::test_merged_partials_equal_the_concatenated_batch": {
-        "cnn-float64", "mlp-float32"},
+        "cnn-float64", "transformer-float64"},
     "test_privacy.py::test_clipped_grad_equals_main_api_and_oracle": {"transformer"},
     "test_properties.py::test_duplicated_batch": {"transformer"},
     "test_properties.py::test_permutation_invariance": {"transformer"},
