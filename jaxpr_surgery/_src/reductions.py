@@ -545,6 +545,18 @@ def combined_share(r, value, n_local, axis_name, parts):
     return r.combined_share(value, n_local, axis_name, parts)
 
 
+def centred_share(r, value, n_local, axis_name, parts):
+    """`Reduction.combined_share` of a centred value (a NamedTuple: the mean, then sums
+    about it, as `Moments`): the whole batch's (``r.combine_axis``), its sums divided among
+    the parts (their means are equal: no term between them). None within derivatives in
+    the example weights (a part of weight 0 holds raw sums: combined at the end)."""
+    if ew.is_open():
+        return None
+    N = jax.lax.psum(jnp.asarray(n_local, jnp.result_type(value.mean)), axis_name)
+    c = r.combine_axis(value, n_local, N, axis_name)
+    return c._replace(**{f: getattr(c, f) / parts for f in c._fields[1:]})
+
+
 class Weighted(Reduction):
     """``inner`` over examples weighted by ``w_b >= 0`` (``example_weights``), run by the
     same tile loops, chunks and devices as any reduction: those speak in counts of
@@ -908,11 +920,7 @@ class Centered(ElementwiseReduction):
         return Moments(mean, m2)
 
     def combined_share(self, value, n_local, axis_name, parts):
-        if ew.is_open():  # (raw sums of a part of weight 0: combined at the end)
-            return None
-        N = jax.lax.psum(jnp.asarray(n_local, value.mean.dtype), axis_name)
-        m = self.combine_axis(value, n_local, N, axis_name)
-        return Moments(m.mean, m.m2 / parts)  # (equal means: no term between parts)
+        return centred_share(self, value, n_local, axis_name, parts)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -44,6 +44,7 @@ from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names
     SqNorms,
     Weighted,
     acc_dtype_for,
+    centred_share,
     check_nonfinite,
     clip_factor,
     combined_share,

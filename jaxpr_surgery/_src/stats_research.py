@@ -167,11 +167,7 @@ class CentralMoments(S.ElementwiseReduction):
         return CentralSums(mean, S.nonneg(s2), s3, S.nonneg(s4))
 
     def combined_share(self, value, n_local, axis_name, parts):
-        if ew.is_open():  # (raw sums of a part of weight 0: combined at the end)
-            return None
-        N = jax.lax.psum(_as(n_local, value.mean), axis_name)
-        c = self.combine_axis(value, n_local, N, axis_name)
-        return CentralSums(c.mean, c.m2 / parts, c.m3 / parts, c.m4 / parts)
+        return S.centred_share(self, value, n_local, axis_name, parts)
 
     @fp.traced_once
     def accumulate(self, acc, n, value, m):
