@@ -8,6 +8,7 @@ from jaxpr_surgery._src import compat as _compat
 
 _compat.warn_if_untested()
 
+from jaxpr_surgery import extend as extend  # noqa: E402
 from jaxpr_surgery import optim as optim  # noqa: E402
 from jaxpr_surgery import privacy as privacy  # noqa: E402
 from jaxpr_surgery import stats as stats  # noqa: E402
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "stats",
     "optim",
+    "extend",
     "privacy",
     "per_example_stat",
     "value_and_per_example_stat",

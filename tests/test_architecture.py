@@ -183,7 +183,7 @@ LAYERS = (
     ("fingerprint",),  # structural keys: repeated layers and per-leaf functions traced once
     # a site's view of its leaf; norms past the range of their squares; example weights;
     # trees given as a prefix of the parameters'; blocks of features (cuts)
-    ("views", "norms", "example_weights", "prefix", "cuts"),
+    ("views", "norms", "example_weights", "prefix", "cuts", "custom_ops"),
     ("compat",),
 )
 

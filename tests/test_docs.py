@@ -224,6 +224,7 @@ DOCTEST_MODULES = [
     "jaxpr_surgery.optim",
     "jaxpr_surgery._src.api",
     "jaxpr_surgery._src.check",
+    "jaxpr_surgery._src.custom_ops",
     "jaxpr_surgery._src.explain",
     "jaxpr_surgery._src.stats",
     "jaxpr_surgery._src.stats_research",
@@ -267,7 +268,8 @@ def _public(module):
 
 
 def test_public_api_has_docstrings():
-    missing = [name for m in ("jaxpr_surgery", "jaxpr_surgery.stats", "jaxpr_surgery.optim")
+    missing = [name for m in ("jaxpr_surgery", "jaxpr_surgery.stats", "jaxpr_surgery.optim",
+                                   "jaxpr_surgery.extend")
                for name, obj in _public(m) if not (getattr(obj, "__doc__", None) or "").strip()]
     assert not missing, f"public objects without a docstring: {missing}"
 

@@ -530,7 +530,15 @@ class _Analyzer:
             return []
 
         pvars = {v for v, t in zip(eqn.invars, tags) if isinstance(t, _PARAM_TAGS)}
-        opaque = compat.subjaxprs(eqn) or prim in compat.custom_prims
+        # a custom_vjp / custom_jvp op whose one parameter operand meets the data is a
+        # site of the generic kernel (the exact per-example VJP of the op, its view shared
+        # by the examples: vmap(grad)'s cost), where every other construct with a body
+        # is opaque (the leaf is read per example)
+        custom_site = (
+            prim in compat.custom_prims and has_data and len(pvars) == 1
+            and not isinstance(params_tags[0], (Mixed, Merged))
+        )
+        opaque = not custom_site and (bool(compat.subjaxprs(eqn)) or prim in compat.custom_prims)
         if not opaque:
             out = self.merged(eqn, tags, path, scan_lengths, has_data)
             if out is not None:

@@ -20,6 +20,7 @@ from jaxpr_surgery._src import analysis as A
 from jaxpr_surgery._src import (
     chunking,
     compat,
+    custom_ops,
     devices,
     engine,
     gathers,
@@ -353,8 +354,10 @@ class _Prepared:
 
         return pe
 
-    def trace(self):
-        """Per-example jaxpr, traced under vmap over the real batch (keeps sharding/vma)."""
+    def trace(self, substitute=True):
+        """Per-example jaxpr, traced under vmap over the real batch (keeps sharding/vma);
+        with ``substitute``, calls of registered custom ops replaced by their references
+        (`custom_ops.substitute`)."""
         holder = {}
         pe = self.per_example_fn()
 
@@ -379,6 +382,9 @@ class _Prepared:
                     "return strings and other Python objects outside the function. "
                     f"({e})"
                 ) from None
+            # (registered custom ops replaced by their references: extend.register_custom_op)
+            if substitute:
+                closed = custom_ops.substitute(closed)
             holder["closed"], holder["shapes"] = closed, shapes
             return jnp.zeros(())
 

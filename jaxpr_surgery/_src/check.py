@@ -338,3 +338,131 @@ def _gradient_message(kind, argnums, dfull_v, dref):
         "stop_gradient-ed batch statistic, or a batch-dependent weight); per-example "
         "gradients of such a model describe a different function."
     )
+
+
+# --------------------------------------------------------------------------- #
+# check_rule: a registered custom op against its reference, on the user's model
+# --------------------------------------------------------------------------- #
+_RULE = "check_rule"
+
+
+def check_rule(
+    fn: Callable[..., Any],
+    *,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] = 1,
+    keep_batch_dim: bool = True,
+    has_aux: bool = False,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> Callable[..., list]:
+    r"""Checks, on ``fn``'s own model and batch, each registered custom op it calls
+    against the reference it was registered with (`register_custom_op`); raises if one
+    disagrees.
+
+    Statistics of a registered op's parameters come from its reference. This check
+    makes sure that is the op the model trains with: for each op, on every example
+    alone in a batch of one (as the statistics see it),
+
+    * the loss with the op, and with the op replaced by its reference, must agree
+      (the forward);
+    * the per-example gradient of every differentiated leaf through the op's own
+      backward pass (``jax.vmap(jax.grad(per_example_loss))``, as JAX differentiates
+      the op) must agree with the gradient through the reference. An approximate or
+      straight-through backward, a backward that rescales, or a reference of another
+      layout fails here, with the op, the leaf and the error named.
+
+    Args:
+      fn: the loss, ``fn(*args) -> scalar`` (or ``(scalar, aux)`` with ``has_aux``),
+        as given to `per_example_stat`.
+      argnums, batch_argnums, keep_batch_dim, has_aux: as for `per_example_stat`.
+      rtol: relative tolerance (of each leaf's largest per-example gradient entry);
+        ``None``: ``1e-9`` in float64, ``1e-4`` in float32, four machine epsilons in
+        16-bit floats.
+      atol: absolute tolerance; ``None``: ``1e-12`` / ``1e-6`` / ``eps / 16``.
+
+    Returns:
+      A function of ``fn``'s arguments that returns the names of the ops checked, or
+      raises ``ValueError`` (an op disagrees with its reference, or ``fn`` calls no
+      registered op).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxpr_surgery as js
+      >>> @jax.custom_vjp
+      ... def dense(w, x):
+      ...     return x @ w
+      >>> dense.defvjp(lambda w, x: (x @ w, (w, x)),
+      ...              lambda r, dy: (jnp.einsum("...i,...j->ij", r[1], dy), dy @ r[0].T))
+      >>> loss = lambda w, b: jnp.mean(dense(w, b) ** 2)
+      >>> with js.extend.register_custom_op(dense, lambda w, x: x @ w):
+      ...     js.extend.check_rule(loss)(jnp.ones((3, 2)), jnp.ones((4, 3)))
+      ['dense']
+    """
+    from jaxpr_surgery._src import api, custom_ops
+
+    def check(*args):
+        opts = api.make_options(argnums, batch_argnums, keep_batch_dim, has_aux, None, False, None,
+                                 None, False)
+        prep = api._Prepared(fn, args, opts, _RULE)
+        closed, _ = prep.trace(substitute=False)
+        entries = custom_ops.ops_in(closed)
+        if not entries:
+            raise ValueError(
+                f"{_RULE}: fn calls no registered custom op on these arguments "
+                "(register_custom_op(op, reference) first; only jax.custom_vjp ops called "
+                "with the registered op object are recognised)."
+            )
+        mine = _per_example_values(closed, prep)
+        dtypes = [x.dtype for x in prep.diff_leaves] + [closed.out_avals[0].dtype]
+        tol = _Tolerance.for_dtype(jnp.result_type(*dtypes), rtol, atol)
+        for entry in entries:
+            theirs = _per_example_values(custom_ops.substitute(closed, only=entry), prep)
+            _compare_rule(entry.name, prep, mine, theirs, tol)
+        return [e.name for e in entries]
+
+    return check
+
+
+def _per_example_values(closed, prep):
+    """``(losses [B], per-example gradients [[B, *leaf]])`` of the per-example jaxpr
+    ``closed``, a few examples vectorised at a time."""
+    f = compat.jaxpr_as_fun(closed)
+
+    def one(ex):
+        def loss(diff):
+            return f(*diff, *ex, *prep.other_leaves)[0]
+
+        return jax.value_and_grad(loss)(list(prep.diff_leaves))
+
+    per_grad = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in prep.diff_leaves)
+    per_map = max(1, min(prep.B, _GRAD_BYTES // max(per_grad, 1)))
+    losses, grads = jax.jit(lambda ex: _over_examples(one, ex, per_map))(list(prep.ex_leaves))
+    return np.asarray(losses, np.float64), [np.asarray(g, np.float64) for g in grads]
+
+
+def _compare_rule(name, prep, mine, theirs, tol):
+    (l_op, g_op), (l_ref, g_ref) = mine, theirs
+    scale = float(np.max(np.abs(l_op))) if l_op.size else 0.0
+    err = float(np.max(np.abs(l_op - l_ref))) if l_op.size else 0.0
+    if not tol.close(err, 0.0, scale):
+        raise ValueError(
+            f"{_RULE}: custom op {name}: the per-example losses with the op and with its "
+            f"reference differ by up to {err:.3g} (losses up to {scale:.3g}; rtol={tol.rtol}, "
+            f"atol={tol.atol}): the reference does not compute what the op computes."
+        )
+    bad = []
+    for path, a, b in zip(prep.diff_paths, g_op, g_ref):
+        scale = float(np.max(np.abs(a))) if a.size else 0.0
+        err = float(np.max(np.abs(a - b))) if a.size else 0.0
+        if not tol.close(err, 0.0, scale):
+            bad.append(f"{path or '(params)'}: up to {err:.3g} off (entries up to {scale:.3g})")
+    if bad:
+        raise ValueError(
+            f"{_RULE}: custom op {name}: the per-example gradients through the op's own "
+            "backward pass and through its reference differ (rtol="
+            f"{tol.rtol}, atol={tol.atol}) at " + "; ".join(bad) + ". The op's backward "
+            "is not the derivative of the reference (an approximate, straight-through or "
+            "rescaled backward?), so statistics from the reference would describe another "
+            "model. Remove the registration: the op's parameters then take the exact "
+            "per-example route through its own backward."
+        )

@@ -240,6 +240,10 @@ def bind_eqn(eqn, invals, **changes):
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def jaxpr_as_fun(closed):
+    return jex.core.jaxpr_as_fun(closed)
+
+
 def eval_jaxpr(jaxpr, consts, *args):
     return jex.core.jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)
 
@@ -631,6 +635,104 @@ def elementwise_batching(prim) -> str | None:
     if func is not None and func is getattr(batching, "vectorized_batcher", ()):
         return "vectorized"
     return None
+
+
+def custom_vjp_bwd(eqn):
+    """The user's backward function of a ``jax.custom_vjp`` call equation (the one given
+    to ``defvjp``), or None for any other equation. Its identity names the op: the
+    equation keeps no reference to the ``custom_vjp`` object itself."""
+    if eqn.primitive not in custom_prims:
+        return None
+    bwd = eqn.params.get("bwd")
+    return getattr(bwd, "f", None)
+
+
+def custom_vjp_in_tree(eqn):
+    """The pytree structure of a ``jax.custom_vjp`` call's arguments (its operands past
+    the hoisted constants are their leaves), or None where this jax does not record it.
+    Read from the backward function's flattening step (``_flatten_bwd``), found by
+    feature: the first ``PyTreeDef`` among its arguments with as many leaves as the op
+    has operands."""
+    bwd = eqn.params.get("bwd")
+    n = len(eqn.invars) - custom_call_consts(eqn)
+    for step in getattr(bwd, "transforms", ()) or ():
+        args = step[1] if isinstance(step, tuple) and len(step) == 2 else ()
+        for a in args if isinstance(args, tuple) else ():
+            if isinstance(a, jax.tree_util.PyTreeDef):
+                return a if a.num_leaves == n else None
+    return None
+
+
+def custom_call_consts(eqn) -> int:
+    """How many of a custom_jvp / custom_vjp call's operands are constants hoisted out of
+    its function (not the op's own arguments)."""
+    return int(eqn.params.get("num_consts", 0))
+
+
+def is_custom_vjp(op) -> bool:
+    return isinstance(op, jax.custom_vjp)
+
+
+def is_custom_jvp(op) -> bool:
+    return isinstance(op, jax.custom_jvp)
+
+
+def jaxpr_text(j) -> str:
+    """The printed form of a jaxpr (``ClosedJaxpr`` or open), without its constants'
+    values: equal for equal programs traced alike."""
+    return str(closed_parts(j)[0])
+
+
+def call_eqn_of(fn, avals, name):
+    """One ``jit`` call equation of ``fn`` at the abstract values ``avals``, traced by jax
+    itself (its parameters are jax's own), with fresh variables: the caller rewires its
+    ``invars`` / ``outvars`` (`replace_eqn_vars`). Raises ``ValueError`` naming ``name``
+    where ``fn`` cannot be traced to one call (it closes over arrays jax hoists out)."""
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    outer = jax.make_jaxpr(jax.jit(fn))(*structs)
+    if len(outer.jaxpr.eqns) != 1 or outer.jaxpr.constvars or outer.consts:
+        raise ValueError(
+            f"{name}: the function could not be traced to one call (it closes over arrays "
+            "that jax hoists out of it); compute such constants inside it."
+        )
+    return outer.jaxpr.eqns[0]
+
+
+def replace_eqn_vars(eqn, invars, outvars):
+    return eqn.replace(invars=list(invars), outvars=list(outvars))
+
+
+def map_subjaxprs(eqn, f):
+    """``eqn`` with every sub-jaxpr ``j`` of its parameters (a ``jit``, ``scan``,
+    ``cond``, ``remat`` body...) replaced by ``f(j)`` (an open ``Jaxpr`` in, one out;
+    the same object where nothing changes), or ``eqn`` itself where none changed.
+    ``ClosedJaxpr`` parameters keep their constants; tuples of jaxprs (``cond``'s
+    branches) are mapped entry by entry."""
+
+    def one(v):
+        if isinstance(v, ClosedJaxpr):
+            new = f(v.jaxpr)
+            return v if new is v.jaxpr else ClosedJaxpr(new, v.consts)
+        if isinstance(v, Jaxpr):
+            return f(v)
+        return v
+
+    changes = {}
+    for k, v in eqn.params.items():
+        if isinstance(v, (ClosedJaxpr, Jaxpr)):
+            new = one(v)
+        elif isinstance(v, tuple) and v and all(isinstance(x, (ClosedJaxpr, Jaxpr)) for x in v):
+            new = tuple(one(x) for x in v)
+            new = v if all(a is b for a, b in zip(new, v)) else new
+        else:
+            continue
+        if new is not v:
+            changes[k] = new
+    return eqn.replace(params={**eqn.params, **changes}) if changes else eqn
+
+
+def replace_eqns(jaxpr, eqns):
+    return jaxpr.replace(eqns=list(eqns))
 
 
 def custom_call_parts(eqn):

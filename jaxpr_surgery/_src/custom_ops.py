@@ -1,0 +1,283 @@
+"""Custom ops (``jax.custom_vjp``) differentiated as a registered reference function.
+
+A ``custom_vjp`` op is opaque to the analysis: its backward pass is the user's own
+function, which the package cannot read, so a parameter it touches gets the op's exact
+per-example gradients (``materialised`` in ``explain``: ``jax.vmap`` of the op's VJP, the
+cost of ``vmap(grad)``; ``fallback``, read per example, where the op takes several
+parameters). A user who knows what the op computes
+registers a *reference*, a JAX function with the op's operands and outputs whose
+derivative is the op's backward pass (``jaxpr_surgery.extend.register_custom_op``). The
+per-example jaxpr then has each call of the op replaced by a call of the reference
+(`substitute`), before anything else reads it: the analysis finds the layers inside
+(a fused dense layer is a dense site), and the statistics, the loss's value and the
+other inputs' cotangents come from the reference, as ``jax.grad`` of the reference
+would give them. ``extend.check_rule`` checks the declaration on the user's model: the
+per-example gradients through the op's own backward against those through the
+reference.
+
+An equation is the op's when it binds the op's backward function (the one given to
+``defvjp``; the equation keeps no reference to the op object) and its primal function
+traces to the same program as the op's at the same operands: two ops sharing one
+backward function are told apart, and an op not recognised keeps the exact route.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxpr_surgery._src import compat
+
+_BY_BWD: dict = {}  # the op's backward function -> `_Entry`
+_PRIMAL_TEXT: dict = {}  # (op id, operand types) -> the printed jaxpr of the op's primal
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Entry:
+    op: Any
+    reference: Callable
+    name: str
+
+
+class Registration:
+    """What `register_custom_op` returns: the op and its reference while registered.
+
+    ``remove()`` unregisters the op (traces made afterwards take the exact route again);
+    as a context manager, the op is registered inside the ``with`` block only."""
+
+    def __init__(self, entry: _Entry):
+        self._entry = entry
+
+    @property
+    def op(self):
+        return self._entry.op
+
+    @property
+    def reference(self) -> Callable:
+        return self._entry.reference
+
+    @property
+    def active(self) -> bool:
+        return _BY_BWD.get(self._entry.op.bwd) is self._entry
+
+    def remove(self) -> None:
+        if self.active:
+            del _BY_BWD[self._entry.op.bwd]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+        return False
+
+    def __repr__(self):
+        state = "registered" if self.active else "removed"
+        return f"Registration({self._entry.name}, {state})"
+
+
+def _op_name(op) -> str:
+    fun = getattr(op, "fun", None)
+    return getattr(fun, "__name__", None) or repr(op)
+
+
+def register_custom_op(op, reference: Callable | None = None) -> Registration:
+    """Registers what the ``jax.custom_vjp`` op ``op`` computes: ``reference``.
+
+    From then on (for every trace made afterwards), the statistics treat each call of
+    ``op`` as a call of ``reference``: the analysis looks inside it, so a fused dense
+    layer gets the dense rules (streamed E[g²], ghost norms, ...), a fused norm layer the
+    scale-shift ones. The loss's value, the other inputs' cotangents and the statistics
+    are those of the model with ``reference`` in place of ``op``, exactly what
+    ``jax.grad`` gives where ``op``'s backward pass is the derivative of ``reference``.
+    `check_rule` checks that on your model; an approximate or straight-through backward
+    fails it. Without a registration, ``op``'s parameters take the exact per-example
+    route through its own backward (correct, slower).
+
+    Args:
+      op: a ``jax.custom_vjp`` function with its rule given (``op.defvjp(fwd, bwd)``),
+        without ``nondiff_argnums``. The op is recognised by its backward function and
+        its forward program: two ops sharing one backward function are told apart.
+      reference: a function with the op's signature (``reference(w, x)`` for
+        ``op(w, x)``; the same pytrees of arrays) returning its outputs (the same leaves
+        in ``jax.tree.leaves`` order), written with ordinary JAX operations. ``None``:
+        the op's own forward function (``op.fun``): declares that its custom backward is
+        the exact derivative of its forward (a memory-saving or numerically stabler
+        backward).
+
+    Returns:
+      A `Registration`: ``.remove()`` unregisters the op; used as a context manager,
+      the op is registered inside the ``with`` block only.
+
+    Raises:
+      TypeError: ``op`` is not a ``jax.custom_vjp`` function, or ``reference`` is not
+        callable.
+      ValueError: the op has no rule yet, or it (or an op sharing its backward
+        function) is already registered.
+      NotImplementedError: ``jax.custom_jvp`` ops and ops with ``nondiff_argnums``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxpr_surgery as js
+      >>> @jax.custom_vjp
+      ... def fused_dense(w, x):
+      ...     return x @ w
+      >>> fused_dense.defvjp(
+      ...     lambda w, x: (x @ w, (w, x)),
+      ...     lambda r, dy: (jnp.einsum("...i,...j->ij", r[1], dy), dy @ r[0].T))
+      >>> loss = lambda w, x: jnp.mean(jnp.tanh(fused_dense(w, x)) ** 2)
+      >>> w, x = jnp.ones((3, 2)) / 4, jnp.arange(12.0).reshape(4, 3) / 12
+      >>> js.explain(loss, js.stats.second_moment())(w, x).leaves[0].rule
+      'materialised'
+      >>> reg = js.extend.register_custom_op(fused_dense, lambda w, x: x @ w)
+      >>> js.explain(loss, js.stats.second_moment())(w, x).leaves[0].rule
+      'streamed'
+      >>> reg.remove()
+    """
+    where = "register_custom_op"
+    if compat.is_custom_jvp(op):
+        raise NotImplementedError(
+            f"{where}: op is a jax.custom_jvp function; only jax.custom_vjp ops can be "
+            "registered so far (a custom_jvp call does not name its rule in the jaxpr). "
+            "Its parameters take the exact per-example route meanwhile."
+        )
+    if not compat.is_custom_vjp(op):
+        raise TypeError(
+            f"{where}: op must be a jax.custom_vjp function (decorated with "
+            f"@jax.custom_vjp and given its rule with .defvjp), got {type(op).__name__}."
+        )
+    if getattr(op, "bwd", None) is None:
+        raise ValueError(
+            f"{where}: op {_op_name(op)} has no backward rule yet; call "
+            "op.defvjp(fwd, bwd) before registering it."
+        )
+    if tuple(getattr(op, "nondiff_argnums", ()) or ()):
+        raise NotImplementedError(
+            f"{where}: op {_op_name(op)} has nondiff_argnums="
+            f"{tuple(op.nondiff_argnums)}; ops with non-differentiable arguments cannot be "
+            "registered so far. Close over those arguments instead (define the op inside "
+            "a function of them), or pass them as arrays."
+        )
+    if reference is None:
+        reference = op.fun
+    if not callable(reference):
+        raise TypeError(
+            f"{where}: reference must be a function of the op's operands, got "
+            f"{type(reference).__name__}."
+        )
+    held = _BY_BWD.get(op.bwd)
+    if held is not None:
+        what = "op" if held.op is op else f"op {held.name}, which shares its backward function,"
+        raise ValueError(
+            f"{where}: {_op_name(op)}: the {what} is already registered; call .remove() on "
+            "its registration first (or register it in a `with` block)."
+        )
+    entry = _Entry(op, reference, _op_name(op))
+    _BY_BWD[op.bwd] = entry
+    return Registration(entry)
+
+
+def _types(avals) -> tuple:
+    return tuple((tuple(a.shape), str(a.dtype)) for a in avals)
+
+
+def _structs(avals):
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+
+
+def _on_leaves(fn, in_tree):
+    """``fn`` of the op's arguments as a function of their leaves, returning its
+    outputs' leaves (named as ``fn``, for the jaxpr and explain)."""
+
+    def flat(*leaves):
+        return jax.tree.leaves(fn(*jax.tree.unflatten(in_tree, leaves)))
+
+    flat.__name__ = getattr(fn, "__name__", "reference")
+    return flat
+
+
+def entry_of(eqn):
+    """``(registration, argument tree)`` serving ``eqn``, or None (not a registered op's
+    call, or one whose arguments this jax does not record)."""
+    bwd = compat.custom_vjp_bwd(eqn)
+    if bwd is None or not _BY_BWD:
+        return None
+    entry = _BY_BWD.get(bwd)
+    if entry is None or compat.custom_call_consts(eqn):
+        return None  # (constants hoisted out of its function: not the op's own call)
+    in_tree = compat.custom_vjp_in_tree(eqn)
+    if in_tree is None:
+        return None
+    avals = [v.aval for v in eqn.invars]
+    key = (id(entry.op), in_tree, _types(avals))
+    text = _PRIMAL_TEXT.get(key)
+    if text is None:
+        try:
+            primal = jax.make_jaxpr(_on_leaves(entry.op.fun, in_tree))(*_structs(avals))
+            text = compat.jaxpr_text(primal)
+        except Exception:  # noqa: BLE001 - not the op's operands: not its call
+            text = ""
+        _PRIMAL_TEXT[key] = text
+    if text != compat.jaxpr_text(compat.custom_call_parts(eqn)[0]):
+        return None  # another op sharing the backward function
+    return entry, in_tree
+
+
+def _reference_eqn(eqn, entry, in_tree):
+    avals = [v.aval for v in eqn.invars]
+    where = f"register_custom_op: the reference of {entry.name}"
+    call = compat.call_eqn_of(_on_leaves(entry.reference, in_tree), avals, where)
+    want = [(tuple(v.aval.shape), v.aval.dtype) for v in eqn.outvars]
+    got = [(tuple(v.aval.shape), v.aval.dtype) for v in call.outvars]
+    if want != got:
+        def fmt(ts):
+            return ", ".join(f"{d}{list(s)}" for s, d in ts)
+
+        raise ValueError(
+            f"{where} returns ({fmt(got)}) where the op returns ({fmt(want)}) on operands "
+            f"({fmt([(tuple(a.shape), a.dtype) for a in avals])}). The reference takes the "
+            "op's arguments and returns its outputs (the same leaves, in jax.tree.leaves "
+            "order)."
+        )
+    return compat.replace_eqn_vars(call, eqn.invars, eqn.outvars)
+
+
+def _substitute_jaxpr(jaxpr, only):
+    eqns, changed = [], False
+    for eqn in jaxpr.eqns:
+        found = entry_of(eqn)
+        if found is not None and (only is None or found[0] is only):
+            new = _reference_eqn(eqn, *found)
+        else:
+            new = compat.map_subjaxprs(eqn, lambda j: _substitute_jaxpr(j, only))
+        changed = changed or new is not eqn
+        eqns.append(new)
+    return compat.replace_eqns(jaxpr, eqns) if changed else jaxpr
+
+
+def substitute(closed, only=None):
+    """``closed`` (a ``ClosedJaxpr``) with every call of a registered op (``only``: of
+    that `_Entry`'s op), at any depth, replaced by a call of its reference; ``closed``
+    itself where there is none."""
+    if not _BY_BWD:
+        return closed
+    new = _substitute_jaxpr(closed.jaxpr, only)
+    return closed if new is closed.jaxpr else compat.ClosedJaxpr(new, closed.consts)
+
+
+def ops_in(closed) -> list:
+    """The registered ops (`_Entry`) called anywhere in ``closed``, in first-use order."""
+    found: dict = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            hit = entry_of(eqn)
+            if hit is not None:
+                found.setdefault(id(hit[0]), hit[0])
+            for sub in compat.subjaxprs(eqn):
+                walk(compat.closed_parts(sub)[0])
+
+    walk(closed.jaxpr)
+    return list(found.values())

@@ -1,0 +1,21 @@
+"""Extending jaxpr_surgery: rules for your own ops.
+
+A ``jax.custom_vjp`` op (a fused layer, a Pallas kernel behind a custom backward, a
+memory-saving rewrite) is opaque to the analysis: the parameters it touches get the
+op's exact per-example gradients, materialised (the cost of ``vmap(grad)``; see
+`jaxpr_surgery.explain`). Register the plain
+JAX function it computes, and every layer inside gets the package's fast rules:
+
+    import jaxpr_surgery as js
+
+    js.extend.register_custom_op(fused_dense, lambda w, x: x @ w)
+    js.extend.check_rule(loss)(params, batch)   # the op's backward is the reference's
+
+See docs/extending.md.
+"""
+
+from jaxpr_surgery._src.check import check_rule as check_rule
+from jaxpr_surgery._src.custom_ops import Registration as Registration
+from jaxpr_surgery._src.custom_ops import register_custom_op as register_custom_op
+
+__all__ = ["register_custom_op", "check_rule", "Registration"]

@@ -1,0 +1,325 @@
+"""``jaxpr_surgery.extend``: custom_vjp ops registered with a reference function.
+
+A registered op is differentiated as its reference: the layers inside get the package's
+rules (explain says ``streamed`` where it said ``materialised``) and every statistic equals
+vmap(grad) of the model as JAX differentiates it (through the op's own backward pass).
+``check_rule`` catches a reference that is not what the op computes or whose derivative
+is not the op's backward.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpr_surgery as js
+
+B, T, D, F = 5, 3, 4, 6
+
+
+# a fused dense layer: x @ w with a hand-written backward pass
+@jax.custom_vjp
+def dense(w, x):
+    return x @ w
+
+
+def _dense_fwd(w, x):
+    return x @ w, (w, x)
+
+
+def _dense_bwd(res, dy):
+    w, x = res
+    return jnp.einsum("...i,...j->ij", x, dy), dy @ w.T
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+# a fused affine layer on a dict of parameters
+@jax.custom_vjp
+def affine(p, x):
+    return x @ p["w"] + p["b"]
+
+
+def _affine_bwd(res, dy):
+    p, x = res
+    sum_axes = tuple(range(dy.ndim - 1))
+    dp = {"w": jnp.einsum("...i,...j->ij", x, dy), "b": jnp.sum(dy, axis=sum_axes)}
+    return dp, dy @ p["w"].T
+
+
+affine.defvjp(lambda p, x: (affine.fun(p, x), (p, x)), _affine_bwd)
+
+
+def _dense_ref(w, x):
+    return x @ w
+
+
+def _affine_ref(p, x):
+    return jnp.einsum("...i,ij->...j", x, p["w"]) + p["b"]
+
+
+def _loss(p, batch):
+    h = jnp.tanh(affine(p["in"], batch["x"]))  # [b, T, F]
+
+    def layer(h, w):
+        return jnp.tanh(dense(w, h)), None
+
+    h, _ = jax.lax.scan(layer, h, p["stack"])  # the op inside a scan
+    h = jax.checkpoint(lambda h: jnp.tanh(dense(p["mid"], h)))(h)  # inside a remat
+    out = jax.jit(dense)(p["out"], h)  # inside a jit
+    return jnp.mean(jnp.sum((out - batch["y"]) ** 2, axis=(1, 2)))
+
+
+def _case(dtype=jnp.float64):
+    r = np.random.default_rng(0)
+
+    def a(*shape, s=1.0):
+        return jnp.asarray(r.normal(size=shape) * s, dtype)
+
+    p = {
+        "in": {"w": a(D, F, s=0.5), "b": a(F, s=0.1)},
+        "stack": a(2, F, F, s=0.4),
+        "mid": a(F, F, s=0.4),
+        "out": a(F, 2, s=0.4),
+    }
+    return p, {"x": a(B, T, D), "y": a(B, T, 2)}
+
+
+STATS = {
+    "mean": js.stats.mean(),
+    "second_moment": js.stats.second_moment(),
+    "variance": js.stats.variance(),
+    "sq_norms": js.stats.sq_norms(per_leaf=True),
+    "clipped_mean": js.stats.clipped_mean(0.5),
+}
+
+
+def _oracle(p, batch):
+    """The statistics from vmap(grad): through the ops' own backward passes."""
+    one = lambda p, ex: _loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
+    g = jax.jit(jax.vmap(jax.grad(one), (None, 0)))(p, batch)
+    g = jax.tree.map(lambda v: np.asarray(v, np.float64), g)
+    sq = jax.tree.map(lambda v: np.sum(v.reshape(B, -1) ** 2, 1), g)
+    c = np.minimum(1, 0.5 / np.sqrt(sum(jax.tree.leaves(sq))))
+    return {
+        "mean": jax.tree.map(lambda v: v.mean(0), g),
+        "second_moment": jax.tree.map(lambda v: (v**2).mean(0), g),
+        "variance": jax.tree.map(lambda v: v.var(0, ddof=1), g),
+        "sq_norms": sq,
+        "clipped_mean": jax.tree.map(lambda v: np.tensordot(c, v, 1) / B, g),
+    }
+
+
+@pytest.fixture
+def registered():
+    with js.extend.register_custom_op(dense, _dense_ref), js.extend.register_custom_op(
+        affine, _affine_ref
+    ):
+        yield
+
+
+def _rules(p, batch):
+    rep = js.explain(_loss, STATS)(p, batch)
+    return {str(leaf.path): leaf.rule for leaf in rep.leaves}
+
+
+def _check(out, want, rtol, atol):
+    for name in STATS:
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(out[name]),
+                                jax.tree.leaves(want[name])):
+            np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=rtol, atol=atol,
+                                       err_msg=f"{name}{jax.tree_util.keystr(path)}")
+
+
+def test_a_registered_op_gets_the_rules_of_its_reference(registered):
+    with jax.enable_x64(True):
+        p, batch = _case()
+        rules = _rules(p, batch)  # (a bias: its per-example gradients, small)
+        assert rules.pop("['in']['b']") == "materialised", rules
+        assert set(rules.values()) == {"streamed"}, rules
+        out = jax.jit(js.per_example_stat(_loss, STATS))(p, batch)
+        _check(out, _oracle(p, batch), rtol=1e-11, atol=1e-13)
+
+
+def test_a_registered_op_in_float32(registered):
+    p, batch = _case(jnp.float32)
+    out = jax.jit(js.per_example_stat(_loss, STATS))(p, batch)
+    _check(out, _oracle(p, batch), rtol=2e-4, atol=1e-5)
+
+
+def test_an_unregistered_op_takes_the_exact_route():
+    with jax.enable_x64(True):
+        p, batch = _case()
+        rules = _rules(p, batch)
+        # (the op's exact per-example VJP, the view shared: materialised per-example
+        # gradients; an op of two parameters reads them per example)
+        assert {rules[k] for k in ("['stack']", "['mid']", "['out']")} == {"materialised"}
+        assert rules["['in']['w']"] == rules["['in']['b']"] == "fallback", rules
+        out = js.per_example_stat(_loss, STATS)(p, batch)
+        _check(out, _oracle(p, batch), rtol=1e-11, atol=1e-13)
+
+
+def test_a_removed_registration_applies_to_later_traces():
+    with jax.enable_x64(True):
+        p, batch = _case()
+        with js.extend.register_custom_op(dense, _dense_ref) as reg:
+            assert reg.active and _rules(p, batch)["['stack']"] == "streamed"
+        assert not reg.active and "removed" in repr(reg)
+        assert _rules(p, batch)["['stack']"] == "materialised"
+        reg.remove()  # (a second removal: nothing to do)
+
+
+def test_check_rule_passes_a_faithful_op(registered):
+    with jax.enable_x64(True):
+        p, batch = _case()
+        assert sorted(js.extend.check_rule(_loss)(p, batch)) == ["affine", "dense"]
+
+
+# a straight-through sign: forward x @ sign(w), backward as if x @ w
+@jax.custom_vjp
+def ste(w, x):
+    return x @ jnp.sign(w)
+
+
+ste.defvjp(
+    lambda w, x: (x @ jnp.sign(w), (w, x)),
+    lambda r, dy: (jnp.einsum("...i,...j->ij", r[1], dy), dy @ jnp.sign(r[0]).T),
+)
+
+
+def _ste_loss(w, batch):
+    return jnp.mean(jnp.sum(jnp.tanh(ste(w, batch["x"])) ** 2, axis=(1, 2)))
+
+
+def test_check_rule_catches_a_straight_through_backward():
+    """The reference computes the op's forward, but its derivative is not the op's
+    backward (zero almost everywhere): the statistics would describe another model."""
+    with jax.enable_x64(True):
+        _, batch = _case()
+        w = jnp.asarray(np.random.default_rng(1).normal(size=(D, F)))
+        with js.extend.register_custom_op(ste, lambda w, x: x @ jnp.sign(w)):
+            with pytest.raises(ValueError, match=r"custom op ste: the per-example gradients"):
+                js.extend.check_rule(_ste_loss)(w, batch)
+
+
+def test_check_rule_catches_a_reference_of_another_forward():
+    with jax.enable_x64(True):
+        _, batch = _case()
+        w = jnp.asarray(np.random.default_rng(1).normal(size=(D, F)))
+        with js.extend.register_custom_op(ste, _dense_ref):
+            with pytest.raises(ValueError, match=r"custom op ste: the per-example losses"):
+                js.extend.check_rule(_ste_loss)(w, batch)
+
+
+def test_check_rule_needs_a_registered_op():
+    with jax.enable_x64(True):
+        p, batch = _case()
+        with pytest.raises(ValueError, match="calls no registered custom op"):
+            js.extend.check_rule(_loss)(p, batch)
+
+
+def test_the_op_own_forward_as_reference():
+    """``reference=None``: the op's forward function, for a backward pass that is its
+    exact derivative written by hand (here: recomputing instead of saving)."""
+
+    @jax.custom_vjp
+    def recomputed(w, x):
+        return jnp.tanh(x @ w)
+
+    def bwd(res, dy):
+        w, x = res
+        _, pull = jax.vjp(lambda w, x: jnp.tanh(x @ w), w, x)
+        return pull(dy)
+
+    recomputed.defvjp(lambda w, x: (recomputed.fun(w, x), (w, x)), bwd)
+
+    def loss(w, batch):
+        return jnp.mean(jnp.sum(recomputed(w, batch["x"]) ** 2, axis=(1, 2)))
+
+    with jax.enable_x64(True):
+        _, batch = _case()
+        w = jnp.asarray(np.random.default_rng(2).normal(size=(D, F)) / 2)
+        with js.extend.register_custom_op(recomputed):
+            assert js.extend.check_rule(loss)(w, batch) == ["recomputed"]
+            rep = js.explain(loss, js.stats.second_moment())(w, batch)
+            assert rep.leaves[0].rule == "streamed"
+            got = js.per_example_stat(loss, js.stats.second_moment())(w, batch)
+        one = lambda w, ex: loss(w, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
+        g = jax.vmap(jax.grad(one), (None, 0))(w, batch)
+        np.testing.assert_allclose(got, jnp.mean(g**2, 0), rtol=1e-12, atol=1e-15)
+
+
+def test_ops_sharing_a_backward_function_are_told_apart():
+    """Only the registered op's calls are replaced: another op with the same backward
+    function but another forward keeps the exact route (and its own backward)."""
+
+    @jax.custom_vjp
+    def twice(w, x):  # another forward, the dense op's backward function
+        return 2.0 * (x @ w)
+
+    twice.defvjp(lambda w, x: (twice.fun(w, x), (w, x)), _dense_bwd)
+
+    def loss(p, batch):
+        return jnp.mean(jnp.sum(jnp.tanh(twice(p["b"], dense(p["a"], batch["x"]))) ** 2,
+                                axis=(1, 2)))
+
+    with jax.enable_x64(True):
+        _, batch = _case()
+        r = np.random.default_rng(3)
+        p = {"a": jnp.asarray(r.normal(size=(D, F)) / 2), "b": jnp.asarray(r.normal(size=(F, 2)))}
+        with js.extend.register_custom_op(dense, _dense_ref):
+            with pytest.raises(ValueError, match="shares its backward function"):
+                js.extend.register_custom_op(twice)
+            rep = js.explain(loss, js.stats.second_moment())(p, batch)
+            rules = {str(leaf.path): leaf.rule for leaf in rep.leaves}
+            assert rules == {"['a']": "streamed", "['b']": "materialised"}, rules
+            got = js.per_example_stat(loss, js.stats.second_moment())(p, batch)
+        one = lambda p, ex: loss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
+        g = jax.vmap(jax.grad(one), (None, 0))(p, batch)
+        for k in p:  # (the twice op's backward misses its factor 2: as JAX differentiates)
+            np.testing.assert_allclose(got[k], jnp.mean(g[k] ** 2, 0), rtol=1e-12)
+
+
+def test_a_reference_of_other_outputs_is_refused():
+    with jax.enable_x64(True):
+        p, batch = _case()
+        with js.extend.register_custom_op(dense, lambda w, x: (x @ w)[..., :1]):
+            with pytest.raises(ValueError, match=r"returns \(float64\[1, 3, 1\]\) where the op "
+                                                 r"returns \(float64\[1, 3, 6\]\)"):
+                js.per_example_stat(_loss, js.stats.mean())(p, batch)
+
+
+def test_registration_errors():
+    @jax.custom_jvp
+    def act(x):
+        return jnp.tanh(x)
+
+    act.defjvp(lambda primals, tangents: (act(primals[0]), tangents[0]))
+    with pytest.raises(NotImplementedError, match="custom_jvp"):
+        js.extend.register_custom_op(act, jnp.tanh)
+    with pytest.raises(TypeError, match="op must be a jax.custom_vjp function"):
+        js.extend.register_custom_op(_dense_ref, _dense_ref)
+
+    @jax.custom_vjp
+    def bare(w, x):
+        return x @ w
+
+    with pytest.raises(ValueError, match="no backward rule yet"):
+        js.extend.register_custom_op(bare, _dense_ref)
+
+    def scaled(s, w, x):
+        return s * (x @ w)
+
+    static = jax.custom_vjp(scaled, nondiff_argnums=(0,))
+    static.defvjp(lambda s, w, x: (scaled(s, w, x), (w, x)),
+                  lambda s, r, dy: (s * jnp.einsum("...i,...j->ij", r[1], dy), s * dy @ r[0].T))
+    with pytest.raises(NotImplementedError, match="nondiff_argnums"):
+        js.extend.register_custom_op(static, scaled)
+    with pytest.raises(TypeError, match="reference must be a function"):
+        js.extend.register_custom_op(dense, 3.0)
+    with js.extend.register_custom_op(dense, _dense_ref):
+        with pytest.raises(ValueError, match="already registered"):
+            js.extend.register_custom_op(dense, _dense_ref)
