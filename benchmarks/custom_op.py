@@ -7,7 +7,7 @@ The model: tokens ``[B, T, d]`` through two fused dense layers (``d -> 4d -> d``
 between) and a squared error, B=32 T=128 d=256 (issue 60's newcomer). Time ratios are
 medians over rounds of the ratio to ``jax.grad`` within a round (every form runs back to
 back in each round); FLOPs and temporary memory from XLA's ``cost_analysis`` /
-``memory_analysis``.
+``memory_analysis``. ``plain/`` rows: the same model written without the op.
 
     python -m benchmarks.custom_op [--quick] [--out benchmarks/results/cpu_custom_op.json]
 """
@@ -50,10 +50,17 @@ def _bwd(res, dy):
 fused_dense.defvjp(_fwd, _bwd)
 
 
-def loss(p, batch):
-    h = jnp.tanh(fused_dense(p["up"], batch["x"]))
-    out = fused_dense(p["down"], h)
-    return jnp.mean(jnp.sum((out - batch["y"]) ** 2, axis=(1, 2)))
+def _loss_with(dense):
+    def loss(p, batch):
+        h = jnp.tanh(dense(p["up"], batch["x"]))
+        out = dense(p["down"], h)
+        return jnp.mean(jnp.sum((out - batch["y"]) ** 2, axis=(1, 2)))
+
+    return loss
+
+
+loss = _loss_with(fused_dense)
+plain_loss = _loss_with(lambda w, x: x @ w)  # the same model without the op
 
 
 def _case(B, T, d):
@@ -81,6 +88,8 @@ def run(quick=False, reps=None):
         forms[f"unregistered/{name}"] = js.per_example_stat(loss, stat)
         rules[f"unregistered/{name}"] = sorted({lf.rule for lf in
                                                 js.explain(loss, stat)(p, batch).leaves})
+    for name, stat in STATS.items():
+        forms[f"plain/{name}"] = js.per_example_stat(plain_loss, stat)
     compiled = {k: _compiled(f, p, batch) for k, f in forms.items()}
     with js.extend.register_custom_op(fused_dense, lambda w, x: x @ w):
         js.extend.check_rule(loss)(p, batch)
