@@ -28,6 +28,7 @@ is evaluated by the first one's kernel; the others are *taps* of it
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any
 
@@ -265,6 +266,16 @@ class LeafInfo:
         return bool(self.reasons)
 
 
+class LeafUse(enum.Enum):
+    """How a leaf meets the data: read per example through a construct the analysis does
+    not see into (``RESIDUAL``), not at all (``UNUSED``), at one site or at several."""
+
+    RESIDUAL = enum.auto()
+    UNUSED = enum.auto()
+    SINGLE = enum.auto()
+    MULTI = enum.auto()
+
+
 @dataclasses.dataclass
 class Analysis:
     leaves: list  # LeafInfo per parameter leaf
@@ -291,13 +302,14 @@ class Analysis:
         s = self.sites.get(p)
         return [] if s is None else [s] + [self.sites[q] for q in self.taps.get(p, ())]
 
-    def rule(self, i):
+    def use(self, i) -> LeafUse:
+        """How leaf ``i`` meets the data (`LeafUse`)."""
         info = self.leaves[i]
         if info.residual:
-            return "residual"
+            return LeafUse.RESIDUAL
         if not info.sites:
-            return "unused"
-        return "single" if len(info.sites) == 1 else "multi"
+            return LeafUse.UNUSED
+        return LeafUse.SINGLE if len(info.sites) == 1 else LeafUse.MULTI
 
 
 def _is_literal(v):

@@ -9,6 +9,7 @@ the per-example aux outputs.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ from jaxpr_surgery._src import compat, cuts, dots, kron, tiling, views
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.analysis import LeafUse
 from jaxpr_surgery._src.interpreter import (
     CARRY_COUNT,
     CARRY_WEIGHT,
@@ -55,6 +57,15 @@ from jaxpr_surgery._src.sites.base import (
 SDS = jax.ShapeDtypeStruct
 
 
+class Mode(enum.Enum):
+    """How the engine computes a leaf's statistics (`Plan.modes`)."""
+
+    DIRECT = enum.auto()  # its one site reduces inside the backward pass
+    INGREDIENTS = enum.auto()  # its sites emit ingredients, reduced after it
+    RESIDUAL = enum.auto()  # from per-example copies of the leaf (their gradients)
+    UNUSED = enum.auto()  # the loss does not depend on it: zeros
+
+
 @dataclasses.dataclass
 class Plan:
     closed: Any  # ClosedJaxpr of the per-example loss
@@ -65,7 +76,7 @@ class Plan:
     n_other: int
     out_tree: Any  # treedef of (loss, aux)
     kernels: dict = dataclasses.field(default_factory=dict)  # path -> Kernel
-    modes: list = dataclasses.field(default_factory=list)  # per leaf
+    modes: list = dataclasses.field(default_factory=list)  # per leaf: `Mode`
     budget: int | None = None  # memory_budget_bytes: bytes per tile of per-example gradients
     # reductions that depend on the leaf (`Reduction.per_leaf`) -> the one of each leaf
     refs: dict = dataclasses.field(default_factory=dict)
@@ -154,16 +165,17 @@ def make_plan(
         if bound is not None:
             plan.refs[r] = bound
     for i in range(len(leaf_avals)):
-        rule = analysis.rule(i)
+        use = analysis.use(i)
         # a reduction a site cannot give alone inside the backward pass (Kronecker
         # moments of a layer inside lax.scan or of a view that reshapes its leaf,
         # dots with a reference) takes the leaf's ingredients afterwards
-        if rule == "single" and all(r.direct_ok(analysis.leaves[i].sites[0]) for r in reductions):
-            plan.modes.append("direct")
-        elif rule in ("single", "multi"):
-            plan.modes.append("ingredients")
+        if use is LeafUse.SINGLE and all(
+                r.direct_ok(analysis.leaves[i].sites[0]) for r in reductions):
+            plan.modes.append(Mode.DIRECT)
+        elif use in (LeafUse.SINGLE, LeafUse.MULTI):
+            plan.modes.append(Mode.INGREDIENTS)
         else:
-            plan.modes.append(rule)  # residual | unused
+            plan.modes.append(Mode.RESIDUAL if use is LeafUse.RESIDUAL else Mode.UNUSED)
     # (one decision per call: every tile loop, explain's rules and the cost model agree)
     cache_blocks = any(r.cache_blocks for r in reductions)
     for p, site in analysis.sites.items():
@@ -174,7 +186,7 @@ def make_plan(
 
 def _site_request(plan, site):
     mode = plan.modes[site.leaf]
-    if mode == "direct":
+    if mode is Mode.DIRECT:
         req = plan.site_requests()
         if plan.keep_for_clip and plan.kernels[site.path].keeps_products_for_clip():
             # the norms' tile loop keeps each G_b for the clipped sum: no contraction
@@ -327,7 +339,7 @@ class _Chunk:
             i: compat.make_varying(
                 jnp.broadcast_to(self.diff[i], (B,) + tuple(jnp.shape(self.diff[i]))),
                 self.data_axes)
-            for i, m in enumerate(plan.modes) if m == "residual"
+            for i, m in enumerate(plan.modes) if m is Mode.RESIDUAL
         }
 
     def backward(self, plan, ev, sinks, copies):
@@ -431,7 +443,7 @@ def _init_sinks(plan, ch, cache, carry):
         for p, s in sites.items():
             # (a sliced view's values are merged: outside the slice they are those of
             # this chunk's zero gradients, `Reduction.to_leaf`)
-            if plan.modes[s.leaf] == "direct" and not s.pads:
+            if plan.modes[s.leaf] is Mode.DIRECT and not s.pads:
                 sinks[p] = _carry_sink(plan, s, sinks[p], carry, ch.leaf_axes(s.leaf))
                 done.update((j, s.leaf) for j, r in enumerate(plan.reductions) if r.carries)
     return sinks, done
@@ -456,13 +468,13 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
         mode = plan.modes[i]
         acc = acc_dtype_for(aval.dtype)
         sites = plan.analysis.leaves[i].sites
-        if mode == "unused":
+        if mode is Mode.UNUSED:
             for j, r in enumerate(plan.reductions):
                 values[j][i] = plan.bound(r, i).zeros(tuple(aval.shape), acc, B)
             norms_leaf[i] = jnp.zeros((B,), acc)
             deferred[i] = lambda c, finite_only=False, aval=aval, acc=acc: jnp.zeros(
                 aval.shape, acc)
-        elif mode == "residual":
+        elif mode is Mode.RESIDUAL:
             G = copy_cts[i].astype(acc)
             if plan.weights is not None:  # (a padded example's NaN never enters)
                 keep = ew.kept(plan.weights[0], (G,)).reshape((-1,) + (1,) * (G.ndim - 1))
@@ -474,7 +486,7 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
                 norms_leaf[i] = S.Norms().from_examples(G)
             deferred[i] = lambda c, finite_only=False, G=G: (
                 _finite_sum(G, c) if finite_only else weighted_sum_materialised(G, c))
-        elif mode == "direct":
+        elif mode is Mode.DIRECT:
             (site,) = sites
             ct = sink_cts[site.path]
             for j, r in enumerate(plan.reductions):
@@ -632,13 +644,13 @@ def _reweighted_sums(plan, ch, cache, cs):
         per_leaf = []
         for i, aval in enumerate(plan.leaf_avals):
             acc = acc_dtype_for(aval.dtype)
-            if plan.modes[i] == "residual":
+            if plan.modes[i] is Mode.RESIDUAL:
                 G = copy_cts[i].astype(acc)
                 if plan.weights is not None:  # (a padded example's NaN never enters)
                     keep = ew.kept(plan.weights[0], (G,)).reshape((-1,) + (1,) * (G.ndim - 1))
                     G = jnp.where(keep, G, jnp.zeros((), G.dtype))
                 v = weighted_sum_materialised(G, c[i])
-            elif plan.modes[i] == "unused":
+            elif plan.modes[i] is Mode.UNUSED:
                 v = jnp.zeros(aval.shape, acc)
             else:
                 v = sum(_to_leaf(sink_cts[s.path][SUMS][k], s).astype(acc)

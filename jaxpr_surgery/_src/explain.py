@@ -17,6 +17,7 @@ from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared, collector_paused, front_half
 from jaxpr_surgery._src.engine import (
+    Mode,
     clips_by_recompute,
     leaf_feature_tile,
     multi_site_routes,
@@ -527,7 +528,7 @@ class _LeafRules:
             rl = dataclasses.replace(
                 rl, how=rl.how + " then a reweighted backward pass (remat: nothing kept)" + by
             )
-        elif (r.weighted_by_norm and self.plan.modes[self.i] == "direct"
+        elif (r.weighted_by_norm and self.plan.modes[self.i] is Mode.DIRECT
               and k.keeps_products_for_clip()):
             # the norms' products G_b are kept for the weighted sum (engine._site_request)
             rl = dataclasses.replace(
