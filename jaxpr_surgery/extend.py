@@ -11,11 +11,19 @@ JAX function it computes, and every layer inside gets the package's fast rules:
     js.extend.register_custom_op(fused_dense, lambda w, x: x @ w)
     js.extend.check_rule(loss)(params, batch)   # the op's backward is the reference's
 
+An op with no JAX reference (a Pallas kernel) gets a rule instead: a `CustomOpRule`
+whose ``per_example_grad`` reads the op's operands and output cotangents (`OpSite`),
+with optional cheaper ``sq_norms`` and ``summed_grad``:
+
+    js.extend.register_custom_op(pallas_dense, rule=MyDenseRule())
+
 See docs/extending.md.
 """
 
 from jaxpr_surgery._src.check import check_rule as check_rule
+from jaxpr_surgery._src.custom_ops import CustomOpRule as CustomOpRule
+from jaxpr_surgery._src.custom_ops import OpSite as OpSite
 from jaxpr_surgery._src.custom_ops import Registration as Registration
 from jaxpr_surgery._src.custom_ops import register_custom_op as register_custom_op
 
-__all__ = ["register_custom_op", "check_rule", "Registration"]
+__all__ = ["register_custom_op", "check_rule", "Registration", "CustomOpRule", "OpSite"]

@@ -303,8 +303,8 @@ def test_registry_is_keyed_by_primitive_objects():
         assert prios == sorted(prios, reverse=True)
     assert base._DEFAULT == [GenericKernel]
     assert sorted(base.KERNELS) == [
-        "conv", "dense", "embedding", "generic", "merged-lora", "onehot-embedding",
-        "ragged-dense", "scale-shift",
+        "conv", "custom-op", "dense", "embedding", "generic", "merged-lora",
+        "onehot-embedding", "ragged-dense", "scale-shift",
     ]
 
 

@@ -323,3 +323,109 @@ def test_registration_errors():
     with js.extend.register_custom_op(dense, _dense_ref):
         with pytest.raises(ValueError, match="already registered"):
             js.extend.register_custom_op(dense, _dense_ref)
+
+
+# --------------------------------------------------------------------------- #
+# Rules without a reference: js.extend.CustomOpRule
+# --------------------------------------------------------------------------- #
+class DenseRule(js.extend.CustomOpRule):
+    """``x @ w``'s per-example gradient: ``x_b^T dy_b`` over the example's tokens."""
+
+    def per_example_grad(self, site):
+        w, x = site.operands
+        (dy,) = site.cotangents
+        return jnp.einsum("b...i,b...j->bij", x, dy)
+
+
+class GhostDenseRule(DenseRule):
+    """With a ghost norm and a weighted contraction: no per-example gradient formed."""
+
+    def sq_norms(self, site):
+        w, x = site.operands
+        (dy,) = site.cotangents
+        x, dy = x.reshape(x.shape[0], -1, x.shape[-1]), dy.reshape(dy.shape[0], -1, dy.shape[-1])
+        return jnp.einsum("bts,bts->b", x @ jnp.swapaxes(x, 1, 2), dy @ jnp.swapaxes(dy, 1, 2))
+
+    def summed_grad(self, site):
+        w, x = site.operands
+        (dy,) = site.cotangents
+        return jnp.einsum("b...i,b...j->ij", x, dy)
+
+
+@pytest.mark.parametrize("rule", [DenseRule, GhostDenseRule])
+def test_a_rule_serves_its_op_exactly(rule):
+    with jax.enable_x64(True):
+        p, batch = _case()
+        with js.extend.register_custom_op(dense, rule=rule()), js.extend.register_custom_op(
+                affine, _affine_ref):
+            rep = js.explain(_loss, STATS)(p, batch)
+            kinds = {str(leaf.path): leaf.kinds for leaf in rep.leaves}
+            assert all("custom-op" in kinds[k] for k in ("['stack']", "['mid']", "['out']"))
+            out = jax.jit(js.per_example_stat(_loss, STATS))(p, batch)
+            _check(out, _oracle(p, batch), rtol=1e-11, atol=1e-13)
+            assert sorted(js.extend.check_rule(_loss)(p, batch)) == ["affine", "dense"]
+            norms = js.explain(_loss, js.stats.sq_norms())(p, batch)
+            want = "streamed" if rule is GhostDenseRule else "materialised"
+            assert {leaf.rule for leaf in norms.leaves if "custom-op" in leaf.kinds} == {want}
+
+
+def test_a_rule_in_float32_with_weights_and_chunks():
+    p, batch = _case(jnp.float32)
+    w = jnp.asarray([1.0, 0.0, 2.0, 1.0, 0.5], jnp.float32)
+    with js.extend.register_custom_op(dense, rule=GhostDenseRule()):
+        got = js.per_example_stat(_loss, STATS, chunk_size=2)(p, batch, example_weights=w)
+        plain = js.per_example_stat(_loss, STATS, chunk_size=2)
+    with js.extend.register_custom_op(dense, _dense_ref):  # (the reference route: dense rules)
+        want = js.per_example_stat(_loss, STATS, chunk_size=2)(p, batch, example_weights=w)
+    del plain
+    for name in STATS:
+        for a, b in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want[name])):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-5, err_msg=name)
+
+
+class _Twice(DenseRule):
+    def per_example_grad(self, site):
+        return 2 * super().per_example_grad(site)
+
+
+class _BadNorms(DenseRule):
+    def sq_norms(self, site):
+        return jnp.sum(self.per_example_grad(site), axis=(1, 2)) ** 2  # not the squares' sum
+
+
+class _BadSum(DenseRule):
+    def summed_grad(self, site):
+        return jnp.sum(self.per_example_grad(site), axis=0) / site.batch_size  # a mean
+
+
+@pytest.mark.parametrize("rule, method", [(_Twice, "per_example_grad"),
+                                          (_BadNorms, "sq_norms"), (_BadSum, "summed_grad")])
+def test_check_rule_names_the_method_that_breaks_its_law(rule, method):
+    with jax.enable_x64(True):
+        p, batch = _case()
+        with js.extend.register_custom_op(dense, rule=rule()), js.extend.register_custom_op(
+                affine, _affine_ref):
+            with pytest.raises(ValueError, match=f"The rule's {method} "):
+                js.extend.check_rule(_loss)(p, batch)
+
+
+def test_a_rule_of_the_wrong_shape_is_refused():
+    class Flat(DenseRule):
+        def per_example_grad(self, site):
+            return super().per_example_grad(site).reshape(site.batch_size, -1)
+
+    with jax.enable_x64(True):
+        p, batch = _case()
+        with js.extend.register_custom_op(dense, rule=Flat()):
+            with pytest.raises(ValueError, match=r"Flat.per_example_grad \(the rule of custom op "
+                                                 r"dense\) returned shape"):
+                js.per_example_stat(_loss, js.stats.second_moment())(p, batch)
+
+
+def test_rule_registration_errors():
+    with pytest.raises(ValueError, match="either a reference or a rule"):
+        js.extend.register_custom_op(dense, _dense_ref, rule=DenseRule())
+    with pytest.raises(TypeError, match="rule must be a js.extend.CustomOpRule"):
+        js.extend.register_custom_op(dense, rule=DenseRule)  # the class, not an instance
+    with pytest.raises(TypeError, match="must override per_example_grad"):
+        js.extend.register_custom_op(dense, rule=js.extend.CustomOpRule())

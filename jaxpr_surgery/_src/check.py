@@ -357,20 +357,24 @@ def check_rule(
     atol: float | None = None,
 ) -> Callable[..., list]:
     r"""Checks, on ``fn``'s own model and batch, each registered custom op it calls
-    against the reference it was registered with (`register_custom_op`); raises if one
-    disagrees.
+    against the reference or the rule it was registered with (`register_custom_op`);
+    raises if one disagrees.
 
-    Statistics of a registered op's parameters come from its reference. This check
-    makes sure that is the op the model trains with: for each op, on every example
-    alone in a batch of one (as the statistics see it),
+    Statistics of a registered op's parameters come from its reference or its rule. This
+    check makes sure they are those of the op the model trains with, on every example
+    alone in a batch of one (as the statistics see it), against the per-example
+    gradients through the op's own backward pass (``jax.vmap(jax.grad(per_example_loss))``,
+    as JAX differentiates the op):
 
-    * the loss with the op, and with the op replaced by its reference, must agree
-      (the forward);
-    * the per-example gradient of every differentiated leaf through the op's own
-      backward pass (``jax.vmap(jax.grad(per_example_loss))``, as JAX differentiates
-      the op) must agree with the gradient through the reference. An approximate or
-      straight-through backward, a backward that rescales, or a reference of another
-      layout fails here, with the op, the leaf and the error named.
+    * an op with a reference: the loss with the op and with the op replaced by its
+      reference must agree (the forward), and so must every differentiated leaf's
+      per-example gradient through the op's backward and through the reference. An
+      approximate or straight-through backward, a backward that rescales, or a reference
+      of another layout fails, with the op, the leaf and the error named;
+    * an op with a rule (`CustomOpRule`): the statistics computed with the rule (mean,
+      second moment, per-leaf squared norms, a clipped mean) must equal those of the
+      op's per-example gradients; a failure names the rule's method whose law breaks
+      (``per_example_grad``, ``sq_norms`` or ``summed_grad``).
 
     Args:
       fn: the loss, ``fn(*args) -> scalar`` (or ``(scalar, aux)`` with ``has_aux``),
@@ -416,8 +420,12 @@ def check_rule(
         dtypes = [x.dtype for x in prep.diff_leaves] + [closed.out_avals[0].dtype]
         tol = _Tolerance.for_dtype(jnp.result_type(*dtypes), rtol, atol)
         for entry in entries:
-            theirs = _per_example_values(custom_ops.substitute(closed, only=entry), prep)
-            _compare_rule(entry.name, prep, mine, theirs, tol)
+            if entry.reference is not None:
+                theirs = _per_example_values(custom_ops.substitute(closed, only=entry), prep)
+                _compare_rule(entry.name, prep, mine, theirs, tol)
+        rules = [e for e in entries if e.rule is not None]
+        if rules:
+            _check_rules(fn, args, prep, mine, tol, rules, opts)
         return [e.name for e in entries]
 
     return check
@@ -466,3 +474,56 @@ def _compare_rule(name, prep, mine, theirs, tol):
             "model. Remove the registration: the op's parameters then take the exact "
             "per-example route through its own backward."
         )
+
+
+def _check_rules(fn, args, prep, mine, tol, entries, opts):
+    """The statistics of ``fn`` with the ops' rules (mean, second moment, per-leaf squared
+    norms, a clipped mean) against those of the per-example gradients through the ops'
+    own backward passes (``mine``); raises naming the rule's method whose law fails."""
+    from jaxpr_surgery._src import api
+    from jaxpr_surgery._src import stats as S
+
+    _, g_op = mine
+    B = prep.B
+    sq = [np.sum(g.reshape(B, -1) ** 2, axis=1) for g in g_op]
+    norms = np.sqrt(np.sum(sq, axis=0))
+    clip = float(np.median(norms)) or 1.0
+    coef = np.minimum(1.0, clip / np.where(norms > 0, norms, 1.0))
+    want = {
+        "mean": [g.mean(0) for g in g_op],
+        "second_moment": [(g**2).mean(0) for g in g_op],
+        "sq_norms": sq,
+        "clipped_mean": [np.tensordot(coef, g, 1) / B for g in g_op],
+    }
+    stats = {"mean": S.mean(), "second_moment": S.second_moment(),
+             "sq_norms": S.sq_norms(per_leaf=True), "clipped_mean": S.clipped_mean(clip)}
+    got = api.per_example_stat(fn, stats, argnums=opts.argnums,
+                               batch_argnums=opts.batch_argnums,
+                               keep_batch_dim=opts.keep_batch_dim, has_aux=opts.has_aux)(*args)
+    if opts.has_aux:
+        got = got[0]
+    bad = {}
+    for name, ws in want.items():
+        gs = [np.asarray(x, np.float64) for x in prep.flatten_like_diff(got[name])]
+        for path, a, b in zip(prep.diff_paths, gs, ws):
+            scale = float(np.max(np.abs(b))) if b.size else 0.0
+            err = float(np.max(np.abs(a - b))) if b.size else 0.0
+            if not tol.close(err, 0.0, scale):
+                bad.setdefault(name, []).append(f"{path or '(params)'} up to {err:.3g} off "
+                                                f"(values up to {scale:.3g})")
+    if not bad:
+        return
+    which = ("per_example_grad" if "second_moment" in bad
+             else "sq_norms" if "sq_norms" in bad else "summed_grad")
+    names = ", ".join(e.name for e in entries)
+    raise ValueError(
+        f"{_RULE}: the rules of custom op(s) {names}: the statistics with the rule and those "
+        "of the per-example gradients through the op's own backward pass differ (rtol="
+        f"{tol.rtol}, atol={tol.atol}): "
+        + "; ".join(f"{k}: " + ", ".join(v) for k, v in bad.items())
+        + f". The rule's {which} "
+        + ("does not give the op's per-example gradients (its backward pass, for the "
+           "cotangents given)." if which == "per_example_grad" else
+           "breaks its law (equal to what per_example_grad gives: "
+           + ("the squares summed per example)." if which == "sq_norms" else
+              "the gradients summed).")))

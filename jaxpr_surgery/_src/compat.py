@@ -154,6 +154,8 @@ def _custom_prims():
 
 
 custom_prims = _custom_prims()
+custom_vjp_call_p = _first(
+    lambda: __import__("jax._src.custom_derivatives", fromlist=["x"]).custom_vjp_call_p)
 
 sharding_constraint_p = _first(
     lambda: __import__("jax._src.pjit", fromlist=["x"]).sharding_constraint_p,

@@ -38,8 +38,9 @@ _PRIMAL_TEXT: dict = {}  # (op id, operand types) -> the printed jaxpr of the op
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Entry:
     op: Any
-    reference: Callable
+    reference: Callable | None  # (None: the op keeps its own calls, served by `rule`)
     name: str
+    rule: Any = None  # a `CustomOpRule`
 
 
 class Registration:
@@ -56,8 +57,12 @@ class Registration:
         return self._entry.op
 
     @property
-    def reference(self) -> Callable:
+    def reference(self) -> Callable | None:
         return self._entry.reference
+
+    @property
+    def rule(self):
+        return self._entry.rule
 
     @property
     def active(self) -> bool:
@@ -84,18 +89,31 @@ def _op_name(op) -> str:
     return getattr(fun, "__name__", None) or repr(op)
 
 
-def register_custom_op(op, reference: Callable | None = None) -> Registration:
-    """Registers what the ``jax.custom_vjp`` op ``op`` computes: ``reference``.
+def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> Registration:
+    """Registers what the ``jax.custom_vjp`` op ``op`` computes (``reference``), or how its
+    parameter's per-example gradients are formed (``rule``).
 
-    From then on (for every trace made afterwards), the statistics treat each call of
-    ``op`` as a call of ``reference``: the analysis looks inside it, so a fused dense
-    layer gets the dense rules (streamed E[g²], ghost norms, ...), a fused norm layer the
-    scale-shift ones. The loss's value, the other inputs' cotangents and the statistics
-    are those of the model with ``reference`` in place of ``op``, exactly what
+    With a ``reference`` (for every trace made afterwards), the statistics treat each
+    call of ``op`` as a call of ``reference``: the analysis looks inside it, so a fused
+    dense layer gets the dense rules (streamed E[g²], ghost norms, ...), a fused norm
+    layer the scale-shift ones. The loss's value, the other inputs' cotangents and the
+    statistics are those of the model with ``reference`` in place of ``op``, exactly what
     ``jax.grad`` gives where ``op``'s backward pass is the derivative of ``reference``.
-    `check_rule` checks that on your model; an approximate or straight-through backward
-    fails it. Without a registration, ``op``'s parameters take the exact per-example
-    route through its own backward (correct, slower).
+
+    With a ``rule`` (a `CustomOpRule`), the op's calls stay as they are (its forward and
+    backward passes give the loss and the other cotangents) and its parameter's
+    per-example gradients (squared norms, sums where the rule has them) come
+    from the rule, read from the op's operands and output cotangents: for an op with no
+    JAX reference (a Pallas kernel). The op's parameter must be one of its operands
+    itself (no parameter-only step between, such as ``w.T``: that call keeps the exact
+    route).
+
+    `check_rule` checks either on your model; an approximate or straight-through
+    backward, or a rule that is not what the op's backward gives, fails it. Without a
+    registration, an op whose one parameter operand meets the data has its exact
+    per-example gradients through ``jax.vmap`` of its own VJP (``materialised`` in
+    `jaxpr_surgery.explain`, the cost of ``vmap(grad)``); one of several parameters
+    reads them per example (``fallback``).
 
     Args:
       op: a ``jax.custom_vjp`` function with its rule given (``op.defvjp(fwd, bwd)``),
@@ -103,20 +121,21 @@ def register_custom_op(op, reference: Callable | None = None) -> Registration:
         its forward program: two ops sharing one backward function are told apart.
       reference: a function with the op's signature (``reference(w, x)`` for
         ``op(w, x)``; the same pytrees of arrays) returning its outputs (the same leaves
-        in ``jax.tree.leaves`` order), written with ordinary JAX operations. ``None``:
-        the op's own forward function (``op.fun``): declares that its custom backward is
-        the exact derivative of its forward (a memory-saving or numerically stabler
-        backward).
+        in ``jax.tree.leaves`` order), written with ordinary JAX operations. ``None``
+        (and no ``rule``): the op's own forward function (``op.fun``): declares that its
+        custom backward is the exact derivative of its forward (a memory-saving or
+        numerically stabler backward).
+      rule: a `CustomOpRule` instance, instead of a reference.
 
     Returns:
       A `Registration`: ``.remove()`` unregisters the op; used as a context manager,
       the op is registered inside the ``with`` block only.
 
     Raises:
-      TypeError: ``op`` is not a ``jax.custom_vjp`` function, or ``reference`` is not
-        callable.
-      ValueError: the op has no rule yet, or it (or an op sharing its backward
-        function) is already registered.
+      TypeError: ``op`` is not a ``jax.custom_vjp`` function, ``reference`` is not
+        callable, or ``rule`` is not a `CustomOpRule` overriding ``per_example_grad``.
+      ValueError: the op has no backward yet, it (or an op sharing its backward
+        function) is already registered, or both a reference and a rule are given.
       NotImplementedError: ``jax.custom_jvp`` ops and ops with ``nondiff_argnums``.
 
     Examples:
@@ -160,9 +179,26 @@ def register_custom_op(op, reference: Callable | None = None) -> Registration:
             "registered so far. Close over those arguments instead (define the op inside "
             "a function of them), or pass them as arrays."
         )
-    if reference is None:
+    if rule is not None:
+        if reference is not None:
+            raise ValueError(
+                f"{where}: {_op_name(op)}: give either a reference or a rule, not both (a "
+                "reference makes the op's calls its reference's; a rule keeps them)."
+            )
+        if not isinstance(rule, CustomOpRule):
+            raise TypeError(
+                f"{where}: rule must be a js.extend.CustomOpRule instance, got "
+                f"{rule!r}" + (" (a class: instantiate it)" if isinstance(rule, type) else "")
+                + "."
+            )
+        if not rule.has("per_example_grad"):
+            raise TypeError(
+                f"{where}: {type(rule).__name__} must override per_example_grad (the one "
+                "method a CustomOpRule requires)."
+            )
+    elif reference is None:
         reference = op.fun
-    if not callable(reference):
+    if rule is None and not callable(reference):
         raise TypeError(
             f"{where}: reference must be a function of the op's operands, got "
             f"{type(reference).__name__}."
@@ -174,7 +210,7 @@ def register_custom_op(op, reference: Callable | None = None) -> Registration:
             f"{where}: {_op_name(op)}: the {what} is already registered; call .remove() on "
             "its registration first (or register it in a `with` block)."
         )
-    entry = _Entry(op, reference, _op_name(op))
+    entry = _Entry(op, reference, _op_name(op), rule)
     _BY_BWD[op.bwd] = entry
     return Registration(entry)
 
@@ -248,7 +284,8 @@ def _substitute_jaxpr(jaxpr, only):
     eqns, changed = [], False
     for eqn in jaxpr.eqns:
         found = entry_of(eqn)
-        if found is not None and (only is None or found[0] is only):
+        if (found is not None and found[0].reference is not None
+                and (only is None or found[0] is only)):
             new = _reference_eqn(eqn, *found)
         else:
             new = compat.map_subjaxprs(eqn, lambda j: _substitute_jaxpr(j, only))
@@ -281,3 +318,94 @@ def ops_in(closed) -> list:
 
     walk(closed.jaxpr)
     return list(found.values())
+
+
+# --------------------------------------------------------------------------- #
+# Rules for an op without a reference: the per-example gradient from the op's operands
+# and output cotangents (the kernel: sites/custom.py)
+# --------------------------------------------------------------------------- #
+@dataclasses.dataclass(frozen=True)
+class OpSite:
+    """What a `CustomOpRule` reads at one call of its op, for the batch's ``B`` examples.
+
+    Attributes:
+      operands: the op's operands (the leaves of its arguments, in ``jax.tree.leaves``
+        order). Those that depend on the example have a leading example axis ``B``, each
+        example's operand after it as the op saw it (with ``keep_batch_dim=True``, the
+        default, on a batch of one: ``x [B, 1, T, d]`` for an op called on ``x [b, T,
+        d]``); the others (the parameter among them) are as the op saw them.
+      batched: for each operand, whether it has the example axis.
+      param_index: the position of the parameter among ``operands``.
+      cotangents: the cotangents of the op's outputs (their leaves), each ``[B, ...]``.
+
+    A pytree (its arrays are the leaves).
+    """
+
+    operands: tuple
+    batched: tuple
+    param_index: int
+    cotangents: tuple
+
+    @property
+    def param(self):
+        """The parameter operand (not batched)."""
+        return self.operands[self.param_index]
+
+    @property
+    def batch_size(self) -> int:
+        return jax.tree.leaves(self.cotangents)[0].shape[0]
+
+    def with_cotangents(self, cotangents) -> OpSite:
+        return dataclasses.replace(self, cotangents=tuple(cotangents))
+
+
+# (a pytree: the arrays are its leaves, which operands are batched and where the
+# parameter is are static)
+jax.tree_util.register_dataclass(
+    OpSite, data_fields=["operands", "cotangents"], meta_fields=["batched", "param_index"])
+
+
+class CustomOpRule:
+    """A layer rule for a ``jax.custom_vjp`` op without a JAX reference (a Pallas kernel,
+    a fused call): what the op's parameter's per-example gradients are, from the op's
+    operands and output cotangents (`OpSite`).
+
+    Subclass it and override `per_example_grad` (required); override `sq_norms` and
+    `summed_grad` where you have a cheaper form (each states its law; what a rule does
+    not override is derived from `per_example_grad`, and `explain` says so). Register it
+    with ``register_custom_op(op, rule=MyRule())``. Every method is called inside the
+    backward pass, traced once per call of the op, and must be **linear in the
+    cotangents, example by example** (the package scales them: constant factors of the
+    parameter, example weights, clipping coefficients).
+    """
+
+    def per_example_grad(self, site: OpSite):
+        """``[B, *param.shape]``: example ``b``'s gradient with respect to the parameter
+        operand, as the op's backward pass gives it for cotangents ``site.cotangents[b]``
+        (law: ``check_rule`` compares it with ``jax.vmap`` of the op's own VJP)."""
+        raise NotImplementedError(
+            f"{type(self).__name__}: a CustomOpRule must override per_example_grad.")
+
+    def sq_norms(self, site: OpSite):
+        """``[B]``: each example's squared gradient norm (law: equal to
+        ``jnp.sum(per_example_grad(site) ** 2)`` over every axis but the first). Optional:
+        override where it is cheaper than forming the gradients (a ghost norm)."""
+        raise NotImplementedError
+
+    def summed_grad(self, site: OpSite):
+        """``param.shape``: the examples' gradients summed (law: equal to
+        ``per_example_grad(site).sum(0)``), as the op's own backward pass computes the
+        parameter's gradient. Optional: override where it is cheaper (a contraction).
+        It serves every sum of the gradients (the mean; weighted and clipped sums read it
+        with the cotangents scaled example by example)."""
+        raise NotImplementedError
+
+    def has(self, name: str) -> bool:
+        """Whether the rule overrides the optional method ``name``."""
+        return getattr(type(self), name) is not getattr(CustomOpRule, name)
+
+
+def rule_of(eqn):
+    """The `CustomOpRule` registered for the op ``eqn`` calls, or None."""
+    hit = entry_of(eqn)
+    return None if hit is None else hit[0].rule

@@ -2,6 +2,7 @@
 this package registers them all)."""
 
 from jaxpr_surgery._src.sites import conv as _conv  # noqa: F401
+from jaxpr_surgery._src.sites import custom as _custom  # noqa: F401
 from jaxpr_surgery._src.sites import dense as _dense  # noqa: F401
 from jaxpr_surgery._src.sites import embedding as _embedding  # noqa: F401
 from jaxpr_surgery._src.sites import generic as _generic  # noqa: F401

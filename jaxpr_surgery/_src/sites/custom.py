@@ -1,0 +1,119 @@
+"""Sites of a ``jax.custom_vjp`` op registered with a rule (`custom_ops.CustomOpRule`):
+the per-example gradient of its parameter from the op's operands and output cotangents,
+by the user's rule (``jaxpr_surgery.extend.register_custom_op(op, rule=...)``).
+
+The context is the call's `custom_ops.OpSite`; its ingredients (for norms after the
+backward pass, clipped sums, several sites of one leaf) are the per-example gradients.
+The rule's optional squared norms and summed gradient serve `stats.SqNorms` and the plain
+(linear) sum where it has them; every other reduction reads `per_example_grad`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxpr_surgery._src import compat, custom_ops
+from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.sites.base import (
+    MATERIALISED,
+    STREAMED,
+    Fast,
+    Kernel,
+    Rule,
+    register,
+    times_examples,
+    weighted_sum_materialised,
+)
+
+
+@register
+class CustomRuleKernel(Kernel):
+    """A registered custom op's parameter: its per-example gradient by the user's rule."""
+
+    kind = "custom-op"
+    anchors = tuple(p for p in (compat.custom_vjp_call_p,) if p is not None)
+
+    @classmethod
+    def matches(cls, eqn, tag, pos, patterns):
+        # (the parameter itself an operand: no parameter-only step between)
+        return not tag.pre and len(set(pos)) == 1 and custom_ops.rule_of(eqn) is not None
+
+    def __init__(self, site, acc_dtype, budget=None):
+        super().__init__(site, acc_dtype, budget)
+        self.user_rule = custom_ops.rule_of(site.eqn)
+        self.name = custom_ops.entry_of(site.eqn)[0].name
+
+    def prepare(self, w, ext, ext_batched, dy):
+        site = self.site
+        operands, batched = [], []
+        for v in site.eqn.invars:
+            if v is site.base:
+                operands.append(w)
+                batched.append(False)
+            elif isinstance(v, compat.Literal):
+                operands.append(v.val)
+                batched.append(False)
+            else:
+                k = site.ext_vars.index(v)
+                operands.append(ext[k])
+                batched.append(bool(ext_batched[k]))
+        dys = tuple(dy) if isinstance(dy, (tuple, list)) else (dy,)
+        return custom_ops.OpSite(tuple(operands), tuple(batched), site.param_pos, dys)
+
+    def scale(self, ctx, c):
+        return ctx.with_cotangents(d * jnp.asarray(c).astype(d.dtype) for d in ctx.cotangents)
+
+    def scale_examples(self, ctx, s):
+        return ctx.with_cotangents(times_examples(d, s) for d in ctx.cotangents)
+
+    def _grads(self, ctx):
+        G = self.user_rule.per_example_grad(ctx)
+        want = (ctx.batch_size,) + tuple(self.site.view_shape)
+        if tuple(G.shape) != want:
+            raise ValueError(
+                f"{type(self.user_rule).__name__}.per_example_grad (the rule of custom op "
+                f"{self.name}) returned shape {tuple(G.shape)}; expected {want} (the batch, "
+                "then the parameter operand's shape)."
+            )
+        return G.astype(self.acc)
+
+    def materialise(self, ing):
+        return self._grads(ing) if isinstance(ing, custom_ops.OpSite) else ing
+
+    def ingredients(self, ctx):
+        return self._grads(ctx)
+
+    def ingredient_avals(self, B):
+        return jax.ShapeDtypeStruct((B,) + tuple(self.site.view_shape), self.acc)
+
+    def weighted_sum(self, ing, c):
+        if isinstance(ing, custom_ops.OpSite) and self.user_rule.has("summed_grad"):
+            return self.user_rule.summed_grad(self.scale_examples(ing, c)).astype(self.acc)
+        return weighted_sum_materialised(self.materialise(ing), c)
+
+    def rule(self, reduction, B) -> Rule:
+        view = math.prod(self.site.view_shape)
+        item = jnp.dtype(self.acc).itemsize
+        fast = self.fast_rule(reduction)
+        if fast is not None:
+            what = "sq_norms" if isinstance(reduction, S.SqNorms) else "summed_grad"
+            return Rule(STREAMED, f"custom rule {what}", float(2 * B * view), 0.0)
+        return Rule(MATERIALISED, "custom rule per_example_grad", float(2 * B * view),
+                    float(B * view * item))
+
+
+def _sq_norms(kernel, ctx, r):
+    return kernel.user_rule.sq_norms(ctx).astype(kernel.acc)
+
+
+def _plain_sum(kernel, ctx, r):
+    return kernel.user_rule.summed_grad(ctx).astype(kernel.acc)
+
+
+CustomRuleKernel.FAST = {
+    S.SqNorms: Fast(_sq_norms, lambda k, r: k.user_rule.has("sq_norms")),
+    S.PhiSum: Fast(_plain_sum, lambda k, r: r.linear and k.user_rule.has("summed_grad")),
+}
