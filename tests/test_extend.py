@@ -162,6 +162,21 @@ def test_an_unregistered_op_takes_the_exact_route():
         _check(out, _oracle(p, batch), rtol=1e-11, atol=1e-13)
 
 
+def test_explain_names_the_registered_ops(registered):
+    with jax.enable_x64(True):
+        p, batch = _case()
+        rep = js.explain(_loss, js.stats.mean())(p, batch)
+        note = next(n for n in rep.notes if "js.extend" in n)
+        assert "dense (by its reference" in note and "affine (by its reference" in note
+        assert "Custom ops registered with js.extend" in str(rep)
+
+
+def test_explain_names_an_op_registered_with_a_rule():
+    with js.extend.register_custom_op(dense, rule=DenseRule()):
+        rep = js.explain(_loss, js.stats.mean())(*_case(jnp.float32))
+        assert any("dense (by its rule DenseRule)" in n for n in rep.notes), rep.notes
+
+
 def test_a_removed_registration_applies_to_later_traces():
     with jax.enable_x64(True):
         p, batch = _case()

@@ -215,6 +215,11 @@ def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> R
     return Registration(entry)
 
 
+def registered() -> bool:
+    """Whether any op is registered."""
+    return bool(_BY_BWD)
+
+
 def _types(avals) -> tuple:
     return tuple((tuple(a.shape), str(a.dtype)) for a in avals)
 

@@ -12,7 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import chunking, compat, dots, explain_table, independence, kron, tiling
+from jaxpr_surgery._src import (
+    chunking,
+    compat,
+    custom_ops,
+    dots,
+    explain_table,
+    independence,
+    kron,
+    tiling,
+)
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared, collector_paused, front_half
@@ -293,6 +302,7 @@ def explain(
                        else independence.Verdict(independence.SKIPPED, "check=False"))
             notes = _notes(verdict, spec, prep, front.plan, reductions, names, reqs,
                            chunking.whole_for_the_allocator(chunk_size, B, act))
+            notes.extend(_custom_op_notes(prep))
         gflops = gmem = None
         if compare_grad:
             gflops, gmem = _grad_cost(f, args, prep)
@@ -316,6 +326,20 @@ def explain(
         )
 
     return run
+
+
+def _custom_op_notes(prep):
+    """A note naming the registered custom ops the loss calls (`custom_ops`)."""
+    if not custom_ops.registered():
+        return []
+    entries = custom_ops.ops_in(prep.trace(substitute=False)[0])
+    if not entries:
+        return []
+    how = [f"{e.name} (by its reference: the layers inside get their rules)"
+           if e.reference is not None else f"{e.name} (by its rule {type(e.rule).__name__})"
+           for e in entries]
+    return ["Custom ops registered with js.extend: " + ", ".join(how) + "; their "
+            "statistics are those of the op where js.extend.check_rule passes on this model."]
 
 
 def _notes(verdict, spec, prep, plan, reductions, names, reqs, whole_for_allocator):
