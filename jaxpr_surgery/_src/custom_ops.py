@@ -32,7 +32,9 @@ import jax
 from jaxpr_surgery._src import compat
 
 _BY_BWD: dict = {}  # the op's backward function -> `_Entry`
-_PRIMAL_TEXT: dict = {}  # (op id, operand types) -> the printed jaxpr of the op's primal
+# (registration, argument tree, operand types) -> the printed jaxpr of the op's forward
+# at those operands (dropped with the registration)
+_PRIMAL_TEXT: dict = {}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -71,6 +73,8 @@ class Registration:
     def remove(self) -> None:
         if self.active:
             del _BY_BWD[self._entry.op.bwd]
+        for key in [k for k in _PRIMAL_TEXT if k[0] is self._entry]:
+            del _PRIMAL_TEXT[key]
 
     def __enter__(self):
         return self
@@ -252,7 +256,7 @@ def entry_of(eqn):
     if in_tree is None:
         return None
     avals = [v.aval for v in eqn.invars]
-    key = (id(entry.op), in_tree, _types(avals))
+    key = (entry, in_tree, _types(avals))
     text = _PRIMAL_TEXT.get(key)
     if text is None:
         try:

@@ -63,10 +63,16 @@ class CustomRuleKernel(Kernel):
         dys = tuple(dy) if isinstance(dy, (tuple, list)) else (dy,)
         return custom_ops.OpSite(tuple(operands), tuple(batched), site.param_pos, dys)
 
+    # (the rule's methods are linear in the cotangents: scaling them scales the gradients;
+    # a context rebuilt from ingredients is the gradients themselves)
     def scale(self, ctx, c):
+        if not isinstance(ctx, custom_ops.OpSite):
+            return super().scale(ctx, c)
         return ctx.with_cotangents(d * jnp.asarray(c).astype(d.dtype) for d in ctx.cotangents)
 
     def scale_examples(self, ctx, s):
+        if not isinstance(ctx, custom_ops.OpSite):
+            return super().scale_examples(ctx, s)
         return ctx.with_cotangents(times_examples(d, s) for d in ctx.cotangents)
 
     def _grads(self, ctx):
