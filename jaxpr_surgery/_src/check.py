@@ -448,6 +448,18 @@ def _per_example_values(closed, prep):
     return np.asarray(losses, np.float64), [np.asarray(g, np.float64) for g in grads]
 
 
+def _off_leaves(paths, got, want, tol):
+    """``[(path, max error, max |want|)]`` of the leaves where ``got`` is not within
+    ``tol`` of ``want`` (relative to the leaf's largest entry of ``want``)."""
+    bad = []
+    for path, a, b in zip(paths, got, want):
+        scale = float(np.max(np.abs(b))) if b.size else 0.0
+        err = float(np.max(np.abs(a - b))) if b.size else 0.0
+        if not tol.close(err, 0.0, scale):
+            bad.append((path or "(params)", err, scale))
+    return bad
+
+
 def _compare_rule(name, prep, mine, theirs, tol):
     (l_op, g_op), (l_ref, g_ref) = mine, theirs
     scale = float(np.max(np.abs(l_op))) if l_op.size else 0.0
@@ -458,12 +470,8 @@ def _compare_rule(name, prep, mine, theirs, tol):
             f"reference differ by up to {err:.3g} (losses up to {scale:.3g}; rtol={tol.rtol}, "
             f"atol={tol.atol}): the reference does not compute what the op computes."
         )
-    bad = []
-    for path, a, b in zip(prep.diff_paths, g_op, g_ref):
-        scale = float(np.max(np.abs(a))) if a.size else 0.0
-        err = float(np.max(np.abs(a - b))) if a.size else 0.0
-        if not tol.close(err, 0.0, scale):
-            bad.append(f"{path or '(params)'}: up to {err:.3g} off (entries up to {scale:.3g})")
+    bad = [f"{path}: up to {err:.3g} off (entries up to {scale:.3g})"
+           for path, err, scale in _off_leaves(prep.diff_paths, g_ref, g_op, tol)]
     if bad:
         raise ValueError(
             f"{_RULE}: custom op {name}: the per-example gradients through the op's own "
@@ -505,12 +513,10 @@ def _check_rules(fn, args, prep, mine, tol, entries, opts):
     bad = {}
     for name, ws in want.items():
         gs = [np.asarray(x, np.float64) for x in prep.flatten_like_diff(got[name])]
-        for path, a, b in zip(prep.diff_paths, gs, ws):
-            scale = float(np.max(np.abs(b))) if b.size else 0.0
-            err = float(np.max(np.abs(a - b))) if b.size else 0.0
-            if not tol.close(err, 0.0, scale):
-                bad.setdefault(name, []).append(f"{path or '(params)'} up to {err:.3g} off "
-                                                f"(values up to {scale:.3g})")
+        off = _off_leaves(prep.diff_paths, gs, ws, tol)
+        if off:
+            bad[name] = [f"{path} up to {err:.3g} off (values up to {scale:.3g})"
+                         for path, err, scale in off]
     if not bad:
         return
     which = ("per_example_grad" if "second_moment" in bad

@@ -247,7 +247,7 @@ def jaxpr_as_fun(closed):
 
 
 def eval_jaxpr(jaxpr, consts, *args):
-    return jex.core.jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)
+    return jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)
 
 
 def source_line(eqn) -> str:

@@ -43,8 +43,8 @@ class CustomRuleKernel(Kernel):
 
     def __init__(self, site, acc_dtype, budget=None):
         super().__init__(site, acc_dtype, budget)
-        self.user_rule = custom_ops.rule_of(site.eqn)
-        self.name = custom_ops.entry_of(site.eqn)[0].name
+        entry, _ = custom_ops.entry_of(site.eqn)
+        self.user_rule, self.name = entry.rule, entry.name
 
     def prepare(self, w, ext, ext_batched, dy):
         site = self.site
