@@ -168,23 +168,32 @@ def test_internal_import_scan_allows_public_jax(source):
 LAYERS = (
     # entry points (explain, partials and privacy build on api)
     ("api", "check", "explain", "explain_table", "optim", "partials", "privacy"),
+    ("arguments",),  # a call's arguments: parameters, batch, the statistics flattened
     ("chunking",),  # sizes chunks by lowering the engine
     ("gathers",),  # hand-written FSDP: leaves gathered over the examples' axis (api uses it)
     ("devices",),  # a batch sharded by XLA: reduced device by device (api uses it)
     ("engine",),
+    ("leaves",),  # a leaf's statistics from its sites' ingredients (single site, tying)
+    ("clipping", "ghost_cross"),
+    ("plans",),  # each leaf's mode, each site's kernel and requests
     ("interpreter",),
-    ("analysis",),  # asks the site registry (sites.base.kind_for) which kernel serves a site
+    ("site_fns",),  # the call at each site: its forward, and a backward into its sink
+    # the analysis asks the site registry (sites.base.kind_for) which kernel serves a site
+    ("analysis", "analysis_types"),
     ("sites",),  # one module per layer kind, and the registry
     ("kron", "dots"),  # reductions whose fast rules the kernels call
     ("tiling",),
     ("fused",),
     ("stats", "stats_research", "independence"),
+    ("statistic",),  # the Statistic protocol and the built-in statistics' classes
+    ("weighting", "clip_reductions"),  # example weights and clipped sums as reductions
     ("reductions",),  # the Reduction protocol and the built-in reductions
+    ("moments", "fn_equality"),  # merges of moments; equality of a reduction's functions
     ("fingerprint",),  # structural keys: repeated layers and per-leaf functions traced once
     # a site's view of its leaf; norms past the range of their squares; example weights;
     # trees given as a prefix of the parameters'; blocks of features (cuts)
     ("views", "norms", "example_weights", "prefix", "cuts", "custom_ops"),
-    ("compat",),
+    ("compat", "versions"),
 )
 
 # Edges allowed against the layers (none: the reduction protocol removed the last two,
@@ -288,6 +297,40 @@ def test_layer_checks_can_fail():
     graph["fused"].append(("tiling", 0))  # tiling imports fused: a circle
     assert any({"fused", "tiling"} <= set(c) for c in _cycles(graph))
     assert _layer_of("sites.base") < _layer_of("tiling")  # tiling -> sites.base: upward
+
+
+# --------------------------------------------------------------------------- #
+# Module sizes: one concept a module (issue 60: the engine at most 500 lines, no
+# module over 800). Split a module that grows past its limit by concept.
+# --------------------------------------------------------------------------- #
+MAX_LINES = 800
+MAX_LINES_OF = {"engine": 500}
+
+
+def _sizes():
+    return {
+        _module_name(path)[len(_PREFIX):]: len(src.splitlines())
+        for path, _, src, _ in _sources(SRC)
+    }
+
+
+def _too_long(sizes):
+    return [
+        f"jaxpr_surgery/_src/{name}: {n} lines (at most {MAX_LINES_OF.get(name, MAX_LINES)})"
+        for name, n in sorted(sizes.items()) if n > MAX_LINES_OF.get(name, MAX_LINES)
+    ]
+
+
+def test_no_module_grows_past_its_limit():
+    bad = _too_long(_sizes())
+    assert not bad, "modules over their size (split by concept):\n" + "\n".join(bad)
+
+
+def test_size_check_can_fail():
+    sizes = _sizes()
+    assert not _too_long(sizes)
+    assert _too_long({**sizes, "engine": 501})
+    assert _too_long({**sizes, "views": MAX_LINES + 1})
 
 
 # --------------------------------------------------------------------------- #
@@ -541,17 +584,17 @@ def test_tied_cross_layout_by_axes_equals_index_arrays(loss, shape, monkeypatch)
     index arrays of the table's size: seconds at GPT-2's vocabulary), is what the
     index arrays say, on every pair of sites of a tied table; and the statistic
     stays exact."""
-    from jaxpr_surgery._src import engine
+    from jaxpr_surgery._src import ghost_cross
 
     seen = []
-    inner = engine._cross_layout
+    inner = ghost_cross._cross_layout
 
     def spy(sa, ka, sb, kb, by_axes=True):
         fast, arrays = inner(sa, ka, sb, kb), inner(sa, ka, sb, kb, by_axes=False)
         seen.append((fast, arrays))
         return fast
 
-    monkeypatch.setattr(engine, "_cross_layout", spy)
+    monkeypatch.setattr(ghost_cross, "_cross_layout", spy)
     rng = np.random.default_rng(2)
     with zoo.x64():
         p = {"emb": jnp.asarray(rng.normal(size=shape) / 2)}

@@ -72,10 +72,10 @@ def test_auto_chunk_keeps_merges_small(B, budget, acc, want):
 
 
 def test_accumulator_bytes():
-    from jaxpr_surgery._src.api import _flatten_stats
+    from jaxpr_surgery._src.arguments import flatten_stats
 
     avals = [jax.ShapeDtypeStruct((10, 3), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.bfloat16)]
-    reds = lambda s: _flatten_stats(s)[3]  # noqa: E731
+    reds = lambda s: flatten_stats(s)[3]  # noqa: E731
     # float32 accumulators (bf16 leaves accumulate in float32): 34 numbers per statistic
     assert chunking.accumulator_bytes(reds(js.stats.second_moment()), avals) == 34 * 4
     assert chunking.accumulator_bytes(reds(js.stats.variance()), avals) == 2 * 34 * 4

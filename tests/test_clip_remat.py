@@ -1,5 +1,5 @@
 """Clipped sums on a loss with ``jax.checkpoint``: the norms come from the first pass,
-the sum from a second, reweighted backward pass (engine.clips_by_recompute), so the
+the sum from a second, reweighted backward pass (plans.clips_by_recompute), so the
 activations of every layer are never kept at once. Checked against vmap(grad)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import zoo
 from jax.sharding import PartitionSpec as P
 
 import jaxpr_surgery as js
-from jaxpr_surgery._src import engine
+from jaxpr_surgery._src import plans
 
 
 def _grads(loss, params, batch):
@@ -52,10 +52,10 @@ def _remat_mlp_case(dtype=jnp.float32, B=8):
 def test_recompute_is_chosen_only_with_remat():
     case = zoo.make_transformer_scan_remat()
     jp = jax.make_jaxpr(case.loss_fn)(case.params, case.batch).jaxpr
-    assert engine.clips_by_recompute(jp)
+    assert plans.clips_by_recompute(jp)
     plain = zoo.make_transformer()
     jp = jax.make_jaxpr(plain.loss_fn)(plain.params, plain.batch).jaxpr
-    assert not engine.clips_by_recompute(jp)
+    assert not plans.clips_by_recompute(jp)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])

@@ -17,7 +17,7 @@ import pytest
 from jax import lax
 
 import jaxpr_surgery as js
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, versions
 
 
 def _eqn(fn, *args, prim):
@@ -144,7 +144,7 @@ def test_scan_cond_custom_vjp_end_to_end():
 # The declared range
 # --------------------------------------------------------------------------- #
 def test_installed_jax_is_tested():
-    assert compat.jax_version_status() is None, compat.jax_version_status()
+    assert versions.jax_version_status() is None, versions.jax_version_status()
 
 
 @pytest.mark.parametrize(
@@ -154,17 +154,17 @@ def test_installed_jax_is_tested():
      ("0.9.2", False)],
 )
 def test_version_policy(version, ok):
-    msg = compat.jax_version_status(version)
+    msg = versions.jax_version_status(version)
     assert (msg is None) == ok
     if not ok:
-        assert compat.TESTED_JAX[0] in msg and compat.TESTED_JAX[1] in msg and version in msg
+        assert versions.TESTED_JAX[0] in msg and versions.TESTED_JAX[1] in msg and version in msg
 
 
 def test_warning_on_untested(monkeypatch):
     monkeypatch.setattr(jax, "__version__", "0.99.0")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        compat.warn_if_untested()
+        versions.warn_if_untested()
     assert len(w) == 1 and issubclass(w[0].category, js.UntestedJaxWarning)
     assert "0.99.0" in str(w[0].message)
 
@@ -177,10 +177,10 @@ def test_pyproject_declares_tested_range():
     m = re.search(r'"jax>=([0-9.]+),<([0-9.]+)"', text)
     assert m, "pyproject.toml must bound jax on both sides"
     lo, hi = m.groups()
-    assert lo == compat.TESTED_JAX[0]
-    hi_t = compat._version_tuple(hi)
-    top = compat._version_tuple(compat.TESTED_JAX[1])
-    assert hi_t == (top[0], top[1] + 1), (hi, compat.TESTED_JAX)
+    assert lo == versions.TESTED_JAX[0]
+    hi_t = versions._version_tuple(hi)
+    top = versions._version_tuple(versions.TESTED_JAX[1])
+    assert hi_t == (top[0], top[1] + 1), (hi, versions.TESTED_JAX)
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py)")

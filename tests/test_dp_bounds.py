@@ -10,7 +10,7 @@ example its clipped sum must not exceed ``C`` by more than the rounding of its
 per-example gradient itself (twice vmap(grad)'s own distance from the float64 norm in the
 model's dtype, ``64 eps`` of the sum of its tokens' gradient norms in float32, the
 output's rounding): the norms clipping divides by carry the bound of their rounding
-(`reductions.ClipNorms`). The statistic `norms` must not fall below the float64 norm by
+(`clip_reductions.ClipNorms`). The statistic `norms` must not fall below the float64 norm by
 more than that plus ``2^-9`` of the value.
 """
 

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpr_surgery as js
 import jaxpr_surgery.optim as jso
-from jaxpr_surgery._src import engine
+from jaxpr_surgery._src import plans
 
 B = 8
 
@@ -352,7 +352,7 @@ def test_nonfinite_examples_are_dropped_from_clipped_sums(name, chunk, per_layer
     if how == "inf" and "x" not in b:
         pytest.skip("integer inputs")
     if name == "remat":
-        assert engine.clips_by_recompute(jax.make_jaxpr(loss)(p, b).jaxpr)
+        assert plans.clips_by_recompute(jax.make_jaxpr(loss)(p, b).jaxpr)
     C = _bounds(p, _median_norm(loss, p, b), per_layer)
     bad = [2, 5]
     keep = ~np.isin(np.arange(B), bad)

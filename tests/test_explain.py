@@ -280,20 +280,20 @@ def test_explain_says_how_the_engine_sums_a_shared_leaf(other, monkeypatch):
     """explain's word for the plain sum of a leaf with several sites (a contraction
     per site, or an add in the tile loop of the other statistics) is what the engine
     does: the tile loops the engine runs are recorded."""
-    from jaxpr_surgery._src import engine
+    from jaxpr_surgery._src import leaves
     from jaxpr_surgery._src import stats as S
 
     loss, W, b = _tied_dense()
     make = M.STATS.get(other) or getattr(js.stats, other)
     stat = {"mean": js.stats.mean(), other: make()}
     seen = []
-    orig = engine._tiled_materialised
+    orig = leaves.tiled_materialised
 
     def spy(plan, ings, mat, B, reductions):
         seen.extend(reductions)
         return orig(plan, ings, mat, B, reductions)
 
-    monkeypatch.setattr(engine, "_tiled_materialised", spy)
+    monkeypatch.setattr(leaves, "tiled_materialised", spy)
     js.per_example_stat(loss, stat)(W, b)
     engine_rides = any(isinstance(r, S.PhiSum) and r.phi is None for r in seen)
     leaf = js.explain(loss, stat)(W, b).leaves[0]

@@ -151,7 +151,7 @@ def test_keyword_arguments_pass_through():
 def test_eager_calls_trace_once_per_signature(monkeypatch):
     """A second call with new values of the same shapes neither traces the loss again
     nor repeats the package's analysis and planning (eagerly, and under one jit)."""
-    from jaxpr_surgery._src import analysis, engine
+    from jaxpr_surgery._src import analysis, plans
 
     w, b = M.lin_case()
     count = {"n": 0, "analysis": 0, "plan": 0}
@@ -167,7 +167,7 @@ def test_eager_calls_trace_once_per_signature(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(analysis, "analyse_jaxpr", counted("analysis", analysis.analyse_jaxpr))
-    monkeypatch.setattr(engine, "make_plan", counted("plan", engine.make_plan))
+    monkeypatch.setattr(plans, "make_plan", counted("plan", plans.make_plan))
     f = js.per_example_stat(loss, js.stats.second_moment())
     first = f(w, b)
     seen = dict(count)

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpr_surgery as js
 import jaxpr_surgery.optim as jso
-from jaxpr_surgery._src import engine
+from jaxpr_surgery._src import plans
 
 INF = float("inf")
 TOL64 = dict(rtol=1e-10, atol=1e-12)
@@ -294,7 +294,7 @@ def test_remat_second_pass_per_group(chunk):
         params = {"l1": {"w": n(5, 6), "b": n(6)}, "l2": {"w": n(6, 3), "b": n(3)}}
         batch = {"x": n(8, 5), "y": n(8, 3)}
         jp = jax.make_jaxpr(_remat_mlp)(params, batch).jaxpr
-        assert engine.clips_by_recompute(jp)
+        assert plans.clips_by_recompute(jp)
         g = _grads(_remat_mlp, params, batch)
         b1 = median_bounds(g, {"l1": 1.0, "l2": {"w": 1.0, "b": 1.0}})
         b2 = median_bounds(g, {"l1": {"w": 1.0, "b": 1.0}, "l2": 1.0})

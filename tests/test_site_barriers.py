@@ -1,4 +1,4 @@
-"""Sites finish their statistics before the backward pass goes on (interpreter.make_site_fn).
+"""Sites finish their statistics before the backward pass goes on (site_fns.make_site_fn).
 
 In a loss without ``jax.checkpoint`` each site outside a scan passes its input and
 cotangent through one ``lax.optimization_barrier`` before its statistics and its

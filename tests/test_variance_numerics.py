@@ -25,7 +25,7 @@ from _models import x64
 import jaxpr_surgery as js
 from jaxpr_surgery._src import cuts, tiling
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.sites import dense
+from jaxpr_surgery._src.sites import dense, dense_layout
 
 
 def _model(B, ratio, dtype, C=6, F=5, seed=0):
@@ -128,10 +128,10 @@ def test_large_float32_batches_take_the_raw_form_in_groups(monkeypatch, B):
     """Past one group (float32: 128 examples) the raw form runs per group, each held to
     its own bound, and the groups merge exactly: still the raw form (no NaN from the
     poisoned expansion), within the raw form's bound of the oracle."""
-    groups = dense.raw_groups(B, jnp.float32)
+    groups = dense_layout.raw_groups(B, jnp.float32)
     assert sum(c * n for c, n in groups) == B and sum(c for c, _ in groups) > 1
     assert max(n for _, n in groups) - min(n for _, n in groups) <= 1
-    assert max(n for _, n in groups) <= dense.raw_group_size(jnp.float32) == 128
+    assert max(n for _, n in groups) <= dense_layout.raw_group_size(jnp.float32) == 128
     _poisoned(monkeypatch)
     for ratio in (0.0, 1.0):
         got, (g, ref) = _variance(B, ratio), _oracle(B, ratio)
@@ -141,9 +141,9 @@ def test_large_float32_batches_take_the_raw_form_in_groups(monkeypatch, B):
 
 
 def test_one_group_where_the_bound_allows():
-    assert dense.raw_groups(128, jnp.float32) == [(1, 128)]
-    assert dense.raw_groups(7, jnp.float32) == [(1, 7)]
-    assert dense.raw_groups(10**5, jnp.float64) == [(1, 10**5)]  # float64: tau stays small
+    assert dense_layout.raw_groups(128, jnp.float32) == [(1, 128)]
+    assert dense_layout.raw_groups(7, jnp.float32) == [(1, 7)]
+    assert dense_layout.raw_groups(10**5, jnp.float64) == [(1, 10**5)]  # float64: tau stays small
 
 
 def test_a_cancelling_group_sends_the_batch_to_the_centred_form(monkeypatch):

@@ -350,7 +350,7 @@ def test_take_along_axis_forms_are_embeddings():
 
 
 def test_strided_and_dynamic_slices_pad_with_a_zero_gradient():
-    from jaxpr_surgery._src.analysis import LayoutOp
+    from jaxpr_surgery._src.analysis_types import LayoutOp
 
     op = LayoutOp("slice", (7, 5), (3, 2), start=(1, 2), stride=(2, 1))
     v = jnp.arange(6.0).reshape(3, 2) + 1
@@ -454,7 +454,7 @@ def test_a_helper_returning_the_scaled_weight_keeps_the_fast_rule():
 
 def test_clipping_under_remat_folds_the_view_scale():
     """Clipped sums under ``jax.checkpoint`` run a second, reweighted backward pass
-    (engine.clips_by_recompute): its sites must apply the view's scale as the first pass
+    (plans.clips_by_recompute): its sites must apply the view's scale as the first pass
     does, or ``x @ (W / 16)`` clips 16 times too large a gradient."""
 
     def loss(p, b):

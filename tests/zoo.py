@@ -852,8 +852,8 @@ def _global_sq_norms(g, xp=np) -> np.ndarray:
     return sum(xp.sum(xp.square(x).reshape(x.shape[0], -1), axis=1) for x in leaves)
 
 
-def _safe_ratio(num, den, xp=np):
-    """``num / den`` as the package's statistics define it (stats._safe_ratio): ``x/0 = inf``
+def safe_ratio(num, den, xp=np):
+    """``num / den`` as the package's statistics define it (stats.safe_ratio): ``x/0 = inf``
     for ``x > 0``, ``0/0 = 0``, a non-positive denominator gives ``inf``, NaN in, NaN out."""
     pos = den > 0
     out = xp.where(pos, num / xp.where(pos, den, 1.0), xp.where(num > 0, xp.inf, 0.0))
@@ -965,7 +965,7 @@ def oracle_from_grads(g: PyTree, stat_name: str, *, xp=np, **kw) -> PyTree:
         def one(x):
             m = x.mean(0)
             with quiet():
-                return _safe_ratio(xp.square(m), xp.square(x - m).sum(0) / (B - ddof), xp)
+                return safe_ratio(xp.square(m), xp.square(x - m).sum(0) / (B - ddof), xp)
 
         return tm(one, g)
     if stat_name == "gradient_noise_scale":
@@ -973,7 +973,7 @@ def oracle_from_grads(g: PyTree, stat_name: str, *, xp=np, **kw) -> PyTree:
         tr = sum(xp.square(x - x.mean(0)).sum() for x in leaves) / (B - ddof)
         g2 = sum(xp.square(x.mean(0)).sum() for x in leaves) - tr / B  # unbiased |G|^2
         with quiet():
-            return xp.asarray(_safe_ratio(tr, g2, xp))
+            return xp.asarray(safe_ratio(tr, g2, xp))
     if stat_name == "fourth_moment":
         return tm(lambda x: (x**4).mean(0), g)
     if stat_name == "kurtosis":  # population moments; NaN where the variance is 0
@@ -990,7 +990,7 @@ def oracle_from_grads(g: PyTree, stat_name: str, *, xp=np, **kw) -> PyTree:
         num = _global_sq_norms(g, xp).sum()
         den = sum(xp.sum(x.sum(0) ** 2) for x in leaves)
         with quiet():
-            return xp.asarray(_safe_ratio(num, den, xp))
+            return xp.asarray(safe_ratio(num, den, xp))
     if stat_name == "norm_quantiles":
         q = kw.get("q", (0.1, 0.5, 0.9))
         if kw.get("per_leaf", True):

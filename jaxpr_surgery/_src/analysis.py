@@ -28,378 +28,28 @@ is evaluated by the first one's kernel; the others are *taps* of it
 from __future__ import annotations
 
 import dataclasses
-import enum
-import math
-from typing import Any
 
-import jax
 import numpy as np
 
 from jaxpr_surgery._src import compat
-from jaxpr_surgery._src.sites import kind_for, pre_scales
-
-DATA = "data"
-
-
-@dataclasses.dataclass(frozen=True)
-class LayoutOp:
-    """One step of a view chain: an injective layout step, a static slice, or a scan
-    slicing.
-
-    A slice (``W[:k]``, ``W[:, a:b:s]``, ``lax.dynamic_slice`` at constant starts)
-    keeps the elements ``start + stride * i`` of every axis; the leaf's per-example
-    gradient is the view's, padded with zeros (`inverse` with ``fill``).
-    """
-
-    kind: str  # "reshape" | "transpose" | "identity" | "scan" | "slice"
-    in_shape: tuple
-    out_shape: tuple
-    perm: tuple | None = None
-    start: tuple | None = None  # slice: the first index kept on every axis
-    stride: tuple | None = None  # slice: the step on every axis
-
-    def inverse(self, value, fill=0):
-        """Maps a value shaped ``lead + out_shape`` back to ``lead + in_shape``.
-
-        ``fill``: what a slice puts where the leaf has no view (a reduction's value of
-        a zero gradient: 0 for sums and moments, ``B phi(0)`` for a sum of ``phi``)."""
-        if self.kind == "slice":
-            import jax
-            import jax.numpy as jnp
-
-            value = jnp.asarray(value)
-            lead = value.ndim - len(self.out_shape)
-            cfg = [(0, 0, 0)] * lead + [
-                (s, n - s - ((m - 1) * st + 1), st - 1) if m else (s, n - s, 0)
-                for s, st, n, m in zip(self.start, self.stride, self.in_shape, self.out_shape)
-            ]
-            return jax.lax.pad(value, jnp.asarray(fill, value.dtype), cfg)
-        perm = None if self.perm is None else np.argsort(self.perm)
-        return self._map(value, self.out_shape, self.in_shape, perm)
-
-    def forward(self, value):
-        """Maps a value shaped ``lead + in_shape`` to ``lead + out_shape`` (undoes
-        `inverse`)."""
-        if self.kind == "slice":
-            import jax
-
-            lead = value.ndim - len(self.in_shape)
-            limit = tuple(s + (m - 1) * st + 1 if m else s for s, st, m in zip(
-                self.start, self.stride, self.out_shape))
-            return jax.lax.slice(
-                value, (0,) * lead + tuple(self.start), tuple(value.shape[:lead]) + limit,
-                (1,) * lead + tuple(self.stride),
-            )
-        return self._map(value, self.in_shape, self.out_shape, self.perm)
-
-    @property
-    def is_permutation(self):
-        """The step moves elements without dropping any (all but a slice)."""
-        return self.kind != "slice"
-
-    def describe(self):
-        """A short text of the step, for explain (``[0:8, 2:6]``, ``transpose (1, 0)``)."""
-        if self.kind == "slice":
-            parts = []
-            for s, st, n, m in zip(self.start, self.stride, self.in_shape, self.out_shape):
-                if m == n:
-                    parts.append(":")
-                else:
-                    parts.append(f"{s}:{s + (m - 1) * st + 1}" + (f":{st}" if st != 1 else ""))
-            return f"slice [{', '.join(parts)}]"
-        if self.kind == "transpose":
-            return f"transpose {tuple(int(i) for i in self.perm)}"
-        if self.kind == "reshape":
-            return f"reshape {tuple(self.in_shape)} -> {tuple(self.out_shape)}"
-        return self.kind
-
-    def _map(self, value, src, dst, perm):
-        """``lead + src`` -> ``lead + dst`` by this step's kind (``perm``: the
-        transpose's, in that direction)."""
-        if self.kind == "scan" or self.kind == "identity":
-            return value
-        lead = value.shape[: value.ndim - len(src)]
-        # (lax's own ops: one equation each, not a jitted jnp function per call; numpy's
-        # for index arrays, `engine._cross_layout`)
-        host = isinstance(value, np.ndarray)
-        if self.kind == "reshape":
-            shape = lead + tuple(int(d) for d in dst)
-            return value.reshape(shape) if host else jax.lax.reshape(value, shape)
-        if self.kind == "transpose":
-            n = len(lead)
-            perm = tuple(range(n)) + tuple(n + int(i) for i in perm)
-            return value.transpose(perm) if host else jax.lax.transpose(value, perm)
-        raise AssertionError(self.kind)
-
-
-@dataclasses.dataclass(frozen=True)
-class Scale:
-    """A constant factor of a view (``W * c``, ``W / c``, ``-W``): every site's
-    gradient is linear in its output cotangent, so the view's per-example gradient is
-    ``c`` times the scaled view's.
-
-    ``kind``: "mul", "div" or "neg"; ``operand``: the factor, a Literal or a Var of one
-    element that depends on neither the parameters nor the example (None for "neg").
-    """
-
-    kind: str
-    operand: Any = None
-
-    def describe(self):
-        if self.kind == "neg":
-            return "negated"
-        if _is_literal(self.operand):
-            v = np.asarray(self.operand.val).reshape(())
-            return f"{'times' if self.kind == 'mul' else 'divided by'} {v.item():g}"
-        return f"{'times' if self.kind == 'mul' else 'divided by'} a constant"
-
-
-@dataclasses.dataclass(frozen=True)
-class PView:
-    leaf: int
-    chain: tuple = ()
-    depth: int = 0
-    base: Any = None  # the Var holding the layout view (only meaningful with ``pre``)
-    pre: tuple = ()  # parameter-only eqns applied after ``base`` (same scope)
-    scales: tuple = ()  # `Scale` factors of the view (commute with the chain's steps)
-
-    @property
-    def is_layout(self):
-        return not self.pre
-
-
-@dataclasses.dataclass(frozen=True)
-class Mixed:
-    leaves: frozenset
-
-
-@dataclasses.dataclass(frozen=True)
-class Merged:
-    """A merged low-rank weight ``W + c * (L @ R)`` (a merged LoRA layer), followed by
-    layout steps: every site of it is a site of each of its leaves.
-
-    ``factors``: ``((PView, Var), (PView, Var))`` of ``L`` and ``R``, the product's
-    operands; ``steps``: the parameter-only equations from the product (first) to this
-    value, which its sites apply again; ``scales``: the constant factors of the
-    product (`Scale`); ``frozen``: ``(PView, Var, k)`` of a base weight that is a view
-    of a leaf, added at ``steps[k]`` (None: none, or a constant); ``added``: whether
-    the base weight was added yet.
-    """
-
-    factors: tuple
-    steps: tuple
-    scales: tuple = ()
-    frozen: tuple | None = None
-    added: bool = False
-
-    @property
-    def leaves(self):
-        out = {t.leaf for t, _ in self.factors}
-        return out | {self.frozen[0].leaf} if self.frozen else out
-
-
-_PARAM_TAGS = (PView, Mixed, Merged)  # tags that depend on some parameter leaf
-
-
-@dataclasses.dataclass
-class Site:
-    path: tuple
-    eqn: Any
-    kernel: type  # the kernel class serving the site (`sites.base.kind_for`)
-    leaf: int
-    chain: tuple
-    depth: int
-    base: Any  # Var with the view value passed to the site
-    pre: tuple  # eqns from base to the param operand
-    ext_vars: tuple  # every other input var (data and constants), ordered
-    param_pos: int  # operand index of the parameter in ``eqn``
-    scan_lengths: tuple  # lengths of the enclosing scans, outermost first
-    view_shape: tuple  # shape of ``base`` (per scan slice)
-    ext_batched: tuple = ()  # whether each ext var depends on the example
-    scales: tuple = ()  # `Scale` factors between the leaf's view and ``base``
-    # a tap: the path of the equation whose own site evaluates it (several sites at
-    # one equation, `Merged`); the tap reads its cotangent. ``path`` is then unique
-    # to the tap (the equation's path, "tap", its rank)
-    tap_of: tuple | None = None
-
-    @property
-    def at(self):
-        """The path of the site's equation."""
-        return self.path if self.tap_of is None else self.tap_of
-
-    @property
-    def kind(self):
-        """The layer kind's display name (``dense``, ``embedding``, ...; for explain)."""
-        return self.kernel.kind
-
-    @property
-    def pads(self):
-        """The view drops elements of the leaf (a slice in the chain): a reduction's
-        value there is that of a zero gradient."""
-        return any(not op.is_permutation for op in self.chain)
-
-    def describe_view(self):
-        """What the site sees of its leaf, for explain, where it slices or scales it
-        (empty otherwise: a layout view is no news)."""
-        folded = pre_scales(self) if self.pre else None
-        if not (self.pads or self.scales or folded):
-            return ""
-        parts = [op.describe() for op in self.chain if op.kind in ("slice", "transpose")]
-        if any(op.kind == "reshape" and op.in_shape != op.out_shape for op in self.chain):
-            parts.append("reshaped")
-        parts += [sc.describe() for sc in self.scales]
-        if folded:
-            parts.append(
-                "scaled elementwise by a constant array along "
-                + ", ".join(f"axis {a}" for a in sorted(set().union(*(a for _, _, a in folded))))
-            )
-        return ", ".join(parts)
-
-
-@dataclasses.dataclass
-class LeafInfo:
-    sites: list = dataclasses.field(default_factory=list)
-    reasons: list = dataclasses.field(default_factory=list)
-
-    @property
-    def residual(self):
-        return bool(self.reasons)
-
-
-class LeafUse(enum.Enum):
-    """How a leaf meets the data: read per example through a construct the analysis does
-    not see into (``RESIDUAL``), not at all (``UNUSED``), at one site or at several."""
-
-    RESIDUAL = enum.auto()
-    UNUSED = enum.auto()
-    SINGLE = enum.auto()
-    MULTI = enum.auto()
-
-
-@dataclasses.dataclass
-class Analysis:
-    leaves: list  # LeafInfo per parameter leaf
-    sites: dict  # path -> Site (active sites only, after residual pruning)
-    scopes: set  # eqn paths that contain an active site below them
-    primitives: set  # every primitive seen (for the tripwire)
-    # eqn path of a call / remat / scan -> outer variables its sites read (a view's
-    # scale defined outside, e.g. ``jnp.einsum(..., W * c)``): the interpreter binds
-    # them in the inner scope
-    forwards: dict = dataclasses.field(default_factory=dict)
-    # eqn path -> paths of its taps (`Site.tap_of`), in order
-    taps: dict = dataclasses.field(default_factory=dict)
-    # ``(leaves, eqn, axes)`` of each collective over the examples' mesh axes (an
-    # ``all_gather`` over the batch's axis in hand-written FSDP, a ``psum``,
-    # ``ppermute``, ...) that parameter ``leaves`` go through: a per-example gradient
-    # through it would mix the examples of different devices (`api.front_half` refuses)
-    crossing: list = dataclasses.field(default_factory=list)
-    # the same over mesh axes the examples are not split on only (a parameter gathered
-    # over a model axis inside ``shard_map``): refused (`api.front_half`)
-    model_crossing: list = dataclasses.field(default_factory=list)
-
-    def at(self, p):
-        """The sites at the equation at ``p``: its own, then its taps."""
-        s = self.sites.get(p)
-        return [] if s is None else [s] + [self.sites[q] for q in self.taps.get(p, ())]
-
-    def use(self, i) -> LeafUse:
-        """How leaf ``i`` meets the data (`LeafUse`)."""
-        info = self.leaves[i]
-        if info.residual:
-            return LeafUse.RESIDUAL
-        if not info.sites:
-            return LeafUse.UNUSED
-        return LeafUse.SINGLE if len(info.sites) == 1 else LeafUse.MULTI
-
-
-def _is_literal(v):
-    return isinstance(v, compat.Literal)
-
-
-def _shape(v):
-    return tuple(v.aval.shape)
-
-
-_CALL_PRIMS = tuple(p for p in (compat.jit_p, compat.closed_call_p, compat.call_p) if p is not None)
-_IDENTITY_PRIMS = tuple(
-    p
-    for p in (compat.copy_p, compat.sharding_constraint_p, *compat.vma_cast_prims)
-    if p is not None
+from jaxpr_surgery._src.analysis_types import (
+    CALL_PRIMS,
+    DATA,
+    PARAM_TAGS,
+    Analysis,
+    LayoutOp,
+    LeafInfo,
+    Merged,
+    Mixed,
+    PView,
+    Scale,
+    Site,
+    is_literal,
+    layout_op,
+    scale_step,
+    shape_of,
 )
-
-
-
-
-def _layout_op(eqn):
-    """The `LayoutOp` of an injective layout eqn, or None."""
-    p = eqn.primitive
-    ins, outs = eqn.invars, eqn.outvars
-    if len(outs) != 1:
-        return None
-    i_shape, o_shape = _shape(ins[0]), _shape(outs[0])
-    if p is compat.convert_p:
-        import jax.numpy as jnp
-
-        if jnp.issubdtype(ins[0].aval.dtype, jnp.floating) and jnp.issubdtype(
-            outs[0].aval.dtype, jnp.floating
-        ):
-            return LayoutOp("identity", i_shape, o_shape)
-        return None
-    if p in _IDENTITY_PRIMS:
-        return LayoutOp("identity", i_shape, o_shape)
-    if p is compat.reshape_p and len(ins) == 1 and eqn.params.get("dimensions") is None:
-        return LayoutOp("reshape", i_shape, o_shape)
-    if p is compat.squeeze_p:
-        return LayoutOp("reshape", i_shape, o_shape)
-    if p is compat.broadcast_p and len(ins) == 1 and math.prod(i_shape) == math.prod(o_shape):
-        return LayoutOp("reshape", i_shape, o_shape)
-    if p is compat.transpose_p:
-        return LayoutOp("transpose", i_shape, o_shape, tuple(eqn.params["permutation"]))
-    if p is compat.slice_p:
-        start = tuple(int(i) for i in eqn.params["start_indices"])
-        stride = tuple(int(i) for i in (eqn.params["strides"] or (1,) * len(i_shape)))
-        return _slice_op(i_shape, o_shape, start, stride)
-    if p is compat.dynamic_slice_p and all(_is_literal(v) for v in ins[1:]):
-        # constant starts, clamped as lax.dynamic_slice clamps them
-        start = tuple(
-            min(max(int(np.asarray(v.val)), 0), n - m)
-            for v, n, m in zip(ins[1:], i_shape, o_shape)
-        )
-        return _slice_op(i_shape, o_shape, start, (1,) * len(i_shape))
-    return None
-
-
-def _slice_op(i_shape, o_shape, start, stride):
-    if i_shape == o_shape:
-        return LayoutOp("identity", i_shape, o_shape)
-    return LayoutOp("slice", i_shape, o_shape, start=start, stride=stride)
-
-
-def _constant_factor(v, tag):
-    """``v`` (an operand of a parameter-only mul/div) is a floating constant that
-    depends on neither the parameters nor the example."""
-    import jax.numpy as jnp
-
-    return tag is None and jnp.issubdtype(v.aval.dtype, jnp.floating)
-
-
-def _scale_step(eqn, pos, tags):
-    """The `Scale` of a parameter-only ``eqn`` that multiplies the view (operand
-    ``pos``) by a one-element constant, or None."""
-    p = eqn.primitive
-    out = _shape(eqn.outvars[0])
-    if out != _shape(eqn.invars[pos]):
-        return None
-    if p is compat.neg_p:
-        return Scale("neg")
-    if p not in (compat.mul_p, compat.div_p) or len(eqn.invars) != 2:
-        return None
-    if p is compat.div_p and pos != 0:
-        return None  # c / W is not linear in W
-    other = eqn.invars[1 - pos]
-    if not _constant_factor(other, tags[1 - pos]) or math.prod(_shape(other)) != 1:
-        return None
-    return Scale("mul" if p is compat.mul_p else "div", other)
+from jaxpr_surgery._src.sites import kind_for
 
 
 class _Analyzer:
@@ -434,7 +84,7 @@ class _Analyzer:
     def parameter_only_call(eqn, tags, has_data):
         """``(tag, var)`` of a call's one parameter input when the call sees no data and
         returns one value (so it can run as a whole at the site), else None."""
-        views = [(t, v) for v, t in zip(eqn.invars, tags) if isinstance(t, _PARAM_TAGS)]
+        views = [(t, v) for v, t in zip(eqn.invars, tags) if isinstance(t, PARAM_TAGS)]
         if has_data or len(eqn.outvars) != 1 or len(views) != 1:
             return None
         return views[0] if isinstance(views[0][0], PView) else None
@@ -461,7 +111,7 @@ class _Analyzer:
         ``path``) are defined outside it."""
         for sc in getattr(tag, "scales", ()):
             v = sc.operand
-            if v is None or _is_literal(v):
+            if v is None or is_literal(v):
                 continue
             if len(self.scope_of.get(v, path)) >= len(path):
                 return False
@@ -477,7 +127,7 @@ class _Analyzer:
         ins = {v: k for k, v in enumerate(jaxpr.invars)}
         scales = tuple(
             dataclasses.replace(sc, operand=eqn.invars[ins[sc.operand]])
-            if sc.operand is not None and not _is_literal(sc.operand) and sc.operand in ins
+            if sc.operand is not None and not is_literal(sc.operand) and sc.operand in ins
             else sc
             for sc in tag.scales
         )
@@ -495,7 +145,7 @@ class _Analyzer:
         env = {}
 
         def read(v):
-            return None if _is_literal(v) else env.get(v)
+            return None if is_literal(v) else env.get(v)
 
         for v, t in zip(jaxpr.invars, in_tags):
             env[v] = t
@@ -520,12 +170,12 @@ class _Analyzer:
         residual leaves on the way."""
         prim = eqn.primitive
         n_out = len(eqn.outvars)
-        params_tags = [t for t in tags if isinstance(t, _PARAM_TAGS)]
+        params_tags = [t for t in tags if isinstance(t, PARAM_TAGS)]
         has_data = any(t == DATA for t in tags)
         if params_tags and self.data_axes:
             self.collective_on_parameter(eqn, params_tags)
 
-        if prim in _CALL_PRIMS:
+        if prim in CALL_PRIMS:
             return self.call(eqn, tags, path, scan_lengths, has_data)
         if prim is compat.remat_p:
             inner = [self.to_boundary(t, "checkpoint") for t in tags]
@@ -541,7 +191,7 @@ class _Analyzer:
         if n_out == 0:  # effects only (jax.debug.print, callbacks): no gradient flows
             return []
 
-        pvars = {v for v, t in zip(eqn.invars, tags) if isinstance(t, _PARAM_TAGS)}
+        pvars = {v for v, t in zip(eqn.invars, tags) if isinstance(t, PARAM_TAGS)}
         # a custom_vjp / custom_jvp op whose one parameter operand meets the data is a
         # site of the generic kernel (the exact per-example VJP of the op, its view shared
         # by the examples: vmap(grad)'s cost), where every other construct with a body
@@ -589,7 +239,7 @@ class _Analyzer:
         named = compat.collective_axes(eqn)
         axes = named & self.data_axes
         inner = eqn
-        if not axes and eqn.primitive not in (*_CALL_PRIMS, compat.remat_p, compat.scan_p):
+        if not axes and eqn.primitive not in (*CALL_PRIMS, compat.remat_p, compat.scan_p):
             inner, axes = _collective_within(compat.subjaxprs(eqn), self.data_axes)
         if axes:
             self.crossing.append((self.union(params_tags), inner, axes))
@@ -624,7 +274,7 @@ class _Analyzer:
             pat = self.patterns.get(vi)
             if pat and pat[0] == "onehot" and pat[1][0] in jaxpr.invars:
                 outer_ids = eqn.invars[jaxpr.invars.index(pat[1][0])]
-                if not _is_literal(outer_ids):
+                if not is_literal(outer_ids):
                     self.patterns[vo] = ("onehot", (outer_ids,) + pat[1][1:])
 
     def parameter_only(self, eqn, tags, tag, pv, pos):
@@ -633,13 +283,13 @@ class _Analyzer:
         parameter-only step the site applies again (``pre``)."""
         n_out = len(eqn.outvars)
         if tag.is_layout and n_out == 1 and len(pos) == 1:
-            sc = _scale_step(eqn, pos[0], tags)
+            sc = scale_step(eqn, pos[0], tags)
             if sc is not None:  # a constant factor: commutes with the layout steps
                 scales = tag.scales + (sc,)
                 return [dataclasses.replace(tag, scales=scales, base=eqn.outvars[0])]
         if tag.is_layout and n_out == 1 and len(pos) == 1 and pos[0] == 0:
-            op = _layout_op(eqn)
-            if op is not None and all(_is_literal(v) or v is pv for v in eqn.invars):
+            op = layout_op(eqn)
+            if op is not None and all(is_literal(v) or v is pv for v in eqn.invars):
                 return [dataclasses.replace(tag, chain=tag.chain + (op,), base=eqn.outvars[0])]
         if n_out != 1:
             self.residual(tag, f"parameter-only {eqn.primitive} with several outputs")
@@ -666,7 +316,7 @@ class _Analyzer:
             ext_vars=ext,
             param_pos=pos[0],
             scan_lengths=tuple(scan_lengths),
-            view_shape=_shape(base),
+            view_shape=shape_of(base),
             ext_batched=tuple(
                 any(v is u for u in batched) or any(v is u for u in extra) for v in ext
             ),
@@ -682,7 +332,7 @@ class _Analyzer:
         a `Merged` weight as served (the product of two views; then constant factors,
         adding one base weight, layout steps; then a ``dot_general`` with the data),
         else None: any other use makes the weight's leaves residual (the caller)."""
-        pos = [k for k, t in enumerate(tags) if isinstance(t, _PARAM_TAGS)]
+        pos = [k for k, t in enumerate(tags) if isinstance(t, PARAM_TAGS)]
         ms = [k for k in pos if isinstance(tags[k], Merged)]
         if not ms:
             return self.product(eqn, tags, has_data, pos)
@@ -696,7 +346,7 @@ class _Analyzer:
             self.merged_sites(eqn, tags, m, k, path, scan_lengths)
             return [DATA]
         if pos == [k]:
-            sc = _scale_step(eqn, k, tags)
+            sc = scale_step(eqn, k, tags)
             if sc is not None:  # scales the product (and the base weight once added)
                 frozen = m.frozen
                 if frozen is not None and m.added:
@@ -704,9 +354,9 @@ class _Analyzer:
                     frozen = (dataclasses.replace(t, scales=t.scales + (sc,)), v, at)
                 return [dataclasses.replace(
                     m, steps=m.steps + (eqn,), scales=m.scales + (sc,), frozen=frozen)]
-            op = _layout_op(eqn)
+            op = layout_op(eqn)
             if (op is not None and op.kind in ("identity", "transpose") and k == 0
-                    and all(_is_literal(v) for v in eqn.invars[1:])):
+                    and all(is_literal(v) for v in eqn.invars[1:])):
                 return [dataclasses.replace(m, steps=m.steps + (eqn,))]
         return self.base_weight(eqn, tags, m, k)
 
@@ -716,8 +366,8 @@ class _Analyzer:
         of another leaf (a `Merged` takes one); else None."""
         if eqn.primitive not in (compat.add_p, compat.sub_p) or m.added or len(eqn.invars) != 2:
             return None
-        shape = _shape(eqn.outvars[0])
-        if any(_shape(v) != shape for v in eqn.invars):
+        shape = shape_of(eqn.outvars[0])
+        if any(shape_of(v) != shape for v in eqn.invars):
             return None
         j = 1 - k
         other = tags[j]
@@ -746,7 +396,7 @@ class _Analyzer:
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         if a.leaf == b.leaf or lb or rb or len(lc) != 1 or len(rc) != 1:
             return None
-        if any(len(_shape(v)) != 2 or not jnp.issubdtype(v.aval.dtype, jnp.floating)
+        if any(len(shape_of(v)) != 2 or not jnp.issubdtype(v.aval.dtype, jnp.floating)
                for v in (*eqn.invars, *eqn.outvars)):
             return None
         return [Merged(((a, eqn.invars[0]), (b, eqn.invars[1])), (eqn,))]
@@ -779,11 +429,11 @@ class _Analyzer:
             return
         out = eqn.outvars[0]
         if prim is compat.broadcast_p and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.integer):
-            if not _is_literal(eqn.invars[0]):
+            if not is_literal(eqn.invars[0]):
                 pat[out] = ("bcast", (eqn.invars[0], tuple(eqn.params["broadcast_dimensions"])))
         elif prim is compat.iota_p:
             pat[out] = ("iota", eqn.params["dimension"])
-        elif prim is compat.eq_p and not any(_is_literal(v) for v in eqn.invars):
+        elif prim is compat.eq_p and not any(is_literal(v) for v in eqn.invars):
             a, b = (pat.get(v) for v in eqn.invars)
             if a and b and a[0] == "iota" and b[0] == "bcast":
                 a, b = b, a
@@ -791,8 +441,8 @@ class _Analyzer:
                 return
             ids, bdims = a[1]
             axis = b[1]
-            shape = _shape(out)
-            ids_shape = _shape(ids)
+            shape = shape_of(out)
+            ids_shape = shape_of(ids)
             rest = tuple(i for i in range(len(shape)) if i != axis)
             # an iota in a dtype too narrow for the axis wraps (uint8 ids, 300 classes):
             # several rows then match one id, which is no embedding
@@ -825,13 +475,13 @@ class _Analyzer:
         consts, carry, xs = tags[:nc], tags[nc : nc + ncar], tags[nc + ncar :]
         consts = [self.to_boundary(t, "scan") for t in consts]
         for t in carry:
-            if isinstance(t, _PARAM_TAGS):
+            if isinstance(t, PARAM_TAGS):
                 self.residual(t, "carried through lax.scan")
         xs_in = []
         for v, t in zip(eqn.invars[nc + ncar :], xs):
             t = self.to_boundary(t, "scan")
             if isinstance(t, PView):
-                op = LayoutOp("scan", _shape(v), _shape(v)[1:])
+                op = LayoutOp("scan", shape_of(v), shape_of(v)[1:])
                 t = dataclasses.replace(t, chain=t.chain + (op,), depth=t.depth + 1, base=None)
             xs_in.append(t)
         inner_lengths = tuple(scan_lengths) + (prm.length,)
@@ -840,9 +490,9 @@ class _Analyzer:
         carry = [DATA] * ncar
         outs = self.run(body, consts + carry + xs_in, path, inner_lengths)
         for t in outs:
-            if isinstance(t, _PARAM_TAGS):
+            if isinstance(t, PARAM_TAGS):
                 self.residual(t, "returned from lax.scan")
-        outs = [DATA if isinstance(t, _PARAM_TAGS) else t for t in outs]
+        outs = [DATA if isinstance(t, PARAM_TAGS) else t for t in outs]
         return outs
 
 
@@ -860,10 +510,10 @@ def _site_inputs(tag, eqn, base, extra):
 
     for e in (*tag.pre, eqn):
         for v in e.invars:
-            if not (_is_literal(v) or v is base or v in pre_out):
+            if not (is_literal(v) or v is base or v in pre_out):
                 add(v)
     for sc in tag.scales:  # the factors' values, read by the kernel (never batched)
-        if sc.operand is not None and not _is_literal(sc.operand):
+        if sc.operand is not None and not is_literal(sc.operand):
             add(sc.operand)
     for v in extra:  # (last)
         add(v)
@@ -895,7 +545,7 @@ def analyse_jaxpr(jaxpr, in_tags, n_leaves, data_axes=frozenset()):
     ``shard_map``), whose collectives on parameters `Analysis.crossing` lists."""
     a = _Analyzer(n_leaves, data_axes)
     outs = a.run(jaxpr, in_tags, (), ())
-    if outs and isinstance(outs[0], _PARAM_TAGS):
+    if outs and isinstance(outs[0], PARAM_TAGS):
         a.residual(outs[0], "the loss depends on it without passing through example data")
     _merged_residuals(a)
     # prune sites of residual leaves; at an equation that is the site of several
@@ -923,7 +573,7 @@ def analyse_jaxpr(jaxpr, in_tags, n_leaves, data_axes=frozenset()):
     for s in sites.values():
         for sc in s.scales:
             v = sc.operand
-            if v is None or _is_literal(v):
+            if v is None or is_literal(v):
                 continue
             for k in range(len(a.scope_of[v]) + 1, len(s.at)):
                 fw = forwards.setdefault(s.at[:k], [])

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import compat
-from jaxpr_surgery._src.api import _is_array, _norm_nums
+from jaxpr_surgery._src.arguments import is_array, norm_nums
 
 _NAME = "check_per_example"
 # the per-example gradients are formed a few examples at a time, at most this many bytes
@@ -92,8 +92,8 @@ def check_per_example(
     """
 
     def check(*args):
-        nums = _norm_nums(batch_argnums, "batch_argnums", len(args))
-        dnums = _norm_nums(argnums, "argnums", len(args))
+        nums = norm_nums(batch_argnums, "batch_argnums", len(args))
+        dnums = norm_nums(argnums, "argnums", len(args))
         batch = _Batch.of(args, nums)
         probe = _Probe.of(fn, args, batch, dnums, has_aux, seed)
         full = probe.value(args)
@@ -174,7 +174,7 @@ class _Probe:
         along a direction drawn from ``seed``."""
         dflat, dtree = jax.tree.flatten(tuple(args[i] for i in dnums))
         is_float = [
-            _is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in dflat
+            is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in dflat
         ]
         rng = np.random.default_rng(seed)
         tangent = [
@@ -252,7 +252,7 @@ def _least_precise(probe, loss_dtype):
     if not jnp.issubdtype(worst, jnp.floating):
         worst = jnp.dtype(jnp.float32)
     leaves, tree = jax.tree.flatten(probe.args)
-    is_arr = [_is_array(x) for x in leaves]
+    is_arr = [is_array(x) for x in leaves]
 
     def loss(arrays):  # non-array leaves (static settings, modules' functions) stay put
         it = iter(arrays)
@@ -402,12 +402,12 @@ def check_rule(
       ...     js.extend.check_rule(loss)(jnp.ones((3, 2)), jnp.ones((4, 3)))
       ['dense']
     """
-    from jaxpr_surgery._src import api, custom_ops
+    from jaxpr_surgery._src import api, arguments, custom_ops
 
     def check(*args):
         opts = api.make_options(argnums, batch_argnums, keep_batch_dim, has_aux, None, False, None,
                                  None, False)
-        prep = api._Prepared(fn, args, opts, _RULE)
+        prep = arguments.Prepared(fn, args, opts, _RULE)
         closed, _ = prep.trace(substitute=False)
         entries = custom_ops.ops_in(closed)
         if not entries:

@@ -64,7 +64,7 @@ def split_count(prep, opts) -> int:
 
 
 def split_call(call, args, spec, batch_argnums, B: int, D: int):
-    """``call(args, spec)`` (an entry point's body on a `_Prepared` of ``args``) over
+    """``call(args, spec)`` (an entry point's body on a `Prepared` of ``args``) over
     ``D`` parts of the batch under ``jax.vmap`` with axis name `AXIS`; values combined
     across the parts (the same for every part) come back once, per-example ones (a
     part's own) in the batch's order."""

@@ -66,7 +66,7 @@ class DotWith(_PerExampleDots):
         raise TypeError("DotWith is bound to each leaf's reference (BoundDot) first.")
 
     def direct_ok(self, site):
-        return False  # bound per leaf after the backward pass (engine._leaf_dots)
+        return False  # bound per leaf after the backward pass (leaves.leaf_dots)
 
     def per_leaf(self, flatten, leaf_avals):
         return [BoundDot(ref) for ref in _reference_leaves(flatten, self.reference, leaf_avals)]

@@ -24,16 +24,11 @@ from jaxpr_surgery._src import (
 )
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.api import Options, _flatten_stats, _Prepared, collector_paused, front_half
-from jaxpr_surgery._src.engine import (
-    Mode,
-    clips_by_recompute,
-    leaf_feature_tile,
-    multi_site_routes,
-    needs_norms,
-    shared_norm_candidates,
-    shared_norms_by_ghost,
-)
+from jaxpr_surgery._src.api import collector_paused, front_half
+from jaxpr_surgery._src.arguments import Options, Prepared, flatten_stats
+from jaxpr_surgery._src.ghost_cross import shared_norm_candidates, shared_norms_by_ghost
+from jaxpr_surgery._src.leaves import leaf_feature_tile, multi_site_routes
+from jaxpr_surgery._src.plans import Mode, clips_by_recompute, needs_norms
 from jaxpr_surgery._src.sites.base import (
     FALLBACK,
     MATERIALISED,
@@ -266,7 +261,7 @@ def explain(
     """
     stat = _default_stats() if stat is None else stat
     chunking.validate(chunk_size, "explain")
-    stat_leaves, _, reqs, reductions = _flatten_stats(stat)
+    stat_leaves, _, reqs, reductions = flatten_stats(stat)
     names = [stat_name(s) for s in stat_leaves]
     budget = (
         tiling.DEFAULT_MEMORY_BUDGET_BYTES
@@ -281,7 +276,7 @@ def explain(
         with collector_paused():
             opts = Options(argnums, batch_argnums, keep_batch_dim, has_aux, None, False, None)
             opts = dataclasses.replace(opts, chunk_size=chunk_size, memory_budget_bytes=budget)
-            prep = _Prepared(f, args, opts, "explain")
+            prep = Prepared(f, args, opts, "explain")
             front = front_half(prep, reductions, opts, "explain", check_budget=False)
             closed, an, B, chunk = front.closed, front.analysis, prep.B, front.chunk
             act = front.activation_bytes()
@@ -413,9 +408,9 @@ def _skipped_report(path, shape, dtype, names):
 
 
 def _leaf_report(prep, plan, i, x, B, names, reqs, reductions, budget, site_notes, recompute):
-    """Leaf ``i``'s report from the `engine.Plan` the statistics run (its analysis,
+    """Leaf ``i``'s report from the `plans.Plan` the statistics run (its analysis,
     modes and kernels). ``recompute``: clipped sums by a second backward pass
-    (engine.clips_by_recompute)."""
+    (plans.clips_by_recompute)."""
     info = plan.analysis.leaves[i]
     path, shape, dtype = prep.diff_paths[i], tuple(jnp.shape(x)), str(x.dtype)
     kinds = [s.kind for s in info.sites]
@@ -554,7 +549,7 @@ class _LeafRules:
             )
         elif (r.weighted_by_norm and self.plan.modes[self.i] is Mode.DIRECT
               and k.keeps_products_for_clip()):
-            # the norms' products G_b are kept for the weighted sum (engine._site_request)
+            # the norms' products G_b are kept for the weighted sum (plans.site_request)
             rl = dataclasses.replace(
                 rl, how=rl.how + ", kept for the weighted sum" + by,
                 bytes=rl.bytes + B * math.prod(s.view_shape) * itemsize,
@@ -573,7 +568,7 @@ class _LeafRules:
 
     def dots_rule(self, r):
         """Each site's contraction of the reference where its view permutes the leaf;
-        else tiles of the leaf's exact per-example gradients (engine._leaf_dots)."""
+        else tiles of the leaf's exact per-example gradients (leaves.leaf_dots)."""
         if all(kron.leaf_map(s) is not None for s in self.info.sites):
             fl = sum(k.rule(S.SUM, self.B).flops for k in self.ks)  # one more per site
             return (STREAMED, "contraction with the reference", fl, 0.0, ())

@@ -13,7 +13,7 @@ Per-example norms are those of the whole weight's gradient, which the device hol
 its own examples: no sum over the devices, and clipping reads them as they are.
 
 Any other collective over the examples' axes that a parameter goes through is refused
-(`analysis.Analysis.crossing`).
+(`analysis_types.Analysis.crossing`).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def recompute_flagged(exact, args, values, bad):
 # value (it cannot exclude that the value is all rounding: cancelled terms), the
 # example's ``G_b`` is formed alone (`recompute_flagged`). Elsewhere the statistics keep
 # the value, and clipping divides by the square root of the value plus the bound
-# (`reductions.ClipNorms`): never below the norm of the per-example gradient, so no
+# (`clip_reductions.ClipNorms`): never below the norm of the per-example gradient, so no
 # example passes its clip with more than ``C``, whatever its inputs.
 GHOST_TOLERANCE = 1.0
 

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import api
+from jaxpr_surgery._src import api, arguments
 from jaxpr_surgery._src import example_weights as ew
-from jaxpr_surgery._src.reductions import equal_as_bool as _equal
+from jaxpr_surgery._src.fn_equality import equal_as_bool as _equal
 from jaxpr_surgery._src.stats import same_statistic
 
 PyTree = Any
@@ -41,7 +41,7 @@ def _short(text: str, n: int = 240) -> str:
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Spec:
     """The static data of a partial (its pytree aux data): the flattened request
-    (`api._flatten_stats`) and the `api.LeafLayout` of the differentiated arguments.
+    (`arguments.flatten_stats`) and the `arguments.LeafLayout` of the differentiated arguments.
 
     Equal for two calls of one request on parameters of one layout, also when the
     statistics were built afresh (``js.optim.stat_request`` inside a step), so such
@@ -51,7 +51,7 @@ class _Spec:
     stat_tree: Any
     reqs: tuple
     reductions: tuple
-    layout: api.LeafLayout
+    layout: arguments.LeafLayout
 
     @property
     def flat(self):
@@ -450,12 +450,12 @@ def per_example_partial(
     opts = api.make_options(argnums, batch_argnums, keep_batch_dim, has_aux, chunk_size,
                             strict, axis_name, memory_budget_bytes, check)
     name = "per_example_partial"
-    api._flatten_stats(stat)  # validate early
+    arguments.flatten_stats(stat)  # validate early
     if not callable(fn):
         raise TypeError(f"{name}: fn must be callable, got {fn!r}.")
 
     def body(prep, spec):
-        flat = api._flatten_stats(stat)
+        flat = arguments.flatten_stats(stat)
         return from_reduced(flat, prep.layout(), api.reduce_call(prep, flat, prep.opts, name, spec))
 
     return api.entry(fn, opts, name, body, all_zero_ok=True)

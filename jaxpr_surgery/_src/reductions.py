@@ -37,19 +37,32 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxpr_surgery._src import compat, cuts, views
+from jaxpr_surgery._src import cuts, views
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
-from jaxpr_surgery._src.norms import combine_norms, materialised_norms, sqrt0, stacked_parts
+from jaxpr_surgery._src.fn_equality import function_name, same_function
+from jaxpr_surgery._src.moments import (
+    Moments,
+    Shifted,
+    about_the_mean,
+    chan_update,
+    merge_moments,
+    merge_shifted,
+    moments_of,
+    nonneg,
+    recentre,
+    reshift,
+    shifted_moments,
+    weighted_moments,
+)
+from jaxpr_surgery._src.norms import combine_norms, materialised_norms, sqrt0
 
 SDS = jax.ShapeDtypeStruct
 
@@ -358,179 +371,6 @@ def _is_moments(x):
     return isinstance(x, (Moments, Shifted))
 
 
-# --------------------------------------------------------------------------- #
-# Centred moments: values, running sums, merges
-# --------------------------------------------------------------------------- #
-class Moments(NamedTuple):
-    """Value of `Centered` for one leaf: mean and centered sum of squares."""
-
-    mean: jax.Array
-    m2: jax.Array
-
-
-def nonneg(x):
-    """``x``, a sum of squares (or fourth powers) whose rounding may take it below 0, with
-    those values set to 0 and the derivative of ``x`` kept: a clamp's derivative is 0
-    there, but a true value of 0 (one example's centred sums) has a derivative, e.g. in
-    the weight of another example of weight 0. NaN stays NaN."""
-    return x + jax.lax.stop_gradient(jnp.where(x < 0, -x, jnp.zeros_like(x)))
-
-
-def merge_moments(a: Moments, na, b: Moments, nb) -> Moments:
-    """The moments of the union of two disjoint sets of ``na`` and ``nb`` examples
-    (Chan et al.: ``m2 = m2_a + m2_b + delta^2 n_a n_b / n``, exact, no cancellation).
-
-    Counts may be traced integers (a chunk loop's index times the chunk size): the
-    weights are formed without their product (``na * nb`` overflows int32 from about
-    46341 examples on each side) and in the moments' dtype (a quotient of int64 counts
-    is float64 under ``jax_enable_x64``).
-    """
-    dt = jnp.result_type(a.mean)
-    tot = na + nb  # (0 only for weighted examples of weight 0: nothing to merge)
-    w = jnp.asarray(nb / jnp.where(jnp.asarray(tot) > 0, tot, 1), dt)
-    delta = b.mean - a.mean
-    out = Moments(a.mean + delta * w, a.m2 + b.m2 + jnp.square(delta) * (jnp.asarray(na, dt) * w))
-    if not ew.is_open():
-        return out
-    # within derivatives in the weights, a side of weight 0 holds its raw sums
-    # (see `reshift`): the union's moments from them, exact in value and derivative
-    na, nb = jnp.asarray(na, dt), jnp.asarray(nb, dt)
-    safe = jnp.where(na + nb > 0, na + nb, 1)
-
-    def with_raw(m, n, p, q, n0):  # moments m of weight n > 0 and raw sums of weight n0
-        M = (n * m.mean + p) / safe
-        return Moments(M, m.m2 + n * jnp.square(m.mean - M) + q - 2 * M * p + jnp.square(M) * n0)
-
-    pick = lambda c, x, y: jax.tree.map(lambda u, v: jnp.where(c, u, v), x, y)  # noqa: E731
-    raw = Moments(a.mean + b.mean, a.m2 + b.m2)  # (both of weight 0)
-    out = pick((na > 0) & (nb > 0), out, raw)
-    out = pick((na > 0) & (nb == 0), with_raw(a, na, b.mean, b.m2, nb), out)
-    return pick((na == 0) & (nb > 0), with_raw(b, nb, a.mean, a.m2, na), out)
-
-
-class Shifted(NamedTuple):
-    """Running centred moments of ``n`` examples against a shift ``K`` (carried across
-    tiles and chunks of the batch): ``s1 = sum_b (g_b - K)``, ``s2 = sum_b (g_b - K)^2``,
-    so ``mean = K + s1/n`` and ``m2 = s2 - s1^2/n``. The subtraction of the final
-    ``s1^2/n`` cancels at most ``1 + m/n_K`` fold where ``K`` is the exact mean of the
-    first ``n_K`` examples and ``m`` came after (the between-group part of ``m2`` bounds
-    it); callers re-centre (`recentre`) before that exceeds `MAX_SHIFT_AMPLIFICATION`.
-    ``s1`` is None where the shift is the examples' own mean (`Centered` outside
-    derivatives in the weights: ``s1 = 0``, not carried)."""
-
-    shift: jax.Array
-    s1: jax.Array | None
-    s2: jax.Array
-
-
-def shifted_moments(s: Shifted, n) -> Moments:
-    """The `Moments` of ``n`` examples from their `Shifted` sums."""
-    n = jnp.asarray(n, jnp.result_type(s.s1))
-    d = s.s1 / jnp.where(n > 0, n, 1)  # (n = 0: weighted examples of weight 0, s1 = 0)
-    m2 = s.s2 - s.s1 * d
-    out = Moments(s.shift + d, nonneg(m2))
-    if not ew.is_open():
-        return out
-    K = s.shift  # (weight 0 within derivatives in the weights: raw sums, see `reshift`)
-    raw = Moments(s.s1 + K * n, s.s2 + 2 * K * s.s1 + jnp.square(K) * n)
-    return Moments(*(jnp.where(n > 0, u, v) for u, v in zip(out, raw)))
-
-
-# Within derivatives in the example weights (`example_weights.is_open`) the examples of
-# weight 0 are read as they are, so a tile, group or chunk may weigh 0 in all: its
-# `Moments` are then its raw sums ``(sum_b w_b g_b, sum_b w_b g_b^2)``, zero but with the
-# derivatives of those sums (``from_weighted`` gives them: the mean divides by 1 there), and
-# the merges and shifts below keep them (a mean of no weight would lose them). Elsewhere
-# nothing changes.
-def reshift(s: Shifted, n, K) -> Shifted:
-    """The same sums of ``n`` examples against the shift ``K``."""
-    d = s.shift - K
-    n = jnp.asarray(n, jnp.result_type(s.s1))
-    return Shifted(K, s.s1 + d * n, s.s2 + 2 * d * s.s1 + jnp.square(d) * n)
-
-
-def recentre(s: Shifted, n) -> Shifted:
-    """The same moments of ``n`` examples against their mean (``s1 = 0``)."""
-    m = shifted_moments(s, n)
-    out = Shifted(m.mean, compat.zeros_like_varying(s.s1), m.m2)
-    if not ew.is_open():
-        return out
-    return Shifted(*(jnp.where(jnp.asarray(n) > 0, u, v) for u, v in zip(out, s)))
-
-
-def chan_update(a: Shifted, na, mean_b, m2_b, nb) -> Moments:
-    """The `Moments` of ``na`` examples (their `Shifted` sums ``a``) followed by ``nb``
-    more of mean ``mean_b`` and centred sum of squares ``m2_b`` (Chan et al.: exact, no
-    cancellation). Counts may be traced, and are total weights with
-    ``example_weights``; with none before, the new ones' moments exactly. ``a.s1``
-    None: ``a`` is about its own mean (`_about_the_mean`)."""
-    dt = jnp.result_type(a.shift)
-    na, nb = jnp.asarray(na, dt), jnp.asarray(nb, dt)
-    before = na > 0
-    if a.s1 is None:
-        mean_a, m2_a = a.shift, a.s2
-    else:
-        d1 = a.s1 / jnp.where(before, na, 1)
-        mean_a, m2_a = a.shift + d1, a.s2 - a.s1 * d1
-    tot = na + nb
-    f = nb / jnp.where(tot > 0, tot, 1)
-    delta = mean_b - mean_a
-    return Moments(jnp.where(before, mean_a + delta * f, mean_b),
-                   jnp.where(before, m2_a + m2_b + jnp.square(delta) * (na * f), m2_b))
-
-
-def _about_the_mean(m: Moments) -> Shifted:
-    """`Moments` as `Shifted` sums against their own mean: ``s1 = 0``, left out (None), so
-    that no program carries or reads it (`Centered` outside derivatives in the weights)."""
-    return Shifted(m.mean, None, m.m2)
-
-
-def _moments_of(G) -> Moments:
-    """The exact two-pass `Moments` of the examples of ``G [b, ...]`` (one example: its
-    own mean, zero about it)."""
-    if G.shape[0] == 1:
-        g = G[0]
-        return Moments(g, compat.zeros_like_varying(g))
-    m = jnp.mean(G, axis=0)
-    return Moments(m, jnp.sum(jnp.square(G - m), axis=0))
-
-
-def _weighted_moments(G, wb):
-    """``(W, Moments)``: the total weight and the exact two-pass `Moments` of the examples
-    of ``G [b, ...]`` weighted by ``wb`` (broadcast against ``G``)."""
-    W = jnp.sum(wb, axis=0)
-    m = jnp.sum(wb * G, axis=0) / jnp.where(W > 0, W, 1)
-    return W, Moments(m, jnp.sum(wb * jnp.square(G - m), axis=0))
-
-
-def merge_shifted(a: Shifted, na, b: Moments, nb) -> Shifted:
-    """`Shifted` sums of ``na`` examples and the `Moments` of ``nb`` more (with no
-    examples before, the new ones' mean becomes the shift)."""
-    dt = jnp.result_type(a.s1)
-    K = jnp.where(jnp.asarray(na) > 0, a.shift, b.mean.astype(dt))
-    if ew.is_open():  # (`reshift`: ``a`` may weigh 0; so may ``b``, holding raw sums)
-        K = jnp.where((jnp.asarray(na) == 0) & (jnp.asarray(nb) == 0), a.shift, K)
-        a = reshift(a, na, K)
-        nb = jnp.asarray(nb, dt)
-        d = b.mean - K
-        s1 = jnp.where(nb > 0, nb * d, b.mean - nb * K)
-        s2 = jnp.where(nb > 0, b.m2 + nb * jnp.square(d),
-                       b.m2 - 2 * K * b.mean + jnp.square(K) * nb)
-        return Shifted(K, a.s1 + s1, a.s2 + s2)
-    d = b.mean - K
-    nb = jnp.asarray(nb, dt)
-    return Shifted(K, a.s1 + nb * d, a.s2 + b.m2 + nb * jnp.square(d))
-
-
-# --------------------------------------------------------------------------- #
-# Example weights
-# --------------------------------------------------------------------------- #
-def weighs(r) -> bool:
-    """Whether ``example_weights`` enter ``r`` through `Weighted` (not a per-example
-    value, masked afterwards, nor a clipped sum, whose clip factors the engine weighs)."""
-    return not (r.per_example or r.weighted_by_norm)
-
-
 def _definer(cls, name):
     return next(c for c in cls.__mro__ if name in vars(c))
 
@@ -555,165 +395,6 @@ def centred_share(r, value, n_local, axis_name, parts):
     N = jax.lax.psum(jnp.asarray(n_local, jnp.result_type(value.mean)), axis_name)
     c = r.combine_axis(value, n_local, N, axis_name)
     return c._replace(**{f: getattr(c, f) / parts for f in c._fields[1:]})
-
-
-class Weighted(Reduction):
-    """``inner`` over examples weighted by ``w_b >= 0`` (``example_weights``), run by the
-    same tile loops, chunks and devices as any reduction: those speak in counts of
-    examples, which this wrapper turns into sums of weights for ``inner`` (whose
-    ``*_weighted`` methods take the weights themselves).
-
-    The examples are those of one chunk, ``w`` their weights; a count ``n`` is a number
-    of examples from an origin: ``n0`` examples of total weight ``W0`` came before the
-    chunk (its tile loops continue a carry of them) or, with ``n0 = W0 = 0``, the
-    chunk's own examples are counted from its first. ``W(n) = W0 + sum(w[:n - n0])``.
-    An example of weight 0 is removed exactly: its gradient is read as zero (a padded
-    example's NaN never enters).
-    """
-
-    def __init__(self, inner, w, n0=0, W0=0.0):
-        self.inner, self.w, self.n0, self.W0 = inner, w, n0, W0
-
-    # (reductions that compare equal are computed once: wrappers of one call's weights)
-    def __eq__(self, other):
-        return (isinstance(other, Weighted) and self.inner == other.inner
-                and self.w is other.w and self.n0 is other.n0 and self.W0 is other.W0)
-
-    def __hash__(self):
-        return hash((Weighted, self.inner, id(self.w)))
-
-    def __repr__(self):
-        return f"Weighted({self.inner!r})"
-
-    per_example = property(lambda self: self.inner.per_example)
-    carries = property(lambda self: self.inner.carries)
-    feature_blocks = property(lambda self: self.inner.feature_blocks)
-    shift_bounded = property(lambda self: self.inner.shift_bounded)
-    linear = property(lambda self: self.inner.linear)
-    weighted_by_norm = property(lambda self: self.inner.weighted_by_norm)
-    knows_total = property(lambda self: self.inner.knows_total)
-
-    def at(self, n0, W0):
-        """The same weights counted from ``n0`` examples of weight ``W0`` before."""
-        return Weighted(self.inner, self.w, n0, W0)
-
-    def W(self, n):
-        """The weight of the examples counted by ``n``. (Not cached: a cache filled
-        while tracing a loop's body would leak its tracer to the next use.)"""
-        w = self.w
-        cw = jnp.concatenate([jnp.zeros((1,), w.dtype), jnp.cumsum(w)])
-        return self.W0 + cw[jnp.clip(self._index(n), 0, w.shape[0])]
-
-    def _index(self, n):
-        """The position in the chunk of the example counted by ``n`` (counts may come
-        as floats: a site's sink holds them in its accumulation dtype)."""
-        return jnp.round(jnp.asarray(n) - self.n0).astype(jnp.int32)
-
-    def _tile(self, n, G):
-        """The weights of the examples ``G`` holds (from count ``n``) and ``G`` with the
-        examples of weight 0 read as zero."""
-        b = G.shape[0]
-        w = self.w if b == self.w.shape[0] else compat.slice_at(
-            self.w, self._index(n), b)
-        keep = ew.kept(w, (G,)).reshape((-1,) + (1,) * (G.ndim - 1))
-        return w, jnp.where(keep, G, jnp.zeros((), G.dtype))
-
-    def weighted_parts(self):
-        return self.inner, self.w
-
-    def scaled(self):
-        d = self.inner.weight_degree
-        if not d or (d != 1 and ew.is_open()):  # (w^(1/d): no derivative at w = 0)
-            return None
-        w = self.w
-        return self.inner, (w if d == 1 else jnp.sqrt(w) if d == 2 else w ** (1.0 / d))
-
-    def aval(self, shape, dtype, B):
-        return self.inner.aval(shape, dtype, B)
-
-    def from_examples(self, G):  # every example of the chunk
-        w, G = self._tile(self.n0, G)
-        return self.inner.from_weighted(G, w)
-
-    def merge(self, a, na, b, nb):  # (a: the first na examples, b the nb after them)
-        return self.inner.merge(a, self.W(na), b, self.W(na + nb) - self.W(na))
-
-    def empty(self, shape, dtype):
-        return self.inner.empty(shape, dtype)
-
-    def accumulate(self, acc, n, value, m):
-        Wn = self.W(n)
-        return self.inner.accumulate(acc, Wn, value, self.W(n + m) - Wn)
-
-    def add_examples(self, acc, n, G):
-        w, G = self._tile(n, G)
-        return self.inner.add_weighted(acc, self.W(n), G, w)
-
-    def start_examples(self, acc, n, G):
-        w, G = self._tile(n, G)
-        return self.inner.start_weighted(acc, self.W(n), G, w)
-
-    def finish(self, acc, n):
-        return self.inner.finish(acc, self.W(n))
-
-    def recentre(self, acc, n):
-        return self.inner.recentre(acc, self.W(n))
-
-    def total(self, acc, n):
-        return self.inner.total(acc, self.W(n))
-
-    def block(self, cut):
-        return Weighted(self.inner.block(cut), self.w, self.n0, self.W0)
-
-    def zeros(self, shape, dtype, B):  # the chunk's examples, all of gradient zero
-        del B
-        W = jnp.sum(self.w).astype(dtype)
-        return self.inner.from_weighted(jnp.zeros((1,) + tuple(shape), dtype), W[None])
-
-    def combined_share(self, value, n_local, axis_name, parts):  # (as `combine_axis`)
-        del n_local
-        with ew.opened():
-            return combined_share(self.inner, value, jnp.sum(self.w), axis_name, parts)
-
-    def combine_axis(self, value, n_local, N, axis_name):  # (the whole local batch)
-        del n_local, N
-        W = jnp.sum(self.w)
-        # (a device's examples may weigh 0 in all: its value holds their raw sums, which
-        # the merges keep, so that the derivatives in their weights are exact)
-        with ew.opened():
-            return self.inner.combine_axis(value, W, jax.lax.psum(W, axis_name), axis_name)
-
-    def to_leaf(self, value, site, B):
-        if type(self.inner).to_leaf is not Reduction.to_leaf:
-            return self.inner.to_leaf(value, site, B)
-        return Reduction.to_leaf(self, value, site, B)  # (fills with `zeros` above)
-
-    def from_leaf(self, value, site):
-        return self.inner.from_leaf(value, site)
-
-    def direct_ok(self, site):
-        return self.inner.direct_ok(site)
-
-    def combine_shards(self, value, axes):
-        return self.inner.combine_shards(value, axes)
-
-    def describe(self):
-        return self.inner.describe()
-
-
-class Carry(NamedTuple):
-    """The running accumulators a chunk's statistics continue (chunking.py).
-
-    Attributes:
-      values: per reduction (a list aligned with the reductions, or a dict keyed like
-        them), its accumulator over the ``n`` examples of the chunks before, or None
-        where the callee returns the chunk's own value (merged by the caller).
-      n: the number of those examples (may be traced; 0 for the first chunk, whose
-        accumulators are `Reduction.empty`).
-    """
-
-    values: Any
-    n: Any
 
 
 # --------------------------------------------------------------------------- #
@@ -818,7 +499,7 @@ class Centered(ElementwiseReduction):
         return Shifted(z, z if ew.is_open() else None, z)  # (about the mean: no s1)
 
     def from_examples(self, G):
-        return _moments_of(G)
+        return moments_of(G)
 
     @fp.traced_once
     def merge(self, a, na, b, nb):
@@ -828,7 +509,7 @@ class Centered(ElementwiseReduction):
     def accumulate(self, acc, n, value, m):
         if ew.is_open():
             return merge_shifted(acc, n, value, m)
-        return _about_the_mean(chan_update(acc, n, value.mean, value.m2, m))
+        return about_the_mean(chan_update(acc, n, value.mean, value.m2, m))
 
     def start_examples(self, acc, n, G):
         """The first tile of a loop (``acc``: a carried accumulator, or None)."""
@@ -849,7 +530,7 @@ class Centered(ElementwiseReduction):
         return self._add(acc, G)
 
     def from_weighted(self, G, w):
-        return _weighted_moments(G, _per_example(w, G))[1]
+        return weighted_moments(G, _per_example(w, G))[1]
 
     def start_weighted(self, acc, W, G, w):
         wb = _per_example(w, G)
@@ -874,10 +555,10 @@ class Centered(ElementwiseReduction):
         """``acc`` (None: no examples before; else of ``n`` examples, or of total weight
         ``n`` with weights ``wb``) followed by the examples of ``G``: the tile's exact
         two-pass moments merged in by Chan's rule, the sums against the new mean."""
-        nb, m = (G.shape[0], _moments_of(G)) if wb is None else _weighted_moments(G, wb)
+        nb, m = (G.shape[0], moments_of(G)) if wb is None else weighted_moments(G, wb)
         if acc is None:
-            return _about_the_mean(m)
-        return _about_the_mean(chan_update(acc, n, m.mean, m.m2, nb))
+            return about_the_mean(m)
+        return about_the_mean(chan_update(acc, n, m.mean, m.m2, nb))
 
     @staticmethod
     def _add(acc, G, wb=None):
@@ -948,7 +629,7 @@ class CenteredAbout(ElementwiseReduction):
         return CenteredAbout(cuts.take(cut, self.mean, cuts.axis_of(cut)))
 
 
-class _ExampleNorms(Reduction):
+class ExampleNorms(Reduction):
     """Per-example values ``[B]`` of a leaf's norm (`SqNorms`, `Norms`): one entry per
     example, concatenated across chunks, local across devices; the layers of a scan
     over stacked layers are one leaf."""
@@ -971,7 +652,7 @@ class _ExampleNorms(Reduction):
 
 
 @dataclasses.dataclass(frozen=True)
-class SqNorms(_ExampleNorms):
+class SqNorms(ExampleNorms):
     """Per-example squared norm ``||g_b||^2`` of each leaf, an array ``[B]``."""
 
     feature_blocks: ClassVar[str | None] = "add"
@@ -987,7 +668,7 @@ class SqNorms(_ExampleNorms):
 
 
 @dataclasses.dataclass(frozen=True)
-class Norms(_ExampleNorms):
+class Norms(ExampleNorms):
     """Per-example norm ``||g_b||`` of each leaf, an array ``[B]``.
 
     The square roots of `SqNorms`, except where a square overflows (a float32 gradient
@@ -1008,185 +689,6 @@ class Norms(_ExampleNorms):
         m = jax.lax.pmax(jax.lax.stop_gradient(value), axes)
         ms = jnp.where(m > 0, m, 1)
         return ms * sqrt0(jax.lax.psum(jnp.square(value / ms), axes))
-
-
-@dataclasses.dataclass(frozen=True)
-class ClipNorms(Norms):
-    """The per-example norms clipping divides by (engine-internal): `Norms`, except
-    where a cheap form gave the value (a token-axis ghost norm, a tied table's cross
-    terms, whose terms may cancel): there its value plus the worst-case bound of its
-    rounding (`norms.untrusted`), never below the norm of the per-example gradient, so
-    no example passes its clip with more than ``C``. The statistic `Norms` keeps the
-    value itself."""
-
-
-@dataclasses.dataclass(frozen=True)
-class KeptExamples(Reduction):
-    """The per-example gradients themselves, ``[B, *leaf]`` (engine-internal): what a
-    site keeps for a clipped sum where its tile loop forms them for the norms anyway
-    (`sites.dense.DenseKernel.keeps_products_for_clip`), in place of its input and
-    cotangent. Never a user's statistic."""
-
-    per_example: ClassVar[bool] = True
-    carries: ClassVar[bool] = False
-    feature_blocks: ClassVar[str | None] = None  # whole examples (leading B)
-
-    def aval(self, shape, dtype, B):
-        return SDS((B,) + tuple(shape), dtype)
-
-    def from_examples(self, G):
-        return G
-
-    def merge(self, a, na, b, nb):
-        return jnp.concatenate([a, b], axis=0)
-
-    def zeros(self, shape, dtype, B):
-        return jnp.zeros((B,) + tuple(shape), dtype)
-
-
-def is_norms(r) -> bool:
-    """``r`` is a per-example norm reduction (`SqNorms` or `Norms`): an array ``[B]``
-    per leaf, computed by the same rules (sites.base.direct_norms)."""
-    return isinstance(r, _ExampleNorms)
-
-
-def clip_factor(C, norm):
-    """``min(1, C / norm)`` without NaN at ``norm = 0`` or ``C = inf``; a traced bound
-    that is NaN, zero or negative gives NaN (the result is poisoned, never unclipped)."""
-    if isinstance(C, (int, float)):
-        if C == float("inf"):
-            return jnp.ones_like(norm)
-        return C / jnp.maximum(norm, C)
-    C = jnp.asarray(C, norm.dtype)
-    finite = jnp.isfinite(C)
-    Cs = jnp.where(finite & (C > 0), C, 1.0)
-    c = jnp.where(finite, Cs / jnp.maximum(norm, Cs), 1.0)
-    return jnp.where(C > 0, c, jnp.nan)
-
-
-def _bound_key(x):
-    """A hashable stand-in for one clip bound: its value, or the traced value itself."""
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return float(x)
-    return ("object", id(x))
-
-
-#: What a clipped sum does with an example whose gradient is not finite (`ClippedSum`).
-NONFINITE_MODES = ("drop", "propagate")
-
-
-def check_nonfinite(nonfinite, owner):
-    """``nonfinite`` of a clipped sum, checked (`NONFINITE_MODES`)."""
-    if not (isinstance(nonfinite, str) and nonfinite in NONFINITE_MODES):
-        raise ValueError(
-            f"{owner}(nonfinite=...): expected 'drop' (an example whose gradient holds a NaN "
-            "or an infinity adds nothing; js.stats.nonfinite_count() counts them) or "
-            f"'propagate' (it makes the sum NaN), got {nonfinite!r}."
-        )
-    return nonfinite
-
-
-def nonfinite_examples(norms, w=None):
-    """``[B]`` bool: the examples whose gradient is not finite, read from their norms
-    ``norms`` (a list of ``[B]`` arrays, one per leaf, finite wherever representable): a
-    NaN or an infinity in some leaf (or a leaf's norm past the float range). With
-    example weights ``w``, only examples of positive weight (the others are removed
-    already). What clipped sums drop, and `stats.nonfinite_count` counts."""
-    bad = jnp.logical_not(jnp.all(jnp.isfinite(stacked_parts(norms)), axis=0))
-    return bad if w is None else bad & (w > 0)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ClippedSum(ElementwiseReduction):
-    """``sum_b min(1, C / ||g_b||) g_b`` with the global per-example norm, or per group
-    of leaves ``sum_b min(1, C_k / ||g_b,k||) g_b,k`` (per-layer clipping).
-
-    ``clip_norm`` is one bound (a float, or a traced scalar inside ``jit``), or a pytree
-    of bounds that is a prefix of the differentiated arguments' structure: each bound
-    clips the part of every example's gradient under it by that part's own norm. The
-    engine binds it to each leaf's group (`GroupClip`, `per_leaf`) and weights every
-    leaf's examples by `example_weights` of the norm over the leaf's group.
-
-    ``nonfinite``: ``"drop"`` (the default): an example whose gradient is not finite
-    (`nonfinite_examples`) adds nothing, its clip factor ``0`` and its per-example
-    inputs read as zeros in the weighted sums, which the engine forms a second time
-    without it only when there is one (`engine._clipped_sums`); ``"propagate"``: it
-    makes the sum NaN."""
-
-    clip_norm: Any
-    nonfinite: str = "drop"
-    weighted_by_norm: ClassVar[bool] = True
-    carries: ClassVar[bool] = False
-    feature_blocks: ClassVar[str | None] = None
-
-    @property
-    def drops_nonfinite(self):
-        return self.nonfinite == "drop"
-
-    def _key(self):
-        leaves, tree = jax.tree.flatten(self.clip_norm)
-        return ("clip", tree, tuple(_bound_key(x) for x in leaves), self.nonfinite)
-
-    def __eq__(self, other):
-        return isinstance(other, ClippedSum) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
-
-    def from_examples(self, G):
-        raise TypeError(
-            "ClippedSum needs every leaf's per-example norm: the engine forms it from "
-            "example_weights and weighted sums, never from one leaf's gradients alone."
-        )
-
-    def merge(self, a, na, b, nb):
-        return a + b
-
-    def zeros(self, shape, dtype, B):
-        return jnp.zeros(tuple(shape), dtype)
-
-    def combine_axis(self, value, n_local, N, axis_name):
-        return jax.lax.psum(value, axis_name)
-
-    def per_leaf(self, flatten, leaf_avals):
-        """Each leaf's group and bound (`GroupClip`): ``flatten.prefix`` maps the tree of
-        bounds onto the leaves (one group of every leaf for a single bound)."""
-        del leaf_avals
-        groups = flatten.prefix(self.clip_norm, "the clip_norm of clipped_sum/clipped_mean",
-                                "bound")
-        return [GroupClip(C, self.nonfinite, k, path) for k, path, C in groups]
-
-    def example_weights(self, norm):
-        """``[B]`` weights of the examples from their norms: ``min(1, C/norm)`` (a single
-        bound; the engine asks each leaf's `GroupClip`)."""
-        return clip_factor(self.clip_norm, norm)
-
-    @property
-    def per_group(self):
-        """Per-layer clipping: ``clip_norm`` is a tree of bounds, not a single bound."""
-        return not jax.tree_util.treedef_is_leaf(jax.tree.structure(self.clip_norm))
-
-    def describe(self):
-        what = "ClippedSum (per group)" if self.per_group else "ClippedSum"
-        return what if self.drops_nonfinite else f"{what} (non-finite propagated)"
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class GroupClip(ClippedSum):
-    """A `ClippedSum` bound to one leaf (engine-internal): the leaf's examples are
-    weighted by ``min(1, clip_norm / norm)`` with ``norm`` the per-example norm over every
-    leaf of its group (``group``: the index of the bound, ``path``: where it sits in the
-    tree of bounds, empty for a single bound)."""
-
-    group: int = 0
-    path: str = ""
-
-    def _key(self):
-        return ("group-clip", self.group, self.path, _bound_key(self.clip_norm), self.nonfinite)
-
-    def per_leaf(self, flatten, leaf_avals):
-        del flatten, leaf_avals
-        return None
 
 
 def kron_value_shapes(shape, r):
@@ -1266,78 +768,5 @@ SQUARE = PhiSum(jnp.square, multiplicative=True, name="square", _builtin=True, _
 SIGN = PhiSum(jnp.sign, multiplicative=True, name="sign", _builtin=True)
 ABS = PhiSum(jnp.abs, multiplicative=True, name="abs", _builtin=True, _degree=1)
 SUM = PhiSum(None, multiplicative=True, name="identity", _builtin=True, _degree=1)
-
-
-# --------------------------------------------------------------------------- #
-# Functions compared for `PhiSum.clash`
-# --------------------------------------------------------------------------- #
-def function_name(f) -> str:
-    """A short readable name of a function for messages (``cos``, ``<lambda>``)."""
-    name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None)
-    return name if isinstance(name, str) else repr(f)
-
-
-def same_function(f, g, _seen=None) -> bool:
-    """``f`` and ``g`` are the same function: one object, equal objects, or one code
-    with the same environment (a lambda built afresh by each ``reductions()`` call),
-    also through ``functools.partial`` and wrappers (``__wrapped__``). When in doubt:
-    not the same."""
-    if f is g or equal_as_bool(f, g):
-        return True
-    seen = set() if _seen is None else _seen
-    if (id(f), id(g)) in seen:  # a closure that refers to itself
-        return True
-    seen.add((id(f), id(g)))
-    if isinstance(f, functools.partial) and isinstance(g, functools.partial):
-        return (
-            same_function(f.func, g.func, seen)
-            and len(f.args) == len(g.args)
-            and all(_same_value(a, b, seen) for a, b in zip(f.args, g.args))
-            and f.keywords.keys() == g.keywords.keys()
-            and all(_same_value(f.keywords[k], g.keywords[k], seen) for k in f.keywords)
-        )
-    wf, wg = getattr(f, "__wrapped__", None), getattr(g, "__wrapped__", None)
-    if wf is not None and wg is not None and type(f) is type(g):
-        return same_function(wf, wg, seen)
-    code_f, code_g = getattr(f, "__code__", None), getattr(g, "__code__", None)
-    if code_f is None or code_f != code_g:
-        return False
-    if getattr(f, "__globals__", None) is not getattr(g, "__globals__", None):
-        return False
-    env_f = (f.__defaults__ or (), tuple((f.__kwdefaults__ or {}).items()),
-             tuple(c.cell_contents if _filled(c) else _EMPTY for c in f.__closure__ or ()))
-    env_g = (g.__defaults__ or (), tuple((g.__kwdefaults__ or {}).items()),
-             tuple(c.cell_contents if _filled(c) else _EMPTY for c in g.__closure__ or ()))
-    return all(
-        len(a) == len(b) and all(_same_value(x, y, seen) for x, y in zip(a, b))
-        for a, b in zip(env_f, env_g)
-    )
-
-
-_EMPTY = object()  # the contents of a closure cell not yet assigned
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - raises ValueError when empty
-    except ValueError:
-        return False
-    return True
-
-
-def equal_as_bool(a, b) -> bool:
-    """``a == b`` as a bool, False where that is not a bool (arrays) or raises."""
-    try:
-        eq = a == b
-        return bool(eq) if isinstance(eq, (bool, np.bool_)) else False
-    except Exception:  # noqa: BLE001 - an object whose == raises is not equal
-        return False
-
-
-def _same_value(a, b, seen) -> bool:
-    if isinstance(a, tuple) and isinstance(b, tuple):  # a keyword default: (name, value)
-        return len(a) == len(b) and all(_same_value(x, y, seen) for x, y in zip(a, b))
-    return (a is b or equal_as_bool(a, b)
-            or (callable(a) and callable(b) and same_function(a, b, seen)))
 
 

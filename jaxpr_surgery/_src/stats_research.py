@@ -21,6 +21,7 @@ from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.norms import combine_norms
+from jaxpr_surgery._src.statistic import safe_ratio, tree_div
 
 FOURTH = S.PhiSum(lambda g: jnp.square(jnp.square(g)), multiplicative=True, name="fourth",
                   _builtin=True, _degree=4)
@@ -35,7 +36,7 @@ class _Fourth(S.Statistic):
         return {"p4": FOURTH}
 
     def finalize(self, values, count):
-        return S._tree_div(values["p4"], count)
+        return tree_div(values["p4"], count)
 
 
 class CentralSums(NamedTuple):
@@ -97,7 +98,7 @@ class CentralMoments(S.ElementwiseReduction):
     re-centred like `stats.Centered` (`stats.MAX_SHIFT_AMPLIFICATION`), and merged by
     Pébay's rule (exact: no cancellation). Fast rules: rank-one dense sites take raw
     power sums in groups where they cannot have cancelled, else exact tiles
-    (`sites.dense._central_value`), embeddings exact sums over the rows each example
+    (`sites.dense_rules.central_value`), embeddings exact sums over the rows each example
     touches (`EmbeddingKernel.central_sums`); elsewhere tiles of per-example gradients."""
 
     shift_bounded: ClassVar[bool] = True
@@ -298,7 +299,7 @@ class _Diversity(S.Statistic):
         w = 1 if weights is None else weights.astype(dt)
         num = sum(jnp.sum(w * x.astype(dt)) for x in leaves)
         den = sum(jnp.sum(jnp.square(x.astype(dt))) for x in jax.tree.leaves(values["s"]))
-        return S._safe_ratio(num, den)
+        return safe_ratio(num, den)
 
 
 class _NormQuantiles(S.Statistic):

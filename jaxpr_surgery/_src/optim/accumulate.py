@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxpr_surgery._src import api
+from jaxpr_surgery._src import arguments
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src.optim.requests import (
     distinct_buffers,
@@ -111,7 +111,7 @@ def _zero_value(r, shape, dtype):
 def _float_leaves(params):
     """The differentiated leaves of ``params``, as `per_example_stat` takes them."""
     return [x for x in jax.tree.leaves(params)
-            if api._is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+            if arguments.is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.floating)]
 
 
 def _refuse_per_example(reductions, stats, owner):
@@ -135,7 +135,7 @@ def _check_partial(partial, request, state, owner):
             "another transformation, which would hand it gradients.)"
         )
     spec = partial._spec
-    want = api._flatten_stats(dict(request))
+    want = arguments.flatten_stats(dict(request))
     if spec.stat_tree != want[1] or [type(s) for s in spec.stats] != [type(s) for s in want[0]]:
         raise ValueError(
             f"{owner}: the partial holds {spec.describe()}, but the optimizer requests "
@@ -277,7 +277,7 @@ def accumulate(inner: optax.GradientTransformation, every_k: int) -> Accumulatin
     def init_fn(params):
         inner_state = inner.init(params)
         request = request_of(inner, inner_state, owner=_OWNER)
-        stats, _, _, reductions = api._flatten_stats(dict(request))
+        stats, _, _, reductions = arguments.flatten_stats(dict(request))
         _refuse_per_example(reductions, sorted(request), _OWNER)
         leaves = _float_leaves(params)
         sums = tuple(

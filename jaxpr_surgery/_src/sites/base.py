@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat, cuts
 from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.clip_reductions import ClipNorms, KeptExamples
 from jaxpr_surgery._src.norms import (  # noqa: F401 - re-exported for the kernels
     example_norm,
     example_scale,
@@ -38,11 +39,7 @@ from jaxpr_surgery._src.norms import (  # noqa: F401 - re-exported for the kerne
     sqrt0,
     with_bound,
 )
-from jaxpr_surgery._src.reductions import (  # noqa: F401 - acc_dtype_for re-exported
-    ClipNorms,
-    KeptExamples,
-    acc_dtype_for,
-)
+from jaxpr_surgery._src.reductions import acc_dtype_for  # noqa: F401 - re-exported
 
 KERNELS: dict = {}  # kind (display name) -> kernel class, every registered kernel
 SITE_RULES: dict = {}  # primitive object -> kernel classes anchored on it, asked in order
@@ -172,7 +169,7 @@ def kind_for(eqn, tag, pos, patterns):
 
     Args:
       eqn: the equation where the parameter view meets example data.
-      tag: the view (`analysis.PView`: ``pre``, ``base``, ``chain``, ``scales``).
+      tag: the view (`analysis_types.PView`: ``pre``, ``base``, ``chain``, ``scales``).
       pos: the operand indices of ``eqn`` holding the view (a list).
       patterns: what the analysis recognised of other values, by variable
         (``("onehot", (ids, axis, n))`` for ``one_hot(ids)``).
@@ -320,11 +317,11 @@ class Kernel:
         """``(V, d)`` where the site gathers whole rows of the table ``_view`` maps to
         its view, by ids, with the context (`ctx`) ``(ids [B, T], valid [B, T],
         dy [B, T, d])``: a tied dense site has a ghost cross term with it
-        (`engine.cross_layout`). Else None."""
+        (`ghost_cross.cross_layout`). Else None."""
         return None
 
     def dense_layout(self):
-        """The canonical layout ``c`` (`dense._canon`) where the site is a dense layer
+        """The canonical layout ``c`` (`dense_layout.canon`) where the site is a dense layer
         whose ingredients are ``(x [B, K, N, C], dy [B, K, N, F])`` and ``to_view`` maps
         ``[K, C, F]`` to the view: a tied embedding has a ghost cross term with it. Else
         None."""
@@ -521,7 +518,7 @@ class Kernel:
 
     def keeps_products_for_clip(self) -> bool:
         """Whether, for a clipped sum, the site keeps its per-example gradients
-        (`reductions.KeptExamples`, from the tile loop of its norms) rather than its
+        (`clip_reductions.KeptExamples`, from the tile loop of its norms) rather than its
         ingredients; its `weighted_sum` then takes them."""
         return False
 
@@ -590,7 +587,7 @@ def batched_every_operand(f, site, ext_batched):
 
 
 def view_scale(site, ext, dtype):
-    """The product of the site's constant view factors (`analysis.Scale`) as a scalar
+    """The product of the site's constant view factors (`analysis_types.Scale`) as a scalar
     of ``dtype``, or None where it has none. ``ext``: the site's other inputs (the
     factors' values among them), not batched."""
     c = None

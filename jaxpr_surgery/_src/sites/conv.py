@@ -31,7 +31,8 @@ import numpy as np
 from jaxpr_surgery._src import compat, dots, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.sites.base import Fast, Kernel, register
-from jaxpr_surgery._src.sites.dense import DenseKernel, kron_value
+from jaxpr_surgery._src.sites.dense import DenseKernel
+from jaxpr_surgery._src.sites.dense_rules import kron_value
 from jaxpr_surgery._src.sites.generic import GenericKernel
 
 

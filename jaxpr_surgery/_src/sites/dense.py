@@ -19,7 +19,6 @@ dims. Rules:
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -28,15 +27,8 @@ import numpy as np
 from jaxpr_surgery._src import compat, cuts, dots, fused, kron, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src import stats_research as R
-from jaxpr_surgery._src.norms import (
-    GHOST_TOLERANCE,
-    exponent,
-    pow2,
-    rounding,
-    staged_sum,
-    untrusted,
-)
-from jaxpr_surgery._src.reductions import KeptExamples
+from jaxpr_surgery._src.clip_reductions import KeptExamples
+from jaxpr_surgery._src.norms import GHOST_TOLERANCE, rounding, staged_sum, untrusted
 from jaxpr_surgery._src.sites.base import (
     STREAMED,
     Candidate,
@@ -53,181 +45,33 @@ from jaxpr_surgery._src.sites.base import (
     sqrt0,
     times_examples,
 )
+from jaxpr_surgery._src.sites.dense_layout import (
+    FALLBACK_TILE_BYTES,
+    HIGHEST,
+    canon,
+    canonical,
+    dense_fold_side,
+    example_products,
+    gram_of,
+    merge_raw_groups,
+    naive_tau,
+    pow2_scale,
+)
+from jaxpr_surgery._src.sites.dense_rules import (
+    centered_rule,
+    centered_value,
+    central_rule,
+    central_value,
+    kron_value,
+    norms_rule,
+    phi_applies,
+    phi_rule,
+    phi_value,
+    weighted_centered_value,
+    weighted_phi_value,
+)
 
-
-def _pow2_scale(a):
-    """``[B]``: per example of ``a [B, ...]`` the power of two ``2^e <= max |a_b| < 2^(e+1)``
-    (1 where that is 0 or not finite): dividing by it is exact."""
-    m = jnp.max(jnp.abs(jax.lax.stop_gradient(a)).reshape(a.shape[0], -1), axis=1)
-    return pow2(exponent(m), m.dtype)
-
-
-def dense_fold_side(eqn, pos, scales):
-    """Where a dense site folds its view's elementwise constant factors (`pre_scales`):
-    "dy" when they vary along the weight's free (and dot batch) axes only, "x" along
-    its contracted (and dot batch) axes only, else None. No factors: "dy"."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    wc, wb = (lc, lb) if pos == 0 else (rc, rb)
-    varying = set().union(*(a for _, _, a in scales)) if scales else set()
-    wc, wb = {int(i) for i in wc}, {int(i) for i in wb}
-    rank = len(eqn.invars[pos].aval.shape)
-    wf = set(range(rank)) - wc - wb
-    if varying <= wf | wb:
-        return "dy"
-    if varying <= wc | wb:
-        return "x"
-    return None
-
-
-def _canon(site):
-    """Static layout information of a dense site."""
-    eqn = site.eqn
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    p = site.param_pos
-    x_op = eqn.invars[1 - p]
-    w_shape = tuple(eqn.invars[p].aval.shape)
-    x_shape = tuple(x_op.aval.shape)
-    wc, xc = (lc, rc) if p == 0 else (rc, lc)
-    wb, xb = (lb, rb) if p == 0 else (rb, lb)
-    wc, xc, wb, xb = map(lambda t: tuple(int(i) for i in t), (wc, xc, wb, xb))
-    wf = tuple(i for i in range(len(w_shape)) if i not in wc and i not in wb)
-    xf = tuple(i for i in range(len(x_shape)) if i not in xc and i not in xb)
-    K = math.prod(w_shape[i] for i in wb)
-    C = math.prod(w_shape[i] for i in wc)
-    F = math.prod(w_shape[i] for i in wf)
-    N = math.prod(x_shape[i] for i in xf)
-    x_perm = xb + xf + xc
-    # dy dims: batch, lhs free, rhs free
-    nb = len(wb)
-    if p == 0:  # lhs is the weight: dy = [K, F, N]
-        dy_perm = (
-            tuple(range(nb))
-            + tuple(range(nb + len(wf), nb + len(wf) + len(xf)))
-            + tuple(range(nb, nb + len(wf)))
-        )
-    else:
-        dy_perm = tuple(range(nb + len(xf) + len(wf)))
-    canon_w = wb + wc + wf
-    canon_shape = tuple(w_shape[i] for i in canon_w)
-    return dict(
-        kdims=tuple(w_shape[i] for i in wb),
-        cdims=tuple(w_shape[i] for i in wc),
-        fdims=tuple(w_shape[i] for i in wf),
-        canon_w=canon_w,
-        K=K,
-        C=C,
-        F=F,
-        N=N,
-        x_perm=x_perm,
-        dy_perm=dy_perm,
-        canon_shape=canon_shape,
-        inv_w=tuple(int(i) for i in np.argsort(canon_w)),
-        x_pos=1 - p,
-    )
-
-
-def canonical(site, c, ext, dy, dtype):
-    """The site's input and output cotangent in the canonical layout ``c`` (`_canon`):
-    ``X [B, K, N, C]`` and ``DY [B, K, N, F]`` in ``dtype``."""
-    x = ext[site.ext_vars.index(site.eqn.invars[c["x_pos"]])]
-    (dy,) = dy
-    B = dy.shape[0]
-    x = jnp.transpose(x, (0,) + tuple(1 + i for i in c["x_perm"]))
-    x = x.reshape(B, c["K"], c["N"], c["C"]).astype(dtype)
-    dy = jnp.transpose(dy, (0,) + tuple(1 + i for i in c["dy_perm"]))
-    return x, dy.reshape(B, c["K"], c["N"], c["F"]).astype(dtype)
-
-
-HIGHEST = jax.lax.Precision.HIGHEST
 GHOST, PRODUCTS = "ghost norm", "per-example products"  # the forms of `norm_candidates`
-FALLBACK_TILE_BYTES = 4 << 20  # tiles of the exact variance where the rank-one form cancels
-# The raw variance sum x^2 d^2 - (sum x d)^2 / B (N == 1) is kept where its worst-case
-# rounding error, however the sums are ordered, is at most sqrt(eps) of the result (half
-# the digits; in practice the error is far smaller). So it is dropped where some element's
-# mean exceeds about sqrt(1 / tau) of its spreads, tau = 3 (B + 2) sqrt(eps) (float32: 5 at
-# B = 32, 2 at B = 200). tau grows with the examples summed, so larger batches take the raw
-# form in groups of at most `raw_group_size` examples (float32: 128, tau 0.135), each held
-# to its own bound, merged by Chan et al.'s pairwise update (the exact moments of the
-# union, adding no cancellation of its own).
-RAW_GROUP_TAU = 0.135
-
-
-def raw_group_size(dtype):
-    """The most examples one raw variance sum takes (its tau at most `RAW_GROUP_TAU`)."""
-    return max(2, int(RAW_GROUP_TAU / (3 * math.sqrt(float(jnp.finfo(dtype).eps)))) - 2)
-
-
-def raw_groups(B, dtype):
-    """``[(count, size), ...]``: ``B`` examples in groups of sizes differing by at most one."""
-    G = -(-B // raw_group_size(dtype))
-    n, r = divmod(B, G)
-    return [(c, m) for c, m in ((r, n + 1), (G - r, n)) if c]
-
-
-def merge_raw_groups(x, d, w, acc, raw, merge):
-    """``raw(x, d, w)`` of each group of `raw_groups` (the examples of ``x [B, ...]``,
-    ``d [B, ...]`` and the weights ``w [B]`` of dtype ``acc``, or None), merged in order by
-    ``merge(a, n_a, b, n_b)`` (``n``: a group's count, or the sum of its weights): the
-    groups of one size in a ``lax.scan``, the first group starting the sums."""
-
-    def groups(a, b0, count, size):  # [count, size, ...]; None stays None (unweighted)
-        return None if a is None else a[b0 : b0 + count * size].reshape(
-            (count, size) + a.shape[1:])
-
-    def weight(wg, size):  # a group's count, or the sum of its weights
-        return size if wg is None else jnp.sum(wg)
-
-    sums, seen, b0 = None, 0, 0
-    for count, size in raw_groups(x.shape[0], acc):
-        gs = tuple(groups(a, b0, count, size) for a in (x, d, w))
-        b0 += count * size
-        if sums is None:  # the first group starts the sums
-            first = jax.tree.map(lambda a: a[0], gs)
-            sums, seen = raw(*first), weight(first[2], size)
-            gs = jax.tree.map(lambda a: a[1:], gs)
-            count -= 1
-        if count == 0:
-            continue
-
-        def body(carry, g, size=size):
-            (a, na), ng = carry, weight(g[2], size)
-            return (merge(a, na, raw(*g), ng), na + ng), None
-
-        sums = jax.lax.scan(body, (sums, jnp.asarray(seen, acc)), gs)[0][0]
-        seen = seen + weight(gs[2], count * size)
-    return sums
-
-
-def naive_tau(B, dtype):
-    """Least ``m2 / sum_b G_b^2`` at which the raw variance sum is kept (see above)."""
-    return 3 * (B + 2) * math.sqrt(float(jnp.finfo(dtype).eps))
-
-
-def _products(x, dy):
-    """``G [b, K, C, F]`` from canonical ``x [b, K, N, C]`` and ``dy [b, K, N, F]``.
-
-    One example with one weight block is a plain 2-D matmul, and a token-free
-    site (``N == 1``) an outer product: no batched ``dot_general`` for either.
-    """
-    b, K, N = x.shape[:3]
-    if N == 1:
-        return x[:, :, 0, :, None] * dy[:, :, 0, None, :]
-    # lax.dot_general directly: traced for every tile loop of every site, so no
-    # einsum spec to parse each time
-    if b == 1 and K == 1:
-        return jax.lax.dot_general(x[0, 0], dy[0, 0], (((0,), (0,)), ((), ())))[None, None]
-    if b == 1:
-        return jax.lax.dot_general(x[0], dy[0], (((1,), (1,)), ((0,), (0,))))[None]
-    return jax.lax.dot_general(x, dy, (((2,), (2,)), ((0, 1), (0, 1))))
-
-
-def _gram(a, precision=None):
-    """``[b, K, N, N]`` Gram matrices ``a_bk a_bk^T`` of ``a [b, K, N, X]``; for ``K = 1``
-    a dot batched over the examples alone (XLA:CPU lays out a dot batched over a
-    unit axis worse than the same dot without it)."""
-    if a.shape[1] == 1:
-        return jnp.einsum("bnc,bmc->bnm", a[:, 0], a[:, 0], precision=precision)[:, None]
-    return jnp.einsum("bknc,bkmc->bknm", a, a, precision=precision)
 
 
 @register
@@ -251,7 +95,7 @@ class DenseKernel(Kernel):
 
     def __init__(self, site, acc_dtype):
         super().__init__(site, acc_dtype)
-        self.c = _canon(site)
+        self.c = canon(site)
         # a constant elementwise factor of the weight (x @ (W * m), m per column or per
         # row): the gradient of W is m * X^T DY, i.e. m folded into DY or X
         folds = pre_scales(site) if site.pre else None
@@ -353,7 +197,7 @@ class DenseKernel(Kernel):
 
     def contract(self, x, dy, c=None):
         """``sum_b c_b X_b^T DY_b`` (``c`` None: all ones) in the view's layout."""
-        if x.shape[1] == 1:  # K = 1: no dot batched over a unit axis (as `_gram`)
+        if x.shape[1] == 1:  # K = 1: no dot batched over a unit axis (as `gram_of`)
             ops = (x[:, 0], dy[:, 0]) + (() if c is None else (c.astype(x.dtype),))
             spec = "bnc,bnf->cf" if c is None else "bnc,bnf,b->cf"
             return self.to_view(jnp.einsum(spec, *ops)[None])
@@ -459,7 +303,7 @@ class DenseKernel(Kernel):
                 xs = cuts.take(cut, xs, 3)
             else:
                 ds = cuts.take(cut, ds, 3)
-        return _products(xs, ds)
+        return example_products(xs, ds)
 
     def tile(self, B, budget=None):
         """Examples per tile for a batch of ``B``."""
@@ -607,7 +451,7 @@ class DenseKernel(Kernel):
 
     def materialise(self, ing):
         x, dy = ing
-        return self.to_view(_products(self.tokens(x), dy))
+        return self.to_view(example_products(self.tokens(x), dy))
 
     def leaf_order(self):
         """The leaf's axes as indices into the canonical sub-axes ``kdims + cdims +
@@ -691,7 +535,7 @@ class DenseKernel(Kernel):
 
     def _ghost(self, ing):
         """``(sq, norms, bound)``: `ghost_sq_and_norms` and the bound of the values kept
-        (0 where ``G_b`` was formed), which clipping adds (`reductions.ClipNorms`)."""
+        (0 where ``G_b`` was formed), which clipping adds (`clip_reductions.ClipNorms`)."""
         sq, bound, bad = self.ghost_sq_bound(ing)
         x, dy = ing
 
@@ -715,7 +559,7 @@ class DenseKernel(Kernel):
         c = self.c
         K, N, C, F = c["K"], c["N"], c["C"], c["F"]
         X = self.tokens(x)
-        gx, gd = _gram(X, HIGHEST), _gram(dy, HIGHEST)
+        gx, gd = gram_of(X, HIGHEST), gram_of(dy, HIGHEST)
         # (products and sums, no dots: a dot batched over a unit axis is laid out badly
         # by XLA:CPU, and the examples' unit batch dims are squeezed everywhere else)
         ghost = staged_sum(jnp.sum(gx * gd, -1))
@@ -781,7 +625,7 @@ class DenseKernel(Kernel):
         (a loop of its own beside the tiles' in every layer of the program)."""
         x, dy = ing
         if self.c["N"] > 1:
-            sx, sd = _pow2_scale(x), _pow2_scale(dy)
+            sx, sd = pow2_scale(x), pow2_scale(dy)
             (q,) = self.tiled(scale_examples(x, sx), scale_examples(dy, sd), [S.SqNorms()])
             return q, sx * sd
         x0, d0 = self.tokens(x)[:, :, 0], dy[:, :, 0]
@@ -828,144 +672,24 @@ class DenseKernel(Kernel):
         )
 
 
-# --------------------------------------------------------------------------- #
-# The fast rules (`Kernel.FAST`): the others read tiles of ``G_b``
-# --------------------------------------------------------------------------- #
-def _phi_applies(k, r):
-    return r.linear or (r.multiplicative and k.c["N"] == 1)
-
-
-def _phi_value(k, ctx, r):
-    x, dy = ctx
-    if r.linear:
-        return k.contract(x, dy)
-    x0 = k.tokens(x)[:, :, 0]  # rank one: phi(x)^T phi(dy)
-    return k.to_view(jnp.einsum("bkc,bkf->kcf", r.apply(x0), r.apply(dy[:, :, 0])))
-
-
-def _phi_rule(k, r, B):
-    K, N, C, F = (k.c[a] for a in "KNCF")
-    if r.linear:
-        return Rule(STREAMED, "contraction", float(2 * B * K * N * C * F), 0.0)
-    return Rule(STREAMED, "rank-one phi(x)^T phi(dy)", float(2 * B * K * C * F), 0.0)
-
-
-def _norms_rule(k, r, B):
-    K, N, C, F = (k.c[a] for a in "KNCF")
-    if N == 1:
-        return Rule(STREAMED, "rank-one norms", float(2 * B * K * (C + F)), 0.0)
-    it = jnp.dtype(k.acc).itemsize
-    return Rule(
-        STREAMED, "ghost norm", float(2 * B * K * N * N * (C + F)), float(2 * B * K * N * N * it)
-    )
-
-
-def _centered_value(k, ctx, r):
-    x, dy = ctx
-    return k._centered_rank_one(k.tokens(x)[:, :, 0], dy[:, :, 0])
-
-
-def _weighted_phi_value(k, ctx, r, w):
-    """``sum_b w_b phi(x_b)^T phi(dy_b)`` at a rank-one site (phi multiplicative): the
-    weights after phi, for phis they do not fold into (sign)."""
-    x, dy = ctx
-    x0, d0 = k.tokens(x)[:, :, 0], dy[:, :, 0]
-    wd = w.astype(d0.dtype)[:, None, None] * r.apply(d0)
-    return k.to_view(jnp.einsum("bkc,bkf->kcf", r.apply(x0), wd))
-
-
-def _weighted_centered_value(k, ctx, r, w):
-    x, dy = ctx
-    return k._centered_rank_one(k.tokens(x)[:, :, 0], dy[:, :, 0], w)
-
-
-def _central_value(k, ctx, r, w=None):
-    """`stats_research.CentralMoments` (kurtosis) at a rank-one site, as `_centered_rank_one`
-    for the variance: per group of `raw_groups` the raw power sums ``sum_b w_b x_b^p
-    d_b^p`` (``p <= 4``: five contractions) give the group's central sums, merged by
-    Pébay's rule; where some element's central sum may have cancelled (its fourth or
-    second below `naive_tau` of the magnitudes of its expansion: the mean dwarfs the
-    spread), the exact sums over tiles of ``G`` instead."""
-    x, dy = ctx
-    x, d = k.tokens(x)[:, :, 0], dy[:, :, 0]
-    hi = jax.lax.Precision.HIGHEST
-
-    def raw(xg, dg, wg=None):  # one group: its central sums, whether they may have cancelled
-        wd = dg if wg is None else dg * wg.astype(dg.dtype)[:, None, None]
-        xp, dp = [xg], [wd]
-        for _ in range(3):
-            xp.append(xp[-1] * xg)
-            dp.append(dp[-1] * dg)
-        P1, P2, P3, P4 = (jnp.einsum("bkc,bkf->kcf", a, b, precision=hi) for a, b in zip(xp, dp))
-        A3 = jnp.einsum("bkc,bkf->kcf", jnp.abs(xp[2]), jnp.abs(dp[2]), precision=hi)
-        n = xg.shape[0] if wg is None else jnp.sum(wg).astype(P1.dtype)
-        mu = P1 / (n if wg is None else jnp.where(n > 0, n, 1))
-        mu2 = jnp.square(mu)
-        m2 = P2 - P1 * mu
-        m3 = P3 - 3 * mu * P2 + 2 * n * mu2 * mu
-        m4 = P4 - 4 * mu * P3 + 6 * mu2 * P2 - 3 * n * jnp.square(mu2)
-        scale = P4 + 4 * jnp.abs(mu) * A3 + 6 * mu2 * P2 + 3 * n * jnp.square(mu2)
-        tau = naive_tau(xg.shape[0], k.acc)
-        ill = jnp.any(m4 < tau * scale) | jnp.any(m2 < tau * P2)
-        return R.CentralSums(mu, S.nonneg(m2), m3, S.nonneg(m4)), ill
-
-    def merge(a, na, b, nb):
-        return r.merge(a[0], na, b[0], nb), a[1] | b[1]
-
-    w = None if w is None else w.astype(k.acc)
-    sums, ill = merge_raw_groups(x, d, w, k.acc, raw, merge)
-
-    def exact():  # rare: small tiles, so the branch costs little memory
-        small = min(k.budget or tiling.DEFAULT_MEMORY_BUDGET_BYTES, FALLBACK_TILE_BYTES)
-        return k.tiled(x[:, :, None], d[:, :, None], [r if w is None else S.Weighted(r, w)],
-                       budget=small, tokens=lambda t: t)[0]  # (x is canonical already)
-
-    out = jax.lax.cond(cuts.any_part(ill), exact, lambda: sums)
-    return R.CentralSums(*(k.to_view(v) for v in out))
-
-
-def _central_rule(k, r, B):
-    K, C, F = k.c["K"], k.c["C"], k.c["F"]
-    it = jnp.dtype(k.acc).itemsize
-    return Rule(STREAMED, "rank-one central sums", float(10 * B * K * C * F),
-                float(9 * K * C * F * it))
-
-
-def _centered_rule(k, r, B):
-    # two contractions and their [K, C, F] sums (a group's and the running ones where
-    # the batch is taken in groups); the centred expansion runs only where they cancel
-    K, C, F = k.c["K"], k.c["C"], k.c["F"]
-    it = jnp.dtype(k.acc).itemsize
-    grouped = sum(c for c, _ in raw_groups(B, k.acc)) > 1
-    return Rule(
-        STREAMED, "rank-one centered", float(4 * B * K * C * F),
-        float((5 if grouped else 3) * K * C * F * it),
-    )
-
-
-def kron_value(k, ctx, r):
-    """Kronecker moments from the site's token factors (kron.py)."""
-    return kron.moments([k.kron_factors(ctx)], tuple(k.site.view_shape), r, k.acc, k.budget)
-
-
 DenseKernel.FAST = {
-    S.PhiSum: Fast(_phi_value, _phi_applies, _phi_rule),
+    S.PhiSum: Fast(phi_value, phi_applies, phi_rule),
     S.SqNorms: Fast(
         lambda k, ctx, r: k.sq_norms(ctx),
         lambda k, r: k.c["N"] == 1 or k.use_ghost(),
-        _norms_rule,
+        norms_rule,
     ),
-    S.Centered: Fast(_centered_value, lambda k, r: k.c["N"] == 1, _centered_rule),
-    R.CentralMoments: Fast(_central_value, lambda k, r: k.c["N"] == 1, _central_rule),
+    S.Centered: Fast(centered_value, lambda k, r: k.c["N"] == 1, centered_rule),
+    R.CentralMoments: Fast(central_value, lambda k, r: k.c["N"] == 1, central_rule),
     S.KronSum: Fast(kron_value),
 }
 # weighted rules where the weights do not fold into the cotangents (Kernel.FAST_WEIGHTED)
 DenseKernel.FAST_WEIGHTED = {
     S.PhiSum: Fast(
-        _weighted_phi_value,
+        weighted_phi_value,
         lambda k, r: r.multiplicative and not r.linear and k.c["N"] == 1,
-        _phi_rule,
+        phi_rule,
     ),
-    S.Centered: Fast(_weighted_centered_value, lambda k, r: k.c["N"] == 1, _centered_rule),
-    R.CentralMoments: Fast(_central_value, lambda k, r: k.c["N"] == 1, _central_rule),
+    S.Centered: Fast(weighted_centered_value, lambda k, r: k.c["N"] == 1, centered_rule),
+    R.CentralMoments: Fast(central_value, lambda k, r: k.c["N"] == 1, central_rule),
 }

@@ -439,10 +439,10 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
         return None  # rows on a one-hot axis of a view: no ghost cross term with a dense site
 
     def __init__(self, site, acc_dtype):
-        from jaxpr_surgery._src.sites.dense import _canon
+        from jaxpr_surgery._src.sites.dense_layout import canon
 
         Kernel.__init__(self, site, acc_dtype)
-        self.c = _canon(site)
+        self.c = canon(site)
         self.V, self.d = self.c["C"], self.c["F"]
 
     def prepare(self, w, ext, ext_batched, dy):

@@ -10,8 +10,8 @@ each adapter is a dense site of its own whose input or cotangent is projected to
 rank ``r`` (``N x r`` per example). Every dense rule (contraction, rank-one forms,
 ghost norms, tiles of ``[d, r]``) applies unchanged, and no per-example ``[d, f]``
 tensor is formed. A trained base weight is a dense site of ``X`` and ``DY`` in its own
-layout. The analysis (`analysis.Merged`) records the equation as a site of each leaf:
-the first evaluates it, the others tap its cotangent (`analysis.Site.tap_of`).
+layout. The analysis (`analysis_types.Merged`) records the equation as a site of each leaf:
+the first evaluates it, the others tap its cotangent (`analysis_types.Site.tap_of`).
 
 In the product's axes ``P[u, v] = sum_k L[u, k] R[k, v]``, the site contracts the data
 with one of ``u``, ``v``: with ``u`` (``x @ (W + A @ B)``) the rows ``U = X`` and the
@@ -28,7 +28,8 @@ import numpy as np
 
 from jaxpr_surgery._src import compat
 from jaxpr_surgery._src.sites.base import Kernel, register
-from jaxpr_surgery._src.sites.dense import DenseKernel, _canon, canonical
+from jaxpr_surgery._src.sites.dense import DenseKernel
+from jaxpr_surgery._src.sites.dense_layout import canon, canonical
 
 
 def lowrank_layout(eqn, pre, base, pos):
@@ -41,7 +42,7 @@ def lowrank_layout(eqn, pre, base, pos):
     Returns a dict: ``role`` ("L", "R" or "W": the product's left or right operand, or
     the base weight), ``rows_in`` (the site contracts the data with the product's rows
     ``u``), the product's contracted axes ``(lc, rc)``, and ``canon_w``: the view's
-    axes in the canonical order of its dense site (`dense._canon`)."""
+    axes in the canonical order of its dense site (`dense_layout.canon`)."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     w_op = eqn.invars[pos]
     if lb or rb or len(w_op.aval.shape) != 2 or not pre:
@@ -90,7 +91,7 @@ class MergedLoraKernel(DenseKernel):
     def __init__(self, site, acc_dtype):
         Kernel.__init__(self, site, acc_dtype)
         self.fold_side = None
-        self.merged = _canon(site)  # the dense site of the merged weight
+        self.merged = canon(site)  # the dense site of the merged weight
         lay = lowrank_layout(site.eqn, site.pre, site.base, site.param_pos)
         self.role, self.rows_in, self.dims = lay["role"], lay["rows_in"], lay["dims"]
         canon_w = lay["canon_w"]
