@@ -769,7 +769,8 @@ EXTENDED = {
         f"{c}-float32" for c in zoo.FRAMEWORK_ZOO},
     "test_example_weights.py::test_weighted_in_chunks": {"transformer_scan_remat"},
     "test_feature_tiles.py::test_zoo_in_tiny_feature_blocks": {
-        "transformer-float32", "transformer-float64", "transformer_rms_swiglu-float64"},
+        "transformer-float32", "transformer-float64", "transformer_rms_swiglu-float64",
+        "transformer_scan_remat-float64"},
     "test_merged_lora.py::test_variants_match_oracle": {
         "unrolled-float32", "shared-float32", "rank_one_no_tokens-float32", "scanned-float32",
         "views-float32", "one_example-float32"},
@@ -815,7 +816,8 @@ EXTENDED = {
     "test_frameworks.py::test_framework_matches_oracle": {
         "flax_linen_transformer-mean-float32"},
     "test_third_party.py::test_statistics_match_vmap_grad": {
-        "gpt2-f32", "bert-f32", "vit-f32", "gemma-f32", "griffin-f32", "bert-f64"},
+        "gpt2-f32", "bert-f32", "vit-f32", "gemma-f32", "griffin-f32", "bert-f64", "vit-f64",
+        "gemma-f64"},
     "test_oracle.py::test_chunked_tiny_tiles_float32_under_x64_match_oracle": {
         "mlp", "cnn", "transformer_rms_swiglu", "transformer_scan_remat", "weight_decay_lora",
         "merged_lora", "cnn1d", "rnn", "onehot_embedding", "mlp_bf16", "custom_vjp_and_cond"},
@@ -832,6 +834,32 @@ EXTENDED = {
     # contraction stay in both dtypes)
     "test_dp_bounds.py::test_clipping_norms_never_fall_below_the_true_norm": {
         "dense-bfloat16", "embedding-bfloat16", "conv-bfloat16", "scale_shift-bfloat16"},
+    # --- for the default tier's time at jax 0.10 (19 minutes on 2 cores): the extended tier
+    # runs these in CI at the newest jax. The docs' pages (the API's doctests stay):
+    "test_docs.py::test_doc_pages_run": {"0", "1"},
+    # the benchmark and study scripts' quick modes, end to end (their units stay)
+    **{f"test_benchmarks_quick.py::{t}": {""} for t in (
+        "test_quick_json_schema", "test_quick_csv", "test_plot_markdown",
+        "test_compile_time_quick")},
+    **{f"test_reproduce_quick.py::{t}": {""} for t in (
+        "test_quick_study", "test_resume_keeps_finished_experiments",
+        "test_reusable_runs_need_the_same_model_and_data", "test_shampoo_study_quick",
+        "test_research_stats_quick")},
+    "test_dp_finetune_quick.py::test_dp_finetune_quick": {""},
+    # float32 twins of float64 cases that stay (the float32 error model: on the other
+    # models), and jax.grad's mean on the transformer the matrix checks against vmap(grad)
+    "test_oracle.py::test_matches_oracle": {
+        f"{c}-{s}-float32" for c in ("transformer_scan_remat", "transformer_rms_swiglu")
+        for s in STAT_IDS},
+    "test_oracle.py::test_mean_equals_jax_grad_transformer": {""},
+    # one of two twins that run the same route
+    "test_explain.py::test_predicted_memory_within_1_5x_of_xla": {"tied", "lora"},
+    "test_optim_accumulate.py::test_scan_over_micro_batches_equals_one_step_on_their_concatenation":
+        {"shampoo_chain"},
+    "test_optim_accumulate.py::"
+    "test_dp_sgd_accumulates_weighted_micro_batches_against_their_largest_weight": {"False"},
+    "test_optim_accumulate.py::test_token_weighted_accumulation_equals_one_weighted_step": {
+        "None"},
     # (states built the way the default tier's already are: optax's own, or one per leaf)
     "test_round4_optim.py::test_state_can_be_donated": {
         f"('{n}', 0)" for n in (
