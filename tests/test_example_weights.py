@@ -107,7 +107,7 @@ def test_weighted_matches_frequency_oracle_f64(name):
     _check_case(name, jnp.float64, None, 1e-9)
 
 
-@pytest.mark.parametrize("name", ["transformer"])
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
 def test_weighted_f32(name):
     _check_case(name, jnp.float32, None, 2e-4)
 

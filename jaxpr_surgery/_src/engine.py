@@ -35,6 +35,9 @@ from jaxpr_surgery._src.sites.base import acc_dtype_for, weighted_sum_materialis
 
 
 def _sink_avals(plan, site, B, cache):
+    """The shapes of a site's sink: the statistics it computes in the backward pass
+    (`plans.site_request`), and its ingredients where its leaf takes them afterwards,
+    stacked over its enclosing scans."""
     kernel = plan.kernels[site.path]
     direct, want_ing = site_request(plan, site)
     lead = tuple(site.scan_lengths)

@@ -33,6 +33,11 @@ class Mode(enum.Enum):
 
 @dataclasses.dataclass
 class Plan:
+    """One call's plan: the analysed per-example jaxpr, each leaf's `Mode`, each site's
+    kernel, the reductions (bound per leaf where they depend on it) and how clipped sums
+    are formed. Built once per trace (`make_plan`); `engine.run` evaluates it chunk by
+    chunk."""
+
     closed: Any  # ClosedJaxpr of the per-example loss
     analysis: Any
     leaf_avals: list
