@@ -12,6 +12,13 @@ also reports the program XLA compiles: lines of optimised HLO, as a stable proxy
     python -m benchmarks.compile_time [--quick] [--reps N] \
         [--out benchmarks/results/cpu_compile.json]
 
+``--phases``: where each statistic's lowering goes, split by the package's steps (the
+trace of one example, the batch-of-one proof, the analysis, the plan, the chunk sizing,
+the engine's rules and VJP) and the rest (jax lowering the program), against grad's.
+
+    python -m benchmarks.compile_time --phases [--quick] \
+        [--out benchmarks/results/cpu_compile_phases.json]
+
 ``--rerun``: a script's first and second run with jax's persistent compilation cache
 (``jax_compilation_cache_dir``, a fresh folder), each in a process of its own: the second
 process traces and lowers again and loads what XLA compiled in the first. Wall time, one
@@ -129,6 +136,102 @@ def run(quick=False, reps=None, stats=None, quiet=False):
     return rows
 
 
+# The package's steps of a call's lowering (``--phases``): a module and the attribute the
+# call reaches it by, each timed without the steps inside it (the chunk sizing lowers the
+# engine once: that engine time is the engine's).
+PHASES = {
+    "trace one example": ("arguments", "Prepared.trace"),
+    "batch-of-one proof": ("independence", "check"),
+    "analysis": ("analysis", "analyse_jaxpr"),
+    "plan": ("plans", "make_plan"),
+    "chunk sizing": ("chunking", "activation_bytes_of"),
+    "engine (rules, the one VJP)": ("engine", "run"),
+}
+
+
+class _Timers:
+    """Exclusive wall seconds per phase: a phase called inside another is not counted
+    twice."""
+
+    def __init__(self):
+        self.total, self.stack = {}, []
+
+    def wrap(self, name, fn):
+        def timed(*a, **k):
+            self.stack.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0
+                inner = self.stack.pop()
+                self.total[name] = self.total.get(name, 0.0) + dt - inner
+                if self.stack:
+                    self.stack[-1] += dt
+
+        return timed
+
+
+def _patched(timers):
+    """The `PHASES` wrapped by ``timers``; returns the undo."""
+    import importlib
+
+    undo = []
+    for name, (mod, attr) in PHASES.items():
+        owner = importlib.import_module(f"jaxpr_surgery._src.{mod}")
+        *path, last = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        orig = getattr(owner, last)
+        setattr(owner, last, timers.wrap(name, orig))
+        undo.append((owner, last, orig))
+    return lambda: [setattr(o, n, f) for o, n, f in undo]
+
+
+def phases(quick=False, reps=None, stats=None):
+    """Rows: per regime and statistic, the median wall seconds of each of the package's
+    steps of lowering (`PHASES`), the rest (jax tracing the jit around them and lowering
+    to StableHLO), the whole lowering, and grad's lowering, from fresh jits."""
+    reps = reps or (1 if quick else 3)
+    stats = stats or (STATS[:2] if quick else STATS)
+    jax.jit(lambda x: x * 2).lower(1.0).compile()
+    rows = []
+    for name, build in _regimes(quick).items():
+        model = build()
+        params, batch = model.params, model.make_batch(8)
+        grad = []
+        for _ in range(reps):
+            jax.clear_caches()
+            t0 = time.perf_counter()
+            jax.jit(jax.grad(model.loss)).lower(params, batch)
+            grad.append(time.perf_counter() - t0)
+        for s in stats:
+            seen = []
+            for _ in range(reps):
+                jax.clear_caches()
+                timers = _Timers()
+                undo = _patched(timers)
+                try:
+                    f = jax.jit(js.per_example_stat(model.loss, js_stat(s)))
+                    t0 = time.perf_counter()
+                    f.lower(params, batch)
+                    whole = time.perf_counter() - t0
+                finally:
+                    undo()
+                seen.append((whole, dict(timers.total)))
+            med = {p: statistics.median(t.get(p, 0.0) for _, t in seen) for p in PHASES}
+            whole = statistics.median(w for w, _ in seen)
+            row = {"regime": name, "method": s, "lower_s": whole,
+                   "grad_lower_s": statistics.median(grad), "phases_s": med,
+                   "rest_s": whole - sum(med.values())}
+            row["lower_x_grad"] = whole / row["grad_lower_s"]
+            print(f"{name:12s} {s:14s} lower {whole:.2f} s ({row['lower_x_grad']:.2f}x grad): "
+                  + ", ".join(f"{p} {v:.2f}" for p, v in med.items())
+                  + f", jax and the rest {row['rest_s']:.2f}", flush=True)
+            rows.append(row)
+    return rows
+
+
 _CHILD = "--cache-child"  # (internal: one run of `rerun`, with the cache in this folder)
 
 
@@ -182,12 +285,17 @@ def main(argv=None):
     ap.add_argument("--rerun", action="store_true",
                     help="a first and a second run sharing jax's persistent compilation cache")
     ap.add_argument("--stats", default=None, help="comma-separated statistics (default: all)")
+    ap.add_argument("--phases", action="store_true",
+                    help="where each statistic's lowering goes, by the package's steps")
     ap.add_argument(_CHILD, default=None, help="(internal)")
     a = ap.parse_args(argv)
     stats = a.stats.split(",") if a.stats else None
     if a.cache_child:
         return _child(a.cache_child, a.quick, stats)
-    rows = rerun(a.quick, stats) if a.rerun else run(a.quick, a.reps, stats)
+    if a.phases:
+        rows = phases(a.quick, a.reps, stats)
+    else:
+        rows = rerun(a.quick, stats) if a.rerun else run(a.quick, a.reps, stats)
     if a.out:
         meta = {"jax": jax.__version__, "backend": jax.default_backend(),
                 "machine": platform.machine(),
@@ -199,6 +307,11 @@ def main(argv=None):
                             "fresh jax persistent compilation cache; wall seconds, one round; "
                             "first_step_x_cold_grad: the second run's lower + compile over "
                             "the first run's of grad")
+        if a.phases:
+            meta["note"] = ("wall seconds of lowering (medians over fresh jits), split by the "
+                            "package's steps (PHASES, each without the steps it calls); "
+                            "rest_s: jax tracing the jit around them and lowering to "
+                            "StableHLO; grad_lower_s: jax.grad's whole lowering")
         with open(a.out, "w") as fh:
             json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     return rows
