@@ -185,7 +185,12 @@ def _patched(timers):
         orig = getattr(owner, last)
         setattr(owner, last, timers.wrap(name, orig))
         undo.append((owner, last, orig))
-    return lambda: [setattr(o, n, f) for o, n, f in undo]
+
+    def restore():
+        for owner, name, fn in undo:
+            setattr(owner, name, fn)
+
+    return restore
 
 
 def phases(quick=False, reps=None, stats=None):

@@ -55,15 +55,12 @@ class _LeafKind(enum.Enum):
     STATIC = "static"  # not an array: None, as under ``eqx.filter_grad``
 
 
-_DIFF, _SKIPPED, _STATIC_LEAF = _LeafKind.DIFF, _LeafKind.SKIPPED, _LeafKind.STATIC
-
-
 def _diff_leaf_kind(x, path, name):
     """How a leaf of the differentiated argument(s) is treated: a float array is
     differentiated, another array (integer, bool, a PRNG key, float0) is skipped, and
     anything else is static, as under ``eqx.filter_grad``. Complex arrays raise."""
     if not is_array(x):
-        return _STATIC_LEAF
+        return _LeafKind.STATIC
     dtype = x.dtype
     if jnp.issubdtype(dtype, jnp.complexfloating):
         raise NotImplementedError(
@@ -72,7 +69,7 @@ def _diff_leaf_kind(x, path, name):
             "a complex gradient have no single meaning). Store it as two float leaves, its "
             "real and imaginary parts, and build the complex value inside the loss."
         )
-    return _DIFF if jnp.issubdtype(dtype, jnp.floating) else _SKIPPED
+    return _LeafKind.DIFF if jnp.issubdtype(dtype, jnp.floating) else _LeafKind.SKIPPED
 
 
 def _path_str(path):
@@ -209,17 +206,19 @@ class Prepared:
         # the other arguments' arrays: neither is differentiated, as under
         # eqx.filter_grad, and every statistic holds None for them.
         kinds = [_diff_leaf_kind(x, _path_str(p), name) for p, x in flat]
-        self.diff_is_arr = [k is _DIFF for k in kinds]
-        self.diff_static = [None if k is not _STATIC_LEAF else x for k, (_, x) in zip(kinds, flat)]
+        self.diff_is_arr = [k is _LeafKind.DIFF for k in kinds]
+        self.diff_static = [x if k is _LeafKind.STATIC else None
+                            for k, (_, x) in zip(kinds, flat)]
         self.diff_paths = [_path_str(p) for (p, _), a in zip(flat, self.diff_is_arr) if a]
         self.diff_leaves = [jnp.asarray(x) for (_, x), a in zip(flat, self.diff_is_arr) if a]
         # (index among the flat leaves, path, dtype) of every skipped non-float array
         self.skipped = [
             (i, _path_str(p), "float0" if x.dtype == jax.dtypes.float0 else str(x.dtype))
             for i, ((p, x), k) in enumerate(zip(flat, kinds))
-            if k is _SKIPPED
+            if k is _LeafKind.SKIPPED
         ]
-        skipped_leaves = [jnp.asarray(x) for (_, x), k in zip(flat, kinds) if k is _SKIPPED]
+        skipped_leaves = [jnp.asarray(x) for (_, x), k in zip(flat, kinds)
+                          if k is _LeafKind.SKIPPED]
         if not self.diff_leaves:
             raise ValueError(
                 f"{name}: the differentiated argument(s) argnums={opts.argnums!r} hold no "
