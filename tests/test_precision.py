@@ -250,6 +250,36 @@ def test_norms_and_clipping_past_float32_squares(remat, chunk):
     np.testing.assert_allclose(got["q"], [np.sqrt(sq).min(), np.sqrt(sq).max()], rtol=2e-5)
 
 
+def test_tied_table_past_float32_squares_in_feature_blocks(monkeypatch):
+    """The tied table's overflowing example is recomputed from its summed gradient in
+    feature blocks (`tiling.recompute_tile`) where that exceeds its share of the budget:
+    norms and clipped sums as exact as whole. Its 7 rows in blocks of 4 leave a
+    remainder: the embedding keeps the ids of a block's rows, the output layer slices
+    them, and both must read the same rows (the last block was a shifted slice, off by
+    1.7% on the overflowing example's norm)."""
+    from jaxpr_surgery._src import tiling
+
+    monkeypatch.setattr(tiling, "MIN_FEATURE_TILE_BYTES", 16)
+    cut = []
+    inner = tiling.recompute_tile
+    monkeypatch.setattr(tiling, "recompute_tile",
+                        lambda shape, *a: cut.append((shape, inner(shape, *a))) or cut[-1][1])
+    case = _exploding_case()
+    sq = _sq_norms64(case)
+    C = float(np.sqrt(np.median(sq)))
+    stats = {"norms": js.stats.norms(per_leaf=True), "clipped_sum": js.stats.clipped_sum(C)}
+    # the table's G (7 x 5 float32) fits a tile of two examples, not a block of 1/8
+    got = jax.jit(js.per_example_stat(case.loss_fn, stats, memory_budget_bytes=560,
+                                      chunk_size=None))(case.params, case.batch)
+    assert any(shape == (7, 5) and c is not None and c[1] < c[2] for shape, c in cut), cut
+    for a, w in zip(jax.tree.leaves(got["norms"]),
+                    jax.tree.leaves(zoo.oracle(case, "norms", per_leaf=True))):
+        np.testing.assert_allclose(a, w, rtol=2e-5)
+    want = zoo.oracle(case, "clipped_sum", clip_norm=C)
+    for a, w in zip(jax.tree.leaves(got["clipped_sum"]), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, w, rtol=0, atol=5e-5 * C)
+
+
 def _weighted_zoo_case(name, B_huge=1):
     """Zoo case ``name`` (float32) whose per-example loss carries a weight, ``HUGE`` for
     example ``B_huge``: each example's loss is ``loss_fn(params, example) * s``."""
@@ -363,6 +393,44 @@ def test_ghost_norms_cancellation_float32_vs_float64(which):
     np.testing.assert_allclose(sq, n2, rtol=2e-2)
     # G_b itself cancels in float32 (as it does for vmap(grad)): compare at its scale
     np.testing.assert_allclose(cm, cm_ref, rtol=2e-2, atol=1e-2 * np.abs(cm_ref).max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_ghost_norms_recomputed_in_feature_blocks(monkeypatch, dtype):
+    """An example whose ghost norm cancelled is formed alone in feature blocks where its
+    ``G`` exceeds `tiling.RECOMPUTE_BUDGET_SHARE` of the memory budget (the loop's
+    buffers are allocated whether or not it runs: under tensor parallelism a whole
+    vocabulary-sized ``G`` per device part took 1.9x grad's memory): the same values,
+    and their derivative, as the oracle's."""
+    from jaxpr_surgery._src import tiling
+
+    monkeypatch.setattr(tiling, "MIN_FEATURE_TILE_BYTES", 1024)
+    cut = []
+    inner = tiling.recompute_tile
+    monkeypatch.setattr(tiling, "recompute_tile", lambda *a: cut.append(inner(*a)) or cut[-1])
+    dt = jnp.dtype(dtype)
+    budget = 8 * 64 * 64 * dt.itemsize // 3  # G_b: 64 x 64; blocks of 1/3 of it
+    fn = js.per_example_stat(_tanh_loss, js.stats.sq_norms(), memory_budget_bytes=budget,
+                             chunk_size=None)
+
+    def run():
+        W, b = _cancel_case(dt, "odd")[1:]
+        sq = jax.jit(fn)(W, b)
+        jac = jax.jit(jax.jacrev(lambda W: fn(W, b)))(W)
+        return np.asarray(sq, np.float64), np.asarray(jac, np.float64)
+
+    def ref():
+        W, b = _cancel_case(jnp.float64, "odd")[1:]
+        n2 = lambda W: jnp.sum(jnp.square(zoo.vmap_grads(_tanh_loss, W, b)), (1, 2))  # noqa: E731
+        return np.asarray(n2(W)), np.asarray(jax.jacrev(n2)(W))
+
+    got = zoo.in_x64(run) if dtype == "float64" else run()
+    want_sq, want_jac = zoo.in_x64(ref)
+    assert cut and all(c is not None and c[1] < c[2] for c in cut), cut  # (4 blocks of 16)
+    # (G_b cancels to ~1e-4 of its terms, in vmap(grad) too: float64 agrees to ~1e-8)
+    rtol = 1e-7 if dtype == "float64" else 2e-2
+    np.testing.assert_allclose(got[0], want_sq, rtol=rtol)
+    np.testing.assert_allclose(got[1], want_jac, rtol=rtol, atol=rtol * np.abs(want_jac).max())
 
 
 def _tanh_loss(W, b):  # not linear in W: the norms have a derivative to check

@@ -30,15 +30,20 @@ def _slice_b(ing, depth, b0, size):
     return jax.tree.map(lambda x: compat.slice_at(x, b0, size, axis=depth), ing)
 
 
+def leaf_cut_axes(shape, kernels) -> list:
+    """The axes of a multi-site leaf every site can cut in feature blocks."""
+    axes = set(range(len(shape)))
+    for k in kernels:
+        axes &= set(k.leaf_cut_axes())
+    return sorted(axes)
+
+
 def leaf_feature_tile(B, shape, acc, budget, kernels):
     """Blocks of features of a multi-site leaf's ``G`` (tiling.py), on an axis every
     site can cut, or None; only where a tile holds one example."""
     if tiling.leaf_tile(B, shape, acc, budget, kernels) != 1:
         return None
-    axes = set(range(len(shape)))
-    for k in kernels:
-        axes &= set(k.leaf_cut_axes())
-    return tiling.feature_tile(tuple(shape), acc, sorted(axes), budget)
+    return tiling.feature_tile(tuple(shape), acc, leaf_cut_axes(shape, kernels), budget)
 
 
 def tiled_materialised(plan, ings, mat, B, reductions):
@@ -182,7 +187,12 @@ class SharedLeaf:
         gradient alone (`recompute_flagged`)."""
         if id(sq) not in self._rescued:
             ft, ings = self.ft, self.ings
-            blocks = ft and (ft[0], ft[1], self.aval.shape[ft[0]])
+            if ft is not None:
+                blocks = (ft[0], ft[1], self.aval.shape[ft[0]])
+            else:  # (one example formed alone: `tiling.RECOMPUTE_BUDGET_SHARE`)
+                shape, ks = tuple(self.aval.shape), [k for _, k, _ in ings]
+                blocks = tiling.recompute_tile(shape, self.acc, leaf_cut_axes(shape, ks),
+                                               self.plan.budget)
 
             def exact(arrays, b):  # the ingredients as arguments (a custom_jvp's)
                 m = _leaf_mat([(s, k, a) for (s, k, _), a in zip(ings, arrays)], self.acc)

@@ -141,17 +141,17 @@ def example_norm(make, blocks=None):
     """``||G||`` of one example, ``G = make(cut)`` (shaped ``[1, *shape]``), exact and
     without a square past the range: against a running scale (the largest magnitude
     so far, as LAPACK's ``nrm2``). ``blocks = (axis, size, n)``: in blocks of ``size``
-    along ``axis`` of ``n`` (``cut = (axis, f0, size)``; the last block, which
-    ``dynamic_slice`` shifts back to fit, counts only its new part), else ``cut =
+    along ``axis`` of ``n`` (``cut = (axis, f0, size)``, and a last block of the
+    remainder, as `tiling.reduce_tiles` cuts them: a site that keeps a table's rows by
+    their ids, `cuts.rows`, reads the same block as one that slices), else ``cut =
     None``."""
 
-    def add(state, g, keep=True):
+    def add(state, g):
         scale, ssq = state
-        m = jnp.max(jnp.where(keep, jnp.abs(g), 0))
+        m = jnp.max(jnp.abs(g))
         new = jnp.maximum(scale, m)
         safe = jnp.where(new > 0, new, 1)
-        ssq = ssq * jnp.square(scale / safe) + jnp.sum(jnp.where(keep, jnp.square(g / safe), 0))
-        return new, ssq
+        return new, ssq * jnp.square(scale / safe) + jnp.sum(jnp.square(g / safe))
 
     if blocks is None:
         g = make(None)
@@ -161,21 +161,15 @@ def example_norm(make, blocks=None):
     nd = cuts.split_count()
     nf = cuts.strided_count(n, size, nd) if nd > 1 else None
     if nf is not None:  # (a batch split by device: blocks strided over them, cuts.py)
-        count, cut = nf, lambda k: cuts.Strided(axis, k, n // nf, nf)  # noqa: E731
+        count, rem, cut = nf, 0, lambda k: cuts.Strided(axis, k, n // nf, nf)  # noqa: E731
     else:
-        count, cut = -(-n // size), lambda k: (axis, k * size, size)  # noqa: E731
-
-    def block(k, state):
-        g = make(cut(k))
-        if nf is not None:  # (strided blocks partition the axis)
-            return add(state, g)
-        f0 = k * size
-        idx = jnp.minimum(f0, n - size) + jnp.arange(size)  # where the slice landed
-        keep = (idx >= f0).reshape((size,) + (1,) * (g.ndim - axis - 2))
-        return add(state, g, keep)
-
+        count, rem = divmod(n, size)
+        cut = lambda k: (axis, k * size, size)  # noqa: E731
     zero = jnp.zeros((), jax.eval_shape(lambda: make(cut(0))).dtype)
-    scale, ssq = jax.lax.fori_loop(0, count, block, (zero, zero))
+    state = jax.lax.fori_loop(0, count, lambda k, state: add(state, make(cut(k))), (zero, zero))
+    if rem:
+        state = add(state, make((axis, count * size, rem)))
+    scale, ssq = state
     return scale * jnp.sqrt(ssq)
 
 

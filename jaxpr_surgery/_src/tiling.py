@@ -36,6 +36,12 @@ MIN_FEATURE_TILE_BYTES = 256 << 10  # smaller blocks cost more in loop overhead 
 # Feature blocks: a count of blocks that divides the axis is preferred, up to this many
 # times the count the budget asks for (no remainder block to compile; 1: off)
 DIVISOR_BLOCKS_FACTOR = 2
+# An example recomputed alone (its ghost norm overflowed or cancelled: norms.py) forms its
+# ``G`` in blocks of at most this share of the budget: the loop over such examples is
+# compiled (and its buffers allocated) whether or not it runs, beside the backward pass's
+# live values, once for each device's part of the batch, and XLA may hold several copies
+# of a block (the product, its magnitudes, its scaled squares).
+RECOMPUTE_BUDGET_SHARE = 8
 
 
 def tile_size(B: int, bytes_per_example: int, budget: int | None, *, batched_ok=True) -> int:
@@ -104,6 +110,15 @@ def feature_tile(shape, dtype, axes, budget, cache=True) -> tuple[int, int] | No
             break
     size = -(-n // blocks)
     return (axis, size) if size < n else None
+
+
+def recompute_tile(shape, dtype, axes, budget) -> tuple[int, int, int] | None:
+    """``(axis, size, n)``: blocks for one example's ``G`` of ``shape`` formed alone
+    (`RECOMPUTE_BUDGET_SHARE` of the budget each, ``n`` the axis' length), or None where
+    it is small enough whole."""
+    budget = DEFAULT_MEMORY_BUDGET_BYTES if budget is None else int(budget)
+    ft = feature_tile(shape, dtype, axes, budget // RECOMPUTE_BUDGET_SHARE, cache=False)
+    return ft and (ft[0], ft[1], int(shape[ft[0]]))
 
 
 def describe(tile: int, ft, shape) -> str:

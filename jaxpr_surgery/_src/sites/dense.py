@@ -539,7 +539,12 @@ class DenseKernel(Kernel):
         sq, bound, bad = self.ghost_sq_bound(ing)
         x, dy = ing
 
+        blocks = self._recompute_blocks(x.shape[0])
+
         def exact(xd, b):
+            if blocks is not None:
+                n = example_norm(lambda cut: self._tile_G(*xd, b, 1, cut), blocks)
+                return jnp.stack([jnp.square(n), n])
             g = self._tile_G(*xd, b, 1)
             return jnp.stack([jnp.sum(jnp.square(g)), example_norm(lambda cut: g)])
 
@@ -637,9 +642,18 @@ class DenseKernel(Kernel):
     def example_norm(self, ing, b):
         """Example ``b``'s ``G`` formed alone (in feature blocks where it is large)."""
         x, dy = ing
-        ft = self.feature_tile(x.shape[0])
-        blocks = ft and (ft[0], ft[1], (self.c["K"], self.c["C"], self.c["F"])[ft[0]])
+        blocks = self._recompute_blocks(x.shape[0])
         return example_norm(lambda cut: self._tile_G(x, dy, b, 1, cut), blocks)
+
+    def _recompute_blocks(self, B):
+        """``(axis, size, n)``: the feature blocks of one example's ``G`` formed alone
+        (the tiles' own where they cut one example, else `tiling.recompute_tile`), or
+        None."""
+        shape = (self.c["K"], self.c["C"], self.c["F"])
+        ft = self.feature_tile(B)
+        if ft is not None:
+            return ft[0], ft[1], shape[ft[0]]
+        return tiling.recompute_tile(shape, self.acc, self.FEATURE_AXES, self.budget)
 
     # reporting -------------------------------------------------------------- #
     def rule(self, reduction, B):
