@@ -242,14 +242,17 @@ def test_any_part_takes_every_part():
 
 def test_strided_rows_of_a_table():
     """An embedding's ids in a strided block of rows: their place in it, ``size`` (dropped)
-    outside; `cuts.put` puts a block's values back where `cuts.take` read them."""
+    outside; `cuts.put` puts a block's values back where `cuts.take` read them, into an
+    accumulator in `cuts.layout` (updated in place), `cuts.merged` as the value."""
     ids = jnp.arange(12)
     c = cuts.Strided(0, 1, 4, 3)  # rows 1, 4, 7, 10
     np.testing.assert_array_equal(cuts.rows(c, ids),
                                   [4, 0, 4, 4, 1, 4, 4, 2, 4, 4, 3, 4])
     x = jnp.arange(24.0).reshape(2, 12)
     np.testing.assert_array_equal(cuts.take(c, x, 1), x[:, 1::3])
-    back = cuts.put(c, jnp.zeros_like(x), cuts.take(c, x, 1), 1)
+    assert cuts.layout(c, x.shape, 1) == (2, 4, 3)
+    back = cuts.merged(c, cuts.put(c, jnp.zeros((2, 4, 3)), cuts.take(c, x, 1), 1), 1)
+    assert back.shape == x.shape
     np.testing.assert_array_equal(back[:, 1::3], x[:, 1::3])
     assert float(jnp.sum(back)) == float(jnp.sum(x[:, 1::3]))
 

@@ -49,12 +49,28 @@ def take(cut, x, pos):
     return compat.slice_at(x, f0, size, pos)
 
 
-def put(cut, acc, v, pos):
-    """``acc`` with its block ``cut`` (on axis ``pos``) replaced by ``v``."""
+def layout(cut, shape, pos) -> tuple:
+    """The shape of an accumulator of blocks ``cut`` of a value of ``shape`` (blocks on
+    axis ``pos``): a strided cut's axis split in two, ``(size, n)``, whose second `put`
+    updates in place (a reshape around each update made XLA:CPU at jax 0.10 copy the
+    whole accumulator every block), else ``shape``. `merged` undoes it."""
+    shape = tuple(shape)
     if isinstance(cut, Strided):
-        shp = acc.shape
-        a = acc.reshape(shp[:pos] + (cut.size, cut.n) + shp[pos + 1 :])
-        return lax.dynamic_update_index_in_dim(a, v, cut.k, pos + 1).reshape(shp)
+        return shape[:pos] + (cut.size, cut.n) + shape[pos + 1 :]
+    return shape
+
+
+def merged(cut, acc, pos):
+    """An accumulator in `layout` as the value's shape."""
+    if isinstance(cut, Strided):
+        return acc.reshape(acc.shape[:pos] + (-1,) + acc.shape[pos + 2 :])
+    return acc
+
+
+def put(cut, acc, v, pos):
+    """``acc`` (in `layout`) with its block ``cut`` (on axis ``pos``) replaced by ``v``."""
+    if isinstance(cut, Strided):
+        return lax.dynamic_update_index_in_dim(acc, v, cut.k, pos + 1)
     # (lax's default, wrap-around select included: with the block's offset passed as
     # it is XLA:CPU ran s512's variance 1.3x slower)
     return lax.dynamic_update_slice_in_dim(acc, v, cut[1], pos)
