@@ -1,8 +1,9 @@
 """Extending jaxpr_surgery: rules for your own ops.
 
-A ``jax.custom_vjp`` op (a fused layer, a Pallas kernel behind a custom backward, a
-memory-saving rewrite) is opaque to the analysis: the parameters it touches get the
-op's exact per-example gradients, materialised (the cost of ``vmap(grad)``; see
+A ``jax.custom_vjp`` or ``jax.custom_jvp`` op (a fused layer, a Pallas kernel behind a
+custom backward, a memory-saving rewrite, a hand-written JVP) is opaque to the
+analysis: the parameters it touches get the op's exact per-example gradients,
+materialised (the cost of ``vmap(grad)``; see
 `jaxpr_surgery.explain`). Register the plain
 JAX function it computes, and every layer inside gets the package's fast rules:
 

@@ -1,4 +1,5 @@
-"""``jaxpr_surgery.extend``: custom_vjp ops registered with a reference function.
+"""``jaxpr_surgery.extend``: custom_vjp and custom_jvp ops registered with a reference
+function or a rule.
 
 A registered op is differentiated as its reference: the layers inside get the package's
 rules (explain says ``streamed`` where it said ``materialised``) and every statistic equals
@@ -313,17 +314,23 @@ def test_registration_errors():
         return jnp.tanh(x)
 
     act.defjvp(lambda primals, tangents: (act(primals[0]), tangents[0]))
-    with pytest.raises(NotImplementedError, match="custom_jvp"):
-        js.extend.register_custom_op(act, jnp.tanh)
-    with pytest.raises(TypeError, match="op must be a jax.custom_vjp function"):
+    js.extend.register_custom_op(act, jnp.tanh).remove()  # (custom_jvp ops: below)
+    with pytest.raises(TypeError, match="op must be a jax.custom_vjp or jax.custom_jvp"):
         js.extend.register_custom_op(_dense_ref, _dense_ref)
 
     @jax.custom_vjp
     def bare(w, x):
         return x @ w
 
-    with pytest.raises(ValueError, match="no backward rule yet"):
+    with pytest.raises(ValueError, match=r"no derivative rule yet; call op.defvjp"):
         js.extend.register_custom_op(bare, _dense_ref)
+
+    @jax.custom_jvp
+    def bare_jvp(w, x):
+        return x @ w
+
+    with pytest.raises(ValueError, match=r"no derivative rule yet; call op.defjvp"):
+        js.extend.register_custom_op(bare_jvp, _dense_ref)
 
     def scaled(s, w, x):
         return s * (x @ w)
@@ -491,3 +498,129 @@ def test_inside_shard_map(how):
                 handle.remove()
         np.testing.assert_allclose(got["second_moment"], jnp.mean(g**2, 0), rtol=1e-12)
         np.testing.assert_allclose(got["sq_norms"], jnp.sum(g**2, axis=(1, 2)), rtol=1e-12)
+
+
+# --------------------------------------------------------------------------- #
+# custom_jvp ops: recognised by the JVP given to defjvp
+# --------------------------------------------------------------------------- #
+@jax.custom_jvp
+def jdense(w, x):
+    return x @ w
+
+
+@jdense.defjvp
+def _jdense_jvp(primals, tangents):
+    (w, x), (dw, dx) = primals, tangents
+    return jdense(w, x), x @ dw + dx @ w
+
+
+# a straight-through sign written as a custom_jvp: forward x @ sign(w), JVP as x @ w's
+@jax.custom_jvp
+def jste(w, x):
+    return x @ jnp.sign(w)
+
+
+@jste.defjvp
+def _jste_jvp(primals, tangents):
+    (w, x), (dw, dx) = primals, tangents
+    return jste(w, x), x @ dw + dx @ jnp.sign(w)
+
+
+def _jloss(p, batch):
+    h = jnp.tanh(jdense(p["in"], batch["x"]))
+
+    def layer(h, w):
+        return jnp.tanh(jdense(w, h)), None
+
+    h, _ = jax.lax.scan(layer, h, p["stack"])  # the op inside a scan
+    h = jax.checkpoint(lambda h: jnp.tanh(jdense(p["mid"], h)))(h)  # inside a remat
+    out = jax.jit(jdense)(p["out"], h)  # inside a jit
+    return jnp.mean(jnp.sum((out - batch["y"]) ** 2, axis=(1, 2)))
+
+
+def _jcase(dtype=jnp.float64):
+    p, batch = _case(dtype)
+    return dict(p, **{"in": p["in"]["w"]}), batch
+
+
+def _joracle(p, batch):
+    one = lambda p, ex: _jloss(p, jax.tree.map(lambda a: a[None], ex))  # noqa: E731
+    g = jax.jit(jax.vmap(jax.grad(one), (None, 0)))(p, batch)
+    g = jax.tree.map(lambda v: np.asarray(v, np.float64), g)
+    sq = jax.tree.map(lambda v: np.sum(v.reshape(B, -1) ** 2, 1), g)
+    c = np.minimum(1, 0.5 / np.sqrt(sum(jax.tree.leaves(sq))))
+    return {
+        "mean": jax.tree.map(lambda v: v.mean(0), g),
+        "second_moment": jax.tree.map(lambda v: (v**2).mean(0), g),
+        "variance": jax.tree.map(lambda v: v.var(0, ddof=1), g),
+        "sq_norms": sq,
+        "clipped_mean": jax.tree.map(lambda v: np.tensordot(c, v, 1) / B, g),
+    }
+
+
+@pytest.mark.parametrize("how", ["reference", "own_forward", "rule"])
+def test_a_registered_custom_jvp_op(how):
+    """A ``custom_jvp`` op, registered with a reference, its own forward or a rule, gets
+    the rules (``streamed``, or the rule's ``custom-op`` sites; ``materialised`` before)
+    and every statistic equals vmap(grad) through its own JVP, inside a scan, a remat
+    and a jit alike."""
+    with jax.enable_x64(True):
+        p, batch = _jcase()
+        before = js.explain(_jloss, STATS)(p, batch)
+        assert {leaf.rule for leaf in before.leaves} == {"materialised"}
+        arg = {"reference": (_dense_ref,), "own_forward": (), "rule": ()}[how]
+        kw = {"rule": DenseRule()} if how == "rule" else {}
+        with js.extend.register_custom_op(jdense, *arg, **kw):
+            rep = js.explain(_jloss, STATS)(p, batch)
+            if how == "rule":
+                assert all("custom-op" in leaf.kinds for leaf in rep.leaves), rep
+            else:
+                assert {leaf.rule for leaf in rep.leaves} == {"streamed"}, rep
+            out = jax.jit(js.per_example_stat(_jloss, STATS))(p, batch)
+            assert js.extend.check_rule(_jloss)(p, batch) == ["jdense"]
+        _check(out, _joracle(p, batch), rtol=1e-11, atol=1e-13)
+
+
+def test_a_registered_custom_jvp_op_in_float32():
+    p, batch = _jcase(jnp.float32)
+    with js.extend.register_custom_op(jdense, _dense_ref):
+        out = jax.jit(js.per_example_stat(_jloss, STATS))(p, batch)
+    _check(out, _joracle(p, batch), rtol=2e-4, atol=1e-5)
+
+
+def test_check_rule_catches_a_straight_through_custom_jvp():
+    with jax.enable_x64(True):
+        _, batch = _case()
+        w = jnp.asarray(np.random.default_rng(1).normal(size=(D, F)))
+        loss = lambda w, b: jnp.mean(jnp.sum(jnp.tanh(jste(w, b["x"])) ** 2, axis=(1, 2)))  # noqa: E731
+        with js.extend.register_custom_op(jste, lambda w, x: x @ jnp.sign(w)):
+            with pytest.raises(ValueError, match=r"custom op jste: the per-example gradients"):
+                js.extend.check_rule(loss)(w, batch)
+
+
+def test_custom_jvp_ops_sharing_a_jvp_are_told_apart():
+    """Two custom_jvp ops built from one JVP function (a factory's) are told apart by
+    their forward programs: registering one leaves the other on the exact route."""
+
+    def make(scale):
+        @jax.custom_jvp
+        def op(w, x):
+            return scale * (x @ w)
+
+        op.defjvp(_shared_jvp)
+        return op
+
+    one, two = make(1.0), make(2.0)
+    with jax.enable_x64(True):
+        _, batch = _case()
+        w = jnp.asarray(np.random.default_rng(2).normal(size=(D, F)))
+        loss = lambda w, b: jnp.mean(jnp.tanh(two(w, b["x"])) ** 2)  # noqa: E731
+        with js.extend.register_custom_op(one, _dense_ref):
+            assert js.explain(loss, js.stats.mean())(w, batch).leaves[0].rule == "materialised"
+            with pytest.raises(ValueError, match="already registered"):
+                js.extend.register_custom_op(two, _dense_ref)
+
+
+def _shared_jvp(primals, tangents):
+    (w, x), (dw, dx) = primals, tangents
+    return x @ w, x @ dw + dx @ w

@@ -106,6 +106,8 @@ def _custom_prims():
 custom_prims = _custom_prims()
 custom_vjp_call_p = _first(
     lambda: __import__("jax._src.custom_derivatives", fromlist=["x"]).custom_vjp_call_p)
+custom_jvp_call_p = _first(
+    lambda: __import__("jax._src.custom_derivatives", fromlist=["x"]).custom_jvp_call_p)
 
 sharding_constraint_p = _first(
     lambda: __import__("jax._src.pjit", fromlist=["x"]).sharding_constraint_p,
@@ -613,6 +615,48 @@ def custom_vjp_in_tree(eqn):
             if isinstance(a, jax.tree_util.PyTreeDef):
                 return a if a.num_leaves == n else None
     return None
+
+
+def custom_jvp_rule(eqn):
+    """``(jvp, in_tree)``: the user's JVP function of a ``jax.custom_jvp`` call equation
+    (the one given to ``defjvp``; its identity names the op, as `custom_vjp_bwd`'s does)
+    and the pytree structure of the call's arguments; ``(None, None)`` for any other
+    equation or where this jax does not record them. Found by feature: the equation's
+    ``jvp_jaxpr_fun`` closes over the rule wrapped with its flattening step
+    (``_flatten_jvp``), whose arguments hold the arguments' ``PyTreeDef``."""
+    if custom_jvp_call_p is None or eqn.primitive is not custom_jvp_call_p:
+        return None, None
+    from jax._src import linear_util as lu
+
+    seen = set()
+
+    def find(obj, depth):
+        if depth > 8 or id(obj) in seen:
+            return None
+        seen.add(id(obj))
+        if isinstance(obj, lu.WrappedFun):
+            for step in obj.transforms or ():
+                args = step[1] if isinstance(step, tuple) and len(step) == 2 else ()
+                for a in args if isinstance(args, tuple) else ():
+                    if isinstance(a, jax.tree_util.PyTreeDef):
+                        return obj.f, a
+            found = find(obj.f, depth + 1)
+            if found is not None:
+                return found
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                found = find(cell.cell_contents, depth + 1)
+            except ValueError:  # (an empty cell)
+                continue
+            if found is not None:
+                return found
+        return None
+
+    found = find(eqn.params.get("jvp_jaxpr_fun", eqn.params.get("jvp_jaxpr_thunk")), 0)
+    if found is None:
+        return None, None
+    n = len(eqn.invars) - custom_call_consts(eqn)
+    return found if found[1].num_leaves == n else (found[0], None)
 
 
 def custom_call_consts(eqn) -> int:

@@ -1,7 +1,9 @@
-"""Custom ops (``jax.custom_vjp``) differentiated as a registered reference function.
+"""Custom ops (``jax.custom_vjp``, ``jax.custom_jvp``) differentiated as a registered
+reference function, or by a registered rule.
 
-A ``custom_vjp`` op is opaque to the analysis: its backward pass is the user's own
-function, which the package cannot read, so a parameter it touches gets the op's exact
+A custom op is opaque to the analysis: its derivative is the user's own function (a
+``custom_vjp``'s backward pass, a ``custom_jvp``'s JVP), which the package cannot read,
+so a parameter it touches gets the op's exact
 per-example gradients (``materialised`` in ``explain``: ``jax.vmap`` of the op's VJP, the
 cost of ``vmap(grad)``; ``fallback``, read per example, where the op takes several
 parameters). A user who knows what the op computes
@@ -15,10 +17,11 @@ would give them. ``extend.check_rule`` checks the declaration on the user's mode
 per-example gradients through the op's own backward against those through the
 reference.
 
-An equation is the op's when it binds the op's backward function (the one given to
-``defvjp``; the equation keeps no reference to the op object) and its primal function
-traces to the same program as the op's at the same operands: two ops sharing one
-backward function are told apart, and an op not recognised keeps the exact route.
+An equation is the op's when it binds the op's derivative function (the backward
+function given to ``defvjp``, the JVP given to ``defjvp``; the equation keeps no
+reference to the op object) and its primal function traces to the same program as the
+op's at the same operands: two ops sharing one derivative function are told apart, and
+an op not recognised keeps the exact route.
 """
 
 from __future__ import annotations
@@ -31,10 +34,16 @@ import jax
 
 from jaxpr_surgery._src import compat
 
-_BY_BWD: dict = {}  # the op's backward function -> `_Entry`
+_BY_RULE: dict = {}  # the op's derivative function (`_rule_fn`) -> `_Entry`
 # (registration, argument tree, operand types) -> the printed jaxpr of the op's forward
 # at those operands (dropped with the registration)
 _PRIMAL_TEXT: dict = {}
+
+
+def _rule_fn(op):
+    """The function that names ``op`` in its calls' equations: a ``custom_vjp``'s
+    backward function, a ``custom_jvp``'s JVP (None before ``defvjp`` / ``defjvp``)."""
+    return getattr(op, "jvp" if compat.is_custom_jvp(op) else "bwd", None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -68,11 +77,11 @@ class Registration:
 
     @property
     def active(self) -> bool:
-        return _BY_BWD.get(self._entry.op.bwd) is self._entry
+        return _BY_RULE.get(_rule_fn(self._entry.op)) is self._entry
 
     def remove(self) -> None:
         if self.active:
-            del _BY_BWD[self._entry.op.bwd]
+            del _BY_RULE[_rule_fn(self._entry.op)]
         for key in [k for k in _PRIMAL_TEXT if k[0] is self._entry]:
             del _PRIMAL_TEXT[key]
 
@@ -94,26 +103,27 @@ def _op_name(op) -> str:
 
 
 def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> Registration:
-    """Registers what the ``jax.custom_vjp`` op ``op`` computes (``reference``), or how its
-    parameter's per-example gradients are formed (``rule``).
+    """Registers what the ``jax.custom_vjp`` or ``jax.custom_jvp`` op ``op`` computes
+    (``reference``), or how its parameter's per-example gradients are formed (``rule``).
 
     With a ``reference`` (for every trace made afterwards), the statistics treat each
     call of ``op`` as a call of ``reference``: the analysis looks inside it, so a fused
     dense layer gets the dense rules (streamed E[g²], ghost norms, ...), a fused norm
     layer the scale-shift ones. The loss's value, the other inputs' cotangents and the
     statistics are those of the model with ``reference`` in place of ``op``, exactly what
-    ``jax.grad`` gives where ``op``'s backward pass is the derivative of ``reference``.
+    ``jax.grad`` gives where ``op``'s derivative (its backward pass, or its JVP) is the
+    derivative of ``reference``.
 
     With a ``rule`` (a `CustomOpRule`), the op's calls stay as they are (its forward and
     backward passes give the loss and the other cotangents) and its parameter's
     per-example gradients (squared norms, sums where the rule has them) come
     from the rule, read from the op's operands and output cotangents: for an op with no
-    JAX reference (a Pallas kernel). The op's parameter must be one of its operands
+    JAX reference (a Pallas kernel behind a ``custom_vjp``). The op's parameter must be one of its operands
     itself (no parameter-only step between, such as ``w.T``: that call keeps the exact
     route).
 
     `check_rule` checks either on your model; an approximate or straight-through
-    backward, or a rule that is not what the op's backward gives, fails it. Without a
+    derivative, or a rule that is not what the op's derivative gives, fails it. Without a
     registration, an op whose one parameter operand meets the data has its exact
     per-example gradients through ``jax.vmap`` of its own VJP (``materialised`` in
     `jaxpr_surgery.explain`, the cost of ``vmap(grad)``); one of several parameters
@@ -121,14 +131,16 @@ def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> R
 
     Args:
       op: a ``jax.custom_vjp`` function with its rule given (``op.defvjp(fwd, bwd)``),
-        without ``nondiff_argnums``. The op is recognised by its backward function and
-        its forward program: two ops sharing one backward function are told apart.
+        or a ``jax.custom_jvp`` function with its JVP given (``op.defjvp(jvp)`` or
+        ``op.defjvps``), without ``nondiff_argnums``. The op is recognised by its
+        derivative function (the backward function, the JVP) and its forward program:
+        two ops sharing one derivative function are told apart.
       reference: a function with the op's signature (``reference(w, x)`` for
         ``op(w, x)``; the same pytrees of arrays) returning its outputs (the same leaves
         in ``jax.tree.leaves`` order), written with ordinary JAX operations. ``None``
         (and no ``rule``): the op's own forward function (``op.fun``): declares that its
-        custom backward is the exact derivative of its forward (a memory-saving or
-        numerically stabler backward).
+        custom derivative is the exact derivative of its forward (a memory-saving or
+        numerically stabler backward, a JVP written by hand for speed).
       rule: a `CustomOpRule` instance, instead of a reference.
 
     Returns:
@@ -136,11 +148,13 @@ def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> R
       the op is registered inside the ``with`` block only.
 
     Raises:
-      TypeError: ``op`` is not a ``jax.custom_vjp`` function, ``reference`` is not
-        callable, or ``rule`` is not a `CustomOpRule` overriding ``per_example_grad``.
-      ValueError: the op has no backward yet, it (or an op sharing its backward
-        function) is already registered, or both a reference and a rule are given.
-      NotImplementedError: ``jax.custom_jvp`` ops and ops with ``nondiff_argnums``.
+      TypeError: ``op`` is not a ``jax.custom_vjp`` or ``jax.custom_jvp`` function,
+        ``reference`` is not callable, or ``rule`` is not a `CustomOpRule` overriding
+        ``per_example_grad``.
+      ValueError: the op has no derivative rule yet, it (or an op sharing its
+        derivative function) is already registered, or both a reference and a rule are
+        given.
+      NotImplementedError: ops with ``nondiff_argnums``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxpr_surgery as js
@@ -160,21 +174,18 @@ def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> R
       >>> reg.remove()
     """
     where = "register_custom_op"
-    if compat.is_custom_jvp(op):
-        raise NotImplementedError(
-            f"{where}: op is a jax.custom_jvp function; only jax.custom_vjp ops can be "
-            "registered so far (a custom_jvp call does not name its rule in the jaxpr). "
-            "Its parameters take the exact per-example route meanwhile."
-        )
-    if not compat.is_custom_vjp(op):
+    jvp = compat.is_custom_jvp(op)
+    if not jvp and not compat.is_custom_vjp(op):
         raise TypeError(
-            f"{where}: op must be a jax.custom_vjp function (decorated with "
-            f"@jax.custom_vjp and given its rule with .defvjp), got {type(op).__name__}."
+            f"{where}: op must be a jax.custom_vjp or jax.custom_jvp function (decorated "
+            "with @jax.custom_vjp and given its rule with .defvjp, or @jax.custom_jvp "
+            f"and .defjvp), got {type(op).__name__}."
         )
-    if getattr(op, "bwd", None) is None:
+    if _rule_fn(op) is None:
+        how = "op.defjvp(jvp) (or op.defjvps(...))" if jvp else "op.defvjp(fwd, bwd)"
         raise ValueError(
-            f"{where}: op {_op_name(op)} has no backward rule yet; call "
-            "op.defvjp(fwd, bwd) before registering it."
+            f"{where}: op {_op_name(op)} has no derivative rule yet; call {how} before "
+            "registering it."
         )
     if tuple(getattr(op, "nondiff_argnums", ()) or ()):
         raise NotImplementedError(
@@ -207,21 +218,22 @@ def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> R
             f"{where}: reference must be a function of the op's operands, got "
             f"{type(reference).__name__}."
         )
-    held = _BY_BWD.get(op.bwd)
+    held = _BY_RULE.get(_rule_fn(op))
     if held is not None:
-        what = "op" if held.op is op else f"op {held.name}, which shares its backward function,"
+        fn = "JVP" if jvp else "backward function"
+        what = "op" if held.op is op else f"op {held.name}, which shares its {fn},"
         raise ValueError(
             f"{where}: {_op_name(op)}: the {what} is already registered; call .remove() on "
             "its registration first (or register it in a `with` block)."
         )
     entry = _Entry(op, reference, _op_name(op), rule)
-    _BY_BWD[op.bwd] = entry
+    _BY_RULE[_rule_fn(op)] = entry
     return Registration(entry)
 
 
 def registered() -> bool:
     """Whether any op is registered."""
-    return bool(_BY_BWD)
+    return bool(_BY_RULE)
 
 
 def _types(avals) -> tuple:
@@ -246,13 +258,16 @@ def _on_leaves(fn, in_tree):
 def entry_of(eqn):
     """``(registration, argument tree)`` serving ``eqn``, or None (not a registered op's
     call, or one whose arguments this jax does not record)."""
-    bwd = compat.custom_vjp_bwd(eqn)
-    if bwd is None or not _BY_BWD:
+    if not _BY_RULE or eqn.primitive not in compat.custom_prims:
         return None
-    entry = _BY_BWD.get(bwd)
+    fn, in_tree = compat.custom_jvp_rule(eqn)
+    if fn is None:
+        fn = compat.custom_vjp_bwd(eqn)
+    entry = _BY_RULE.get(fn) if fn is not None else None
     if entry is None or compat.custom_call_consts(eqn):
         return None  # (constants hoisted out of its function: not the op's own call)
-    in_tree = compat.custom_vjp_in_tree(eqn)
+    if in_tree is None:
+        in_tree = compat.custom_vjp_in_tree(eqn)
     if in_tree is None:
         return None
     avals = [v.aval for v in eqn.invars]
@@ -307,7 +322,7 @@ def substitute(closed, only=None):
     """``closed`` (a ``ClosedJaxpr``) with every call of a registered op (``only``: of
     that `_Entry`'s op), at any depth, replaced by a call of its reference; ``closed``
     itself where there is none."""
-    if not _BY_BWD:
+    if not _BY_RULE:
         return closed
     new = _substitute_jaxpr(closed.jaxpr, only)
     return closed if new is closed.jaxpr else compat.ClosedJaxpr(new, closed.consts)

@@ -1,4 +1,4 @@
-"""Sites of a ``jax.custom_vjp`` op registered with a rule (`custom_ops.CustomOpRule`):
+"""Sites of a ``jax.custom_vjp`` or ``jax.custom_jvp`` op registered with a rule (`custom_ops.CustomOpRule`):
 the per-example gradient of its parameter from the op's operands and output cotangents,
 by the user's rule (``jaxpr_surgery.extend.register_custom_op(op, rule=...)``).
 
@@ -34,7 +34,8 @@ class CustomRuleKernel(Kernel):
     """A registered custom op's parameter: its per-example gradient by the user's rule."""
 
     kind = "custom-op"
-    anchors = tuple(p for p in (compat.custom_vjp_call_p,) if p is not None)
+    anchors = tuple(p for p in (compat.custom_vjp_call_p, compat.custom_jvp_call_p)
+                    if p is not None)
 
     @classmethod
     def matches(cls, eqn, tag, pos, patterns):
