@@ -118,9 +118,9 @@ def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> R
     backward passes give the loss and the other cotangents) and its parameter's
     per-example gradients (squared norms, sums where the rule has them) come
     from the rule, read from the op's operands and output cotangents: for an op with no
-    JAX reference (a Pallas kernel behind a ``custom_vjp``). The op's parameter must be one of its operands
-    itself (no parameter-only step between, such as ``w.T``: that call keeps the exact
-    route).
+    JAX reference (a Pallas kernel behind a ``custom_vjp``). The op's parameter must be
+    one of its operands itself (no parameter-only step between, such as ``w.T``: that
+    call keeps the exact route).
 
     `check_rule` checks either on your model; an approximate or straight-through
     derivative, or a rule that is not what the op's derivative gives, fails it. Without a

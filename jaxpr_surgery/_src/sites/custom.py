@@ -1,6 +1,7 @@
-"""Sites of a ``jax.custom_vjp`` or ``jax.custom_jvp`` op registered with a rule (`custom_ops.CustomOpRule`):
-the per-example gradient of its parameter from the op's operands and output cotangents,
-by the user's rule (``jaxpr_surgery.extend.register_custom_op(op, rule=...)``).
+"""Sites of a ``jax.custom_vjp`` or ``jax.custom_jvp`` op registered with a rule
+(`custom_ops.CustomOpRule`): the per-example gradient of its parameter from the op's
+operands and output cotangents, by the user's rule
+(``jaxpr_surgery.extend.register_custom_op(op, rule=...)``).
 
 The context is the call's `custom_ops.OpSite`; its ingredients (for norms after the
 backward pass, clipped sums, several sites of one leaf) are the per-example gradients.
