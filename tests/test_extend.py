@@ -460,13 +460,18 @@ def _varying(w, axis):  # (the weight typed as varying over the examples' axis)
 
 
 @pytest.mark.parametrize("how", ["unregistered", "reference", "rule"])
-def test_inside_shard_map(how):
+def test_inside_shard_map(monkeypatch, how):
     """Data parallel in ``shard_map`` (the weight cast to varying before the op, as
-    jax.grad of such a model needs): exact against the one-device oracle. (Inside
-    ``shard_map`` a registered op is not recognised yet: its call's types carry the
-    manual axes, which the forward traced for the comparison does not; it takes the
-    generic route, exact.)"""
+    jax.grad of such a model needs): exact against the one-device oracle, the registered
+    op recognised there (its call's types carry the manual axes, which the forward
+    traced for the comparison does not: compared without them)."""
     from jax.sharding import PartitionSpec as P
+    from jaxpr_surgery._src import custom_ops
+
+    hits = []
+    inner = custom_ops.entry_of
+    monkeypatch.setattr(custom_ops, "entry_of",
+                        lambda eqn: hits.append(inner(eqn)) or hits[-1])
 
     ndev = len(jax.devices())
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
@@ -498,6 +503,7 @@ def test_inside_shard_map(how):
                 handle.remove()
         np.testing.assert_allclose(got["second_moment"], jnp.mean(g**2, 0), rtol=1e-12)
         np.testing.assert_allclose(got["sq_norms"], jnp.sum(g**2, axis=(1, 2)), rtol=1e-12)
+        assert any(h is not None for h in hits) == (how != "unregistered"), hits
 
 
 # --------------------------------------------------------------------------- #

@@ -8,6 +8,7 @@ of the package compares primitives by object and never by name string.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -673,10 +674,16 @@ def is_custom_jvp(op) -> bool:
     return isinstance(op, jax.custom_jvp)
 
 
-def jaxpr_text(j) -> str:
+_VMA_TYPE = re.compile(r"\{V:[^}]*\}")
+
+
+def jaxpr_text(j, vma=True) -> str:
     """The printed form of a jaxpr (``ClosedJaxpr`` or open), without its constants'
-    values: equal for equal programs traced alike."""
-    return str(closed_parts(j)[0])
+    values: equal for equal programs traced alike. ``vma=False``: without the manual
+    mesh axes its values vary over (``{V:data}``: a program traced inside ``shard_map``
+    against one traced outside)."""
+    text = str(closed_parts(j)[0])
+    return text if vma else _VMA_TYPE.sub("", text)
 
 
 def call_eqn_of(fn, avals, name):

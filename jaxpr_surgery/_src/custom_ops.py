@@ -276,11 +276,11 @@ def entry_of(eqn):
     if text is None:
         try:
             primal = jax.make_jaxpr(_on_leaves(entry.op.fun, in_tree))(*_structs(avals))
-            text = compat.jaxpr_text(primal)
+            text = compat.jaxpr_text(primal, vma=False)
         except Exception:  # noqa: BLE001 - not the op's operands: not its call
             text = ""
         _PRIMAL_TEXT[key] = text
-    if text != compat.jaxpr_text(compat.custom_call_parts(eqn)[0]):
+    if text != compat.jaxpr_text(compat.custom_call_parts(eqn)[0], vma=False):
         return None  # another op sharing the backward function
     return entry, in_tree
 
