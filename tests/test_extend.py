@@ -466,6 +466,7 @@ def test_inside_shard_map(monkeypatch, how):
     op recognised there (its call's types carry the manual axes, which the forward
     traced for the comparison does not: compared without them)."""
     from jax.sharding import PartitionSpec as P
+
     from jaxpr_surgery._src import custom_ops
 
     hits = []
