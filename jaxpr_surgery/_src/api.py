@@ -305,6 +305,7 @@ def _ddofs(stat):
             if isinstance(getattr(s, "ddof", None), (int, np.integer))]
 
 
+@compat.implicit_rank_promotion
 def finalize_values(layout, flat, values, whole, count, weights=None, empty=None):
     """Every statistic's ``finalize`` of its reductions' values (pytrees shaped like
     the differentiated arguments by ``layout``, a `LeafLayout`), in ``flat``'s tree.

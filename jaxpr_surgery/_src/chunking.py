@@ -271,6 +271,7 @@ def resolve(chunk_size, B: int, per_example_bytes, acc_bytes=0) -> int | None:
 CHUNK_LOOP = "chunks"  # the name scope of the loops over chunks (tests find them by it)
 
 
+@compat.implicit_rank_promotion
 def run_chunks(run, prep, cs, zero, reductions, weights=None):
     """The batch in chunks of ``cs`` examples: ``(values, loss_b, aux)`` as one call.
 

@@ -8,6 +8,7 @@ of the package compares primitives by object and never by name string.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
@@ -382,6 +383,20 @@ def vma_of(x) -> frozenset:
         if v is not None:
             return frozenset(v)
     return frozenset()
+
+
+def implicit_rank_promotion(fn):
+    """``fn`` run with jax.numpy's implicit rank promotion allowed, whatever the user's
+    ``jax_numpy_rank_promotion`` (``"raise"`` in some codebases): the package's own
+    arithmetic broadcasts by rank (a mean ``[*leaf]`` against examples ``[B, *leaf]``).
+    The user's functions are traced outside it, under their own setting."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with jax.numpy_rank_promotion("allow"):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def named_axes_bound() -> bool:

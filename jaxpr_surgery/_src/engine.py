@@ -169,6 +169,7 @@ class _Chunk:
         return sink_cts, copy_cts, loss_b, aux
 
 
+@compat.implicit_rank_promotion
 def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None, weights=None):
     """Evaluates one chunk; returns (values: dict j -> list per leaf, loss_b, aux_flat).
 
