@@ -188,8 +188,16 @@ def weighted_leaf(ings, cache):
     examples have ``c_b = 0``)."""
 
     def weighted(c, finite_only=False):
-        both = ings if not finite_only else [
-            (s, k, jax.tree.map(_finite_only, ing)) for s, k, ing in ings]
+        if finite_only:
+            # (the zero read from ``c``: each select made once the clip factors exist,
+            # not where the backward pass made the input; XLA:CPU at jax 0.10 ran the
+            # selects there, holding every site's input twice until the sums)
+            c0 = jax.lax.stop_gradient(c[(0,) * c.ndim]) if jnp.size(c) else 0.0
+            zero = jnp.where(jnp.isfinite(c0), c0, 0) * 0
+            both = [(s, k, jax.tree.map(lambda x: _finite_only(x, zero), ing))
+                    for s, k, ing in ings]
+        else:
+            both = ings
         if len(both) == 1:  # repeated layers: traced once
             s, k, ing = both[0]
             sk = cache.site_key(s, k)
@@ -205,16 +213,17 @@ def weighted_leaf(ings, cache):
     return weighted
 
 
-def _finite_only(x):
+def _finite_only(x, zero=0):
     """``x`` with its NaN and infinite entries read as zeros (a non-float ``x``, token ids,
     as it is). The clipped sums that drop the examples whose gradient is not finite read
     their inputs so: such an example's weight is 0, and ``0 * NaN`` would be NaN, while
     an example whose gradient is finite has finite inputs (an infinite or NaN input entry
     makes some product with it, hence its gradient, non-finite). One select per input,
-    fused into what reads it where XLA can."""
+    fused into what reads it where XLA can; ``zero``: a zero computed from a value the
+    select must wait for."""
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return x
-    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+    return jnp.where(jnp.isfinite(x), x, jnp.asarray(zero).astype(x.dtype))
 
 
 def finite_sum(G, c):
