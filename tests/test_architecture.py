@@ -193,7 +193,7 @@ LAYERS = (
     # a site's view of its leaf; norms past the range of their squares; example weights;
     # trees given as a prefix of the parameters'; blocks of features (cuts)
     ("views", "norms", "example_weights", "prefix", "cuts", "custom_ops"),
-    ("compat", "versions"),
+    ("compat", "versions", "meshes"),
 )
 
 # Edges allowed against the layers (none: the reduction protocol removed the last two,

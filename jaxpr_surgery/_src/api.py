@@ -24,6 +24,7 @@ from jaxpr_surgery._src import (
     engine,
     gathers,
     independence,
+    meshes,
     plans,
     tiling,
 )
@@ -547,12 +548,12 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
         # inside auto_axes the arguments (and the weights) are new values: prepare them there
         try:
             if spec is None:
-                out = compat.in_auto_mode(
+                out = meshes.in_auto_mode(
                     lambda *a: body(Prepared(f, a, opts, name), None), args, *prep.explicit
                 )
             else:
                 kind, w = spec
-                out = compat.in_auto_mode(
+                out = meshes.in_auto_mode(
                     lambda w, *a: body(Prepared(f, a, opts, name), (kind, w)),
                     (jnp.asarray(w), *args), *prep.explicit,
                 )

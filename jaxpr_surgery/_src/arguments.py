@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, custom_ops, prefix
+from jaxpr_surgery._src import compat, custom_ops, meshes, prefix
 from jaxpr_surgery._src import stats as S
 
 
@@ -240,7 +240,7 @@ class Prepared:
         self.B = _batch_size(bflat, name)
         self.ex_leaves = [jnp.asarray(x) for _, x in bflat]
         # mesh axes in Explicit mode (sharding in types): computed in Auto mode
-        self.explicit = compat.explicit_mesh_axes([*self.ex_leaves, *self.diff_leaves])
+        self.explicit = meshes.explicit_mesh_axes([*self.ex_leaves, *self.diff_leaves])
 
         # other arguments: arrays become jaxpr inputs, the rest stay static
         self.other_idx = [i for i in range(nargs) if i not in self.argnums + self.batch_argnums]

@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import compat, views
+from jaxpr_surgery._src import compat, tiling, views
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src.clip_reductions import nonfinite_examples
 from jaxpr_surgery._src.interpreter import Evaluator
@@ -192,8 +192,7 @@ def weighted_leaf(ings, cache):
             # (the zero read from ``c``: each select made once the clip factors exist,
             # not where the backward pass made the input; XLA:CPU at jax 0.10 ran the
             # selects there, holding every site's input twice until the sums)
-            c0 = jax.lax.stop_gradient(c[(0,) * c.ndim]) if jnp.size(c) else 0.0
-            zero = jnp.where(jnp.isfinite(c0), c0, 0) * 0
+            zero = tiling.zero_after(c)
             both = [(s, k, jax.tree.map(lambda x: _finite_only(x, zero), ing))
                     for s, k, ing in ings]
         else:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, cuts
+from jaxpr_surgery._src import compat, cuts, meshes
 
 AXIS = "jaxpr_surgery:devices"  # the vmap axis of the split (never a user's axis name)
 
@@ -45,10 +45,10 @@ def auto_mesh_size(arrays) -> int:
     partitions (Auto; 1 without a mesh, inside ``shard_map`` or for Explicit axes)."""
     size = 1
     for x in arrays:
-        mesh = compat.abstract_mesh_of(x)
+        mesh = meshes.abstract_mesh_of(x)
         if mesh is None:
             continue
-        n = math.prod(s for s, t in zip(mesh.axis_sizes, mesh.axis_types) if compat.is_auto(t))
+        n = math.prod(s for s, t in zip(mesh.axis_sizes, mesh.axis_types) if meshes.is_auto(t))
         size = max(size, n)
     return size
 

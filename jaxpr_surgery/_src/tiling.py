@@ -492,8 +492,7 @@ def _late(acc):
     if anchor is None:
         return acc
     acc, anchor = jax.lax.optimization_barrier((acc, anchor))
-    first = jax.lax.stop_gradient(anchor[(0,) * anchor.ndim] if jnp.size(anchor) else 0.0)
-    zero = jnp.where(jnp.isfinite(first), first, 0) * 0
+    zero = zero_after(anchor)
     if cuts.split_axis() is not None:
         zero = jax.lax.psum(zero, cuts.split_axis())
     vma = compat.vma_of(zero)
@@ -504,6 +503,15 @@ def _late(acc):
         return x + zero.astype(x.dtype)
 
     return jax.tree.map(tied, acc)
+
+
+def zero_after(x):
+    """A zero (a scalar) computed from ``x``'s first entry, finite or not: what XLA cannot
+    compute before ``x`` exists, where an optimisation barrier only orders (XLA:CPU at jax
+    0.10 dropped that ordering for copies it made of the zeros afterwards). Indexed, not
+    reshaped: a reshape of a sharded ``x`` would gather it. No derivative."""
+    first = jax.lax.stop_gradient(x[(0,) * x.ndim] if jnp.size(x) else jnp.zeros(()))
+    return jnp.where(jnp.isfinite(first), first, 0) * 0
 
 
 def bytes_of(shape, dtype) -> int:
