@@ -506,12 +506,23 @@ def _late(acc):
 
 
 def zero_after(x):
-    """A zero (a scalar) computed from ``x``'s first entry, finite or not: what XLA cannot
-    compute before ``x`` exists, where an optimisation barrier only orders (XLA:CPU at jax
-    0.10 dropped that ordering for copies it made of the zeros afterwards). Indexed, not
+    """A zero (a float32 scalar) computed from ``x``'s first entry, whatever it holds (NaN
+    and infinities included): what XLA cannot compute before ``x`` exists, where an
+    optimisation barrier only orders (XLA:CPU at jax 0.10 dropped that ordering for
+    copies it made of the zeros afterwards). The entry's top bit (0 or 1) times 0: no
+    select or test of finiteness (a program's count of those stays its own), and nothing
+    XLA folds (two shifts in a row it merged into one that is constant). Indexed, not
     reshaped: a reshape of a sharded ``x`` would gather it. No derivative."""
-    first = jax.lax.stop_gradient(x[(0,) * x.ndim] if jnp.size(x) else jnp.zeros(()))
-    return jnp.where(jnp.isfinite(first), first, 0) * 0
+    first = jax.lax.stop_gradient(x[(0,) * x.ndim]) if jnp.size(x) else jnp.zeros(())
+    if jnp.iscomplexobj(first):
+        first = jnp.real(first)
+    if jnp.issubdtype(first.dtype, jnp.floating):
+        width = first.dtype.itemsize * 8
+        bits = jax.lax.bitcast_convert_type(first, jnp.dtype(f"uint{width}"))
+    else:
+        width, bits = 32, first.astype(jnp.uint32)
+    top = jax.lax.shift_right_logical(bits, jnp.asarray(width - 1, bits.dtype))
+    return top.astype(jnp.float32) * 0  # (0 or 1, times 0: XLA folds no float product)
 
 
 def bytes_of(shape, dtype) -> int:
