@@ -20,6 +20,7 @@ from jaxpr_surgery._src import analysis as A
 from jaxpr_surgery._src import (
     chunking,
     compat,
+    cuts,
     devices,
     engine,
     gathers,
@@ -265,7 +266,7 @@ def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
             j: [gathers.combine(front.gathers[i], _weighing(reductions[j], w), v, B, N,
                                 opts.axis_name)
                 if i in front.gathers
-                else _weighing(reductions[j], w).combine_axis(v, B, N, opts.axis_name)
+                else _combined(_weighing(reductions[j], w), v, B, N, opts.axis_name)
                 for i, v in enumerate(vals)]
             for j, vals in values.items()
         }
@@ -291,6 +292,18 @@ def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
                   else vals for j, vals in values.items()}
     aux_out = jax.tree.unflatten(front.out_tree, [loss_b] + list(aux))[1]
     return Reduced(values, whole, count, loss_sum / count, aux_out, N, whole_w, bad)
+
+
+def _combined(r, v, B, N, axis_name):
+    """``r``'s value ``v`` over the whole batch (`Reduction.combine_axis`); under a batch
+    split by device, a value the same on every part (not mapped over the split's
+    ``vmap``: a share, combined at its site) by `Reduction.combine_copies`."""
+    if axis_name == cuts.split_axis() == devices.AXIS and not any(
+            compat.mapped_over(x, axis_name) for x in jax.tree.leaves(v)):
+        c = S.combined_copies(r, v, cuts.split_count())
+        if c is not None:
+            return c
+    return r.combine_axis(v, B, N, axis_name)
 
 
 def _weighing(r, w):

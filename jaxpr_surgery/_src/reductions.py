@@ -282,6 +282,13 @@ class Reduction(abc.ABC):
         del value, n_local, axis_name, parts
         return None
 
+    def combine_copies(self, value, parts):
+        """The whole batch's value where all ``parts`` parts of a batch split by device
+        hold this ``value`` (a share), with no collective (`combine_axis` reads every
+        field: XLA kept a scan's stacked means). None: `combine_axis` (the default)."""
+        del value, parts
+        return None
+
     def combine_axis(self, value, n_local, N, axis_name):
         """Every device's value over the whole batch split along ``axis_name`` (each
         device holds ``n_local`` of its ``N`` examples): per-example values stay with
@@ -383,6 +390,22 @@ def combined_share(r, value, n_local, axis_name, parts):
     if not issubclass(_definer(cls, "combined_share"), _definer(cls, "combine_axis")):
         return None
     return r.combined_share(value, n_local, axis_name, parts)
+
+
+def combined_copies(r, value, parts):
+    """``r.combine_copies(...)``, guarded as `combined_share`."""
+    cls = type(r)
+    if not issubclass(_definer(cls, "combine_copies"), _definer(cls, "combine_axis")):
+        return None
+    return r.combine_copies(value, parts)
+
+
+def centred_copies(value, parts):
+    """`Reduction.combine_copies` of a centred value (as `centred_share`): the mean, the
+    sums about it times ``parts`` (copies of one mean: no term between them)."""
+    if ew.is_open():
+        return None
+    return value._replace(**{f: getattr(value, f) * parts for f in value._fields[1:]})
 
 
 def centred_share(r, value, n_local, axis_name, parts):
@@ -602,6 +625,9 @@ class Centered(ElementwiseReduction):
 
     def combined_share(self, value, n_local, axis_name, parts):
         return centred_share(self, value, n_local, axis_name, parts)
+
+    def combine_copies(self, value, parts):
+        return centred_copies(value, parts)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -170,6 +170,9 @@ class CentralMoments(S.ElementwiseReduction):
     def combined_share(self, value, n_local, axis_name, parts):
         return S.centred_share(self, value, n_local, axis_name, parts)
 
+    def combine_copies(self, value, parts):
+        return S.centred_copies(value, parts)
+
     @fp.traced_once
     def accumulate(self, acc, n, value, m):
         """``acc``'s sums and ``value``'s ``m`` examples about ``acc``'s shift (with no
