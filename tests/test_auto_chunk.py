@@ -84,6 +84,28 @@ def test_accumulator_bytes():
     assert chunking.accumulator_bytes(reds(both), avals) == 3 * 34 * 4
 
 
+def test_chunks_under_a_device_split_count_the_parameters():
+    """Under a batch split by XLA's partitioner (devices.py) every chunk may gather the
+    parameters again (FSDP; the trace cannot see which are sharded), so the automatic
+    chunk counts their bytes as streamed per chunk, as it does the accumulators. Before,
+    a per-example statistic counted nothing there: chunks of a scan stack's norms on a 2-D
+    mesh moved 1.36x grad's collective bytes, the whole batch 1.19x (shard_bench)."""
+    from jaxpr_surgery._src import cuts
+    from jaxpr_surgery._src.arguments import flatten_stats
+
+    avals = [jax.ShapeDtypeStruct((10, 3), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.bfloat16)]
+    reds = lambda s: flatten_stats(s)[3]  # noqa: E731
+    params = 30 * 4 + 4 * 2
+    with cuts.split_over(4, "parts"):
+        assert chunking.accumulator_bytes(reds(js.stats.sq_norms()), avals) == params
+        assert chunking.accumulator_bytes(reds(js.stats.variance()), avals) == (
+            params + 2 * 34 * 4)
+    assert chunking.accumulator_bytes(reds(js.stats.sq_norms()), avals) == 0
+    # a batch whose activations exceed the budget runs whole once the parameters dominate
+    assert chunking.auto_chunk(16, 8 << 20, accumulator_bytes=params) == 8
+    assert chunking.auto_chunk(16, 8 << 20, accumulator_bytes=50 << 20) is None
+
+
 def test_auto_chunk_default_budget_is_read_at_call_time(monkeypatch):
     monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 100)
     assert chunking.auto_chunk(8, 50) == 2
