@@ -191,8 +191,9 @@ LAYERS = (
     ("moments", "fn_equality"),  # merges of moments; equality of a reduction's functions
     ("fingerprint",),  # structural keys: repeated layers and per-leaf functions traced once
     # a site's view of its leaf; norms past the range of their squares; example weights;
-    # trees given as a prefix of the parameters'; blocks of features (cuts)
-    ("views", "norms", "example_weights", "prefix", "cuts", "custom_ops"),
+    # trees given as a prefix of the parameters'; blocks of features (cuts); the keys of
+    # a site's requests and sink
+    ("views", "norms", "example_weights", "prefix", "cuts", "custom_ops", "sink_keys"),
     ("compat", "versions", "meshes"),
 )
 

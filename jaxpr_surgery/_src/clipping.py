@@ -12,11 +12,12 @@ import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat, tiling, views
 from jaxpr_surgery._src import example_weights as ew
+from jaxpr_surgery._src import sink_keys as K
 from jaxpr_surgery._src.clip_reductions import nonfinite_examples
 from jaxpr_surgery._src.interpreter import Evaluator
 from jaxpr_surgery._src.norms import combine_norms
 from jaxpr_surgery._src.plans import Mode, example_weights_sink
-from jaxpr_surgery._src.site_fns import EX_WEIGHTS, SUMS, WEIGHTS, make_weighted_site_fn
+from jaxpr_surgery._src.site_fns import make_weighted_site_fn
 from jaxpr_surgery._src.sites.base import acc_dtype_for, stacked, weighted_sum_materialised
 
 
@@ -134,11 +135,11 @@ def _reweighted_sums(plan, ch, cache, cs):
         lead = tuple(s.scan_lengths)
         vary = lambda x: compat.make_varying(x, ch.leaf_axes(s.leaf))  # noqa: E731
         out = {
-            WEIGHTS: [vary(jnp.broadcast_to(c[s.leaf].astype(k.acc), lead + (B,))) for c in cs],
-            SUMS: [vary(jnp.zeros(lead + tuple(s.view_shape), k.acc)) for _ in cs],
+            K.WEIGHTS: [vary(jnp.broadcast_to(c[s.leaf].astype(k.acc), lead + (B,))) for c in cs],
+            K.SUMS: [vary(jnp.zeros(lead + tuple(s.view_shape), k.acc)) for _ in cs],
         }
         if plan.weights is not None:
-            out[EX_WEIGHTS] = example_weights_sink(plan, s, ch)
+            out[K.EX_WEIGHTS] = example_weights_sink(plan, s, ch)
         return out
 
     sinks = {p: sink(s) for p, s in an.sites.items()}
@@ -158,7 +159,7 @@ def _reweighted_sums(plan, ch, cache, cs):
             elif plan.modes[i] is Mode.UNUSED:
                 v = jnp.zeros(aval.shape, acc)
             else:
-                v = sum(views.to_leaf(sink_cts[s.path][SUMS][k], s).astype(acc)
+                v = sum(views.to_leaf(sink_cts[s.path][K.SUMS][k], s).astype(acc)
                         for s in an.leaves[i].sites)
             per_leaf.append(v)
         out.append(per_leaf)

@@ -17,20 +17,14 @@ import jax.numpy as jnp
 from jaxpr_surgery._src import compat, cuts
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
+from jaxpr_surgery._src import sink_keys as K
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.clipping import clipped_sums, finite_sum, weighted_leaf
 from jaxpr_surgery._src.interpreter import Evaluator
 from jaxpr_surgery._src.leaves import ingredient_leaf
 from jaxpr_surgery._src.norms import live_examples
-from jaxpr_surgery._src.plans import (
-    CLIP_NORMS,
-    Mode,
-    example_weights_sink,
-    rkey,
-    site_request,
-    value_dtype,
-)
-from jaxpr_surgery._src.site_fns import CARRY_COUNT, CARRY_WEIGHT, EX_WEIGHTS, KEPT, make_site_fn
+from jaxpr_surgery._src.plans import Mode, example_weights_sink, site_request, value_dtype
+from jaxpr_surgery._src.site_fns import make_site_fn
 from jaxpr_surgery._src.sites.base import acc_dtype_for, weighted_sum_materialised
 
 
@@ -47,9 +41,9 @@ def _sink_avals(plan, site, B, cache):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(lead + tuple(x.shape), x.dtype), a)
 
     out = {k: aval(r) for k, r in direct.items()}
-    if KEPT in out:  # the products kept are the ingredients
-        out["ing"] = out.pop(KEPT)
-    if not want_ing or "ing" in out:
+    if K.KEPT in out:  # the products kept are the ingredients
+        out[K.INGREDIENTS] = out.pop(K.KEPT)
+    if not want_ing or K.INGREDIENTS in out:
         return out
     # the ingredients: as the kernel states them, else traced once for repeated layers
     ing = kernel.ingredient_avals(B)
@@ -57,7 +51,8 @@ def _sink_avals(plan, site, B, cache):
         sk = cache.site_key(site, kernel)
         key = sk and ("sink-ingredients", sk, B)
         ing = cache.value(key, lambda: _traced_ingredient_avals(site, kernel, B))
-    out["ing"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(lead + tuple(a.shape), a.dtype), ing)
+    out[K.INGREDIENTS] = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(lead + tuple(a.shape), a.dtype), ing)
     return out
 
 
@@ -109,17 +104,17 @@ def _carry_sink(plan, site, sink, carry, axes):
     tile loops continue them: site_fns.carried) and their count."""
     sink = dict(sink)
     for j, r in enumerate(plan.reductions):
-        key = rkey(j)
+        key = K.reduction(j)
         if key in sink and r.carries:
             v = r.from_leaf(carry.values[j][site.leaf], site)
             dt = jax.tree.leaves(sink[key])[0].dtype  # the site's accumulation dtype
             sink[key] = jax.tree.map(lambda x, dt=dt: compat.make_varying(x.astype(dt), axes), v)
     acc = plan.kernels[site.path].acc
     n = jnp.broadcast_to(jnp.asarray(carry.n, acc), tuple(site.scan_lengths))
-    sink[CARRY_COUNT] = compat.make_varying(n, axes)
+    sink[K.CARRY_COUNT] = compat.make_varying(n, axes)
     if plan.weights is not None:
         W0 = jnp.broadcast_to(jnp.asarray(plan.weights[1], acc), tuple(site.scan_lengths))
-        sink[CARRY_WEIGHT] = compat.make_varying(W0, axes)
+        sink[K.CARRY_WEIGHT] = compat.make_varying(W0, axes)
     return sink
 
 
@@ -244,7 +239,7 @@ def _init_sinks(plan, ch, cache, carry):
     }
     if plan.weights is not None:
         for p, s in sites.items():
-            sinks[p] = {**sinks[p], EX_WEIGHTS: example_weights_sink(plan, s, ch)}
+            sinks[p] = {**sinks[p], K.EX_WEIGHTS: example_weights_sink(plan, s, ch)}
     done = set()
     if carry is not None:
         for p, s in sites.items():
@@ -291,15 +286,16 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
             (site,) = sites
             ct = sink_cts[site.path]
             for j, r in enumerate(plan.reductions):
-                if rkey(j) in ct:
-                    values[j][i] = plan.bound(r, i).to_leaf(ct[rkey(j)], site, B)
+                if K.reduction(j) in ct:
+                    values[j][i] = plan.bound(r, i).to_leaf(ct[K.reduction(j)], site, B)
             if plan.has_clip:  # the norms came with the other statistics
-                norms_leaf[i] = S.Norms().to_leaf(ct[CLIP_NORMS], site, B)
+                norms_leaf[i] = S.Norms().to_leaf(ct[K.CLIP_NORMS], site, B)
             if plan.keep_for_clip:  # and the ingredients, for the reweighted sum
-                deferred[i] = weighted_leaf([(site, plan.kernels[site.path], ct["ing"])], cache)
+                deferred[i] = weighted_leaf(
+                    [(site, plan.kernels[site.path], ct[K.INGREDIENTS])], cache)
         else:  # ingredients (merged afterwards: measured slower when its tile loop
             # continued the running values, 5-15% on the large-vocabulary tied table)
-            ings = [(s, plan.kernels[s.path], sink_cts[s.path]["ing"]) for s in sites]
+            ings = [(s, plan.kernels[s.path], sink_cts[s.path][K.INGREDIENTS]) for s in sites]
             ingredient_leaf(plan, i, ings, B, values, norms_leaf, deferred, cache)
     return values, norms_leaf, deferred
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat, cuts, dots, kron, tiling, views
 from jaxpr_surgery._src import fingerprint as fp
+from jaxpr_surgery._src import sink_keys as K
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.clip_reductions import ClipNorms
 from jaxpr_surgery._src.clipping import weighted_leaf
@@ -22,7 +23,7 @@ from jaxpr_surgery._src.norms import (
     untrusted,
     with_bound,
 )
-from jaxpr_surgery._src.plans import CLIP_NORMS, needs_norms, rkey
+from jaxpr_surgery._src.plans import needs_norms
 from jaxpr_surgery._src.sites.base import acc_dtype_for, direct_norms, example_norm, stacked
 
 
@@ -99,11 +100,11 @@ def single_site_leaf(plan, i, ing3, B, values, norms_leaf, cache):
     s, k, ing = ing3
     bound = [plan.bound(r, i) for r in plan.reductions]
     req = {
-        rkey(j): r for j, r in enumerate(bound)
+        K.reduction(j): r for j, r in enumerate(bound)
         if not r.weighted_by_norm and r.direct_ok(s) and S.lookup(LEAF_ROUTES, r) is None
     }
     if plan.needs_norms:  # (the norms clipping divides by: `ClipNorms`)
-        req[CLIP_NORMS] = ClipNorms()
+        req[K.CLIP_NORMS] = ClipNorms()
     sk = cache.site_key(s, k)
     key = sk and fp.keyed(lambda: ("leaf", sk, fp.value_key(req)))
 
@@ -118,13 +119,13 @@ def single_site_leaf(plan, i, ing3, B, values, norms_leaf, cache):
 
     out = cache.get(key, lambda: leaf_fn)(ing)
     for j in range(len(plan.reductions)):
-        if rkey(j) in out:
-            values[j][i] = out[rkey(j)]
+        if K.reduction(j) in out:
+            values[j][i] = out[K.reduction(j)]
     if plan.needs_norms:
-        norms_leaf[i] = out[CLIP_NORMS]
+        norms_leaf[i] = out[K.CLIP_NORMS]
     acc = S.acc_dtype_for(plan.leaf_avals[i].dtype)
     mat = _leaf_mat([ing3], acc)
-    rest = [j for j, r in enumerate(bound) if rkey(j) not in req and not r.weighted_by_norm]
+    rest = [j for j, r in enumerate(bound) if K.reduction(j) not in req and not r.weighted_by_norm]
     tiled = []
     for j in rest:
         route = S.lookup(LEAF_ROUTES, bound[j])

@@ -14,10 +14,10 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat, cuts, views
+from jaxpr_surgery._src import sink_keys as K
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.analysis_types import LeafUse
 from jaxpr_surgery._src.clip_reductions import ClipNorms, KeptExamples
-from jaxpr_surgery._src.site_fns import KEPT
 from jaxpr_surgery._src.sites import kernel_for
 from jaxpr_surgery._src.sites.base import acc_dtype_for
 
@@ -81,9 +81,10 @@ class Plan:
         """What a direct-mode site computes inside the backward pass: every reduction,
         except that a clipped sum needs only the norms there (its weighted sum comes
         once every leaf's norm is known)."""
-        req = {rkey(j): r for j, r in enumerate(self.reductions) if not r.weighted_by_norm}
+        req = {K.reduction(j): r for j, r in enumerate(self.reductions)
+               if not r.weighted_by_norm}
         if self.has_clip:  # (the norms clipping divides by: `ClipNorms`)
-            req[CLIP_NORMS] = ClipNorms()
+            req[K.CLIP_NORMS] = ClipNorms()
         return req
 
     def bound(self, r, i, carry=None):
@@ -96,13 +97,6 @@ class Plan:
             return b
         w, W0 = self.weights
         return S.Weighted(b, w) if carry is None else S.Weighted(b, w, carry.n, W0)
-
-
-def rkey(j):
-    return f"r{j}"
-
-
-CLIP_NORMS = "clip_norms"  # the key of a site's `ClipNorms` (never an `rkey`)
 
 
 def make_plan(
@@ -161,7 +155,7 @@ def site_request(plan, site):
         if plan.keep_for_clip and plan.kernels[site.path].keeps_products_for_clip():
             # the norms' tile loop keeps each G_b for the clipped sum: no contraction
             # after the norms, and less memory than x and dy (`keeps_products_for_clip`)
-            req[KEPT] = KeptExamples()
+            req[K.KEPT] = KeptExamples()
         return req, plan.keep_for_clip
     return {}, True
 

@@ -1,8 +1,8 @@
 """The call the interpreter makes at each site (`make_site_fn`): the layer's forward, and a
 backward pass that computes the site's requested reductions, or keeps its ingredients,
 into its sink (a ``custom_vjp`` whose cotangent of the sink carries them out). Also the
-reweighted site of a clipped sum's second pass (`make_weighted_site_fn`) and the sink's
-keys.
+reweighted site of a clipped sum's second pass (`make_weighted_site_fn`). The sink's
+keys are `sink_keys.Key`s.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxpr_surgery._src import compat, tiling
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
+from jaxpr_surgery._src import sink_keys as K
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.norms import live_examples
 
@@ -72,16 +73,6 @@ def _custom_vjp_call(fwd_impl, bwd_impl, keep_sink=False):
     return call
 
 
-# the request key of a site's per-example products kept for a clipped sum in place of
-# its ingredients (plans.site_request, `clip_reductions.KeptExamples`)
-KEPT = "kept"
-CARRY_COUNT = "n"  # the sink entry holding the examples of earlier chunks (`carried`)
-# ``example_weights``: the sink entries holding the chunk's weights ``[B]`` and the
-# weight of the examples of earlier chunks (with `CARRY_COUNT`)
-EX_WEIGHTS, CARRY_WEIGHT = "example_weights", "W"
-WEIGHTS, SUMS = "c", "sums"  # a weighted site's sink: its weights in, its sums out
-
-
 def mask_examples(w, ext, ext_batched, dy):
     """The site's batched inputs and its cotangents with the examples of weight 0 read
     as zeros (a padded example's loss may be NaN: a token mean over no tokens), so that
@@ -108,21 +99,21 @@ def carried(kernel, ctx, direct, sink, B):
     """A site's statistics continuing the running ones of earlier chunks (api.py).
 
     The sink holds them (each `stats.carries` reduction of ``direct``, in the view's
-    layout) and their count under `CARRY_COUNT`. The kernel starts its tile loops
+    layout) and their count under `K.CARRY_COUNT`. The kernel starts its tile loops
     from those it names in `carried_keys`; the rest are merged here. The cotangent of
     the count is zero."""
-    n = sink[CARRY_COUNT]
+    n = sink[K.CARRY_COUNT]
     init = {k: sink[k] for k, r in direct.items() if r.carries}
     keys = set(kernel.carried_keys(direct, B)) & set(init)
     run, after = direct, direct
-    if EX_WEIGHTS in sink:  # tile loops from the carry count from it, the others from 0
-        w, W0 = sink[EX_WEIGHTS], sink[CARRY_WEIGHT]
+    if K.EX_WEIGHTS in sink:  # tile loops from the carry count from it, the others from 0
+        w, W0 = sink[K.EX_WEIGHTS], sink[K.CARRY_WEIGHT]
         after = weigh(direct, w, n, W0)  # (counted from the carry's first example)
         run = {k: after[k] if k in keys else r for k, r in weigh(direct, w).items()}
     out = kernel.direct_all(ctx, run, S.Carry({k: init[k] for k in keys}, n) if keys else None)
     for k in set(init) - keys:
         out[k] = after[k].accumulate(init[k], n, out[k], B)
-    out[CARRY_COUNT] = compat.zeros_like_varying(n)
+    out[K.CARRY_COUNT] = compat.zeros_like_varying(n)
     return out
 
 
@@ -165,14 +156,14 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
             (x and dy through one barrier), and the data cotangents once they are done
             (dy and them)."""
             sx, sdy = jax.lax.optimization_barrier((ext, dy)) if finish else (ext, dy)
-            ex_w = None if sink is None else sink.get(EX_WEIGHTS)
+            ex_w = None if sink is None else sink.get(K.EX_WEIGHTS)
             if ex_w is not None:
                 sx, sdy = mask_examples(ex_w, sx, ext_batched, sdy)
             ctx = kernel.prepare_site(w, sx, ext_batched, sdy)
             B = jax.tree.leaves(dy)[0].shape[0]
 
             def compute(req):
-                if sink is not None and CARRY_COUNT in sink:
+                if sink is not None and K.CARRY_COUNT in sink:
                     return carried(kernel, ctx, req, sink, B)
                 return kernel.direct_all(ctx, req if ex_w is None else weigh(req, ex_w))
 
@@ -182,8 +173,8 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
             # (under a device split; with example weights, over the weighted examples)
             out = tiling.shared_values(direct if ex_w is None else weigh(direct, ex_w), out, B)
             if want_ing:  # (per-example products kept from the tile loop: those)
-                out["ing"] = out.pop(KEPT) if KEPT in out else kernel.ingredients(ctx)
-            for k in (EX_WEIGHTS, CARRY_WEIGHT):  # (inputs: no cotangent)
+                out[K.INGREDIENTS] = out.pop(K.KEPT) if K.KEPT in out else kernel.ingredients(ctx)
+            for k in (K.EX_WEIGHTS, K.CARRY_WEIGHT):  # (inputs: no cotangent)
                 if sink is not None and k in sink:
                     out[k] = compat.zeros_like_varying(sink[k])
             out = jax.tree.map(lambda o, d: o.astype(d), out, sink_dtypes)
@@ -191,7 +182,7 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
                 dy, out = jax.lax.optimization_barrier((dy, out))
             return dy, out
 
-        keep = CARRY_COUNT in sink_dtypes or EX_WEIGHTS in sink_dtypes
+        keep = K.CARRY_COUNT in sink_dtypes or K.EX_WEIGHTS in sink_dtypes
         jit = (lambda f: f) if key is None else jax.jit  # no exact key: traced alone
         if site.tap_of is not None:
             return _custom_vjp_tap(jit(stats_impl), keep)
@@ -240,7 +231,7 @@ def make_weighted_site_fn(cache):
     """Builds the site call of a clipped sum's second pass (`engine.run` with remat).
 
     The sink holds, per clipped sum, the examples' weights ``c`` (``[B]``) under
-    `WEIGHTS` and zeros in the site's view under `SUMS`; the backward pass, seeded with
+    `K.WEIGHTS` and zeros in the site's view under `K.SUMS`; the backward pass, seeded with
     ones like the first, forms ``sum_b c_b G_b`` from the site's ``x`` and ``dy`` (the
     kernel's `weighted_sum`, in its accumulation dtype) and returns it as the cotangent
     of the zeros. So the weights meet the per-example gradients where the parameters
@@ -264,11 +255,11 @@ def make_weighted_site_fn(cache):
             sums_j = jax.jit(sums_of)
 
             def stats(w, ext, dy, sink):
-                ex_w = sink.get(EX_WEIGHTS)
-                out = {WEIGHTS: zeros(sink[WEIGHTS]),
-                       SUMS: sums_j(w, ext, dy, sink[WEIGHTS], ex_w)}
+                ex_w = sink.get(K.EX_WEIGHTS)
+                out = {K.WEIGHTS: zeros(sink[K.WEIGHTS]),
+                       K.SUMS: sums_j(w, ext, dy, sink[K.WEIGHTS], ex_w)}
                 if ex_w is not None:
-                    out[EX_WEIGHTS] = zeros([ex_w])[0]
+                    out[K.EX_WEIGHTS] = zeros([ex_w])[0]
                 return dy, out
 
             return _custom_vjp_tap(stats, keep_sink=True)
@@ -290,14 +281,14 @@ def make_weighted_site_fn(cache):
             return fwd_j(w, ext)
 
         def fwd(w, ext, sink):
-            return fwd_j(w, ext), (w, ext, sink[WEIGHTS], sink.get(EX_WEIGHTS))
+            return fwd_j(w, ext), (w, ext, sink[K.WEIGHTS], sink.get(K.EX_WEIGHTS))
 
         def bwd(res, dy):
             w, ext, weights, ex_w = res
             ct_w, ct_ext, sums = bwd_j(w, ext, dy, weights, ex_w)
-            out = {WEIGHTS: zeros(weights), SUMS: sums}
+            out = {K.WEIGHTS: zeros(weights), K.SUMS: sums}
             if ex_w is not None:
-                out[EX_WEIGHTS] = zeros([ex_w])[0]
+                out[K.EX_WEIGHTS] = zeros([ex_w])[0]
             return ct_w, ct_ext, out
 
         call.defvjp(fwd, bwd)
@@ -312,7 +303,7 @@ def make_weighted_site_fn(cache):
 
     def call_of(site, kernel, ext_batched, sink):
         key = key_of(site, kernel, sink)
-        out_dtypes = [s.dtype for s in sink[SUMS]]
+        out_dtypes = [s.dtype for s in sink[K.SUMS]]
         return cache.value(key, lambda: build(site, kernel, ext_batched, out_dtypes))
 
     def site_fn(site, kernel, w, ext, ext_batched, sink):

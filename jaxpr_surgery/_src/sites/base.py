@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat, cuts
+from jaxpr_surgery._src import sink_keys as K
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.clip_reductions import ClipNorms, KeptExamples
 from jaxpr_surgery._src.norms import (  # noqa: F401 - re-exported for the kernels
@@ -220,11 +221,9 @@ def direct_norms(kernel, ctx, reductions, compute, depth=0):
         # clipping: the value and the bound of its rounding (`ClipNorms`)
         clip = with_bound(norms, sq, bound)
     else:
-        # a string key like the others: a request dict is a pytree that jax flattens
-        # (vmapped over a scanned leaf's layers), and it cannot sort mixed key types
-        sq_key = "sq"
-        while sq_key in reductions:
-            sq_key += "_"
+        # (a key of the requests' one type, `sink_keys.Key`: jax sorts a request's keys
+        # when it flattens it, vmapped over a scanned leaf's layers)
+        sq_key = K.SQ
         req[sq_key] = S.SqNorms()
         out = dict(compute(req))
         sq = out.pop(sq_key)

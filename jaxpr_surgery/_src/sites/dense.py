@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpr_surgery._src import compat, cuts, dots, fused, kron, tiling
+from jaxpr_surgery._src import sink_keys as K
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src import stats_research as R
 from jaxpr_surgery._src.clip_reductions import KeptExamples
@@ -208,7 +209,8 @@ class DenseKernel(Kernel):
     # reductions ------------------------------------------------------------ #
     # (the fast rules: `FAST`, after the class; the others read tiles of G_b)
     def from_examples(self, ctx, reduction):
-        return self.direct_all(ctx, {"r": reduction})["r"]
+        key = K.reduction(0)
+        return self.direct_all(ctx, {key: reduction})[key]
 
     def kron_factors(self, ctx):
         """Token factors (kron.py): ``G_b[k, c, f] = sum_n X[b, k, n, c] DY[b, k, n, f]``."""
