@@ -17,7 +17,18 @@ import numpy as np
 from jaxpr_surgery._src import compat
 from jaxpr_surgery._src.sites import pre_scales
 
-DATA = "data"
+
+class _Data(enum.Enum):
+    """The analysis's tag of a value that depends on the example (a `PView` or `Mixed`
+    depends on parameters, None on neither)."""
+
+    DATA = "data"
+
+    def __repr__(self):
+        return "DATA"
+
+
+DATA = _Data.DATA
 
 
 @dataclasses.dataclass(frozen=True)

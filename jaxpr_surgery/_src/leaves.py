@@ -276,7 +276,9 @@ SHARED_ROUTES = {
 }
 
 
-_OPEN = {_sq_route: "ghost", _norms_route: "ghost", _kron_route: "kron", _dots_route: True}
+# whether a shared route serves, given ``(ghost_ok, kron_ok)`` (`multi_site_routes`)
+_SERVES = {_sq_route: lambda ghost, kron: ghost, _norms_route: lambda ghost, kron: ghost,
+           _kron_route: lambda ghost, kron: kron, _dots_route: lambda ghost, kron: True}
 
 
 def leaf_dots(plan, i, ings, r, B, mat):
@@ -314,13 +316,12 @@ def multi_site_routes(reductions, ghost_ok, kron_ok, leaf_ft):
     elsewhere a contraction per site is faster than a second consumer of a whole
     ``G_b``. The engine and `explain` both decide by this function.
     """
-    is_open = {"ghost": ghost_ok, "kron": kron_ok, True: True, None: False}
-    tiled = [
-        j
-        for j, r in enumerate(reductions)
-        if not r.weighted_by_norm and not r.linear
-        and not is_open[_OPEN.get(S.lookup(SHARED_ROUTES, r))]
-    ]
+    def served(r):
+        route = S.lookup(SHARED_ROUTES, r)
+        return route is not None and _SERVES[route](ghost_ok, kron_ok)
+
+    tiled = [j for j, r in enumerate(reductions)
+             if not r.weighted_by_norm and not r.linear and not served(r)]
     if needs_norms(reductions) and not ghost_ok:
         tiled.append(None)
     rides = bool(tiled) and (
