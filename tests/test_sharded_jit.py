@@ -190,3 +190,20 @@ def test_a_share_is_combined_without_its_mean(kind):
     assert "mean" in unread, (kind, unread)
     if kind == "kurtosis":
         assert "m3" in unread, unread
+
+
+def test_explain_reports_the_device_split():
+    """explain states how a batch XLA shards runs (in parts, one per device, as
+    `per_example_stat` runs it: devices.py) and the chunk each part runs with; before,
+    it reported the whole batch's chunk, which the call never runs."""
+    loss, params, batch, _ = _placed("mlp", "Auto")
+    B = jax.tree.leaves(batch)[0].shape[0]
+    D = np.gcd(B, NDEV)
+    rep = js.explain(loss, js.stats.variance(), chunk_size=D)(params, batch)
+    (note,) = [n for n in rep.notes if "sharded by XLA" in n]
+    assert f"runs as {D} parts of {B // D} examples" in note, note
+    assert B // D > 1 and rep.chunk_size == 1, (rep.chunk_size, note)  # (per part)
+    assert "in chunks of 1 example;" in note, note
+    plain = js.explain(loss, js.stats.variance(), chunk_size=D)(*jax.device_get((params, batch)))
+    assert not [n for n in plain.notes if "sharded by XLA" in n]
+    assert plain.chunk_size == D

@@ -16,6 +16,8 @@ from jaxpr_surgery._src import (
     chunking,
     compat,
     custom_ops,
+    cuts,
+    devices,
     dots,
     explain_table,
     independence,
@@ -280,6 +282,10 @@ def explain(
             front = front_half(prep, reductions, opts, "explain", check_budget=False)
             closed, an, B, chunk = front.closed, front.analysis, prep.B, front.chunk
             act = front.activation_bytes()
+            D = devices.split_count(prep, opts)
+            split_note = None
+            if D > 1:  # (a batch sharded by XLA: the call runs in parts, api.py)
+                chunk, split_note = _split(prep, opts, D, front, reductions)
             recompute = not prep.data_axes and clips_by_recompute(closed.jaxpr)
             site_notes = {}
             at = [k for k, a in enumerate(prep.diff_is_arr) if a]  # flat index of each float leaf
@@ -298,6 +304,8 @@ def explain(
             notes = _notes(verdict, spec, prep, front.plan, reductions, names, reqs,
                            chunking.whole_for_the_allocator(chunk_size, B, act))
             notes.extend(_custom_op_notes(prep))
+            if split_note:
+                notes.insert(1, split_note)
         gflops = gmem = None
         if compare_grad:
             gflops, gmem = _grad_cost(f, args, prep)
@@ -321,6 +329,23 @@ def explain(
         )
 
     return run
+
+
+def _split(prep, opts, D, front, reductions):
+    """``(chunk, note)`` of a call whose batch XLA's partitioner shards (devices.py): it
+    runs as ``D`` parts, each part's chunks sized as the call sizes them."""
+    part, n = devices.part_options(opts, D), devices.auto_mesh_size(
+        [*prep.ex_leaves, *prep.diff_leaves])
+    b = prep.B // D
+    with cuts.split_over(D, devices.AXIS):
+        chunk = chunking.resolve(part.chunk_size, b, front.activation_bytes,
+                                 lambda: chunking.accumulator_bytes(reductions, front.leaf_avals))
+    how = f"in chunks of {chunk} example{'s' * (chunk != 1)}" if chunk else "whole"
+    return chunk, (
+        f"Batch sharded by XLA's partitioner over a mesh of {n} devices: the call runs as "
+        f"{D} parts of {b} examples, each part's examples reduced on its device ({how}; "
+        "the tiles above are per part) and the parts' values combined across the devices, "
+        "as jax.grad combines its gradients.")
 
 
 def _custom_op_notes(prep):
