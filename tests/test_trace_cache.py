@@ -241,6 +241,7 @@ def test_static_ingredient_shapes_match_the_traced_ones(name, monkeypatch):
     """Kernels that size their ingredients without tracing (`ingredient_avals`) give
     exactly what tracing ``prepare`` gives, on every model of the zoo."""
     from jaxpr_surgery._src import engine
+    from jaxpr_surgery._src import sink_keys as K
     from jaxpr_surgery._src.sites import base
 
     sink_avals = engine._sink_avals
@@ -255,7 +256,7 @@ def test_static_ingredient_shapes_match_the_traced_ones(name, monkeypatch):
         assert jax.tree.structure(static) == jax.tree.structure(traced), site.kind
         for a, b in zip(jax.tree.leaves(static), jax.tree.leaves(traced)):
             assert (a.shape, a.dtype) == (b.shape, b.dtype), (site.kind, a, b)
-        if "ing" in static and base.Kernel.ingredient_avals is not type(
+        if K.INGREDIENTS in static and base.Kernel.ingredient_avals is not type(
             kernel
         ).ingredient_avals:
             checked.append(site.kind)
