@@ -207,3 +207,29 @@ def test_explain_reports_the_device_split():
     plain = js.explain(loss, js.stats.variance(), chunk_size=D)(*jax.device_get((params, batch)))
     assert not [n for n in plain.notes if "sharded by XLA" in n]
     assert plain.chunk_size == D
+
+
+def test_a_subclass_combining_its_own_way_keeps_combine_axis_for_copies():
+    """A reduction whose class overrides `combine_axis` but not `combine_copies` (its
+    parent's copies rule would not be its combination's) is combined by its own
+    `combine_axis`, copies or not; within derivatives in the example weights (a part may
+    hold raw sums) a centred value is too."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxpr_surgery._src import example_weights as ew
+    from jaxpr_surgery._src import stats as S
+
+    @dataclasses.dataclass(frozen=True)
+    class Own(S.Centered):
+        def combine_axis(self, value, n_local, N, axis_name):
+            return value._replace(m2=jax.lax.pmax(value.m2, axis_name))
+
+    v = S.Moments(jnp.arange(3.0), jnp.ones(3))
+    assert S.combined_copies(Own(), v, 4) is None
+    got = _share_combined(Own(), v)
+    np.testing.assert_allclose(got.m2, np.ones(3))  # (its pmax, not the copies' sum)
+    np.testing.assert_allclose(S.combined_copies(S.Centered(), v, 4).m2, 4 * np.ones(3))
+    with ew.opened():
+        assert S.combined_copies(S.Centered(), v, 4) is None
