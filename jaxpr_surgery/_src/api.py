@@ -128,10 +128,17 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     )
     act = functools.cache(lambda: chunking.activation_bytes_of(
         closed.jaxpr, n, len(prep.ex_leaves), len(prep.other_leaves)))
-    cs = chunking.resolve(
-        opts.chunk_size, prep.B, act, lambda: chunking.accumulator_bytes(reductions, leaf_avals)
-    )
+    cs = chunk_for(opts.chunk_size, prep.B, act, reductions, leaf_avals)
     return Front(closed, out_tree, an, leaf_avals, plan, cs, act, lifted)
+
+
+def chunk_for(chunk_size, B, act, reductions, leaf_avals):
+    """The examples per chunk a call of ``B`` examples runs with (`chunking.resolve`;
+    ``act``: a function giving one example's activation bytes). Under a batch split by
+    device, called for one part (its ``B``, inside `cuts.split_over`): `explain` sizes
+    the parts' chunks by this too."""
+    return chunking.resolve(
+        chunk_size, B, act, lambda: chunking.accumulator_bytes(reductions, leaf_avals))
 
 
 def _crossing_parts(crossing, paths):

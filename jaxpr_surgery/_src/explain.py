@@ -26,7 +26,7 @@ from jaxpr_surgery._src import (
 )
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import stats as S
-from jaxpr_surgery._src.api import collector_paused, front_half
+from jaxpr_surgery._src.api import chunk_for, collector_paused, front_half
 from jaxpr_surgery._src.arguments import Options, Prepared, flatten_stats
 from jaxpr_surgery._src.ghost_cross import shared_norm_candidates, shared_norms_by_ghost
 from jaxpr_surgery._src.leaves import leaf_feature_tile, multi_site_routes
@@ -338,8 +338,8 @@ def _split(prep, opts, D, front, reductions):
         [*prep.ex_leaves, *prep.diff_leaves])
     b = prep.B // D
     with cuts.split_over(D, devices.AXIS):
-        chunk = chunking.resolve(part.chunk_size, b, front.activation_bytes,
-                                 lambda: chunking.accumulator_bytes(reductions, front.leaf_avals))
+        chunk = chunk_for(part.chunk_size, b, front.activation_bytes, reductions,
+                          front.leaf_avals)
     how = f"in chunks of {chunk} example{'s' * (chunk != 1)}" if chunk else "whole"
     return chunk, (
         f"Batch sharded by XLA's partitioner over a mesh of {n} devices: the call runs as "
