@@ -23,6 +23,7 @@ from jaxpr_surgery._src import (
     cuts,
     devices,
     engine,
+    explicit,
     gathers,
     independence,
     meshes,
@@ -518,15 +519,12 @@ def _typed_like_inputs(out, args, prep):
 
 def _explicit_annotation_error(name, axes) -> str:
     return (
-        f"{name}: the loss annotates shardings over the mesh axes {tuple(axes)} in Explicit "
-        "mode (sharding in types: out_sharding= or jax.sharding.reshard). The statistics are "
-        "computed with those axes in Auto mode (each example's gradient is traced on a batch "
-        "of one, which an annotation of the batch's axis cannot type), where such an "
-        "annotation is invalid. Fix: make the mesh's axes Auto (jax.make_mesh(..., "
-        "axis_types=(jax.sharding.AxisType.Auto,) * n)) and write the annotations as "
-        "jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)); the statistics are "
-        "then computed by XLA's partitioner, each device reducing its own examples "
-        "(docs/howto/sharded.md)."
+        f"{name}: an annotation of shardings over the Explicit mesh axes {tuple(axes)} "
+        "(out_sharding= or jax.sharding.reshard) reached Auto mode, where the statistics are "
+        "computed: the loss's own annotations are dropped (explicit.py), but not those in "
+        "code jax traces later, such as a custom_vjp's forward and backward rules. Fix: leave "
+        "annotations out of such rules, or write the loss for an Auto mesh with "
+        "jax.lax.with_sharding_constraint hints (docs/howto/sharded.md#explicit-sharding)."
     )
 
 
@@ -565,7 +563,9 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
                     lambda a, sp: body(Prepared(f, a, part, name), sp),
                     args, spec, prep.batch_argnums, prep.B, D)
             return body(prep, spec)
-        # inside auto_axes the arguments (and the weights) are new values: prepare them there
+        # inside auto_axes the arguments (and the weights) are new values: prepare them there;
+        # the loss's own annotations for the axes are dropped there (explicit.untyped)
+        f = explicit.untyped(f, prep.explicit[0], name, args)
         try:
             if spec is None:
                 out = meshes.in_auto_mode(

@@ -74,35 +74,30 @@ while_p = _cf.loops.while_p
 cond_p = _cf.conditionals.cond_p
 
 
-def _pjit_p():
-    from jax._src import pjit
-
-    return getattr(pjit, "jit_p", None) or pjit.pjit_p
-
-
-jit_p = _pjit_p()
+jit_p = _first(lambda: __import__("jax._src.pjit", fromlist=["x"]).jit_p,
+              lambda: __import__("jax._src.pjit", fromlist=["x"]).pjit_p)
 closed_call_p = _first(lambda: _core.closed_call_p)
 call_p = _first(lambda: _core.call_p)
+remat_p = __import__("jax._src.ad_checkpoint", fromlist=["x"]).remat_p
 
 
-def _remat_p():
-    from jax._src.ad_checkpoint import remat_p
+def thunk_like(thunk, fn):
+    """``fn`` wrapped as jax wraps a lazily traced rule (custom_vjp's ``fwd_jaxpr_thunk``)."""
+    from jax._src import linear_util as lu
 
-    return remat_p
+    return lu.wrap_init(fn, debug_info=thunk.debug_info)
 
 
-remat_p = _remat_p()
+def bwd_checks_off():
+    """A context without jax's check of a custom_vjp backward rule's output types."""
+    return __import__("jax._src.config", fromlist=["x"]).disable_bwd_checks(True)
 
 
 def _custom_prims():
     from jax._src import custom_derivatives as cd
 
-    out = []
-    for n in ("custom_jvp_call_p", "custom_vjp_call_p", "custom_vjp_call_jaxpr_p"):
-        p = getattr(cd, n, None)
-        if p is not None:
-            out.append(p)
-    return tuple(out)
+    names = ("custom_jvp_call_p", "custom_vjp_call_p", "custom_vjp_call_jaxpr_p")
+    return tuple(getattr(cd, n) for n in names if getattr(cd, n, None) is not None)
 
 
 custom_prims = _custom_prims()
@@ -115,6 +110,11 @@ sharding_constraint_p = _first(
     lambda: __import__("jax._src.pjit", fromlist=["x"]).sharding_constraint_p,
     lambda: __import__("jax._src.sharding_impls", fromlist=["x"]).sharding_constraint_p,
 )
+# jax.sharding.reshard and jax.device_put inside a trace: they place values, none changes one
+placement_prims = tuple(p for p in (
+    _first(lambda: __import__("jax._src.pjit", fromlist=["x"]).reshard_p),
+    _first(lambda: __import__("jax._src.dispatch", fromlist=["x"]).device_put_p),
+    sharding_constraint_p) if p is not None)
 
 
 def _vma_cast_prims():
@@ -186,14 +186,18 @@ def bind_eqn(eqn, invals, **changes):
         want = [_aval_vma(o.aval) for o in eqn.outvars]
         if all(w is not None and vma_of(x) <= w for x, w in zip(invals, want)):
             return [make_varying(x, w) for x, w in zip(invals, want)]
-    bp = eqn.primitive.get_bind_params({**eqn.params, **changes} if changes else eqn.params)
-    if isinstance(bp, tuple):  # jax < 0.9.2: (subfuns, params)
-        subfuns, params = bp
-        out = eqn.primitive.bind(*subfuns, *invals, **params)
-    else:
-        with eqn.ctx.manager:
-            out = eqn.primitive.bind(*invals, **bp)
-    return list(out) if eqn.primitive.multiple_results else [out]
+    params = {**eqn.params, **changes} if changes else eqn.params
+    with eqn.ctx.manager:
+        return bind(eqn.primitive, invals, params)
+
+
+def bind(prim, invals, params):
+    """``prim`` bound on values with a jaxpr equation's ``params``, as a list of outputs
+    (in the caller's context: no equation's recorded mesh or compute type)."""
+    bp = prim.get_bind_params(params)
+    subfuns, bp = bp if isinstance(bp, tuple) else ((), bp)  # jax < 0.9.2: (subfuns, params)
+    out = prim.bind(*subfuns, *invals, **bp)
+    return list(out) if prim.multiple_results else [out]
 
 
 def jaxpr_as_fun(closed):

@@ -20,8 +20,10 @@ from jaxpr_surgery._src import (
     devices,
     dots,
     explain_table,
+    explicit,
     independence,
     kron,
+    meshes,
     tiling,
 )
 from jaxpr_surgery._src import example_weights as ew
@@ -274,38 +276,24 @@ def explain(
     def run(*args, **kwargs):
         kwargs, spec = ew.pop(kwargs, "explain")
         f = functools.partial(fn, **kwargs) if kwargs else fn
+        opts = Options(argnums, batch_argnums, keep_batch_dim, has_aux, None, False, None)
+        opts = dataclasses.replace(opts, chunk_size=chunk_size, memory_budget_bytes=budget)
         # traced with the collector paused, as the entries trace (api.collector_paused)
         with collector_paused():
-            opts = Options(argnums, batch_argnums, keep_batch_dim, has_aux, None, False, None)
-            opts = dataclasses.replace(opts, chunk_size=chunk_size, memory_budget_bytes=budget)
-            prep = Prepared(f, args, opts, "explain")
-            front = front_half(prep, reductions, opts, "explain", check_budget=False)
-            closed, an, B, chunk = front.closed, front.analysis, prep.B, front.chunk
-            act = front.activation_bytes()
-            D = devices.split_count(prep, opts)
-            split_note = None
-            if D > 1:  # (a batch sharded by XLA: the call runs in parts, api.py)
-                chunk, split_note = _split(prep, opts, D, front, reductions)
-            recompute = not prep.data_axes and clips_by_recompute(closed.jaxpr)
-            site_notes = {}
-            at = [k for k, a in enumerate(prep.diff_is_arr) if a]  # flat index of each float leaf
-            by_index = {
-                at[i]: _leaf_report(
-                    prep, front.plan, i, x, B, names, reqs, reductions, budget, site_notes,
-                    recompute,
-                )
-                for i, x in enumerate(prep.diff_leaves)
-            }
-            for (k, path, dtype), x in zip(prep.skipped, prep.other_leaves[prep.n_other :]):
-                by_index[k] = _skipped_report(path, tuple(jnp.shape(x)), dtype, names)
-            leaves = [by_index[k] for k in sorted(by_index)]  # in the order of the tree
-            verdict = (independence.verdict(prep, prep.data_axes) if check
-                       else independence.Verdict(independence.SKIPPED, "check=False"))
-            notes = _notes(verdict, spec, prep, front.plan, reductions, names, reqs,
-                           chunking.whole_for_the_allocator(chunk_size, B, act))
-            notes.extend(_custom_op_notes(prep))
-            if split_note:
-                notes.insert(1, split_note)
+            explicit_axes = Prepared(f, args, opts, "explain").explicit
+            if explicit_axes is None:
+                found = analyse(f, args, opts, spec)
+            else:  # (in Auto mode, the loss's annotations dropped, as the entries run: api.py)
+                held = {}
+
+                def held_analysis(*a):
+                    held["found"] = analyse(
+                        explicit.untyped(f, explicit_axes[0], "explain", args), a, opts, spec)
+                    return jnp.zeros(())
+
+                meshes.in_auto_mode(held_analysis, args, *explicit_axes)
+                found = held["found"]
+        prep, an, B, chunk, act, leaves, notes, verdict, closed, site_notes = found
         gflops = gmem = None
         if compare_grad:
             gflops, gmem = _grad_cost(f, args, prep)
@@ -327,6 +315,38 @@ def explain(
             annotated,
             independence=verdict.kind,
         )
+
+    def analyse(f, args, opts, spec):
+        """The report's parts for ``f`` on ``args`` (example weights ``spec``)."""
+        prep = Prepared(f, args, opts, "explain")
+        front = front_half(prep, reductions, opts, "explain", check_budget=False)
+        closed, an, B, chunk = front.closed, front.analysis, prep.B, front.chunk
+        act = front.activation_bytes()
+        D = devices.split_count(prep, opts)
+        split_note = None
+        if D > 1:  # (a batch sharded by XLA: the call runs in parts, api.py)
+            chunk, split_note = _split(prep, opts, D, front, reductions)
+        recompute = not prep.data_axes and clips_by_recompute(closed.jaxpr)
+        site_notes = {}
+        at = [k for k, a in enumerate(prep.diff_is_arr) if a]  # flat index of each float leaf
+        by_index = {
+            at[i]: _leaf_report(
+                prep, front.plan, i, x, B, names, reqs, reductions, budget, site_notes,
+                recompute,
+            )
+            for i, x in enumerate(prep.diff_leaves)
+        }
+        for (k, path, dtype), x in zip(prep.skipped, prep.other_leaves[prep.n_other :]):
+            by_index[k] = _skipped_report(path, tuple(jnp.shape(x)), dtype, names)
+        leaves = [by_index[k] for k in sorted(by_index)]  # in the order of the tree
+        verdict = (independence.verdict(prep, prep.data_axes) if check
+                   else independence.Verdict(independence.SKIPPED, "check=False"))
+        notes = _notes(verdict, spec, prep, front.plan, reductions, names, reqs,
+                       chunking.whole_for_the_allocator(chunk_size, B, act))
+        notes.extend(_custom_op_notes(prep))
+        if split_note:
+            notes.insert(1, split_note)
+        return prep, an, B, chunk, act, leaves, notes, verdict, closed, site_notes
 
     return run
 

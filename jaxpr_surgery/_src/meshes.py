@@ -7,34 +7,29 @@ from __future__ import annotations
 import jax
 
 
-def explicit_axes(x) -> tuple:
-    """Mesh axes of ``x``'s sharding that are in Explicit mode (sharding-in-types)."""
-    try:
-        sharding = jax.typeof(x).sharding
-    except Exception:  # noqa: BLE001
-        return ()
-    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
-    if mesh is None or spec is None or not hasattr(mesh, "axis_types"):
-        return ()
-    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-    types = dict(zip(mesh.axis_names, mesh.axis_types))
-    out = []
-    for entry in spec:
-        for a in entry if isinstance(entry, tuple) else (entry,):
-            if a is not None and types.get(a) == explicit:
-                out.append(a)
-    return tuple(out)
-
-
 def explicit_mesh_axes(arrays):
-    """(abstract mesh, axes) of the Explicit-mode mesh axes the arrays are sharded over, or None."""
-    axes, mesh = set(), None
-    for x in arrays:
-        ax = explicit_axes(x)
-        if ax:
-            axes.update(ax)
-            mesh = jax.typeof(x).sharding.mesh
-    return (mesh, tuple(sorted(axes))) if axes else None
+    """(abstract mesh, axes) of the Explicit-mode axes of the mesh the arrays are typed on
+    (sharded over them or not), else of the mesh in context (``jax.set_mesh``), or None.
+    Every Explicit axis of the mesh, not only those the arrays are split over: the loss may
+    annotate values with any of them (explicit.py)."""
+    meshes = [abstract_mesh_of(x) for x in arrays]
+    meshes.append(_context_mesh())
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    for mesh in meshes:
+        if mesh is None:
+            continue
+        axes = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == explicit)
+        if axes:
+            return mesh, axes
+    return None
+
+
+def _context_mesh():
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get() if get is not None else None
+    if not getattr(mesh, "axis_names", ()) or not hasattr(mesh, "axis_types"):
+        return None
+    return mesh
 
 
 def in_auto_mode(fn, args, mesh, axes):
