@@ -554,27 +554,19 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
         f = functools.partial(fn, **kwargs) if kwargs else fn
         prep = Prepared(f, args, opts, name)
         if prep.explicit is None:
-            D = devices.split_count(prep, opts)
-            if D > 1:  # (a batch sharded by XLA: each device's examples reduced on it)
-                if opts.check:  # (on the whole batch: a part's examples may be one)
-                    independence.check(prep, name, prep.data_axes)
-                part = devices.part_options(opts, D)
-                return devices.split_call(
-                    lambda a, sp: body(Prepared(f, a, part, name), sp),
-                    args, spec, prep.batch_argnums, prep.B, D)
-            return body(prep, spec)
+            return _placed(f, prep, args, spec)
         # inside auto_axes the arguments (and the weights) are new values: prepare them there;
         # the loss's own annotations for the axes are dropped there (explicit.untyped)
         f = explicit.untyped(f, prep.explicit[0], name, args)
         try:
             if spec is None:
                 out = meshes.in_auto_mode(
-                    lambda *a: body(Prepared(f, a, opts, name), None), args, *prep.explicit
-                )
+                    lambda *a: _placed(f, Prepared(f, a, opts, name), a, None),
+                    args, *prep.explicit)
             else:
                 kind, w = spec
                 out = meshes.in_auto_mode(
-                    lambda w, *a: body(Prepared(f, a, opts, name), (kind, w)),
+                    lambda w, *a: _placed(f, Prepared(f, a, opts, name), a, (kind, w)),
                     (jnp.asarray(w), *args), *prep.explicit,
                 )
             return _typed_like_inputs(out, args, prep)
@@ -582,6 +574,19 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
             if "of type Auto or Manual" not in str(e):
                 raise
             raise NotImplementedError(_explicit_annotation_error(name, prep.explicit[1])) from e
+
+    def _placed(f, prep, args, spec):
+        """``body`` for arguments placed by XLA's partitioner (Auto axes: also those of an
+        Explicit mesh, switched to Auto): a batch sharded over devices is split by device."""
+        D = devices.split_count(prep, opts)
+        if D > 1:  # (a batch sharded by XLA: each device's examples reduced on it)
+            if opts.check:  # (on the whole batch: a part's examples may be one)
+                independence.check(prep, name, prep.data_axes)
+            part = devices.part_options(opts, D)
+            return devices.split_call(
+                lambda a, sp: body(Prepared(f, a, part, name), sp),
+                args, spec, prep.batch_argnums, prep.B, D)
+        return body(prep, spec)
 
     compiled = fp.EagerCache()
 

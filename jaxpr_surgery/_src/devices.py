@@ -55,9 +55,10 @@ def auto_mesh_size(arrays) -> int:
 
 def split_count(prep, opts) -> int:
     """``D`` for this call (1: no split): under an Auto mesh of more than one device,
-    without ``axis_name``, outside ``shard_map`` and without Explicit axes (the call
-    then runs whole in Auto mode: api.py), the largest divisor of the batch size that
-    divides the mesh's size. `explain` reports the call's parts by this."""
+    without ``axis_name``, outside ``shard_map`` and without Explicit axes (a call on
+    Explicit axes decides inside Auto mode, on its arguments switched there: api.py),
+    the largest divisor of the batch size that divides the mesh's size. `explain`
+    reports the call's parts by this."""
     if opts.axis_name is not None or prep.data_axes or prep.B < 2 or prep.explicit:
         return 1
     n = auto_mesh_size([*prep.ex_leaves, *prep.diff_leaves])
