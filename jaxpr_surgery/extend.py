@@ -18,6 +18,9 @@ with optional cheaper ``sq_norms`` and ``summed_grad``:
 
     js.extend.register_custom_op(pallas_dense, rule=MyDenseRule())
 
+A new reduction (`js.stats.Reduction`) is checked against the laws the engine relies on
+(merges, running accumulators, devices, shares, weights) with `check_reduction`.
+
 See docs/extending.md.
 """
 
@@ -26,5 +29,7 @@ from jaxpr_surgery._src.custom_ops import CustomOpRule as CustomOpRule
 from jaxpr_surgery._src.custom_ops import OpSite as OpSite
 from jaxpr_surgery._src.custom_ops import Registration as Registration
 from jaxpr_surgery._src.custom_ops import register_custom_op as register_custom_op
+from jaxpr_surgery._src.laws import check_reduction as check_reduction
 
-__all__ = ["register_custom_op", "check_rule", "Registration", "CustomOpRule", "OpSite"]
+__all__ = ["register_custom_op", "check_rule", "check_reduction", "Registration", "CustomOpRule",
+           "OpSite"]

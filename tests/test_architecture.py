@@ -167,7 +167,7 @@ def test_internal_import_scan_allows_public_jax(source):
 # interpreter -> sites -> tiling -> stats -> compat) sit where their imports put them.
 LAYERS = (
     # entry points (explain, partials and privacy build on api)
-    ("api", "check", "explain", "explain_table", "optim", "partials", "privacy"),
+    ("api", "check", "explain", "explain_table", "optim", "partials", "privacy", "laws"),
     ("arguments",),  # a call's arguments: parameters, batch, the statistics flattened
     ("chunking",),  # sizes chunks by lowering the engine
     ("gathers",),  # hand-written FSDP: leaves gathered over the examples' axis (api uses it)

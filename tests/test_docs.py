@@ -224,6 +224,7 @@ DOCTEST_MODULES = [
     "jaxpr_surgery.optim",
     "jaxpr_surgery._src.api",
     "jaxpr_surgery._src.check",
+    "jaxpr_surgery._src.laws",
     "jaxpr_surgery._src.custom_ops",
     "jaxpr_surgery._src.explain",
     "jaxpr_surgery._src.stats",
