@@ -10,6 +10,9 @@ is not the op's backward.
 
 from __future__ import annotations
 
+import functools
+
+import _models as M
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -334,19 +337,90 @@ def test_registration_errors():
     with pytest.raises(ValueError, match=r"no derivative rule yet; call op.defjvp"):
         js.extend.register_custom_op(bare_jvp, _dense_ref)
 
-    def scaled(s, w, x):
-        return s * (x @ w)
-
-    static = jax.custom_vjp(scaled, nondiff_argnums=(0,))
-    static.defvjp(lambda s, w, x: (scaled(s, w, x), (w, x)),
-                  lambda s, r, dy: (s * jnp.einsum("...i,...j->ij", r[1], dy), s * dy @ r[0].T))
-    with pytest.raises(NotImplementedError, match="nondiff_argnums"):
-        js.extend.register_custom_op(static, scaled)
+    with pytest.raises(NotImplementedError, match=r"nondiff_argnums=\(2,\): a rule reads"):
+        js.extend.register_custom_op(act_dense, rule=DenseRule())
     with pytest.raises(TypeError, match="reference must be a function"):
         js.extend.register_custom_op(dense, 3.0)
     with js.extend.register_custom_op(dense, _dense_ref):
         with pytest.raises(ValueError, match="already registered"):
             js.extend.register_custom_op(dense, _dense_ref)
+
+
+# --------------------------------------------------------------------------- #
+# Ops with non-differentiable arguments (nondiff_argnums)
+# --------------------------------------------------------------------------- #
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def act_dense(w, x, act):
+    return act(x @ w)
+
+
+def _act_dense_fwd(w, x, act):
+    y = x @ w
+    return act(y), (w, x, y)
+
+
+def _act_dense_bwd(act, res, g):
+    w, x, y = res
+    dy = jax.vjp(act, y)[1](g)[0]
+    return jnp.einsum("...i,...j->ij", x, dy), dy @ w.T
+
+
+act_dense.defvjp(_act_dense_fwd, _act_dense_bwd)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def scaled_dense(k, w, x):
+    return k * (x @ w)
+
+
+@scaled_dense.defjvp
+def _scaled_dense_jvp(k, primals, tangents):
+    (w, x), (dw, dx) = primals, tangents
+    return scaled_dense(k, w, x), k * (dx @ w + x @ dw)
+
+
+def _nondiff_loss(p, batch):
+    h = act_dense(p["in"], batch["x"], jnp.tanh)
+    h = act_dense(p["mid"], h, jax.nn.softplus)  # the same op, another static argument
+    out = scaled_dense(0.5, p["out"], h)
+    return jnp.mean(jnp.sum((out - batch["y"]) ** 2, axis=(1, 2)))
+
+
+def test_ops_with_nondiff_argnums_get_the_reference_rules():
+    """A custom_vjp op with a static argument (an activation function) and a custom_jvp
+    op with one (a scale): registered with their forward functions as references (which
+    take the static arguments, as the ops do), each call is replaced with its own static
+    values; the parameters get the dense rules instead of the exact per-example route,
+    the statistics equal vmap(grad) through the ops' own derivatives, and check_rule
+    passes. Before, register_custom_op refused them (NotImplementedError)."""
+    r = np.random.default_rng(4)
+    a = lambda *shape: jnp.asarray(r.normal(size=shape) * 0.5, jnp.float64)  # noqa: E731
+    with M.x64():
+        p = {"in": a(D, F), "mid": a(F, F), "out": a(F, 2)}
+        batch = {"x": a(B, T, D), "y": a(B, T, 2)}
+        before = js.explain(_nondiff_loss, STATS)(p, batch)
+        with js.extend.register_custom_op(act_dense), js.extend.register_custom_op(scaled_dense):
+            rules = {str(leaf.path): leaf.rule for leaf in
+                     js.explain(_nondiff_loss, STATS)(p, batch).leaves}
+            out = js.per_example_stat(_nondiff_loss, STATS)(p, batch)
+            assert js.extend.check_rule(_nondiff_loss)(p, batch) == [
+                "act_dense", "scaled_dense"]
+        _check(out, _oracle(p, batch, _nondiff_loss), 1e-10, 1e-12)
+    assert {leaf.rule for leaf in before.leaves} <= {"materialised", "fallback"}, before
+    assert set(rules.values()) <= {"streamed", "ghost"}, rules
+
+
+def test_a_nondiff_reference_that_differs_fails_check_rule():
+    """check_rule compares each call's reference, with that call's static values,
+    against the op's own backward: a reference that ignores the static argument fails."""
+    r = np.random.default_rng(5)
+    a = lambda *shape: jnp.asarray(r.normal(size=shape) * 0.5, jnp.float64)  # noqa: E731
+    with M.x64():
+        p = {"in": a(D, F), "mid": a(F, F), "out": a(F, 2)}
+        batch = {"x": a(B, T, D), "y": a(B, T, 2)}
+        with js.extend.register_custom_op(act_dense, lambda w, x, act: jnp.tanh(x @ w)):
+            with pytest.raises(ValueError, match="act_dense"):
+                js.extend.check_rule(_nondiff_loss)(p, batch)
 
 
 # --------------------------------------------------------------------------- #

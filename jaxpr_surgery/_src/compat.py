@@ -478,12 +478,6 @@ def float0_zeros(shape):
     return np.zeros(shape, dtype=jax.dtypes.float0)
 
 
-
-
-
-
-
-
 def _eager_trace_types() -> tuple:
     """jax's traces that evaluate as they go (no staging): eager evaluation, forward and
     reverse mode, batching."""
@@ -520,21 +514,10 @@ def _find_prim(name):
     """The primitive ``<name>_p`` of jax's lax, slicing, loops, ... modules, or None."""
     import importlib
 
-    for mod in (
-        "jax._src.lax.lax",
-        "jax._src.lax.slicing",
-        "jax._src.lax.control_flow.loops",
-        "jax._src.lax.windowed_reductions",
-        "jax._src.lax.parallel",
-        "jax._src.ad_util",
-        "jax._src.ad_checkpoint",
-        "jax._src.prng",
-        "jax._src.random.prng",
-        "jax._src.pjit",
-        "jax._src.lax.ann",
-        "jax._src.lax.fft",
-        "jax._src.lax.linalg",
-    ):
+    for mod in ("jax._src.lax.lax", "jax._src.lax.slicing", "jax._src.lax.control_flow.loops",
+                "jax._src.lax.windowed_reductions", "jax._src.lax.parallel", "jax._src.ad_util",
+                "jax._src.ad_checkpoint", "jax._src.prng", "jax._src.random.prng",
+                "jax._src.pjit", "jax._src.lax.ann", "jax._src.lax.fft", "jax._src.lax.linalg"):
         try:
             p = getattr(importlib.import_module(mod), f"{name}_p", None)
         except ImportError:  # pragma: no cover - module moved in this jax
@@ -614,6 +597,17 @@ def custom_jvp_rule(eqn):
     (``_flatten_jvp``), whose arguments hold the arguments' ``PyTreeDef``."""
     if custom_jvp_call_p is None or eqn.primitive is not custom_jvp_call_p:
         return None, None
+    found = _wrapped_rule(eqn)
+    if found is None:
+        return None, None
+    n = len(eqn.invars) - custom_call_consts(eqn)
+    return (found[0].f, found[1]) if found[1].num_leaves == n else (found[0].f, None)
+
+
+def _wrapped_rule(eqn):
+    """``(the user's rule as a WrappedFun, the arguments' PyTreeDef)`` of a custom_jvp /
+    custom_vjp call: the first WrappedFun reached from its rule parameter (through
+    closures) with a step holding a ``PyTreeDef`` (its flattening step), or None."""
     from jax._src import linear_util as lu
 
     seen = set()
@@ -627,7 +621,7 @@ def custom_jvp_rule(eqn):
                 args = step[1] if isinstance(step, tuple) and len(step) == 2 else ()
                 for a in args if isinstance(args, tuple) else ():
                     if isinstance(a, jax.tree_util.PyTreeDef):
-                        return obj.f, a
+                        return obj, a
             found = find(obj.f, depth + 1)
             if found is not None:
                 return found
@@ -640,25 +634,29 @@ def custom_jvp_rule(eqn):
                 return found
         return None
 
-    found = find(eqn.params.get("jvp_jaxpr_fun", eqn.params.get("jvp_jaxpr_thunk")), 0)
+    p = eqn.params
+    return find(p.get("bwd", p.get("jvp_jaxpr_fun", p.get("jvp_jaxpr_thunk"))), 0)
+
+
+def custom_static_args(eqn):
+    """The values of a custom_jvp / custom_vjp call's ``nondiff_argnums`` arguments, in
+    order (``()`` for an op without), or None where this jax does not record them: the
+    user's rule is wrapped with a step that prepends them (``_prepend_static_args``)."""
+    found = _wrapped_rule(eqn)
     if found is None:
-        return None, None
-    n = len(eqn.invars) - custom_call_consts(eqn)
-    return found if found[1].num_leaves == n else (found[0], None)
+        return None
+    for step in found[0].transforms or ():
+        if getattr(step[0], "__name__", "") == "_prepend_static_args":
+            vals = step[1][0] if step[1] and isinstance(step[1][0], tuple) else None
+            unwrap = lambda v: v.val if type(v).__name__ == "Unhashable" else v  # noqa: E731
+            return None if vals is None else tuple(unwrap(v) for v in vals)
+    return ()
 
 
 def custom_call_consts(eqn) -> int:
     """How many of a custom_jvp / custom_vjp call's operands are constants hoisted out of
     its function (not the op's own arguments)."""
     return int(eqn.params.get("num_consts", 0))
-
-
-def is_custom_vjp(op) -> bool:
-    return isinstance(op, jax.custom_vjp)
-
-
-def is_custom_jvp(op) -> bool:
-    return isinstance(op, jax.custom_jvp)
 
 
 _VMA_TYPE = re.compile(r"\{V:[^}]*\}")
@@ -781,10 +779,6 @@ def user_frames(eqn, stop_dir: str) -> list:
         return out
     except Exception:  # noqa: BLE001 - no source info in this jax
         return []
-
-
-
-
 
 
 def mapped_over(x, axis_name) -> bool:

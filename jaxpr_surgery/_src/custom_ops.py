@@ -35,15 +35,15 @@ import jax
 from jaxpr_surgery._src import compat
 
 _BY_RULE: dict = {}  # the op's derivative function (`_rule_fn`) -> `_Entry`
-# (registration, argument tree, operand types) -> the printed jaxpr of the op's forward
-# at those operands (dropped with the registration)
+# (registration, (argument tree, nondiff arguments), operand types) -> the printed jaxpr
+# of the op's forward at those operands (dropped with the registration)
 _PRIMAL_TEXT: dict = {}
 
 
 def _rule_fn(op):
     """The function that names ``op`` in its calls' equations: a ``custom_vjp``'s
     backward function, a ``custom_jvp``'s JVP (None before ``defvjp`` / ``defjvp``)."""
-    return getattr(op, "jvp" if compat.is_custom_jvp(op) else "bwd", None)
+    return getattr(op, "jvp" if isinstance(op, jax.custom_jvp) else "bwd", None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -132,7 +132,8 @@ def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> R
     Args:
       op: a ``jax.custom_vjp`` function with its rule given (``op.defvjp(fwd, bwd)``),
         or a ``jax.custom_jvp`` function with its JVP given (``op.defjvp(jvp)`` or
-        ``op.defjvps``), without ``nondiff_argnums``. The op is recognised by its
+        ``op.defjvps``); with ``nondiff_argnums``, a reference only (it takes those
+        arguments as the op does, each call's values). The op is recognised by its
         derivative function (the backward function, the JVP) and its forward program:
         two ops sharing one derivative function are told apart.
       reference: a function with the op's signature (``reference(w, x)`` for
@@ -154,7 +155,7 @@ def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> R
       ValueError: the op has no derivative rule yet, it (or an op sharing its
         derivative function) is already registered, or both a reference and a rule are
         given.
-      NotImplementedError: ops with ``nondiff_argnums``.
+      NotImplementedError: a rule for an op with ``nondiff_argnums``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxpr_surgery as js
@@ -174,8 +175,8 @@ def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> R
       >>> reg.remove()
     """
     where = "register_custom_op"
-    jvp = compat.is_custom_jvp(op)
-    if not jvp and not compat.is_custom_vjp(op):
+    jvp = isinstance(op, jax.custom_jvp)
+    if not jvp and not isinstance(op, jax.custom_vjp):
         raise TypeError(
             f"{where}: op must be a jax.custom_vjp or jax.custom_jvp function (decorated "
             "with @jax.custom_vjp and given its rule with .defvjp, or @jax.custom_jvp "
@@ -187,12 +188,12 @@ def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> R
             f"{where}: op {_op_name(op)} has no derivative rule yet; call {how} before "
             "registering it."
         )
-    if tuple(getattr(op, "nondiff_argnums", ()) or ()):
+    if _nondiff(op) and rule is not None:
         raise NotImplementedError(
-            f"{where}: op {_op_name(op)} has nondiff_argnums="
-            f"{tuple(op.nondiff_argnums)}; ops with non-differentiable arguments cannot be "
-            "registered so far. Close over those arguments instead (define the op inside "
-            "a function of them), or pass them as arrays."
+            f"{where}: op {_op_name(op)} has nondiff_argnums={_nondiff(op)}: a rule reads "
+            "the op's operands only, not its non-differentiable arguments. Register a "
+            "reference (it takes them, as the op does), or define the op and its rule "
+            "inside a function of those arguments."
         )
     if rule is not None:
         if reference is not None:
@@ -244,20 +245,45 @@ def _structs(avals):
     return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
 
 
-def _on_leaves(fn, in_tree):
-    """``fn`` of the op's arguments as a function of their leaves, returning its
-    outputs' leaves (named as ``fn``, for the jaxpr and explain)."""
+def _nondiff(op) -> tuple:
+    return tuple(getattr(op, "nondiff_argnums", ()) or ())
 
-    def flat(*leaves):
-        return jax.tree.leaves(fn(*jax.tree.unflatten(in_tree, leaves)))
 
-    flat.__name__ = getattr(fn, "__name__", "reference")
-    return flat
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """How one call of an op passes its arguments: the tree of the differentiable ones
+    (the call's operands are its leaves) and the values of the others, at the positions
+    ``nondiff`` (the op's ``nondiff_argnums``: static, not operands)."""
+
+    in_tree: Any
+    static: tuple = ()
+    nondiff: tuple = ()
+
+    def on_leaves(self, fn):
+        """``fn`` of the op's arguments as a function of the call's operands, returning
+        its outputs' leaves (named as ``fn``, for the jaxpr and explain)."""
+
+        def flat(*leaves):
+            dyn = tuple(jax.tree.unflatten(self.in_tree, leaves))
+            n, it, static = len(dyn) + len(self.static), iter(dyn), iter(self.static)
+            args = [next(static) if i in self.nondiff else next(it) for i in range(n)]
+            return jax.tree.leaves(fn(*args))
+
+        flat.__name__ = getattr(fn, "__name__", "reference")
+        return flat
+
+    def key(self):
+        """A key of the call's arguments for caches, or None (unhashable static ones)."""
+        try:
+            hash(self.static)
+        except TypeError:
+            return None
+        return self.in_tree, self.static
 
 
 def entry_of(eqn):
-    """``(registration, argument tree)`` serving ``eqn``, or None (not a registered op's
-    call, or one whose arguments this jax does not record)."""
+    """``(registration, call)`` serving ``eqn`` (the `_Call` of its arguments), or None
+    (not a registered op's call, or one whose arguments this jax does not record)."""
     if not _BY_RULE or eqn.primitive not in compat.custom_prims:
         return None
     fn, in_tree = compat.custom_jvp_rule(eqn)
@@ -268,27 +294,30 @@ def entry_of(eqn):
         return None  # (constants hoisted out of its function: not the op's own call)
     if in_tree is None:
         in_tree = compat.custom_vjp_in_tree(eqn)
-    if in_tree is None:
+    nondiff, static = _nondiff(entry.op), compat.custom_static_args(eqn)
+    if in_tree is None or static is None or len(static) != len(nondiff):
         return None
+    call = _Call(in_tree, static, nondiff)
     avals = [v.aval for v in eqn.invars]
-    key = (entry, in_tree, _types(avals))
-    text = _PRIMAL_TEXT.get(key)
+    key = None if call.key() is None else (entry, call.key(), _types(avals))
+    text = _PRIMAL_TEXT.get(key) if key is not None else None
     if text is None:
         try:
-            primal = jax.make_jaxpr(_on_leaves(entry.op.fun, in_tree))(*_structs(avals))
+            primal = jax.make_jaxpr(call.on_leaves(entry.op.fun))(*_structs(avals))
             text = compat.jaxpr_text(primal, vma=False)
         except Exception:  # noqa: BLE001 - not the op's operands: not its call
             text = ""
-        _PRIMAL_TEXT[key] = text
+        if key is not None:
+            _PRIMAL_TEXT[key] = text
     if text != compat.jaxpr_text(compat.custom_call_parts(eqn)[0], vma=False):
         return None  # another op sharing the backward function
-    return entry, in_tree
+    return entry, call
 
 
-def _reference_eqn(eqn, entry, in_tree):
+def _reference_eqn(eqn, entry, op_call):
     avals = [v.aval for v in eqn.invars]
     where = f"register_custom_op: the reference of {entry.name}"
-    call = compat.call_eqn_of(_on_leaves(entry.reference, in_tree), avals, where)
+    call = compat.call_eqn_of(op_call.on_leaves(entry.reference), avals, where)
     want = [(tuple(v.aval.shape), v.aval.dtype) for v in eqn.outvars]
     got = [(tuple(v.aval.shape), v.aval.dtype) for v in call.outvars]
     if want != got:
