@@ -193,7 +193,7 @@ LAYERS = (
     # a site's view of its leaf; norms past the range of their squares; example weights;
     # trees given as a prefix of the parameters'; blocks of features (cuts); the keys of
     # a site's requests and sink
-    ("views", "norms", "example_weights", "prefix", "cuts", "custom_ops", "sink_keys",
+    ("views", "norms", "example_weights", "prefix", "cuts", "custom_ops", "sink_keys", "flops",
      "explicit"),  # (explicit: a loss annotated for Explicit mesh axes, run in Auto mode)
     ("compat", "versions", "meshes"),
 )

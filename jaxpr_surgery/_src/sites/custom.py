@@ -16,7 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import compat, custom_ops
+from jaxpr_surgery._src import compat, custom_ops, flops
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.sites.base import (
     MATERIALISED,
@@ -109,7 +109,9 @@ class CustomRuleKernel(Kernel):
         if fast is not None:
             what = "sq_norms" if isinstance(reduction, S.SqNorms) else "summed_grad"
             return Rule(STREAMED, f"custom rule {what}", float(2 * B * view), 0.0)
-        return Rule(MATERIALISED, "custom rule per_example_grad", float(2 * B * view),
+        # (the rule's gradients: priced as the op's VJP, `flops.vjp_flops`)
+        grads = B * flops.vjp_flops((self.site.eqn,))
+        return Rule(MATERIALISED, "custom rule per_example_grad", float(2 * B * view) + grads,
                     float(B * view * item))
 
 

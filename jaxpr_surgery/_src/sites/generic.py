@@ -8,10 +8,12 @@ which is cheap when the parameter is small (gains, biases, kernels).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, flops
 from jaxpr_surgery._src.sites.base import (
     Kernel,
     batches_every_operand,
@@ -79,6 +81,14 @@ class GenericKernel(Kernel):
 
     def ingredient_avals(self, B):
         return jax.ShapeDtypeStruct((B,) + tuple(self.site.view_shape), self.acc)
+
+    def rule(self, reduction, B):
+        """The reduction from the materialised gradients (`Kernel.rule`), which the
+        per-example VJP forms first: its FLOPs too (a fused dense layer's ``x_b^T dy_b``
+        per example, as a dense site's tiles form them)."""
+        rl = super().rule(reduction, B)
+        vjp = B * flops.vjp_flops((*self.site.pre, self.site.eqn))
+        return dataclasses.replace(rl, flops=rl.flops + vjp)
 
     def has_scaled_sq_norms(self, alone=False):
         return True
