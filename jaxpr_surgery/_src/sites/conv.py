@@ -32,6 +32,7 @@ from jaxpr_surgery._src import compat, dots, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.sites.base import Fast, Kernel, register
 from jaxpr_surgery._src.sites.dense import DenseKernel
+from jaxpr_surgery._src.sites.dense_layout import Tokens
 from jaxpr_surgery._src.sites.dense_rules import kron_value
 from jaxpr_surgery._src.sites.generic import GenericKernel
 
@@ -90,7 +91,7 @@ class PatchConvKernel(DenseKernel):
         ls, o = c["lhs_spec"], c["out_spec"]
         x = jnp.transpose(x, (0, 1 + ls[0]) + tuple(1 + i for i in ls[2:]) + (1 + ls[1],))
         d = jnp.transpose(dy, (0, 1 + o[0]) + tuple(1 + i for i in o[2:]) + (1 + o[1],))
-        return x.astype(self.acc), d.reshape(B, 1, c["N"], c["F"]).astype(self.acc)
+        return Tokens(x.astype(self.acc), d.reshape(B, 1, c["N"], c["F"]).astype(self.acc))
 
     def tile_extra_bytes(self):
         """A tile holds its examples' patches as well as their ``G``."""

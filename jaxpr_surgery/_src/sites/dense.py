@@ -49,6 +49,7 @@ from jaxpr_surgery._src.sites.base import (
 from jaxpr_surgery._src.sites.dense_layout import (
     FALLBACK_TILE_BYTES,
     HIGHEST,
+    Tokens,
     canon,
     canonical,
     dense_fold_side,
@@ -119,16 +120,14 @@ class DenseKernel(Kernel):
         m = jnp.broadcast_to(m, tuple(self.site.view_shape))
         m = jnp.transpose(m, c["canon_w"]).reshape(c["K"], c["C"], c["F"])
         if self.fold_side == "dy":  # constant along C
-            return x, dy * m[:, 0, :][None, :, None, :]
-        return x * m[:, :, 0][None, :, None, :], dy
+            return Tokens(x, dy * m[:, 0, :][None, :, None, :])
+        return Tokens(x * m[:, :, 0][None, :, None, :], dy)
 
     def scale(self, ctx, c):
-        x, dy = ctx
-        return x, dy * c.astype(dy.dtype)
+        return ctx._replace(dy=ctx.dy * c.astype(ctx.dy.dtype))
 
     def scale_examples(self, ctx, s):
-        x, dy = ctx
-        return x, times_examples(dy, s)
+        return ctx._replace(dy=times_examples(ctx.dy, s))
 
     def token_matmuls(self):
         return self.c["N"] > 1
@@ -167,16 +166,16 @@ class DenseKernel(Kernel):
 
     # canonical layout ----------------------------------------------------- #
     def prepare(self, w, ext, ext_batched, dy):
-        x, dy = canonical(self.site, self.c, ext, dy, self.acc)
+        ctx = canonical(self.site, self.c, ext, dy, self.acc)
         if self.fold_side is not None:
-            return self._fold(x, dy, ext)
-        return x, dy
+            return self._fold(*ctx, ext)
+        return ctx
 
     def ingredient_avals(self, B):
         if type(self) is not DenseKernel:  # subclasses keep other layouts
             return None
         c = self.c
-        return (
+        return Tokens(
             jax.ShapeDtypeStruct((B, c["K"], c["N"], c["C"]), self.acc),
             jax.ShapeDtypeStruct((B, c["K"], c["N"], c["F"]), self.acc),
         )

@@ -6,6 +6,7 @@ shares with its fast rules: groups of raw sums, the products, Gram matrices.
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,17 @@ def canon(site):
     )
 
 
+class Tokens(NamedTuple):
+    """The context of a dense-family site for a batch (`Kernel.prepare`): the two factors
+    of each example's gradient ``G_b = x_b^T dy_b`` in the canonical layout (`canon`),
+    ``x [B, K, N, C]`` (the site's input, or a factor standing for it: a LoRA adapter's
+    projected input, a ragged site's rows with their group ids, a convolution's raw input)
+    and ``dy [B, K, N, F]`` (the output cotangent, or its factor)."""
+
+    x: Any
+    dy: Any
+
+
 def canonical(site, c, ext, dy, dtype):
     """The site's input and output cotangent in the canonical layout ``c`` (`canon`):
     ``X [B, K, N, C]`` and ``DY [B, K, N, F]`` in ``dtype``."""
@@ -94,7 +106,7 @@ def canonical(site, c, ext, dy, dtype):
     x = jnp.transpose(x, (0,) + tuple(1 + i for i in c["x_perm"]))
     x = x.reshape(B, c["K"], c["N"], c["C"]).astype(dtype)
     dy = jnp.transpose(dy, (0,) + tuple(1 + i for i in c["dy_perm"]))
-    return x, dy.reshape(B, c["K"], c["N"], c["F"]).astype(dtype)
+    return Tokens(x, dy.reshape(B, c["K"], c["N"], c["F"]).astype(dtype))
 
 
 HIGHEST = jax.lax.Precision.HIGHEST

@@ -13,6 +13,8 @@ rows into the table -- no ``[B, V, d]`` tensor is ever formed:
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,6 +131,25 @@ def row_gather_layout(eqn):
     return None
 
 
+class Rows(NamedTuple):
+    """An embedding site's context for a batch (`Kernel.prepare`): each example's row ids
+    ``ids [B, T]`` (clipped into the table), whether each selects a row ``valid [B, T]``
+    (an out-of-range id gets no gradient) and the gathered rows' cotangents ``dy [B, T,
+    d]`` (zero where not valid)."""
+
+    ids: Any
+    valid: Any
+    dy: Any
+
+
+class PackedRows(NamedTuple):
+    """`Rows` as a site's ingredients, which travel as cotangents (floats): the ids (-1
+    where not valid) as an exact float pair (`pack_ids`), and ``dy``."""
+
+    packed: Any
+    dy: Any
+
+
 @register
 class EmbeddingKernel(Kernel):
     """Rows of a table gathered by integer ids (`row_gather_layout`)."""
@@ -162,12 +183,10 @@ class EmbeddingKernel(Kernel):
         return len(self.site.view_shape) == 2
 
     def scale(self, ctx, c):
-        ids, valid, dy = ctx
-        return ids, valid, dy * c.astype(dy.dtype)
+        return ctx._replace(dy=ctx.dy * c.astype(ctx.dy.dtype))
 
     def scale_examples(self, ctx, s):
-        ids, valid, dy = ctx
-        return ids, valid, times_examples(dy, s)
+        return ctx._replace(dy=times_examples(ctx.dy, s))
 
     def gathers_rows(self):
         return self.V, self.d
@@ -188,7 +207,7 @@ class EmbeddingKernel(Kernel):
             valid = (ids >= 0) & (ids < self.V)
         ids = jnp.clip(ids, 0, self.V - 1)
         dy = jnp.where(valid[..., None], dy, 0)
-        return ids, valid, dy
+        return Rows(ids, valid, dy)
 
     # helpers ------------------------------------------------------------------ #
     @staticmethod
@@ -293,7 +312,7 @@ class EmbeddingKernel(Kernel):
     def ingredients(self, ctx):
         ids, valid, dy = ctx
         # ingredients travel as cotangents (floats): ids as an exact float pair
-        return pack_ids(jnp.where(valid, ids, -1), dy.dtype), dy
+        return PackedRows(pack_ids(jnp.where(valid, ids, -1), dy.dtype), dy)
 
     def ctx(self, ing):
         return self._unpack(ing)
@@ -303,10 +322,10 @@ class EmbeddingKernel(Kernel):
         packed, dy = ing
         ids = unpack_ids(packed)
         valid = ids >= 0
-        return jnp.where(valid, ids, 0), valid, dy
+        return Rows(jnp.where(valid, ids, 0), valid, dy)
 
     def materialise(self, ing):
-        ids, valid, dy = self._unpack(ing) if len(ing) == 2 else ing
+        ids, valid, dy = self._unpack(ing) if isinstance(ing, PackedRows) else ing
         return self._view(jax.vmap(lambda i, r: self._scatter(i[None], r[None]))(ids, dy))
 
     adds_in_place = True
@@ -340,7 +359,7 @@ class EmbeddingKernel(Kernel):
         return total.at[b, ids].add(dy.astype(total.dtype), mode="drop")
 
     def sq_norms(self, ing):
-        ids, valid, dy = self._unpack(ing) if len(ing) == 2 else ing
+        ids, valid, dy = self._unpack(ing) if isinstance(ing, PackedRows) else ing
         s, first = self._segments(ids, valid, dy)
         return jnp.sum(jnp.where(first[..., None], jnp.square(s), 0), axis=(1, 2))
 
@@ -455,7 +474,7 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
         ids = canonical_ids(ids.reshape(B, c["N"]), self.V)
         valid = (ids >= 0) & (ids < self.V)
         dy = jnp.where(valid[..., None], dy, 0)
-        return jnp.clip(ids, 0, self.V - 1), valid, dy
+        return Rows(jnp.clip(ids, 0, self.V - 1), valid, dy)
 
     adds_in_place = False
     add_to_leaf = Kernel.add_to_leaf  # rows on a one-hot axis of a view: the generic path

@@ -29,7 +29,7 @@ import numpy as np
 from jaxpr_surgery._src import compat
 from jaxpr_surgery._src.sites.base import Kernel, register
 from jaxpr_surgery._src.sites.dense import DenseKernel
-from jaxpr_surgery._src.sites.dense_layout import canon, canonical
+from jaxpr_surgery._src.sites.dense_layout import Tokens, canon, canonical
 
 
 def lowrank_layout(eqn, pre, base, pos):
@@ -122,16 +122,16 @@ class MergedLoraKernel(DenseKernel):
     def prepare(self, w, ext, ext_batched, dy):
         x, dy = canonical(self.site, self.merged, ext, dy, self.acc)  # of the merged weight
         if self.role == "W":
-            return x, dy
+            return Tokens(x, dy)
         u, v = (x, dy) if self.rows_in else (dy, x)
         other = self._other_factor(ext)
         if self.role == "L":  # g_L = U^T (V R^T)
-            return u, v @ other.T
-        return u @ other, v  # g_R = (U L)^T V
+            return Tokens(u, v @ other.T)
+        return Tokens(u @ other, v)  # g_R = (U L)^T V
 
     def ingredient_avals(self, B):
         c = self.c
-        return (
+        return Tokens(
             jax.ShapeDtypeStruct((B, 1, c["N"], c["C"]), self.acc),
             jax.ShapeDtypeStruct((B, 1, c["N"], c["F"]), self.acc),
         )

@@ -40,6 +40,7 @@ from jaxpr_surgery._src.sites.base import (
     register,
 )
 from jaxpr_surgery._src.sites.dense import DenseKernel
+from jaxpr_surgery._src.sites.dense_layout import Tokens
 
 
 def ragged_canon(eqn):
@@ -214,7 +215,7 @@ class RaggedKernel(DenseKernel):
         B = dy.shape[0]
         x, gid = self._rows_and_groups(ext, B)
         x = jnp.concatenate([x.astype(self.acc), gid.astype(self.acc)[..., None]], -1)
-        return x, dy.reshape(B, 1, c["N"], c["F"]).astype(self.acc)
+        return Tokens(x, dy.reshape(B, 1, c["N"], c["F"]).astype(self.acc))
 
     def _split(self, x):
         return x[..., :-1], jnp.round(x[..., -1]).astype(jnp.int32)
