@@ -16,6 +16,7 @@ kind is one module under ``sites/`` whose kernel class is `register`-ed.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from collections.abc import Callable
@@ -274,7 +275,7 @@ class Fast:
     rule: Callable | None = None
 
 
-class Kernel:
+class Kernel(abc.ABC):
     """Base class: everything derives from ``materialise`` unless overridden.
 
     A kernel's fast rules are a table `FAST` keyed by reduction classes (`stats.lookup`
@@ -345,8 +346,12 @@ class Kernel:
         return batched_every_operand(f, self.site, ext_batched)
 
     # inside the backward pass ------------------------------------------- #
-    def prepare(self, w, ext, ext_batched, dy):  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def prepare(self, w, ext, ext_batched, dy):
+        """The site's context for a batch (the one method a kernel must define): a pytree
+        of the parameter view ``w``, the other inputs ``ext`` (batched where
+        ``ext_batched``) and the output cotangents ``dy`` (each ``[B, ...]``), typed by the
+        kernel's family (``dense_layout.Tokens``, ``embedding.Rows``)."""
 
     def prepare_site(self, w, ext, ext_batched, dy):
         """`prepare`, then the view's constant factor (``W / 16``: the site's
