@@ -522,8 +522,9 @@ def _explicit_annotation_error(name, axes) -> str:
         f"{name}: an annotation of shardings over the Explicit mesh axes {tuple(axes)} "
         "(out_sharding= or jax.sharding.reshard) reached Auto mode, where the statistics are "
         "computed: the loss's own annotations are dropped (explicit.py), but not those in "
-        "code jax traces later, such as a custom_vjp's forward and backward rules. Fix: leave "
-        "annotations out of such rules, or write the loss for an Auto mesh with "
+        "code jax traces later, such as a custom_vjp's backward rule (its forward and a "
+        "custom_jvp's rule are traced again without them). Fix: leave annotations out of "
+        "such rules, or write the loss for an Auto mesh with "
         "jax.lax.with_sharding_constraint hints (docs/howto/sharded.md#explicit-sharding)."
     )
 
@@ -571,7 +572,7 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
                 )
             return _typed_like_inputs(out, args, prep)
         except ValueError as e:
-            if "of type Auto or Manual" not in str(e):
+            if not explicit.is_mode_error(e):
                 raise
             raise NotImplementedError(_explicit_annotation_error(name, prep.explicit[1])) from e
 

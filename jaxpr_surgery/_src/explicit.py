@@ -181,7 +181,7 @@ def untyped(fn, mesh, name, like):
             try:
                 return fn(*args)
             except ValueError as e:
-                if not any(m in str(e) for m in _MODE_ERRORS):
+                if not is_mode_error(e):
                     raise
                 raise AnnotationError(_message(name, mesh, stand_in_error, e)) from e
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
@@ -192,6 +192,11 @@ def untyped(fn, mesh, name, like):
 # jax's errors for a value typed for Explicit axes met in Auto mode: an annotation naming
 # them, an array placed on the mesh (closed over) met by the arguments switched to Auto
 _MODE_ERRORS = ("of type Auto or Manual", "should match the aval mesh")
+
+
+def is_mode_error(e) -> bool:
+    """Whether ``e`` is jax's error for a value typed for Explicit axes met in Auto mode."""
+    return any(m in str(e) for m in _MODE_ERRORS)
 
 
 def _message(name, mesh, stand_in_error, error) -> str:
