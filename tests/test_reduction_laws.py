@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import ClassVar
 
 import _models as M
 import jax
 import jax.numpy as jnp
 import pytest
+from test_reduction_protocol import MaxAbs  # (the docs' reduction: docs/extending.md)
 
 import jaxpr_surgery as js
 from jaxpr_surgery._src import reductions as R
@@ -40,22 +40,6 @@ def test_built_in_reductions_keep_the_laws(name, dtype):
     assert laws[:5] == ["aval", "merge", "add_examples", "zeros", "combine_axis"], laws
     if name in ("centered", "central_moments"):  # (centred values: shares and copies)
         assert {"combined_share", "combine_copies", "from_weighted"} <= set(laws), laws
-
-
-@dataclasses.dataclass(frozen=True)
-class MaxAbs(js.stats.Reduction):
-    """The docs' reduction (docs/extending.md): ``max_b |g_b|``, whose merge is no sum."""
-
-    feature_blocks: ClassVar[str] = "place"
-
-    def aval(self, shape, dtype, B):
-        return jax.ShapeDtypeStruct(tuple(shape), dtype)
-
-    def from_examples(self, G):
-        return jnp.max(jnp.abs(G), axis=0)
-
-    def merge(self, a, na, b, nb):
-        return jnp.maximum(a, b)
 
 
 @dataclasses.dataclass(frozen=True)

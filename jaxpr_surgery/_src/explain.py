@@ -280,18 +280,17 @@ def explain(
         opts = dataclasses.replace(opts, chunk_size=chunk_size, memory_budget_bytes=budget)
         # traced with the collector paused, as the entries trace (api.collector_paused)
         with collector_paused():
-            explicit_axes = Prepared(f, args, opts, "explain").explicit
-            if explicit_axes is None:
-                found = analyse(f, args, opts, spec)
+            prep = Prepared(f, args, opts, "explain")
+            if prep.explicit is None:
+                found = analyse(prep, opts, spec)
             else:  # (in Auto mode, the loss's annotations dropped, as the entries run: api.py)
-                held = {}
+                held, untyped = {}, explicit.untyped(f, prep.explicit[0], "explain", args)
 
                 def held_analysis(*a):
-                    held["found"] = analyse(
-                        explicit.untyped(f, explicit_axes[0], "explain", args), a, opts, spec)
+                    held["found"] = analyse(Prepared(untyped, a, opts, "explain"), opts, spec)
                     return jnp.zeros(())
 
-                meshes.in_auto_mode(held_analysis, args, *explicit_axes)
+                meshes.in_auto_mode(held_analysis, args, *prep.explicit)
                 found = held["found"]
         prep, an, B, chunk, act, leaves, notes, verdict, closed, site_notes = found
         gflops = gmem = None
@@ -316,9 +315,9 @@ def explain(
             independence=verdict.kind,
         )
 
-    def analyse(f, args, opts, spec):
-        """The report's parts for ``f`` on ``args`` (example weights ``spec``)."""
-        prep = Prepared(f, args, opts, "explain")
+    def analyse(prep, opts, spec):
+        """The report's parts for the call `Prepared` as ``prep`` (example weights
+        ``spec``)."""
         front = front_half(prep, reductions, opts, "explain", check_budget=False)
         closed, an, B, chunk = front.closed, front.analysis, prep.B, front.chunk
         act = front.activation_bytes()

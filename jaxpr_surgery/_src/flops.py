@@ -47,11 +47,11 @@ def eqn_flops(eqn) -> float:
 
 def jaxpr_flops(jaxpr) -> float:
     """The estimated FLOPs of every equation of ``jaxpr``."""
-    return float(sum(eqn_flops(e) for e in jaxpr.eqns))
+    return vjp_flops(jaxpr.eqns)
 
 
 def vjp_flops(eqns) -> float:
     """The estimated FLOPs of the VJP of ``eqns`` (one example's) with respect to one
     operand: their forward's (the parameter's cotangent of a product is one product of
-    the same size: ``x^T dy`` for ``x @ w``)."""
+    the same size: ``x^T dy`` for ``x @ w``), the sum of each equation's."""
     return float(sum(eqn_flops(e) for e in eqns))

@@ -324,8 +324,12 @@ class EmbeddingKernel(Kernel):
         valid = ids >= 0
         return Rows(jnp.where(valid, ids, 0), valid, dy)
 
+    def _rows(self, ing):
+        """``ing`` as `Rows`: a context, or ingredients (`PackedRows`) unpacked."""
+        return self._unpack(ing) if isinstance(ing, PackedRows) else ing
+
     def materialise(self, ing):
-        ids, valid, dy = self._unpack(ing) if isinstance(ing, PackedRows) else ing
+        ids, valid, dy = self._rows(ing)
         return self._view(jax.vmap(lambda i, r: self._scatter(i[None], r[None]))(ids, dy))
 
     adds_in_place = True
@@ -359,7 +363,7 @@ class EmbeddingKernel(Kernel):
         return total.at[b, ids].add(dy.astype(total.dtype), mode="drop")
 
     def sq_norms(self, ing):
-        ids, valid, dy = self._unpack(ing) if isinstance(ing, PackedRows) else ing
+        ids, valid, dy = self._rows(ing)
         s, first = self._segments(ids, valid, dy)
         return jnp.sum(jnp.where(first[..., None], jnp.square(s), 0), axis=(1, 2))
 
