@@ -195,6 +195,7 @@ LAYERS = (
     # a site's requests and sink
     ("views", "norms", "example_weights", "prefix", "cuts", "custom_ops", "sink_keys", "flops",
      "explicit"),  # (explicit: a loss annotated for Explicit mesh axes, run in Auto mode)
+    ("walker",),  # how structured primitives nest jaxprs; the one walk of a jaxpr
     ("compat", "versions", "meshes"),
 )
 
@@ -333,6 +334,37 @@ def test_size_check_can_fail():
     assert not _too_long(sizes)
     assert _too_long({**sizes, "engine": 501})
     assert _too_long({**sizes, "views": MAX_LINES + 1})
+
+
+# --------------------------------------------------------------------------- #
+# One walker (issue 60): how a structured primitive nests a jaxpr is read in walker.py
+# alone; the passes reach nested jaxprs through its views (walker.nested, bodies)
+# --------------------------------------------------------------------------- #
+NESTED_READERS = {"call_parts", "remat_params", "scan_params", "custom_call_parts",
+                  "while_params", "cond_branches", "subjaxprs"}
+
+
+def nested_reads(source: str):
+    """``[(lineno, name)]`` of the reads of `NESTED_READERS` through ``compat``."""
+    return sorted(
+        (node.lineno, node.attr) for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute) and node.attr in NESTED_READERS
+        and _dotted(node.value) == "compat"
+    )
+
+
+def test_nested_jaxprs_are_read_by_the_walker_alone():
+    bad = []
+    for path, _, src, _ in _sources(SRC):
+        if path.name in ("compat.py", "walker.py"):
+            continue
+        bad += [f"{path.relative_to(PKG)}:{ln}: compat.{n}" for ln, n in nested_reads(src)]
+    assert not bad, "read nested jaxprs through walker.nested / walker.bodies:\n" + "\n".join(bad)
+
+
+def test_nested_read_check_can_fail():
+    assert nested_reads("x = compat.scan_params(eqn).length\n") == [(1, "scan_params")]
+    assert not nested_reads("x = walker.nested(eqn).length\n")
 
 
 # --------------------------------------------------------------------------- #

@@ -31,9 +31,8 @@ import dataclasses
 
 import numpy as np
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, walker
 from jaxpr_surgery._src.analysis_types import (
-    CALL_PRIMS,
     DATA,
     PARAM_TAGS,
     Analysis,
@@ -52,7 +51,7 @@ from jaxpr_surgery._src.analysis_types import (
 from jaxpr_surgery._src.sites import kind_for
 
 
-class _Analyzer:
+class _Analyzer(walker.Walker):
     def __init__(self, n_leaves, data_axes=frozenset()):
         self.leaves = [LeafInfo() for _ in range(n_leaves)]
         self.data_axes = frozenset(data_axes)
@@ -140,51 +139,37 @@ class _Analyzer:
             return Mixed(frozenset({tag.leaf}))
         return self.to_boundary(tag, where)
 
-    # -- main walk -------------------------------------------------------- #
-    def run(self, jaxpr, in_tags, path, scan_lengths):
-        env = {}
-
-        def read(v):
-            return None if is_literal(v) else env.get(v)
-
-        for v, t in zip(jaxpr.invars, in_tags):
-            env[v] = t
+    # -- main walk (`walker.Walker`: jit / remat / scan entered by the hooks in ENTER) -- #
+    def run(self, jaxpr, in_tags, path=(), scan_lengths=()):
+        """The tags of ``jaxpr``'s outputs; ``scan_lengths``: the lengths of the scans
+        enclosing it."""
+        for v in (*jaxpr.invars, *jaxpr.constvars):
             self.scope_of[v] = path
-        for v in jaxpr.constvars:
-            env[v] = None
-            self.scope_of[v] = path
+        return super().run(jaxpr, in_tags, path, scan_lengths)
 
-        for i, eqn in enumerate(jaxpr.eqns):
-            self.primitives.add(eqn.primitive)
-            p = path + (i,)
-            tags = [read(v) for v in eqn.invars]
-            self.track_onehot(eqn)
-            out_tags = self.eqn(eqn, tags, p, scan_lengths)
-            for v, t in zip(eqn.outvars, out_tags):
-                env[v] = t
-                self.scope_of[v] = path
-        return [read(v) for v in jaxpr.outvars]
+    def step(self, eqn, tags, path, scan_lengths):
+        self.primitives.add(eqn.primitive)
+        self.track_onehot(eqn)
+        for v in eqn.outvars:
+            self.scope_of[v] = path[:-1]
+        params_tags = [t for t in tags if isinstance(t, PARAM_TAGS)]
+        if params_tags and self.data_axes:
+            self.collective_on_parameter(eqn, params_tags)
+        return super().step(eqn, tags, path, scan_lengths)
 
-    def eqn(self, eqn, tags, path, scan_lengths):
+    def remat(self, eqn, view, tags, path, scan_lengths):
+        inner = [self.to_boundary(t, "checkpoint") for t in tags]
+        outs = self.run(view.jaxpr, inner, path, scan_lengths)
+        outs = [self.outer_scales(t, view.jaxpr, eqn) for t in outs]
+        return [self.leave(t, "checkpoint", path) for t in outs]
+
+    def equation(self, eqn, tags, path, scan_lengths):
         """The tags of ``eqn``'s outputs from its inputs' ``tags``; records sites and
         residual leaves on the way."""
         prim = eqn.primitive
         n_out = len(eqn.outvars)
         params_tags = [t for t in tags if isinstance(t, PARAM_TAGS)]
         has_data = any(t == DATA for t in tags)
-        if params_tags and self.data_axes:
-            self.collective_on_parameter(eqn, params_tags)
-
-        if prim in CALL_PRIMS:
-            return self.call(eqn, tags, path, scan_lengths, has_data)
-        if prim is compat.remat_p:
-            inner = [self.to_boundary(t, "checkpoint") for t in tags]
-            body = compat.remat_params(eqn).jaxpr
-            outs = self.run(body, inner, path, scan_lengths)
-            outs = [self.outer_scales(t, body, eqn) for t in outs]
-            return [self.leave(t, "checkpoint", path) for t in outs]
-        if prim is compat.scan_p:
-            return self.scan(eqn, tags, path, scan_lengths)
 
         if not params_tags:
             return [DATA if has_data else None] * n_out
@@ -196,11 +181,12 @@ class _Analyzer:
         # site of the generic kernel (the exact per-example VJP of the op, its view shared
         # by the examples: vmap(grad)'s cost), where every other construct with a body
         # is opaque (the leaf is read per example)
+        custom = walker.nest_of(eqn) is walker.Nest.CUSTOM
         custom_site = (
-            prim in compat.custom_prims and has_data and len(pvars) == 1
+            custom and has_data and len(pvars) == 1
             and not isinstance(params_tags[0], (Mixed, Merged))
         )
-        opaque = not custom_site and (bool(compat.subjaxprs(eqn)) or prim in compat.custom_prims)
+        opaque = not custom_site and (custom or bool(walker.bodies(eqn)))
         if not opaque:
             out = self.merged(eqn, tags, path, scan_lengths, has_data)
             if out is not None:
@@ -239,16 +225,17 @@ class _Analyzer:
         named = compat.collective_axes(eqn)
         axes = named & self.data_axes
         inner = eqn
-        if not axes and eqn.primitive not in (*CALL_PRIMS, compat.remat_p, compat.scan_p):
-            inner, axes = _collective_within(compat.subjaxprs(eqn), self.data_axes)
+        if not axes and not self.enters(eqn):
+            inner, axes = _collective_within(eqn, self.data_axes)
         if axes:
             self.crossing.append((self.union(params_tags), inner, axes))
         elif named:  # over other mesh axes only (a model axis): `Analysis.model_crossing`
             self.model_crossing.append((self.union(params_tags), eqn, named))
 
-    def call(self, eqn, tags, path, scan_lengths, has_data):
+    def call(self, eqn, view, tags, path, scan_lengths):
         """A jit / closed_call / call: its body is walked in place."""
-        jaxpr, _ = compat.call_parts(eqn)
+        jaxpr = view.jaxpr
+        has_data = any(t == DATA for t in tags)
         opaque = self.parameter_only_call(eqn, tags, has_data)
         if opaque is not None and opaque[0].pre:  # already transformed: one more step
             return [self.extend_pre(*opaque, eqn)]
@@ -468,8 +455,7 @@ class _Analyzer:
         for t in tags:
             self.residual(t, reason)
 
-    def scan(self, eqn, tags, path, scan_lengths):
-        prm = compat.scan_params(eqn)
+    def scan(self, eqn, prm, tags, path, scan_lengths):
         nc, ncar = prm.num_consts, prm.num_carry
         body = prm.jaxpr
         consts, carry, xs = tags[:nc], tags[nc : nc + ncar], tags[nc + ncar :]
@@ -494,6 +480,8 @@ class _Analyzer:
                 self.residual(t, "returned from lax.scan")
         outs = [DATA if isinstance(t, PARAM_TAGS) else t for t in outs]
         return outs
+
+    ENTER = {walker.Nest.CALL: call, walker.Nest.REMAT: remat, walker.Nest.SCAN: scan}
 
 
 def _site_inputs(tag, eqn, base, extra):
@@ -520,17 +508,14 @@ def _site_inputs(tag, eqn, base, extra):
     return tuple(ext)
 
 
-def _collective_within(jaxprs, data_axes):
-    """``(eqn, axes)`` of the first collective over ``data_axes`` in ``jaxprs`` or the
-    jaxprs they call, else ``(None, frozenset())``."""
-    for j in jaxprs:
-        for e in getattr(j, "jaxpr", j).eqns:
+def _collective_within(eqn, data_axes):
+    """``(eqn, axes)`` of the first collective over ``data_axes`` in the jaxprs ``eqn``
+    holds, at any depth, else ``(None, frozenset())``."""
+    for sub in walker.bodies(eqn):
+        for e in walker.equations(sub):
             axes = compat.collective_axes(e) & data_axes
             if axes:
                 return e, axes
-            found = _collective_within(compat.subjaxprs(e), data_axes)
-            if found[1]:
-                return found
     return None, frozenset()
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, walker
 from jaxpr_surgery._src.arguments import is_array, norm_nums
 
 _NAME = "check_per_example"
@@ -272,8 +272,8 @@ def _least_precise(probe, loss_dtype):
                 if (dt is not None and jnp.issubdtype(dt, jnp.floating)
                         and jnp.finfo(dt).eps > jnp.finfo(worst).eps):
                     worst = jnp.dtype(dt)
-            for sub in compat.subjaxprs(eqn):
-                visit(getattr(sub, "jaxpr", sub))
+            for sub in walker.bodies(eqn):
+                visit(sub)
 
     visit(closed.jaxpr)
     return worst

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, cuts, tiling
+from jaxpr_surgery._src import compat, cuts, tiling, walker
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.reductions import acc_dtype_for
 
@@ -64,9 +64,7 @@ _ABOVE_SLACK = 1.25
 # (32 MiB) and above what one heap of a thread's own arena holds (64 MiB).
 _PROBE_BYTES = 80 << 20
 
-_LOOKED_INTO = (compat.jit_p, *compat.custom_prims) + tuple(
-    p for p in (compat.closed_call_p, compat.call_p) if p is not None
-)
+_LOOKED_INTO = (walker.Nest.CALL, walker.Nest.CUSTOM)
 
 
 def _nbytes(v) -> int:
@@ -91,8 +89,7 @@ def activation_bytes(jaxpr, data_in) -> int:
         flags = [not isinstance(v, compat.Literal) and v in data for v in eqn.invars]
         if not any(flags):
             continue
-        subs = compat.subjaxprs(eqn) if eqn.primitive in _LOOKED_INTO else []
-        inner = compat.closed_parts(subs[0])[0] if len(subs) == 1 else None
+        inner = walker.nested(eqn).jaxpr if walker.nest_of(eqn) in _LOOKED_INTO else None
         if inner is not None and len(inner.invars) == len(flags):
             total += activation_bytes(inner, flags)
         else:

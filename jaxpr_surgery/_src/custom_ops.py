@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, walker
 
 _BY_RULE: dict = {}  # the op's derivative function (`_rule_fn`) -> `_Entry`
 # (registration, (argument tree, nondiff arguments), operand types) -> the printed jaxpr
@@ -309,7 +309,7 @@ def entry_of(eqn):
             text = ""
         if key is not None:
             _PRIMAL_TEXT[key] = text
-    if text != compat.jaxpr_text(compat.custom_call_parts(eqn)[0], vma=False):
+    if text != compat.jaxpr_text(walker.nested(eqn).jaxpr, vma=False):
         return None  # another op sharing the backward function
     return entry, call
 
@@ -366,8 +366,8 @@ def ops_in(closed) -> list:
             hit = entry_of(eqn)
             if hit is not None:
                 found.setdefault(id(hit[0]), hit[0])
-            for sub in compat.subjaxprs(eqn):
-                walk(compat.closed_parts(sub)[0])
+            for sub in walker.bodies(eqn):
+                walk(sub)
 
     walk(closed.jaxpr)
     return list(found.values())

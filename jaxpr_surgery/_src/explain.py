@@ -25,6 +25,7 @@ from jaxpr_surgery._src import (
     kron,
     meshes,
     tiling,
+    walker,
 )
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import stats as S
@@ -711,7 +712,7 @@ def _annotate(jaxpr, site_notes):
             if notes and src:
                 text += f" [{src}]"
             lines.append(" " * indent + text)
-            for sub in compat.subjaxprs(eqn):
+            for sub in walker.bodies(eqn):
                 if any(q[: len(p)] == p and len(q) > len(p) for q in site_notes):
                     lines.append(" " * (indent + 2) + f"-- inside {eqn.primitive}:")
                     walk(sub, p, indent + 4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, walker
 
 
 def _size(aval) -> int:
@@ -37,11 +37,11 @@ def eqn_flops(eqn) -> float:
     rule = _PRODUCTS.get(eqn.primitive)
     if rule is not None:
         return rule(eqn)
-    subs = compat.subjaxprs(eqn)
+    subs = walker.bodies(eqn)
     if subs:
-        reps = compat.scan_params(eqn).length if eqn.primitive is compat.scan_p else 1
+        reps = walker.nested(eqn).length if walker.nest_of(eqn) is walker.Nest.SCAN else 1
         # (a custom op's body and its rules: the body, as the forward computes)
-        return float(reps * max(jaxpr_flops(compat.closed_parts(s)[0]) for s in subs))
+        return float(reps * max(jaxpr_flops(s) for s in subs))
     return float(sum(_size(v.aval) for v in eqn.outvars))
 
 

@@ -16,9 +16,8 @@ import collections
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, walker
 from jaxpr_surgery._src import fingerprint as fp
-from jaxpr_surgery._src.analysis_types import CALL_PRIMS
 from jaxpr_surgery._src.sites.base import map_eqn
 
 
@@ -39,8 +38,7 @@ def _holds_map_alone(eqn, memo):
     """Whether a jaxpr inside ``eqn`` holds a primitive of `compat.BATCH_EVERY_OPERAND`
     (jax.vmap of the call would raise: the call is evaluated equation by equation).
     ``memo``: id(jaxpr) -> (jaxpr, answer), for one trace."""
-    for j in compat.subjaxprs(eqn):
-        j = getattr(j, "jaxpr", j)
+    for j in walker.bodies(eqn):
         hit = memo.get(id(j))
         if hit is None:
             held = any(
@@ -105,9 +103,9 @@ def _bind_unit_squeezed(eqn, ins, units):
 def _holds_unit_dot(eqn, memo) -> bool:
     """Whether a plain call ``eqn`` (`compat.plain_call`) holds, also through plain calls
     inside it, a dot with unit batch dimensions. ``memo``: id(jaxpr) -> (jaxpr, answer)."""
-    if eqn.primitive not in CALL_PRIMS or not compat.plain_call(eqn):
+    if walker.nest_of(eqn) is not walker.Nest.CALL or not compat.plain_call(eqn):
         return False
-    j = compat.call_parts(eqn)[0]
+    j = walker.nested(eqn).jaxpr
     hit = memo.get(id(j))
     if hit is None:
         held = any(_unit_batch_dims(e) or _holds_unit_dot(e, memo) for e in j.eqns)
@@ -123,8 +121,9 @@ def _bind_ordinary(eqn, ins, memo):
     if units:
         return _bind_unit_squeezed(eqn, ins, units)
     if _holds_unit_dot(eqn, memo):
-        sub, consts = compat.call_parts(eqn)
-        local = dict(zip(sub.constvars, consts))
+        view = walker.nested(eqn)
+        sub = view.jaxpr
+        local = dict(zip(sub.constvars, view.consts))
         local.update(zip(sub.invars, ins))
         for e in sub.eqns:
             vals = [v.val if isinstance(v, compat.Literal) else local[v] for v in e.invars]
@@ -156,7 +155,13 @@ def _segment_fn(eqns, inputs, in_flags, out_flags, B):
     return fn
 
 
-class Evaluator:
+class Evaluator(walker.Walker):
+    """The batched evaluation (module docstring): a `walker.Walker` whose values are
+    ``(value, batched)`` pairs and whose context is the run's environment and sinks;
+    its walk evaluates each run of ordinary equations as one ``jax.vmap`` (`segment`)
+    and each repeated layer as one ``jax.jit`` (`block`); a site by its kernel (`site`);
+    a call, checkpoint or scan with a site inside by its hook (`ENTER`)."""
+
     def __init__(self, analysis, kernels, site_fn, B, cache):
         self.an = analysis
         self.kernels = kernels  # path -> Kernel
@@ -188,13 +193,17 @@ class Evaluator:
                 i = j
                 continue
             j = next((s for s in starts if s > i), n)
-            self._run_eqns(jaxpr, i, j, env, sinks, path)
+            self.walk(jaxpr, env, path, i, j, sinks)
             i = j
         res = [_read(env, v) for v in jaxpr.outvars]
         return [a for a, _ in res], [b for _, b in res]
 
-    def _run_eqns(self, jaxpr, start, stop, env, sinks, path):
-        """Evaluates ``jaxpr.eqns[start:stop]`` into ``env`` (var -> (value, batched))."""
+    def read(self, env, v):
+        return _read(env, v)
+
+    def walk(self, jaxpr, env, path, start, stop, sinks):
+        """Evaluates ``jaxpr.eqns[start:stop]`` into ``env`` (var -> (value, batched)):
+        each run of ordinary equations by `segment`, the others by `step`."""
         eqns = jaxpr.eqns
         read = lambda v: _read(env, v)  # noqa: E731
         i = start
@@ -209,21 +218,18 @@ class Evaluator:
                 self.segment(eqns[i:j], env, read)
                 i = j
                 continue
-            ins = [read(v) for v in eqn.invars]
-            iv, fl = [a for a, _ in ins], [b for _, b in ins]
-            outer = [(v, env[v]) for v in self.an.forwards.get(p, ())]
-            if p in self.an.sites:
-                outs, ofl = self.site(p, env, read, sinks)
-            elif eqn.primitive in CALL_PRIMS:
-                sub, sub_consts = compat.call_parts(eqn)
-                outs, ofl = self.run(sub, sub_consts, iv, fl, sinks, p, outer)
-            elif eqn.primitive is compat.remat_p:
-                outs, ofl = self.remat(eqn, iv, fl, sinks, p, outer)
-            else:
-                outs, ofl = self.scan(eqn, iv, fl, sinks, p, outer)
-            for v, o, f in zip(eqn.outvars, outs, ofl):
-                env[v] = (o, f)
+            outs = self.step(eqn, [read(v) for v in eqn.invars], p, env, sinks)
+            env.update(zip(eqn.outvars, outs))
             i += 1
+
+    def step(self, eqn, ins, p, env, sinks):
+        if p in self.an.sites:
+            return self.site(p, env, lambda v: _read(env, v), sinks)
+        return super().step(eqn, ins, p, env, sinks)
+
+    def equation(self, eqn, ins, p, env, sinks):
+        self.segment([eqn], env, lambda v: _read(env, v))
+        return [env[v] for v in eqn.outvars]
 
     # ------------------------------------------------------------------ #
     # Repeated layers: one jit per layer-sized block of equations
@@ -380,7 +386,7 @@ class Evaluator:
 
             def fn(vals, sink_list):
                 sub = {v: (x, f) for v, x, f in zip(inputs, vals, in_flags)}
-                self._run_eqns(jaxpr, start, stop, sub, dict(zip(inner_sites, sink_list)), path)
+                self.walk(jaxpr, sub, path, start, stop, dict(zip(inner_sites, sink_list)))
                 res = [sub[v] for v in outs]
                 holder["flags"] = [f for _, f in res]
                 return [x for x, _ in res]
@@ -412,11 +418,7 @@ class Evaluator:
         maps only with every operand batched, `_maps_alone`): evaluated by hand."""
         if p in self.an.sites:
             return True
-        return (p in self.an.scopes or _holds_map_alone(eqn, self._holds)) and (
-            eqn.primitive in CALL_PRIMS
-            or eqn.primitive is compat.remat_p
-            or eqn.primitive is compat.scan_p
-        )
+        return (p in self.an.scopes or _holds_map_alone(eqn, self._holds)) and self.enters(eqn)
 
     def constant_eqn(self, eqn) -> bool:
         """``eqn`` computes from the jaxpr's constants and literals alone.
@@ -530,7 +532,7 @@ class Evaluator:
                 outs = tuple(self.site_fn(site, *args))
             else:
                 outs = tuple(self.site_fn.tap(site, outs, *args))
-        return list(outs), [True] * len(outs)
+        return [(o, True) for o in outs]
 
     def _sub_sinks(self, sinks, p):
         return {k: v for k, v in sinks.items() if k[: len(p)] == p and len(k) > len(p)}
@@ -543,10 +545,21 @@ class Evaluator:
             if isinstance(vo, compat.Literal) or vo in self.consts:
                 self.consts.add(vi)
 
-    def remat(self, eqn, vals, flags, sinks, p, outer=()):
+    def _outer(self, p, env):
+        """``(var, (value, batched))`` of this scope's values that sites inside the
+        equation at ``p`` read (`analysis_types.Analysis.forwards`)."""
+        return [(v, env[v]) for v in self.an.forwards.get(p, ())]
+
+    def call(self, eqn, view, ins, p, env, sinks):
+        outs, ofl = self.run(view.jaxpr, view.consts, [a for a, _ in ins], [b for _, b in ins],
+                             sinks, p, self._outer(p, env))
+        return list(zip(outs, ofl))
+
+    def remat(self, eqn, prm, ins, p, env, sinks):
+        vals, flags = [a for a, _ in ins], [b for _, b in ins]
+        outer = self._outer(p, env)
         sub_sinks = self._sub_sinks(sinks, p)
         out_flags = []
-        prm = compat.remat_params(eqn)
         self._inherit_consts(eqn.invars, prm.jaxpr.invars)
         outer_vars = [v for v, _ in outer]
         outer_flags = [f for _, (_, f) in outer]
@@ -559,10 +572,11 @@ class Evaluator:
 
         ck = jax.checkpoint(f, prevent_cse=prm.prevent_cse, policy=prm.policy)
         outs = ck(list(vals), sub_sinks, [x for _, (x, _) in outer])
-        return outs, list(out_flags)
+        return list(zip(outs, out_flags))
 
-    def scan(self, eqn, vals, flags, sinks, p, outer=()):
-        prm = compat.scan_params(eqn)
+    def scan(self, eqn, prm, ins, p, env, sinks):
+        vals, flags = [a for a, _ in ins], [b for _, b in ins]
+        outer = self._outer(p, env)
         nc, ncar, L = prm.num_consts, prm.num_carry, prm.length
         self._inherit_consts(eqn.invars[:nc], prm.jaxpr.invars[:nc])
         consts, cf = vals[:nc], flags[:nc]
@@ -597,4 +611,6 @@ class Evaluator:
             step, init, (xs, sub_sinks), length=L, reverse=prm.reverse, unroll=prm.unroll
         )
         ys = [jnp.moveaxis(y, 0, 1) if f else y for y, f in zip(ys, ys_flags)]
-        return list(carry) + list(ys), [True] * ncar + list(ys_flags)
+        return [(c, True) for c in carry] + list(zip(ys, ys_flags))
+
+    ENTER = {walker.Nest.CALL: call, walker.Nest.REMAT: remat, walker.Nest.SCAN: scan}

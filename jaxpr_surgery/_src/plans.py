@@ -13,7 +13,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import compat, cuts, views
+from jaxpr_surgery._src import compat, cuts, views, walker
 from jaxpr_surgery._src import sink_keys as K
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.analysis_types import LeafUse
@@ -162,12 +162,7 @@ def site_request(plan, site):
 
 def uses_remat(jaxpr) -> bool:
     """Whether the jaxpr (or one it calls) contains ``jax.checkpoint``."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is compat.remat_p:
-            return True
-        if any(uses_remat(getattr(j, "jaxpr", j)) for j in compat.subjaxprs(eqn)):
-            return True
-    return False
+    return any(walker.nest_of(e) is walker.Nest.REMAT for e in walker.equations(jaxpr))
 
 
 def clips_by_recompute(jaxpr) -> bool:

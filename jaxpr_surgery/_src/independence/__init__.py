@@ -61,7 +61,7 @@ import warnings
 import jax
 import numpy as np
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, walker
 from jaxpr_surgery._src.independence.interp import _Interp
 from jaxpr_surgery._src.independence.tables import _leaf_lined
 from jaxpr_surgery._src.independence.tags import (
@@ -109,23 +109,11 @@ SKIPPED = "not checked"
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _path_to(jaxpr, target):
-    """The equations from ``jaxpr``'s down to ``target`` (found by identity), or None."""
-    for eqn in jaxpr.eqns:
-        if eqn is target:
-            return [eqn]
-        for sub in compat.subjaxprs(eqn):
-            inner = _path_to(getattr(sub, "jaxpr", sub), target)
-            if inner is not None:
-                return [eqn, *inner]
-    return None
-
-
 def _where(eqn, root):
     """``prim`` at the innermost user line, and the line in the user's function calling it.
     Equations traced inside a library's ``jit`` (``jnp.nanmean``) record no user frame:
     they are placed at the nearest enclosing call that does."""
-    path = _path_to(root, eqn) or [eqn]
+    path = walker.path_to(root, eqn) or [eqn]
     what = f"`{eqn.primitive}`"
     for outer in reversed(path):
         frames = compat.user_frames(outer, _PACKAGE_DIR)

@@ -8,10 +8,9 @@ import dataclasses
 
 import numpy as np
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, walker
 from jaxpr_surgery._src.independence.layout import _reduce_tag, _summed, _whole_axis
 from jaxpr_surgery._src.independence.tags import (
-    _CALLS,
     Acc,
     Cross,
     Cur,
@@ -326,16 +325,9 @@ def _enter_run(it, eqn, jaxpr, tags):
     return outs
 
 
-def _call(it, eqn, tags):
-    return _enter_run(it, eqn, compat.call_parts(eqn)[0], tags)
-
-
-def _custom(it, eqn, tags):
-    return _enter_run(it, eqn, compat.custom_call_parts(eqn)[0], tags)
-
-
-def _remat(it, eqn, tags):
-    return _enter_run(it, eqn, compat.remat_params(eqn).jaxpr, tags)
+def _once(it, eqn, view, tags, path):
+    """A call, checkpoint or custom_vjp / custom_jvp call (`walker.Once`): its body."""
+    return _enter_run(it, eqn, view.jaxpr, tags)
 
 
 def _counters(prm, nc, ncar, outer):
@@ -358,8 +350,7 @@ def _counters(prm, nc, ncar, outer):
     return found
 
 
-def _scan(it, eqn, tags):
-    prm = compat.scan_params(eqn)
+def _scan(it, eqn, prm, tags, path):
     nc, ncar = prm.num_consts, prm.num_carry
     level, xs = None, []
     for t in tags[nc + ncar :]:
@@ -405,8 +396,7 @@ def _scan(it, eqn, tags):
     return done + out
 
 
-def _while(it, eqn, tags):
-    wp = compat.while_params(eqn)
+def _while(it, eqn, wp, tags, path):
     cn, bn = wp.cond_nconsts, wp.body_nconsts
     it.enter(eqn.invars[:cn], wp.cond.invars[:cn])
     it.enter([], wp.cond.invars[cn:])
@@ -466,7 +456,7 @@ def _masked_loop(eqn, wp, carry, cond_tags, elementwise):
     return True
 
 
-class _Numbering:
+class _Numbering(walker.Walker):
     """Value numbering of a loop's cond and body: equal numbers, equal computations.
     Broadcasts along trailing axes (``keepdims``, ``jnp.where``'s broadcast of a
     predicate) are seen through where an elementwise op consumes them (`strip`):
@@ -503,30 +493,31 @@ class _Numbering:
             node = self.nodes[k]
         return k
 
-    def run(self, jaxpr, in_keys):
+    def read(self, env, v):
+        if _is_literal(v):
+            return self.literal(v)
+        if v not in env:
+            env[v] = self.intern(("free", id(v)))
+        return env[v]
+
+    def run(self, jaxpr, in_keys, path=()):
         env = self.envs[id(jaxpr)] = dict(zip(jaxpr.invars, in_keys))
+        self.walk(jaxpr, env, path, 0, len(jaxpr.eqns))
+        return [self.read(env, v) for v in jaxpr.outvars]
 
-        def key(v):
-            if _is_literal(v):
-                return self.literal(v)
-            if v not in env:
-                env[v] = self.intern(("free", id(v)))
-            return env[v]
+    def call(self, eqn, view, ins, path):
+        return self.run(view.jaxpr, ins, path)
 
-        for eqn in jaxpr.eqns:
-            ins = [key(v) for v in eqn.invars]
-            prim = eqn.primitive
-            if prim in _CALLS:
-                outs = self.run(compat.call_parts(eqn)[0], ins)
-            elif _trailing_broadcast(eqn):
-                outs = [self.intern(("trailing", ins[0], _shape(eqn.outvars[0])))]
-            elif compat.subjaxprs(eqn) or len(eqn.outvars) != 1:
-                outs = [self.intern(("opaque", id(eqn), k)) for k in range(len(eqn.outvars))]
-            else:
-                args = tuple(self.strip(k) for k in ins) if self.elementwise(prim) else tuple(ins)
-                outs = [self.intern((prim, _freeze(eqn.params), args))]
-            env.update(zip(eqn.outvars, outs))
-        return [key(v) for v in jaxpr.outvars]
+    def equation(self, eqn, ins, path):
+        prim = eqn.primitive
+        if _trailing_broadcast(eqn):
+            return [self.intern(("trailing", ins[0], _shape(eqn.outvars[0])))]
+        if walker.bodies(eqn) or len(eqn.outvars) != 1:
+            return [self.intern(("opaque", id(eqn), k)) for k in range(len(eqn.outvars))]
+        args = tuple(self.strip(k) for k in ins) if self.elementwise(prim) else tuple(ins)
+        return [self.intern((prim, _freeze(eqn.params), args))]
+
+    ENTER = {walker.Nest.CALL: call}
 
 
 def _trailing_broadcast(eqn):
@@ -561,10 +552,10 @@ def _freeze(params):
     return tuple(out)
 
 
-def _cond(it, eqn, tags):
+def _cond(it, eqn, branches, tags, path):
     idx, ops = tags[0], tags[1:]
     outs = None
-    for br in compat.cond_branches(eqn):
+    for br in branches.jaxprs:
         it.enter(eqn.invars[1:], br.invars)
         o = it.run(br, ops, outer=dict(zip(br.invars, eqn.invars[1:])))
         outs = o if outs is None else [it.join(eqn, a, b) for a, b in zip(outs, o)]

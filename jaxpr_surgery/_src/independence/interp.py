@@ -11,13 +11,12 @@ import math
 import jax
 import numpy as np
 
-from jaxpr_surgery._src import compat, fingerprint
+from jaxpr_surgery._src import compat, fingerprint, walker
 from jaxpr_surgery._src.independence.layout import _elementwise, _identity
 from jaxpr_surgery._src.independence.tables import (
     _ACCUMULATING,
     _ADDING,
     _COLLECTIVES,
-    _CUSTOM,
     _FOLD,
     _LINEAR,
     _LINED_RULES,
@@ -31,7 +30,6 @@ from jaxpr_surgery._src.independence.tables import (
 )
 from jaxpr_surgery._src.independence.tags import (
     _ACC_WHY,
-    _CALLS,
     _MAX_ROUNDS,
     _PAIRED_FIX,
     Acc,
@@ -75,7 +73,7 @@ class _Frame:
         self.inputs = None
 
 
-class _Interp:
+class _Interp(walker.Walker):
     def __init__(self, B: int, data_axes: frozenset):
         self.B = B
         self.data_axes = data_axes
@@ -110,32 +108,26 @@ class _Interp:
         env = {} if env is None else env
         for v, t in zip(jaxpr.invars, in_tags):
             env[v] = t
-
-        def read(v):
-            return None if _is_literal(v) else env.get(v)
-
         parent = self.frames[-1] if self.frames else None
         frame = _Frame(jaxpr, env, outer, parent, next(self.serials))
         if call is not None and parent is not None:
             parent.calls[id(call)] = frame  # its results' keys are its body's (`number`)
         self.frames.append(frame)
         try:
-            for eqn in jaxpr.eqns:
-                tags = [read(v) for v in eqn.invars]
-                if eqn.primitive in _TRACKED:
-                    self.track(eqn)
-                if all(t is None for t in tags):
-                    outs = [None] * len(eqn.outvars)  # a function of constants only
-                    self.follow_lined(eqn)
-                else:
-                    for v in eqn.outvars:  # tagged by the rules; calls pass theirs out
-                        self.lined.pop(v, None)
-                    outs = self.eqn(eqn, tags)
-                for v, t in zip(eqn.outvars, outs):
-                    env[v] = t
+            self.walk(jaxpr, env, (), 0, len(jaxpr.eqns))
         finally:
             self.frames.pop()
-        return [read(v) for v in jaxpr.outvars]
+        return [self.read(env, v) for v in jaxpr.outvars]
+
+    def step(self, eqn, tags, path):
+        if eqn.primitive in _TRACKED:
+            self.track(eqn)
+        if all(t is None for t in tags):
+            self.follow_lined(eqn)
+            return [None] * len(eqn.outvars)  # a function of constants only
+        for v in eqn.outvars:  # tagged by the rules; calls pass theirs out
+            self.lined.pop(v, None)
+        return super().step(eqn, tags, path)  # the structured ones: `ENTER`
 
     # -- what computed a value: keys ------------------------------------------ #
     def intern(self, node) -> int:
@@ -263,7 +255,8 @@ class _Interp:
         return self.key(v)
 
     def params_key(self, prim, params):
-        custom = prim in _CUSTOM  # their rules' callables: the primal is in the jaxpr
+        # a custom_vjp / custom_jvp call's rules are callables: its primal is in the jaxpr
+        custom = walker.NESTS.get(prim) is walker.Nest.CUSTOM
         return tuple((name, self.param_key(params[name], custom)) for name in sorted(params))
 
     def param_key(self, value, custom):
@@ -298,11 +291,12 @@ class _Interp:
         self.jaxpr_keys[id(jaxpr)] = (jaxpr, k)
         return k
 
-    def eqn(self, eqn, tags):
+    # structured equations (`walker.Nest`): their hooks recurse, and see Cross and Unknown
+    # operands themselves
+    ENTER = _STRUCTURED
+
+    def equation(self, eqn, tags, path=()):
         prim, n = eqn.primitive, len(eqn.outvars)
-        structured = _STRUCTURED.get(prim)
-        if structured is not None:  # recurses: sees Cross and Unknown operands itself
-            return structured(self, eqn, tags)
         for t in tags:
             if isinstance(t, Cross):
                 return [t] * n
@@ -310,7 +304,7 @@ class _Interp:
         if doubt is not None:
             if any(isinstance(t, Unknown) and t.under is None for t in tags):
                 return [doubt] * n
-            outs = self.eqn(eqn, [t.under if isinstance(t, Unknown) else t for t in tags])
+            outs = self.equation(eqn, [t.under if isinstance(t, Unknown) else t for t in tags])
             return [o if o is None or isinstance(o, (Cross, Unknown))
                     else dataclasses.replace(doubt, under=o) for o in outs]
         live = [t for t in tags if t is not None]
@@ -607,10 +601,8 @@ class _Interp:
     def follow_lined(self, eqn):
         """The `Lined` axes of the results of an equation on constants only."""
         prim = eqn.primitive
-        if prim in _CALLS or prim in _CUSTOM or prim is compat.remat_p:
-            body = (compat.remat_params(eqn).jaxpr if prim is compat.remat_p
-                    else compat.call_parts(eqn)[0] if prim in _CALLS
-                    else compat.custom_call_parts(eqn)[0])
+        body = walker.body(eqn)  # a call, checkpoint or custom_vjp / custom_jvp call
+        if body is not None:
             self.enter(eqn.invars, body.invars)
             self.run(body, [None] * len(body.invars), outer=dict(zip(body.invars, eqn.invars)),
                      call=eqn)

@@ -7,17 +7,15 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, walker
 from jaxpr_surgery._src.independence.control import (
-    _call,
     _collective,
     _cond,
     _conv,
-    _custom,
     _dot_general,
     _gather,
+    _once,
     _reduce_window,
-    _remat,
     _scan,
     _scatter,
     _while,
@@ -45,7 +43,7 @@ from jaxpr_surgery._src.independence.layout import (
     _transpose,
     _unstack,
 )
-from jaxpr_surgery._src.independence.tags import _CALLS, Ex, Lined, P, _shape, reshape_axis
+from jaxpr_surgery._src.independence.tags import Ex, Lined, P, _shape, reshape_axis
 
 
 # --------------------------------------------------------------------------- #
@@ -60,17 +58,15 @@ def _table(entries):
     return out
 
 
-_CUSTOM = tuple(compat.custom_prims)
-
-
-_STRUCTURED = _table([
-    (_CALLS, _call),
-    (compat.custom_prims, _custom),
-    ((compat.remat_p,), _remat),
-    ((compat.scan_p,), _scan),
-    ((compat.while_p,), _while),
-    ((compat.cond_p,), _cond),
-])
+# the proof's hooks for the structured equations (`walker.Walker.ENTER`)
+_STRUCTURED = {
+    walker.Nest.CALL: _once,
+    walker.Nest.REMAT: _once,
+    walker.Nest.CUSTOM: _once,
+    walker.Nest.SCAN: _scan,
+    walker.Nest.WHILE: _while,
+    walker.Nest.COND: _cond,
+}
 
 
 _IDENTITY = (

@@ -261,4 +261,3 @@ def reshape_axis(in_shape, out_shape, t: Ex, B: int):
     return None
 
 
-_CALLS = tuple(p for p in (compat.jit_p, compat.closed_call_p, compat.call_p) if p is not None)
