@@ -351,8 +351,9 @@ def test_take_along_axis_forms_are_embeddings():
 
 def test_strided_and_dynamic_slices_pad_with_a_zero_gradient():
     from jaxpr_surgery._src.analysis_types import LayoutOp
+    from jaxpr_surgery._src.views import Step
 
-    op = LayoutOp("slice", (7, 5), (3, 2), start=(1, 2), stride=(2, 1))
+    op = LayoutOp(Step.SLICE, (7, 5), (3, 2), start=(1, 2), stride=(2, 1))
     v = jnp.arange(6.0).reshape(3, 2) + 1
     full = op.inverse(v[None], fill=-1.0)[0]
     want = -np.ones((7, 5))

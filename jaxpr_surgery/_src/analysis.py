@@ -28,6 +28,7 @@ is evaluated by the first one's kernel; the others are *taps* of it
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,6 +50,8 @@ from jaxpr_surgery._src.analysis_types import (
     shape_of,
 )
 from jaxpr_surgery._src.sites import kind_for
+from jaxpr_surgery._src.sites.base import MergedUse, OneHot
+from jaxpr_surgery._src.views import Factor, Step
 
 
 class _Analyzer(walker.Walker):
@@ -61,7 +64,8 @@ class _Analyzer(walker.Walker):
         self.model_crossing = []
         self.sites = {}
         self.primitives = set()
-        self.patterns = {}  # Var -> ("bcast"|"iota"|"eq"|"onehot", info): one-hot detection
+        self.patterns = {}  # Var -> OneHot | MergedUse (`analysis_types.Patterns`)
+        self.onehot_parts = {}  # Var -> _Bcast | _Iota | OneHot (compared, not converted)
         self.scope_of = {}  # Var -> path of the jaxpr run that defines it (scale operands)
         self.groups = []  # [(site, is_factor), ...] of each site of a `Merged` weight
 
@@ -259,10 +263,10 @@ class _Analyzer(walker.Walker):
         into it are one-hot vectors of the ids outside."""
         for vi, vo in zip(jaxpr.outvars, eqn.outvars):
             pat = self.patterns.get(vi)
-            if pat and pat[0] == "onehot" and pat[1][0] in jaxpr.invars:
-                outer_ids = eqn.invars[jaxpr.invars.index(pat[1][0])]
+            if isinstance(pat, OneHot) and pat.ids in jaxpr.invars:
+                outer_ids = eqn.invars[jaxpr.invars.index(pat.ids)]
                 if not is_literal(outer_ids):
-                    self.patterns[vo] = ("onehot", (outer_ids,) + pat[1][1:])
+                    self.patterns[vo] = pat._replace(ids=outer_ids)
 
     def parameter_only(self, eqn, tags, tag, pv, pos):
         """An op on the view ``tag`` (held by ``pv``, operands ``pos``) and constants:
@@ -342,7 +346,7 @@ class _Analyzer(walker.Walker):
                 return [dataclasses.replace(
                     m, steps=m.steps + (eqn,), scales=m.scales + (sc,), frozen=frozen)]
             op = layout_op(eqn)
-            if (op is not None and op.kind in ("identity", "transpose") and k == 0
+            if (op is not None and op.kind in (Step.IDENTITY, Step.TRANSPOSE) and k == 0
                     and all(is_literal(v) for v in eqn.invars[1:])):
                 return [dataclasses.replace(m, steps=m.steps + (eqn,))]
         return self.base_weight(eqn, tags, m, k)
@@ -358,7 +362,7 @@ class _Analyzer(walker.Walker):
             return None
         j = 1 - k
         other = tags[j]
-        neg = (Scale("neg"),) if eqn.primitive is compat.sub_p else ()
+        neg = (Scale(Factor.NEG),) if eqn.primitive is compat.sub_p else ()
         steps = m.steps + (eqn,)
         scales = m.scales + (neg if k == 1 else ())
         if other is None:
@@ -400,7 +404,7 @@ class _Analyzer(walker.Walker):
         if any(t.depth < len(scan_lengths) for t, *_ in members):
             self.residual(m, "closed over by lax.scan (used in every iteration)" + _at(eqn))
             return
-        self.patterns[eqn.invars[k]] = ("merged", m)  # for the kernels' `matches`
+        self.patterns[eqn.invars[k]] = MergedUse(m)  # for the kernels' `matches`
         group = []
         for t, v, pre, scales, factor in members:
             tag = dataclasses.replace(t, base=v, pre=pre, scales=t.scales + scales)
@@ -411,23 +415,23 @@ class _Analyzer(walker.Walker):
         """Recognises ``one_hot(ids) = convert(eq(broadcast(ids), iota))``."""
         import jax.numpy as jnp
 
-        prim, pat = eqn.primitive, self.patterns
+        prim, part = eqn.primitive, self.onehot_parts
         if len(eqn.outvars) != 1:
             return
         out = eqn.outvars[0]
         if prim is compat.broadcast_p and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.integer):
             if not is_literal(eqn.invars[0]):
-                pat[out] = ("bcast", (eqn.invars[0], tuple(eqn.params["broadcast_dimensions"])))
+                part[out] = _Bcast(eqn.invars[0], tuple(eqn.params["broadcast_dimensions"]))
         elif prim is compat.iota_p:
-            pat[out] = ("iota", eqn.params["dimension"])
+            part[out] = _Iota(eqn.params["dimension"])
         elif prim is compat.eq_p and not any(is_literal(v) for v in eqn.invars):
-            a, b = (pat.get(v) for v in eqn.invars)
-            if a and b and a[0] == "iota" and b[0] == "bcast":
+            a, b = (part.get(v) for v in eqn.invars)
+            if isinstance(a, _Iota) and isinstance(b, _Bcast):
                 a, b = b, a
-            if not (a and b and a[0] == "bcast" and b[0] == "iota"):
+            if not (isinstance(a, _Bcast) and isinstance(b, _Iota)):
                 return
-            ids, bdims = a[1]
-            axis = b[1]
+            ids, bdims = a
+            axis = b.dimension
             shape = shape_of(out)
             ids_shape = shape_of(ids)
             rest = tuple(i for i in range(len(shape)) if i != axis)
@@ -438,11 +442,11 @@ class _Analyzer(walker.Walker):
                 shape[axis] - 1 <= np.iinfo(iota_dtype).max
             )
             if fits and bdims == rest and tuple(shape[i] for i in rest) == ids_shape:
-                pat[out] = ("eq", (ids, axis, shape[axis]))
+                part[out] = OneHot(ids, axis, shape[axis])  # (boolean: one once converted)
         elif prim is compat.convert_p and jnp.issubdtype(out.aval.dtype, jnp.floating):
-            src = pat.get(eqn.invars[0])
-            if src and src[0] == "eq":
-                pat[out] = ("onehot", src[1])
+            src = part.get(eqn.invars[0])
+            if isinstance(src, OneHot):
+                self.patterns[out] = src
 
     @staticmethod
     def union(tags):
@@ -467,7 +471,7 @@ class _Analyzer(walker.Walker):
         for v, t in zip(eqn.invars[nc + ncar :], xs):
             t = self.to_boundary(t, "scan")
             if isinstance(t, PView):
-                op = LayoutOp("scan", shape_of(v), shape_of(v)[1:])
+                op = LayoutOp(Step.SCAN, shape_of(v), shape_of(v)[1:])
                 t = dataclasses.replace(t, chain=t.chain + (op,), depth=t.depth + 1, base=None)
             xs_in.append(t)
         inner_lengths = tuple(scan_lengths) + (prm.length,)
@@ -506,6 +510,19 @@ def _site_inputs(tag, eqn, base, extra):
     for v in extra:  # (last)
         add(v)
     return tuple(ext)
+
+
+class _Bcast(NamedTuple):
+    """Integer ``ids`` broadcast along ``dims`` (a one-hot's first part)."""
+
+    ids: Any
+    dims: tuple
+
+
+class _Iota(NamedTuple):
+    """A range along ``dimension`` (a one-hot's second part)."""
+
+    dimension: int
 
 
 def _collective_within(eqn, data_axes):

@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxpr_surgery._src import compat
 from jaxpr_surgery._src.sites import pre_scales
+from jaxpr_surgery._src.views import Factor, Step
 
 
 class _Data(enum.Enum):
@@ -41,7 +42,7 @@ class LayoutOp:
     gradient is the view's, padded with zeros (`inverse` with ``fill``).
     """
 
-    kind: str  # "reshape" | "transpose" | "identity" | "scan" | "slice"
+    kind: Step
     in_shape: tuple
     out_shape: tuple
     perm: tuple | None = None
@@ -53,7 +54,7 @@ class LayoutOp:
 
         ``fill``: what a slice puts where the leaf has no view (a reduction's value of
         a zero gradient: 0 for sums and moments, ``B phi(0)`` for a sum of ``phi``)."""
-        if self.kind == "slice":
+        if self.kind is Step.SLICE:
             import jax
             import jax.numpy as jnp
 
@@ -70,7 +71,7 @@ class LayoutOp:
     def forward(self, value):
         """Maps a value shaped ``lead + in_shape`` to ``lead + out_shape`` (undoes
         `inverse`)."""
-        if self.kind == "slice":
+        if self.kind is Step.SLICE:
             import jax
 
             lead = value.ndim - len(self.in_shape)
@@ -85,11 +86,11 @@ class LayoutOp:
     @property
     def is_permutation(self):
         """The step moves elements without dropping any (all but a slice)."""
-        return self.kind != "slice"
+        return self.kind is not Step.SLICE
 
     def describe(self):
         """A short text of the step, for explain (``[0:8, 2:6]``, ``transpose (1, 0)``)."""
-        if self.kind == "slice":
+        if self.kind is Step.SLICE:
             parts = []
             for s, st, n, m in zip(self.start, self.stride, self.in_shape, self.out_shape):
                 if m == n:
@@ -97,25 +98,25 @@ class LayoutOp:
                 else:
                     parts.append(f"{s}:{s + (m - 1) * st + 1}" + (f":{st}" if st != 1 else ""))
             return f"slice [{', '.join(parts)}]"
-        if self.kind == "transpose":
+        if self.kind is Step.TRANSPOSE:
             return f"transpose {tuple(int(i) for i in self.perm)}"
-        if self.kind == "reshape":
+        if self.kind is Step.RESHAPE:
             return f"reshape {tuple(self.in_shape)} -> {tuple(self.out_shape)}"
-        return self.kind
+        return self.kind.value
 
     def _map(self, value, src, dst, perm):
         """``lead + src`` -> ``lead + dst`` by this step's kind (``perm``: the
         transpose's, in that direction)."""
-        if self.kind == "scan" or self.kind == "identity":
+        if self.kind is Step.SCAN or self.kind is Step.IDENTITY:
             return value
         lead = value.shape[: value.ndim - len(src)]
         # (lax's own ops: one equation each, not a jitted jnp function per call; numpy's
         # for index arrays, `ghost_cross._cross_layout`)
         host = isinstance(value, np.ndarray)
-        if self.kind == "reshape":
+        if self.kind is Step.RESHAPE:
             shape = lead + tuple(int(d) for d in dst)
             return value.reshape(shape) if host else jax.lax.reshape(value, shape)
-        if self.kind == "transpose":
+        if self.kind is Step.TRANSPOSE:
             n = len(lead)
             perm = tuple(range(n)) + tuple(n + int(i) for i in perm)
             return value.transpose(perm) if host else jax.lax.transpose(value, perm)
@@ -128,20 +129,20 @@ class Scale:
     gradient is linear in its output cotangent, so the view's per-example gradient is
     ``c`` times the scaled view's.
 
-    ``kind``: "mul", "div" or "neg"; ``operand``: the factor, a Literal or a Var of one
-    element that depends on neither the parameters nor the example (None for "neg").
+    ``kind``: `Factor`; ``operand``: the factor, a Literal or a Var of one element that
+    depends on neither the parameters nor the example (None for ``Factor.NEG``).
     """
 
-    kind: str
+    kind: Factor
     operand: Any = None
 
     def describe(self):
-        if self.kind == "neg":
+        if self.kind is Factor.NEG:
             return "negated"
         if is_literal(self.operand):
             v = np.asarray(self.operand.val).reshape(())
-            return f"{'times' if self.kind == 'mul' else 'divided by'} {v.item():g}"
-        return f"{'times' if self.kind == 'mul' else 'divided by'} a constant"
+            return f"{'times' if self.kind is Factor.MUL else 'divided by'} {v.item():g}"
+        return f"{'times' if self.kind is Factor.MUL else 'divided by'} a constant"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,8 +235,8 @@ class Site:
         folded = pre_scales(self) if self.pre else None
         if not (self.pads or self.scales or folded):
             return ""
-        parts = [op.describe() for op in self.chain if op.kind in ("slice", "transpose")]
-        if any(op.kind == "reshape" and op.in_shape != op.out_shape for op in self.chain):
+        parts = [op.describe() for op in self.chain if op.kind in (Step.SLICE, Step.TRANSPOSE)]
+        if any(op.kind is Step.RESHAPE and op.in_shape != op.out_shape for op in self.chain):
             parts.append("reshaped")
         parts += [sc.describe() for sc in self.scales]
         if folded:
@@ -333,18 +334,18 @@ def layout_op(eqn):
         if jnp.issubdtype(ins[0].aval.dtype, jnp.floating) and jnp.issubdtype(
             outs[0].aval.dtype, jnp.floating
         ):
-            return LayoutOp("identity", i_shape, o_shape)
+            return LayoutOp(Step.IDENTITY, i_shape, o_shape)
         return None
     if p in _IDENTITY_PRIMS:
-        return LayoutOp("identity", i_shape, o_shape)
+        return LayoutOp(Step.IDENTITY, i_shape, o_shape)
     if p is compat.reshape_p and len(ins) == 1 and eqn.params.get("dimensions") is None:
-        return LayoutOp("reshape", i_shape, o_shape)
+        return LayoutOp(Step.RESHAPE, i_shape, o_shape)
     if p is compat.squeeze_p:
-        return LayoutOp("reshape", i_shape, o_shape)
+        return LayoutOp(Step.RESHAPE, i_shape, o_shape)
     if p is compat.broadcast_p and len(ins) == 1 and math.prod(i_shape) == math.prod(o_shape):
-        return LayoutOp("reshape", i_shape, o_shape)
+        return LayoutOp(Step.RESHAPE, i_shape, o_shape)
     if p is compat.transpose_p:
-        return LayoutOp("transpose", i_shape, o_shape, tuple(eqn.params["permutation"]))
+        return LayoutOp(Step.TRANSPOSE, i_shape, o_shape, tuple(eqn.params["permutation"]))
     if p is compat.slice_p:
         start = tuple(int(i) for i in eqn.params["start_indices"])
         stride = tuple(int(i) for i in (eqn.params["strides"] or (1,) * len(i_shape)))
@@ -361,8 +362,8 @@ def layout_op(eqn):
 
 def _slice_op(i_shape, o_shape, start, stride):
     if i_shape == o_shape:
-        return LayoutOp("identity", i_shape, o_shape)
-    return LayoutOp("slice", i_shape, o_shape, start=start, stride=stride)
+        return LayoutOp(Step.IDENTITY, i_shape, o_shape)
+    return LayoutOp(Step.SLICE, i_shape, o_shape, start=start, stride=stride)
 
 
 def _constant_factor(v, tag):
@@ -381,7 +382,7 @@ def scale_step(eqn, pos, tags):
     if out != shape_of(eqn.invars[pos]):
         return None
     if p is compat.neg_p:
-        return Scale("neg")
+        return Scale(Factor.NEG)
     if p not in (compat.mul_p, compat.div_p) or len(eqn.invars) != 2:
         return None
     if p is compat.div_p and pos != 0:
@@ -389,4 +390,4 @@ def scale_step(eqn, pos, tags):
     other = eqn.invars[1 - pos]
     if not _constant_factor(other, tags[1 - pos]) or math.prod(shape_of(other)) != 1:
         return None
-    return Scale("mul" if p is compat.mul_p else "div", other)
+    return Scale(Factor.MUL if p is compat.mul_p else Factor.DIV, other)

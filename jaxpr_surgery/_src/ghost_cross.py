@@ -40,7 +40,7 @@ def _cross_layout(sa, ka, sb, kb, by_axes=True):
         return None
     if sa.pads or sb.pads:
         return None
-    if c["K"] != 1:
+    if c.K != 1:
         return None
     V, d = table
     if by_axes:
@@ -59,14 +59,14 @@ def _cross_layout(sa, ka, sb, kb, by_axes=True):
     if not np.array_equal(np.asarray(views.to_leaf(ka._view(rows), sa)), rows):
         return None
     # where does canonical (c, f) land in the [V, d] leaf?
-    if c["C"] * c["F"] != V * d:
+    if c.C * c.F != V * d:
         return None
-    leaf_idx = np.asarray(views.to_leaf(kb.to_view(flat.reshape(1, c["C"], c["F"])), sb))
+    leaf_idx = np.asarray(views.to_leaf(kb.to_view(flat.reshape(1, c.C, c.F)), sb))
     if leaf_idx.shape != (V, d):
         return None
-    if c["C"] == d and c["F"] == V and np.array_equal(leaf_idx, flat.reshape(d, V).T):
+    if c.C == d and c.F == V and np.array_equal(leaf_idx, flat.reshape(d, V).T):
         return "F"
-    if c["C"] == V and c["F"] == d and np.array_equal(leaf_idx, rows):
+    if c.C == V and c.F == d and np.array_equal(leaf_idx, rows):
         return "C"
     return None
 
@@ -80,15 +80,15 @@ def _cross_layout_by_axes(sa, ka, sb, c, V, d):
     table_2d = getattr(ka, "_table_2d", None)
     if emb is None or dense is None or table_2d is None or not table_2d():
         return _UNDECIDED
-    if len(c["canon_w"]) != 2 or len(dense) != 2:
+    if len(c.canon_w) != 2 or len(dense) != 2:
         return _UNDECIDED
     if emb != (0, 1):  # the table's rows are the leaf's columns
         return None
     # canonical axis i of the dense site (C, then F) is its view's axis canon_w[i]
-    on_c, on_f = dense[c["canon_w"][0]], dense[c["canon_w"][1]]
-    if c["C"] == d and c["F"] == V and (on_c, on_f) == (1, 0):
+    on_c, on_f = dense[c.canon_w[0]], dense[c.canon_w[1]]
+    if c.C == d and c.F == V and (on_c, on_f) == (1, 0):
         return "F"
-    if c["C"] == V and c["F"] == d and (on_c, on_f) == (0, 1):
+    if c.C == V and c.F == d and (on_c, on_f) == (0, 1):
         return "C"
     return None
 
@@ -126,7 +126,7 @@ def shared_norm_candidates(sites, kernels, B, shape, acc):
             if table is None or c is None:
                 continue
             T = int(np.prod(sa.eqn.outvars[0].aval.shape)) // table[1]
-            cross += 2.0 * B * T * c["N"] * table[1] + 2.0 * B * T * c["N"]
+            cross += 2.0 * B * T * c.N * table[1] + 2.0 * B * T * c.N
     ghost = Candidate("own norms + ghost cross terms", own + cross, 0.0, 0.0)
     tiles = Candidate(
         "tiles of the shared leaf's products",

@@ -10,12 +10,32 @@ carried into a site, a reference gradient) forward to the view. Only the steps'
 
 from __future__ import annotations
 
+import enum
+
+
+class Step(enum.Enum):
+    """A step of a view chain (`analysis_types.LayoutOp.kind`)."""
+
+    RESHAPE = "reshape"
+    TRANSPOSE = "transpose"
+    IDENTITY = "identity"
+    SCAN = "scan"  # a lax.scan's slicing of a stacked leaf
+    SLICE = "slice"  # a static slice (the others move every element)
+
+
+class Factor(enum.Enum):
+    """A constant factor of a view (`analysis_types.Scale.kind`)."""
+
+    MUL = "mul"
+    DIV = "div"
+    NEG = "neg"
+
 
 def to_leaf(value, site, fill=0):
     """A value in the site's view (stacked over enclosing scans) in leaf space.
     ``fill``: the value where a slice of the leaf has no view (a zero gradient's)."""
     for op in reversed(site.chain):
-        value = op.inverse(value, fill) if op.kind == "slice" else op.inverse(value)
+        value = op.inverse(value, fill) if op.kind is Step.SLICE else op.inverse(value)
     return value
 
 
@@ -28,7 +48,7 @@ def from_leaf(value, site):
 
 
 def _is_noop(op):
-    return op.kind == "identity" or (op.kind == "reshape" and op.in_shape == op.out_shape)
+    return op.kind is Step.IDENTITY or (op.kind is Step.RESHAPE and op.in_shape == op.out_shape)
 
 
 def leaf_axes(site):
@@ -42,7 +62,7 @@ def leaf_axes(site):
             m = list(range(len(op.in_shape)))
         if _is_noop(op):
             continue
-        if op.kind == "transpose":
+        if op.kind is Step.TRANSPOSE:
             m = [m[int(p)] for p in op.perm]
             continue
         return None
@@ -62,10 +82,10 @@ def leaf_map(site):
             m = [(a, 0, 1) for a in range(len(op.in_shape))]
         if _is_noop(op):
             continue
-        if op.kind == "transpose":
+        if op.kind is Step.TRANSPOSE:
             m = [m[int(p)] for p in op.perm]
             continue
-        if op.kind == "slice":
+        if op.kind is Step.SLICE:
             m = [(a, s0 + st0 * s, st0 * st) for (a, s0, st0), s, st in zip(m, op.start, op.stride)]
             continue
         return None

@@ -20,7 +20,7 @@ import abc
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,7 @@ from jaxpr_surgery._src.norms import (  # noqa: F401 - re-exported for the kerne
     with_bound,
 )
 from jaxpr_surgery._src.reductions import acc_dtype_for  # noqa: F401 - re-exported
+from jaxpr_surgery._src.views import Factor
 
 KERNELS: dict = {}  # kind (display name) -> kernel class, every registered kernel
 SITE_RULES: dict = {}  # primitive object -> kernel classes anchored on it, asked in order
@@ -166,6 +167,27 @@ def register_default(cls):
     return cls
 
 
+class OneHot(NamedTuple):
+    """What the analysis recognised of a value (`Patterns`): ``one_hot(ids)``, ``ids``
+    (a variable) compared with a range of ``n`` along the result's axis ``axis``."""
+
+    ids: Any
+    axis: int
+    n: int
+
+
+class MergedUse(NamedTuple):
+    """What the analysis recognised of a value (`Patterns`): the merged low-rank weight
+    ``merged`` (`analysis_types.Merged`) where it meets the data."""
+
+    merged: Any
+
+
+#: what the analysis recognised of other values than a site's view, by variable, for
+#: the kernels' ``matches`` and ``extra_inputs``: `OneHot` or `MergedUse`
+Patterns = dict
+
+
 def kind_for(eqn, tag, pos, patterns):
     """The kernel class serving the site ``eqn`` (the site's kind).
 
@@ -174,7 +196,7 @@ def kind_for(eqn, tag, pos, patterns):
       tag: the view (`analysis_types.PView`: ``pre``, ``base``, ``chain``, ``scales``).
       pos: the operand indices of ``eqn`` holding the view (a list).
       patterns: what the analysis recognised of other values, by variable
-        (``("onehot", (ids, axis, n))`` for ``one_hot(ids)``).
+        (`Patterns`: ``OneHot(ids, axis, n)`` for ``one_hot(ids)``).
 
     Returns:
       The first kernel anchored on ``eqn.primitive`` whose `Kernel.matches` is true,
@@ -596,20 +618,20 @@ def view_scale(site, ext, dtype):
     factors' values among them), not batched."""
     c = None
     for sc in site.scales:
-        if sc.kind == "neg":
+        if sc.kind is Factor.NEG:
             f = jnp.asarray(-1, dtype)
         else:
             v = sc.operand
             f = v.val if isinstance(v, compat.Literal) else ext[site.ext_vars.index(v)]
             f = jnp.reshape(jnp.asarray(f).astype(dtype), ())
-            if sc.kind == "div":
+            if sc.kind is Factor.DIV:
                 f = 1 / f
         c = f if c is None else c * f
     return c
 
 
 def pre_scales(site_or_tag):
-    """``[(kind, operand, varying view axes)]`` when every parameter-only step after
+    """``[(Factor, operand, varying view axes)]`` when every parameter-only step after
     the site's ``base`` multiplies (or divides) the view elementwise by a constant
     that broadcasts against it (a per-row or per-column multiplier), else None."""
     pre = site_or_tag.pre
@@ -624,7 +646,7 @@ def pre_scales(site_or_tag):
         if tuple(e.outvars[0].aval.shape) != shape:
             return None
         if e.primitive is compat.neg_p and e.invars[0] is view:
-            out.append(("neg", None, ()))
+            out.append((Factor.NEG, None, ()))
         elif e.primitive in (compat.mul_p, compat.div_p) and len(e.invars) == 2:
             ps = [k for k, v in enumerate(e.invars) if v is view]
             if len(ps) != 1 or (e.primitive is compat.div_p and ps[0] != 0):
@@ -636,7 +658,7 @@ def pre_scales(site_or_tag):
             if osh and (len(osh) != len(shape) or any(a not in (1, b) for a, b in zip(osh, shape))):
                 return None
             axes = frozenset(k for k, a in enumerate(osh) if a != 1)
-            out.append(("mul" if e.primitive is compat.mul_p else "div", other, axes))
+            out.append((Factor.MUL if e.primitive is compat.mul_p else Factor.DIV, other, axes))
         else:
             return None
         view = e.outvars[0]

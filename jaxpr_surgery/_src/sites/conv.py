@@ -21,6 +21,7 @@ batch groups) keep the exact per-example VJP.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -32,13 +33,25 @@ from jaxpr_surgery._src import compat, dots, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.sites.base import Fast, Kernel, register
 from jaxpr_surgery._src.sites.dense import DenseKernel
-from jaxpr_surgery._src.sites.dense_layout import Tokens
+from jaxpr_surgery._src.sites.dense_layout import DenseLayout, Tokens
 from jaxpr_surgery._src.sites.dense_rules import kron_value
 from jaxpr_surgery._src.sites.generic import GenericKernel
 
 
-def conv_canon(site):
-    """Static layout of a conv site as a dense one, or None for grouped convs."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConvLayout(DenseLayout):
+    """A convolution site as a dense one over patches: ``ks`` the kernel's spatial
+    sizes, ``osp`` the output's, ``lhs_spec`` / ``out_spec`` the input's and output's
+    dimension numbers (batch, feature, spatial...)."""
+
+    ks: tuple
+    osp: tuple
+    lhs_spec: tuple
+    out_spec: tuple
+
+
+def conv_canon(site) -> ConvLayout | None:
+    """The `ConvLayout` of a conv site, or None for grouped convs."""
     prm = site.eqn.params
     if prm["feature_group_count"] != 1 or prm["batch_group_count"] != 1:
         return None
@@ -50,7 +63,7 @@ def conv_canon(site):
     osp = tuple(out_shape[i] for i in out_spec[2:])
     n_out = out_shape[out_spec[0]] * math.prod(osp)
     canon_w = rhs_spec[2:] + (rhs_spec[1], rhs_spec[0])  # (k..., C_in, C_out)
-    return dict(
+    return ConvLayout(
         kdims=(),
         cdims=ks + (cin,),
         fdims=(cout,),
@@ -88,20 +101,20 @@ class PatchConvKernel(DenseKernel):
         x = ext[self.site.ext_vars.index(self.site.eqn.invars[0])]
         (dy,) = dy
         B = dy.shape[0]
-        ls, o = c["lhs_spec"], c["out_spec"]
+        ls, o = c.lhs_spec, c.out_spec
         x = jnp.transpose(x, (0, 1 + ls[0]) + tuple(1 + i for i in ls[2:]) + (1 + ls[1],))
         d = jnp.transpose(dy, (0, 1 + o[0]) + tuple(1 + i for i in o[2:]) + (1 + o[1],))
-        return Tokens(x.astype(self.acc), d.reshape(B, 1, c["N"], c["F"]).astype(self.acc))
+        return Tokens(x.astype(self.acc), d.reshape(B, 1, c.N, c.F).astype(self.acc))
 
     def tile_extra_bytes(self):
         """A tile holds its examples' patches as well as their ``G``."""
-        return tiling.bytes_of((self.c["N"], self.c["C"]), self.acc)
+        return tiling.bytes_of((self.c.N, self.c.C), self.acc)
 
     def _patches_exceed_G(self):
         """Where one example's patches are larger than its ``G`` (many output positions,
         few channels), statistics that would read the whole batch's patches (Kronecker
         factors, dots with a reference) read tiles of ``G`` instead."""
-        return self.c["N"] > self.c["F"]
+        return self.c.N > self.c.F
 
     def _view_tiles(self, ctx, r):
         x, dy = ctx
@@ -132,9 +145,9 @@ class PatchConvKernel(DenseKernel):
         )
         strides, rdil = tuple(prm["window_strides"]), tuple(prm["rhs_dilation"])
         cols = []
-        for off in itertools.product(*(range(k) for k in c["ks"])):
+        for off in itertools.product(*(range(k) for k in c.ks)):
             start = tuple(o * r for o, r in zip(off, rdil))
-            limit = tuple(s + (m - 1) * st + 1 for s, m, st in zip(start, c["osp"], strides))
+            limit = tuple(s + (m - 1) * st + 1 for s, m, st in zip(start, c.osp, strides))
             cols.append(
                 jax.lax.slice(
                     xs, (0,) + start + (0,), (b * n,) + limit + (xs.shape[-1],),
@@ -142,7 +155,7 @@ class PatchConvKernel(DenseKernel):
                 )
             )
         P = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=-1)
-        return P.reshape(b, 1, c["N"], c["C"])
+        return P.reshape(b, 1, c.N, c.C)
 
     def contract(self, x, dy, c=None):
         """``sum_b c_b G_b``. The plain sum: the kernel gradient of one convolution over
@@ -152,9 +165,9 @@ class PatchConvKernel(DenseKernel):
             return self._weighted_tiles(x, dy * c.astype(dy.dtype)[:, None, None, None])
         cc, prm = self.c, self.site.eqn.params
         b, n = x.shape[:2]
-        nsp = len(cc["ks"])
+        nsp = len(cc.ks)
         xs = x.reshape((b * n,) + x.shape[2:])
-        d = dy.reshape((b * n,) + cc["osp"] + (cc["F"],))
+        d = dy.reshape((b * n,) + cc.osp + (cc.F,))
         sp = tuple(range(1, nsp + 1))
         dn = jax.lax.ConvDimensionNumbers(
             (0, nsp + 1) + sp, (nsp + 1, nsp) + tuple(range(nsp)), (0, nsp + 1) + sp
@@ -167,9 +180,9 @@ class PatchConvKernel(DenseKernel):
                 dimension_numbers=dn,
             )
 
-        w = jax.ShapeDtypeStruct(cc["ks"] + (cc["C"] // math.prod(cc["ks"]), cc["F"]), d.dtype)
+        w = jax.ShapeDtypeStruct(cc.ks + (cc.C // math.prod(cc.ks), cc.F), d.dtype)
         (g,) = jax.linear_transpose(conv, w)(d)
-        return self.to_view(g.reshape(1, cc["C"], cc["F"]))
+        return self.to_view(g.reshape(1, cc.C, cc.F))
 
     def _weighted_tiles(self, x, dy):
         B = x.shape[0]
@@ -178,7 +191,7 @@ class PatchConvKernel(DenseKernel):
             P = self.tokens(compat.slice_at(x, b0, size, 0))
             d = compat.slice_at(dy, b0, size, 0)
             return jax.lax.dot_general(
-                P.reshape(-1, self.c["C"]), d.reshape(-1, self.c["F"]), (((0,), (0,)), ((), ()))
+                P.reshape(-1, self.c.C), d.reshape(-1, self.c.F), (((0,), (0,)), ((), ()))
             )
 
         return self.to_view(tiling.sum_tiles(tile_sum, B, self.tile(B))[None])

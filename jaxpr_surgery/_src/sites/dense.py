@@ -72,6 +72,7 @@ from jaxpr_surgery._src.sites.dense_rules import (
     weighted_centered_value,
     weighted_phi_value,
 )
+from jaxpr_surgery._src.views import Factor, Step
 
 GHOST, PRODUCTS = "ghost norm", "per-example products"  # the forms of `norm_candidates`
 
@@ -108,17 +109,17 @@ class DenseKernel(Kernel):
         """``x``, ``dy`` (canonical) with the weight's elementwise factors folded in."""
         m = None
         for kind, v, _ in pre_scales(self.site):
-            if kind == "neg":
+            if kind is Factor.NEG:
                 f = jnp.asarray(-1, self.acc)
             else:
                 f = v.val if isinstance(v, compat.Literal) else ext[self.site.ext_vars.index(v)]
                 f = jnp.asarray(f).astype(self.acc)
-                if kind == "div":
+                if kind is Factor.DIV:
                     f = 1 / f
             m = f if m is None else m * f
         c = self.c
         m = jnp.broadcast_to(m, tuple(self.site.view_shape))
-        m = jnp.transpose(m, c["canon_w"]).reshape(c["K"], c["C"], c["F"])
+        m = jnp.transpose(m, c.canon_w).reshape(c.K, c.C, c.F)
         if self.fold_side == "dy":  # constant along C
             return Tokens(x, dy * m[:, 0, :][None, :, None, :])
         return Tokens(x * m[:, :, 0][None, :, None, :], dy)
@@ -130,7 +131,7 @@ class DenseKernel(Kernel):
         return ctx._replace(dy=times_examples(ctx.dy, s))
 
     def token_matmuls(self):
-        return self.c["N"] > 1
+        return self.c.N > 1
 
     def dense_layout(self):
         return self.c
@@ -138,7 +139,7 @@ class DenseKernel(Kernel):
     def use_ghost(self):
         """Per-example squared norms by the ghost form (else from per-example products):
         the cheaper of the two by the cost model (`norm_candidates`)."""
-        return self.c["N"] > 1 and self.norm_candidates()[0].how == GHOST
+        return self.c.N > 1 and self.norm_candidates()[0].how == GHOST
 
     def norm_candidates(self, B=1):
         """The two forms of the per-example squared norms at a site with a token axis,
@@ -149,7 +150,7 @@ class DenseKernel(Kernel):
         ``min(C, F)`` tokens, so at long sequences (``T`` beyond the width) the products,
         whose FLOPs are those of the weight gradient itself."""
         c = self.c
-        K, N, C, F = c["K"], c["N"], c["C"], c["F"]
+        K, N, C, F = c.K, c.N, c.C, c.F
         it = jnp.dtype(self.acc).itemsize
         io = B * K * N * (C + F) * it  # reading X and DY
         ghost = Candidate(
@@ -176,16 +177,16 @@ class DenseKernel(Kernel):
             return None
         c = self.c
         return Tokens(
-            jax.ShapeDtypeStruct((B, c["K"], c["N"], c["C"]), self.acc),
-            jax.ShapeDtypeStruct((B, c["K"], c["N"], c["F"]), self.acc),
+            jax.ShapeDtypeStruct((B, c.K, c.N, c.C), self.acc),
+            jax.ShapeDtypeStruct((B, c.K, c.N, c.F), self.acc),
         )
 
     def to_view(self, g):
         """[..., K, C, F] -> [..., *w_shape]."""
         lead = g.shape[:-3]
-        g = g.reshape(lead + self.c["canon_shape"])
+        g = g.reshape(lead + self.c.canon_shape)
         n = len(lead)
-        return g.transpose(tuple(range(n)) + tuple(n + i for i in self.c["inv_w"]))
+        return g.transpose(tuple(range(n)) + tuple(n + i for i in self.c.inv_w))
 
     FEATURE_AXES = (1, 2)  # canonical axes of G a feature block may cut (C, F)
 
@@ -216,8 +217,8 @@ class DenseKernel(Kernel):
         x, dy = ctx
         x = self.tokens(x)
         c = self.c
-        B, N = x.shape[0], c["N"]
-        kd, cd, fd, cw = c["kdims"], c["cdims"], c["fdims"], c["canon_w"]
+        B, N = x.shape[0], c.N
+        kd, cd, fd, cw = c.kdims, c.cdims, c.fdims, c.canon_w
         nk, nc = len(kd), len(cd)
         X = x.reshape((B,) + kd + (N,) + cd)
         D = dy.reshape((B,) + kd + (N,) + fd)
@@ -226,18 +227,18 @@ class DenseKernel(Kernel):
     def kron_meta(self):
         """``((n_tokens, kdims, pdims, qdims), structure in leaf axes)`` for explain."""
         c = self.c
-        nk, nc = len(c["kdims"]), len(c["cdims"])
-        cw = c["canon_w"]
+        nk, nc = len(c.kdims), len(c.cdims)
+        cw = c.canon_w
         m = kron.view_leaf_axes(self.site)
         struct = kron.leaf_structure(cw[:nk], (cw[nk : nk + nc], cw[nk + nc :]), m)
-        return (c["N"], c["kdims"], c["cdims"], c["fdims"]), struct
+        return (c.N, c.kdims, c.cdims, c.fdims), struct
 
     def dots(self, ctx, ref):
         """``[B]``: ``<X_b^T DY_b, ref>``, the reference contracted with the tokens."""
         x, dy = ctx
         x = self.tokens(x)
         c = self.c
-        R = jnp.transpose(ref, c["canon_w"]).reshape(c["K"], c["C"], c["F"])
+        R = jnp.transpose(ref, c.canon_w).reshape(c.K, c.C, c.F)
         return dots.dense_dots(x, dy, R.astype(x.dtype))
 
     def needs_materialise(self, r):
@@ -253,7 +254,7 @@ class DenseKernel(Kernel):
         # pass (tiling.py), so no mean is contracted beforehand either
         return [
             k for k, r in reductions.items()
-            if self.needs_materialise(r) or (r.linear and self.c["N"] > 1)
+            if self.needs_materialise(r) or (r.linear and self.c.N > 1)
         ]
 
     def carried_keys(self, reductions, B):
@@ -266,9 +267,9 @@ class DenseKernel(Kernel):
     def from_view(self, v):
         """[..., *w_shape] -> [..., K, C, F] (undoes `to_view`)."""
         c = self.c
-        n = v.ndim - len(c["canon_shape"])
-        v = v.transpose(tuple(range(n)) + tuple(n + int(i) for i in c["canon_w"]))
-        return v.reshape(v.shape[:n] + (c["K"], c["C"], c["F"]))
+        n = v.ndim - len(c.canon_shape)
+        v = v.transpose(tuple(range(n)) + tuple(n + int(i) for i in c.canon_w))
+        return v.reshape(v.shape[:n] + (c.K, c.C, c.F))
 
     def direct_all(self, ctx, reductions, carry=None):
         tiled = self._in_tile_loop(reductions)
@@ -309,7 +310,7 @@ class DenseKernel(Kernel):
     def tile(self, B, budget=None):
         """Examples per tile for a batch of ``B``."""
         c = self.c
-        per_ex = c["N"] > 1 and tiling.prefer_per_example()
+        per_ex = c.N > 1 and tiling.prefer_per_example()
         nbytes = self.tile_bytes_per_example()
         budget = self.budget if budget is None else budget
         return tiling.tile_size(B, nbytes, budget, batched_ok=not per_ex)
@@ -317,7 +318,7 @@ class DenseKernel(Kernel):
     def tile_bytes_per_example(self):
         """Memory a tile takes per example: its ``G``, and what `tile_extra_bytes` adds."""
         c = self.c
-        return tiling.bytes_of((c["K"], c["C"], c["F"]), self.acc) + self.tile_extra_bytes()
+        return tiling.bytes_of((c.K, c.C, c.F), self.acc) + self.tile_extra_bytes()
 
     def tile_extra_bytes(self):
         """Per example of a tile, memory besides ``G`` (a conv's patches); here none."""
@@ -331,8 +332,8 @@ class DenseKernel(Kernel):
         budget = self.budget if budget is None else budget
         if self.tile(B, budget) != 1:
             return None
-        return tiling.feature_tile((c["K"], c["C"], c["F"]), self.acc, self.FEATURE_AXES, budget,
-                                   cache=tiling.cache_sized(self.cache_blocks, c["N"]))
+        return tiling.feature_tile((c.K, c.C, c.F), self.acc, self.FEATURE_AXES, budget,
+                                   cache=tiling.cache_sized(self.cache_blocks, c.N))
 
     def tiled(self, x, dy, reds, budget=None, tokens=None, carry=None):
         c = self.c
@@ -347,7 +348,7 @@ class DenseKernel(Kernel):
             B,
             reds,
             self.tile(B, budget),
-            shape=(c["K"], c["C"], c["F"]),
+            shape=(c.K, c.C, c.F),
             dtype=self.acc,
             features=features,
             carry=carry,
@@ -457,11 +458,11 @@ class DenseKernel(Kernel):
     def leaf_order(self):
         """The leaf's axes as indices into the canonical sub-axes ``kdims + cdims +
         fdims`` where the view chain only transposes (a tied ``table.T``); else None."""
-        axes = list(self.c["inv_w"])  # the view's axes
+        axes = list(self.c.inv_w)  # the view's axes
         for op in reversed(self.site.chain):
-            if op.kind == "transpose":
+            if op.kind is Step.TRANSPOSE:
                 axes = [axes[int(i)] for i in np.argsort(op.perm)]
-            elif op.kind == "scan" or op.kind == "identity" or op.in_shape == op.out_shape:
+            elif op.kind is Step.SCAN or op.kind is Step.IDENTITY or op.in_shape == op.out_shape:
                 continue
             else:
                 return None
@@ -481,12 +482,12 @@ class DenseKernel(Kernel):
         x, dy = ing
         x = self.tokens(x)
         c = self.c
-        b, N = x.shape[0], c["N"]
-        nk, nc = len(c["kdims"]), len(c["cdims"])
-        letters = [chr(ord("c") + i) for i in range(len(c["canon_shape"]))]
+        b, N = x.shape[0], c.N
+        nk, nc = len(c.kdims), len(c.cdims)
+        letters = [chr(ord("c") + i) for i in range(len(c.canon_shape))]
         kl, cl, fl = letters[:nk], letters[nk : nk + nc], letters[nk + nc :]
-        xs = x.reshape((b,) + c["kdims"] + (N,) + c["cdims"])
-        ds = dy.reshape((b,) + c["kdims"] + (N,) + c["fdims"])
+        xs = x.reshape((b,) + c.kdims + (N,) + c.cdims)
+        ds = dy.reshape((b,) + c.kdims + (N,) + c.fdims)
         if cut is not None:  # canonical sub-axis j of leaf axis `axis`
             j = axes[cuts.axis_of(cut)]
             cut_at = lambda a, pos: cuts.take(cut, a, pos)  # noqa: E731
@@ -512,7 +513,7 @@ class DenseKernel(Kernel):
 
     def sq_norms(self, ing):
         x, dy = ing
-        if self.c["N"] == 1:
+        if self.c.N == 1:
             x0 = self.tokens(x)[:, :, 0]
             return jnp.einsum("bkc,bkc,bkf,bkf->b", x0, x0, dy[:, :, 0], dy[:, :, 0])
         if not self.use_ghost():
@@ -529,7 +530,7 @@ class DenseKernel(Kernel):
 
     def sq_norms_bound(self, ing):
         """The ghost form's bound where its value is kept (0 where ``G_b`` was formed)."""
-        if self.c["N"] == 1 or not self.use_ghost():
+        if self.c.N == 1 or not self.use_ghost():
             return super().sq_norms_bound(ing)
         sq, _, bound = self._ghost(ing)
         return sq, bound
@@ -563,7 +564,7 @@ class DenseKernel(Kernel):
         precision (the bound assumes the dtype's own rounding of each product)."""
         x, dy = ing
         c = self.c
-        K, N, C, F = c["K"], c["N"], c["C"], c["F"]
+        K, N, C, F = c.K, c.N, c.C, c.F
         X = self.tokens(x)
         gx, gd = gram_of(X, HIGHEST), gram_of(dy, HIGHEST)
         # (products and sums, no dots: a dot batched over a unit axis is laid out badly
@@ -584,7 +585,7 @@ class DenseKernel(Kernel):
 
     def has_sq_and_norms(self):
         """The ghost form gives both in one loop (`direct_norms`)."""
-        return self.c["N"] > 1 and self.use_ghost()
+        return self.c.N > 1 and self.use_ghost()
 
     def sq_and_norms(self, ing):
         return self.ghost_sq_and_norms(ing)
@@ -608,15 +609,15 @@ class DenseKernel(Kernel):
         on FLOPs. Plain dense sites only (the canonical layout)."""
         c = self.c
         return (
-            type(self) is DenseKernel and c["N"] > 1 and not self.use_ghost()
-            and c["C"] * c["F"] <= c["N"] * (c["C"] + c["F"])
+            type(self) is DenseKernel and c.N > 1 and not self.use_ghost()
+            and c.C * c.F <= c.N * (c.C + c.F)
         )
 
     def has_scaled_sq_norms(self, alone=False):
         """Rank-one sites; and token sites whose norms come from tiles of the products
         (not the ghost form) where the norms are all the site reads from them."""
         c = self.c
-        if c["N"] == 1:
+        if c.N == 1:
             return True
         return alone and self._canonical_tokens() and not self.use_ghost()
 
@@ -630,7 +631,7 @@ class DenseKernel(Kernel):
         ``4 N``: no square overflows, so no example is recomputed where one would have
         (a loop of its own beside the tiles' in every layer of the program)."""
         x, dy = ing
-        if self.c["N"] > 1:
+        if self.c.N > 1:
             sx, sd = pow2_scale(x), pow2_scale(dy)
             (q,) = self.tiled(scale_examples(x, sx), scale_examples(dy, sd), [S.SqNorms()])
             return q, sx * sd
@@ -650,7 +651,7 @@ class DenseKernel(Kernel):
         """``(axis, size, n)``: the feature blocks of one example's ``G`` formed alone
         (the tiles' own where they cut one example, else `tiling.recompute_tile`), or
         None."""
-        shape = (self.c["K"], self.c["C"], self.c["F"])
+        shape = (self.c.K, self.c.C, self.c.F)
         ft = self.feature_tile(B)
         if ft is not None:
             return ft[0], ft[1], shape[ft[0]]
@@ -665,14 +666,14 @@ class DenseKernel(Kernel):
             rule = fast.rule(self, reduction, B)
         else:
             rule = self.tiled_rule(reduction, B)
-        if reduction == S.SqNorms() and self.c["N"] > 1:  # the cost model's choice
+        if reduction == S.SqNorms() and self.c.N > 1:  # the cost model's choice
             rule = dataclasses.replace(rule, candidates=self.norm_candidates(B))
         return rule
 
     def tiled_rule(self, reduction, B):
         """The rule of a reduction read from tiles of ``G_b`` (or a fused kernel's)."""
         c = self.c
-        K, N, C, F = c["K"], c["N"], c["C"], c["F"]
+        K, N, C, F = c.K, c.N, c.C, c.F
         if self._canonical_tokens() and fused.applies([reduction], self.acc, ()):
             return Rule(
                 STREAMED, "fused per-example products (Pallas kernel)",
@@ -691,20 +692,20 @@ DenseKernel.FAST = {
     S.PhiSum: Fast(phi_value, phi_applies, phi_rule),
     S.SqNorms: Fast(
         lambda k, ctx, r: k.sq_norms(ctx),
-        lambda k, r: k.c["N"] == 1 or k.use_ghost(),
+        lambda k, r: k.c.N == 1 or k.use_ghost(),
         norms_rule,
     ),
-    S.Centered: Fast(centered_value, lambda k, r: k.c["N"] == 1, centered_rule),
-    R.CentralMoments: Fast(central_value, lambda k, r: k.c["N"] == 1, central_rule),
+    S.Centered: Fast(centered_value, lambda k, r: k.c.N == 1, centered_rule),
+    R.CentralMoments: Fast(central_value, lambda k, r: k.c.N == 1, central_rule),
     S.KronSum: Fast(kron_value),
 }
 # weighted rules where the weights do not fold into the cotangents (Kernel.FAST_WEIGHTED)
 DenseKernel.FAST_WEIGHTED = {
     S.PhiSum: Fast(
         weighted_phi_value,
-        lambda k, r: r.multiplicative and not r.linear and k.c["N"] == 1,
+        lambda k, r: r.multiplicative and not r.linear and k.c.N == 1,
         phi_rule,
     ),
-    S.Centered: Fast(weighted_centered_value, lambda k, r: k.c["N"] == 1, centered_rule),
-    R.CentralMoments: Fast(central_value, lambda k, r: k.c["N"] == 1, central_rule),
+    S.Centered: Fast(weighted_centered_value, lambda k, r: k.c.N == 1, centered_rule),
+    R.CentralMoments: Fast(central_value, lambda k, r: k.c.N == 1, central_rule),
 }

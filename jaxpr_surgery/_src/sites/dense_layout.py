@@ -5,6 +5,7 @@ shares with its fast rules: groups of raw sums, the products, Gram matrices.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -39,8 +40,38 @@ def dense_fold_side(eqn, pos, scales):
     return None
 
 
-def canon(site):
-    """Static layout information of a dense site."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DenseLayout:
+    """A dense-family site in the canonical layout (`canon`): each example's gradient
+    is ``G = x^T dy`` per dot-batch index, ``x [K, N, C]`` and ``dy [K, N, F]``, and the
+    weight's view, its axes taken in the order ``canon_w`` (dot-batch, contracted, free),
+    is ``[K, C, F]`` once flattened.
+
+    ``kdims``, ``cdims``, ``fdims``: the view's dot-batch, contracted and free axes'
+    sizes, ``K``, ``C``, ``F`` their products, ``N`` the tokens (the data's free axes'
+    product); ``canon_shape`` the view's shape in the order ``canon_w``, ``inv_w`` its
+    inverse permutation. A ``dot_general`` site also has ``x_perm`` and ``dy_perm`` (the
+    permutations of the data operand and the cotangent into ``[K, N, C]`` and
+    ``[K, N, F]``) and ``x_pos`` (the data operand's position); `ConvLayout` and
+    `ragged.RaggedLayout` add what their sites need."""
+
+    kdims: tuple
+    cdims: tuple
+    fdims: tuple
+    canon_w: tuple
+    K: int
+    C: int
+    F: int
+    N: int
+    canon_shape: tuple
+    inv_w: tuple
+    x_perm: tuple | None = None
+    dy_perm: tuple | None = None
+    x_pos: int | None = None
+
+
+def canon(site) -> DenseLayout:
+    """The `DenseLayout` of a ``dot_general`` site."""
     eqn = site.eqn
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     p = site.param_pos
@@ -69,7 +100,7 @@ def canon(site):
         dy_perm = tuple(range(nb + len(xf) + len(wf)))
     canon_w = wb + wc + wf
     canon_shape = tuple(w_shape[i] for i in canon_w)
-    return dict(
+    return DenseLayout(
         kdims=tuple(w_shape[i] for i in wb),
         cdims=tuple(w_shape[i] for i in wc),
         fdims=tuple(w_shape[i] for i in wf),
@@ -100,13 +131,13 @@ class Tokens(NamedTuple):
 def canonical(site, c, ext, dy, dtype):
     """The site's input and output cotangent in the canonical layout ``c`` (`canon`):
     ``X [B, K, N, C]`` and ``DY [B, K, N, F]`` in ``dtype``."""
-    x = ext[site.ext_vars.index(site.eqn.invars[c["x_pos"]])]
+    x = ext[site.ext_vars.index(site.eqn.invars[c.x_pos])]
     (dy,) = dy
     B = dy.shape[0]
-    x = jnp.transpose(x, (0,) + tuple(1 + i for i in c["x_perm"]))
-    x = x.reshape(B, c["K"], c["N"], c["C"]).astype(dtype)
-    dy = jnp.transpose(dy, (0,) + tuple(1 + i for i in c["dy_perm"]))
-    return Tokens(x, dy.reshape(B, c["K"], c["N"], c["F"]).astype(dtype))
+    x = jnp.transpose(x, (0,) + tuple(1 + i for i in c.x_perm))
+    x = x.reshape(B, c.K, c.N, c.C).astype(dtype)
+    dy = jnp.transpose(dy, (0,) + tuple(1 + i for i in c.dy_perm))
+    return Tokens(x, dy.reshape(B, c.K, c.N, c.F).astype(dtype))
 
 
 HIGHEST = jax.lax.Precision.HIGHEST

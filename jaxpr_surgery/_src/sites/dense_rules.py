@@ -24,7 +24,7 @@ from jaxpr_surgery._src.sites.dense_layout import (
 # The fast rules (`Kernel.FAST`): the others read tiles of ``G_b``
 # --------------------------------------------------------------------------- #
 def phi_applies(k, r):
-    return r.linear or (r.multiplicative and k.c["N"] == 1)
+    return r.linear or (r.multiplicative and k.c.N == 1)
 
 
 def phi_value(k, ctx, r):
@@ -36,14 +36,14 @@ def phi_value(k, ctx, r):
 
 
 def phi_rule(k, r, B):
-    K, N, C, F = (k.c[a] for a in "KNCF")
+    K, N, C, F = k.c.K, k.c.N, k.c.C, k.c.F
     if r.linear:
         return Rule(STREAMED, "contraction", float(2 * B * K * N * C * F), 0.0)
     return Rule(STREAMED, "rank-one phi(x)^T phi(dy)", float(2 * B * K * C * F), 0.0)
 
 
 def norms_rule(k, r, B):
-    K, N, C, F = (k.c[a] for a in "KNCF")
+    K, N, C, F = k.c.K, k.c.N, k.c.C, k.c.F
     if N == 1:
         return Rule(STREAMED, "rank-one norms", float(2 * B * K * (C + F)), 0.0)
     it = jnp.dtype(k.acc).itemsize
@@ -117,7 +117,7 @@ def central_value(k, ctx, r, w=None):
 
 
 def central_rule(k, r, B):
-    K, C, F = k.c["K"], k.c["C"], k.c["F"]
+    K, C, F = k.c.K, k.c.C, k.c.F
     it = jnp.dtype(k.acc).itemsize
     return Rule(STREAMED, "rank-one central sums", float(10 * B * K * C * F),
                 float(9 * K * C * F * it))
@@ -126,7 +126,7 @@ def central_rule(k, r, B):
 def centered_rule(k, r, B):
     # two contractions and their [K, C, F] sums (a group's and the running ones where
     # the batch is taken in groups); the centred expansion runs only where they cancel
-    K, C, F = k.c["K"], k.c["C"], k.c["F"]
+    K, C, F = k.c.K, k.c.C, k.c.F
     it = jnp.dtype(k.acc).itemsize
     grouped = sum(c for c, _ in raw_groups(B, k.acc)) > 1
     return Rule(

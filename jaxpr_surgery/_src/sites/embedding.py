@@ -27,6 +27,7 @@ from jaxpr_surgery._src.sites.base import (
     STREAMED,
     Fast,
     Kernel,
+    OneHot,
     Rule,
     example_scale,
     register,
@@ -430,10 +431,10 @@ def _onehot_dense_ok(eqn, p, axis):
 
 
 def _onehot_of(eqn, pos, patterns):
-    """``(ids, axis, n)`` when the data operand of the dense site ``eqn`` is a recognised
-    ``one_hot(ids)``, else None."""
+    """The `base.OneHot` when the data operand of the dense site ``eqn`` is a
+    recognised ``one_hot(ids)``, else None."""
     pat = patterns.get(eqn.invars[1 - pos[0]])
-    return pat[1] if pat and pat[0] == "onehot" else None
+    return pat if isinstance(pat, OneHot) else None
 
 
 @register
@@ -452,11 +453,11 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
         if len(pos) != 1 or tag.pre:
             return False
         oh = _onehot_of(eqn, pos, patterns)
-        return oh is not None and _onehot_dense_ok(eqn, pos[0], oh[1])
+        return oh is not None and _onehot_dense_ok(eqn, pos[0], oh.axis)
 
     @classmethod
     def extra_inputs(cls, eqn, tag, pos, patterns):
-        return (_onehot_of(eqn, pos, patterns)[0],)  # the ids (read by `prepare`)
+        return (_onehot_of(eqn, pos, patterns).ids,)  # the ids (read by `prepare`)
 
     def gathers_rows(self):
         return None  # rows on a one-hot axis of a view: no ghost cross term with a dense site
@@ -466,16 +467,16 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
 
         Kernel.__init__(self, site, acc_dtype)
         self.c = canon(site)
-        self.V, self.d = self.c["C"], self.c["F"]
+        self.V, self.d = self.c.C, self.c.F
 
     def prepare(self, w, ext, ext_batched, dy):
         c = self.c
         ids = ext[-1]  # the ids are the last input (analysis)
         (dy,) = dy
         B = dy.shape[0]
-        dy = jnp.transpose(dy, (0,) + tuple(1 + i for i in c["dy_perm"]))
-        dy = dy.reshape(B, c["N"], c["F"]).astype(self.acc)
-        ids = canonical_ids(ids.reshape(B, c["N"]), self.V)
+        dy = jnp.transpose(dy, (0,) + tuple(1 + i for i in c.dy_perm))
+        dy = dy.reshape(B, c.N, c.F).astype(self.acc)
+        ids = canonical_ids(ids.reshape(B, c.N), self.V)
         valid = (ids >= 0) & (ids < self.V)
         dy = jnp.where(valid[..., None], dy, 0)
         return Rows(jnp.clip(ids, 0, self.V - 1), valid, dy)
@@ -492,21 +493,21 @@ class OneHotEmbeddingKernel(EmbeddingKernel):
     def kron_factors(self, ctx):
         ids, valid, dy = ctx
         c = self.c
-        cw, fd = c["canon_w"], c["fdims"]
+        cw, fd = c.canon_w, c.fdims
         return kron.Factors(
             (), ((cw[:1], kron.OneHot(ids, self.V)), (cw[1:], dy.reshape(dy.shape[:2] + fd)))
         )
 
     def kron_meta(self):
         c = self.c
-        cw = c["canon_w"]
+        cw = c.canon_w
         m = kron.view_leaf_axes(self.site)
-        meta = (c["N"], (), (self.V,), c["fdims"])
+        meta = (c.N, (), (self.V,), c.fdims)
         return meta, kron.leaf_structure((), (cw[:1], cw[1:]), m)
 
     def dots(self, ctx, ref):
         c = self.c
-        table = jnp.transpose(ref, c["canon_w"]).reshape(c["C"], c["F"])
+        table = jnp.transpose(ref, c.canon_w).reshape(c.C, c.F)
         return super().dots(ctx, table)
 
     # (direct, materialise and weighted_sum map the table to the view by `_view`)

@@ -22,14 +22,24 @@ columns ``V = DY``; with ``v`` (``x @ (W + B @ A).T``, weights stored ``[out, in
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from jaxpr_surgery._src import compat
-from jaxpr_surgery._src.sites.base import Kernel, register
+from jaxpr_surgery._src.sites.base import Kernel, MergedUse, register
 from jaxpr_surgery._src.sites.dense import DenseKernel
-from jaxpr_surgery._src.sites.dense_layout import Tokens, canon, canonical
+from jaxpr_surgery._src.sites.dense_layout import DenseLayout, Tokens, canon, canonical
+
+
+class LowRankLayout(NamedTuple):
+    """A leaf's place in a merged low-rank weight at its site (`lowrank_layout`)."""
+
+    role: str  # "L", "R" or "W": the product's left or right operand, or the base weight
+    rows_in: bool  # the site contracts the data with the product's rows ``u``
+    dims: tuple  # the product's contracted axes ``(lc, rc)`` (``(None, None)``: "W")
+    canon_w: tuple  # the view's axes in its dense site's canonical order (`canon`)
 
 
 def lowrank_layout(eqn, pre, base, pos):
@@ -39,10 +49,7 @@ def lowrank_layout(eqn, pre, base, pos):
     product (first in ``pre``, for its factors) or the base weight by constant factors,
     one addition and transposes.
 
-    Returns a dict: ``role`` ("L", "R" or "W": the product's left or right operand, or
-    the base weight), ``rows_in`` (the site contracts the data with the product's rows
-    ``u``), the product's contracted axes ``(lc, rc)``, and ``canon_w``: the view's
-    axes in the canonical order of its dense site (`dense_layout.canon`)."""
+    Returns a `LowRankLayout`, or None."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     w_op = eqn.invars[pos]
     if lb or rb or len(w_op.aval.shape) != 2 or not pre:
@@ -68,7 +75,7 @@ def lowrank_layout(eqn, pre, base, pos):
         canon_w = (1 - dims[0], dims[0])
     else:  # (k, v)
         canon_w = (dims[1], 1 - dims[1])
-    return dict(role=role, rows_in=rows_in, dims=dims, canon_w=canon_w)
+    return LowRankLayout(role, rows_in, dims, canon_w)
 
 
 @register
@@ -84,7 +91,7 @@ class MergedLoraKernel(DenseKernel):
     def matches(cls, eqn, tag, pos, patterns):
         pat = patterns.get(eqn.invars[pos[0]]) if len(pos) == 1 else None
         return (
-            pat is not None and pat[0] == "merged"
+            isinstance(pat, MergedUse)
             and lowrank_layout(eqn, tag.pre, tag.base, pos[0]) is not None
         )
 
@@ -93,11 +100,11 @@ class MergedLoraKernel(DenseKernel):
         self.fold_side = None
         self.merged = canon(site)  # the dense site of the merged weight
         lay = lowrank_layout(site.eqn, site.pre, site.base, site.param_pos)
-        self.role, self.rows_in, self.dims = lay["role"], lay["rows_in"], lay["dims"]
-        canon_w = lay["canon_w"]
+        self.role, self.rows_in, self.dims = lay.role, lay.rows_in, lay.dims
+        canon_w = lay.canon_w
         shape = tuple(site.view_shape)
         canon_shape = tuple(shape[i] for i in canon_w)
-        self.c = dict(
+        self.c = DenseLayout(
             kdims=(),
             cdims=canon_shape[:1],
             fdims=canon_shape[1:],
@@ -105,7 +112,7 @@ class MergedLoraKernel(DenseKernel):
             K=1,
             C=canon_shape[0],
             F=canon_shape[1],
-            N=self.merged["N"],
+            N=self.merged.N,
             canon_shape=canon_shape,
             inv_w=tuple(int(i) for i in np.argsort(canon_w)),
         )
@@ -132,8 +139,8 @@ class MergedLoraKernel(DenseKernel):
     def ingredient_avals(self, B):
         c = self.c
         return Tokens(
-            jax.ShapeDtypeStruct((B, 1, c["N"], c["C"]), self.acc),
-            jax.ShapeDtypeStruct((B, 1, c["N"], c["F"]), self.acc),
+            jax.ShapeDtypeStruct((B, 1, c.N, c.C), self.acc),
+            jax.ShapeDtypeStruct((B, 1, c.N, c.F), self.acc),
         )
 
     def rule(self, reduction, B):
@@ -143,9 +150,9 @@ class MergedLoraKernel(DenseKernel):
         if self.role == "W":
             return rl
         m = self.merged
-        big = m["F"] if self.rows_in == (self.role == "L") else m["C"]  # the side projected
-        r = self.c["F"] if self.role == "L" else self.c["C"]
+        big = m.F if self.rows_in == (self.role == "L") else m.C  # the side projected
+        r = self.c.F if self.role == "L" else self.c.C
         return dataclasses.replace(
             rl, how=rl.how + " on a rank-r projection",
-            flops=rl.flops + float(2 * B * m["N"] * big * r),
+            flops=rl.flops + float(2 * B * m.N * big * r),
         )

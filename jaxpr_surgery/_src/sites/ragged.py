@@ -24,6 +24,8 @@ the shared weight (no copy of ``w`` per example), `forward`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,10 +42,20 @@ from jaxpr_surgery._src.sites.base import (
     register,
 )
 from jaxpr_surgery._src.sites.dense import DenseKernel
-from jaxpr_surgery._src.sites.dense_layout import Tokens
+from jaxpr_surgery._src.sites.dense_layout import DenseLayout, Tokens
 
 
-def ragged_canon(eqn):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RaggedLayout(DenseLayout):
+    """A ``ragged_dot`` site as a dense one over its dispatched tokens: ``G`` groups of
+    ``k`` inputs each (``C = G * k``); ``x_t``: the tokens' operand is ``[k, m]``."""
+
+    G: int
+    k: int
+    x_t: bool
+
+
+def ragged_canon(eqn) -> RaggedLayout | None:
     """Static layout of ``ragged_dot(x, w, group_sizes)`` with the parameter ``w`` as
     a dense site over the dispatched tokens (``C = g * k``), or None where the
     equation is not a grouped matmul of that form: ``x`` 2-D, ragged on its free
@@ -63,7 +75,7 @@ def ragged_canon(eqn):
     (rf,) = {0, 1, 2} - {gd, rcd}
     g, k, n, m = rhs[gd], rhs[rcd], rhs[rf], lhs[ld]
     canon_w = (gd, rcd, rf)
-    return dict(
+    return RaggedLayout(
         kdims=(),
         cdims=(g, k),
         fdims=(n,),
@@ -116,14 +128,14 @@ def ragged_dot_batch(eqn, x, w, gs):
     sorted by group, the rows put back in order (the products of each example's own,
     and their VJP jax's). ``eqn`` is of the form `ragged_canon` accepts."""
     c = ragged_canon(eqn)
-    B, m, k = x.shape[0], c["N"], c["k"]
-    if c["x_t"]:
+    B, m, k = x.shape[0], c.N, c.k
+    if c.x_t:
         x = jnp.swapaxes(x, 1, 2)
     gid = group_ids(gs, m)
     order = _sorted_rows(gid)
     xs = x.reshape(B * m, k)[order]
-    counts = _counts(gid.reshape(-1), c["G"]).astype(eqn.invars[2].aval.dtype)
-    (ys,) = compat.bind_eqn(eqn, [xs.T if c["x_t"] else xs, w, counts])
+    counts = _counts(gid.reshape(-1), c.G).astype(eqn.invars[2].aval.dtype)
+    (ys,) = compat.bind_eqn(eqn, [xs.T if c.x_t else xs, w, counts])
     y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
     return y.reshape((B,) + tuple(eqn.outvars[0].aval.shape))
 
@@ -171,7 +183,7 @@ class RaggedKernel(DenseKernel):
         """Ghost norms where the token pairs take at most half of ``G``'s memory (its
         ghost form pairs the tokens of one group only: not `DenseKernel`'s cost model)."""
         c = self.c
-        return 2 * c["N"] ** 2 <= c["C"] * c["F"]
+        return 2 * c.N ** 2 <= c.C * c.F
 
     # operands ----------------------------------------------------------------- #
     def _operand(self, ext, i):
@@ -194,9 +206,9 @@ class RaggedKernel(DenseKernel):
     def _rows_and_groups(self, ext, B):
         """``x [B, m, k]`` and the rows' group ids ``[B, m]``, every example's."""
         x, gs = self._lhs_and_sizes(ext, B)
-        if self.c["x_t"]:
+        if self.c.x_t:
             x = jnp.swapaxes(x, 1, 2)
-        return x, group_ids(gs, self.c["N"])
+        return x, group_ids(gs, self.c.N)
 
     def forward(self, f, ext_batched):
         """The site for a batch: `ragged_dot_batch`, the weight shared (no copies)."""
@@ -215,7 +227,7 @@ class RaggedKernel(DenseKernel):
         B = dy.shape[0]
         x, gid = self._rows_and_groups(ext, B)
         x = jnp.concatenate([x.astype(self.acc), gid.astype(self.acc)[..., None]], -1)
-        return Tokens(x, dy.reshape(B, 1, c["N"], c["F"]).astype(self.acc))
+        return Tokens(x, dy.reshape(B, 1, c.N, c.F).astype(self.acc))
 
     def _split(self, x):
         return x[..., :-1], jnp.round(x[..., -1]).astype(jnp.int32)
@@ -225,13 +237,13 @@ class RaggedKernel(DenseKernel):
         block of its group, zeros elsewhere."""
         x, gid = self._split(x)
         b, m, k = x.shape
-        onehot = (gid[..., None] == jnp.arange(self.c["G"])).astype(x.dtype)
-        return (onehot[..., None] * x[..., None, :]).reshape(b, 1, m, self.c["G"] * k)
+        onehot = (gid[..., None] == jnp.arange(self.c.G)).astype(x.dtype)
+        return (onehot[..., None] * x[..., None, :]).reshape(b, 1, m, self.c.G * k)
 
     def tile_extra_bytes(self):
         """A tile's grouped product may expand its rows per group (the ragged
         contraction on backends without a ragged instruction, XLA:CPU)."""
-        return tiling.bytes_of((self.c["N"], self.c["C"]), self.acc)
+        return tiling.bytes_of((self.c.N, self.c.C), self.acc)
 
     FEATURE_AXES = (2,)  # blocks of one example's G cut the outputs (dy)
 
@@ -242,8 +254,8 @@ class RaggedKernel(DenseKernel):
         d = dy[:, 0]
         if cut is not None:
             d = cuts.take(cut, d, 2)
-        G = jax.vmap(lambda x, d, i: grouped_outer(x, d, i, self.c["G"]))(x, d, gid)
-        return G.reshape(G.shape[0], 1, self.c["C"], G.shape[-1])
+        G = jax.vmap(lambda x, d, i: grouped_outer(x, d, i, self.c.G))(x, d, gid)
+        return G.reshape(G.shape[0], 1, self.c.C, G.shape[-1])
 
     def _tile_G(self, x, dy, b0, size, cut=None, tokens=None):
         if tokens is not None:  # canonical tokens (the exact centred path)
@@ -270,9 +282,9 @@ class RaggedKernel(DenseKernel):
         order = _sorted_rows(gid)
         M = x.shape[0] * x.shape[1]
         G = grouped_outer(
-            x.reshape(M, -1)[order], d.reshape(M, -1)[order], gid.reshape(M)[order], self.c["G"]
+            x.reshape(M, -1)[order], d.reshape(M, -1)[order], gid.reshape(M)[order], self.c.G
         )
-        return self.to_view(G.reshape(1, self.c["C"], self.c["F"]))
+        return self.to_view(G.reshape(1, self.c.C, self.c.F))
 
     def dots(self, ctx, ref):
         """``[B]``: ``<G_b, ref> = sum_r x_r^T ref[e_r] dy_r``, ``x`` through the site's own
@@ -283,13 +295,13 @@ class RaggedKernel(DenseKernel):
         c = self.c
         order = _sorted_rows(gid)
         xs = xr.reshape(B * m, k)[order]
-        gs = _counts(gid.reshape(-1), c["G"])
+        gs = _counts(gid.reshape(-1), c.G)
         dn = jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(((1,), (1,)), ((), ())),
             lhs_ragged_dimensions=(0,),
             rhs_group_dimensions=(0,),
         )
-        R = jnp.transpose(ref, c["canon_w"]).astype(xs.dtype)  # [g, k, n]
+        R = jnp.transpose(ref, c.canon_w).astype(xs.dtype)  # [g, k, n]
         ys = jax.lax.ragged_dot_general(xs, R, gs, dn, precision=jax.lax.Precision.HIGHEST)
         y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True).reshape(B, m, -1)
         return jnp.einsum("bmn,bmn->b", y, dy[:, 0])
@@ -301,7 +313,7 @@ class RaggedKernel(DenseKernel):
         x, dy = ing
         xr, gid = self._split(x)
         d = dy[:, 0]
-        g = self.c["G"]
+        g = self.c.G
         M, k, n = xr.shape[1], xr.shape[2], d.shape[2]
         hi = jax.lax.Precision.HIGHEST
         same = (gid[:, :, None] == gid[:, None, :]) & (gid < g)[:, :, None]
@@ -323,12 +335,12 @@ class RaggedKernel(DenseKernel):
     # reporting ------------------------------------------------------------------ #
     def rule(self, reduction, B):
         c = self.c
-        N, g, k, n = c["N"], c["G"], c["k"], c["F"]
+        N, g, k, n = c.N, c.G, c.k, c.F
         it = jnp.dtype(self.acc).itemsize
         grouped = float(2 * B * N * k * n)  # the ragged products' FLOPs, every row once
 
         def tiled():
-            t, ft, shape = self.tile(B), self.feature_tile(B), (1, c["C"], n)
+            t, ft, shape = self.tile(B), self.feature_tile(B), (1, c.C, n)
             return Rule(
                 STREAMED,
                 f"tiled per-example grouped products ({tiling.describe(t, ft, shape)})",
