@@ -171,14 +171,14 @@ def _top_level_runs(monkeypatch, L, layer=_layer):
     """The runs ``(start, stop)`` of top-level equations the interpreter walks (traces)
     for an L-layer stack."""
     runs = []
-    run_eqns = interpreter.Evaluator._run_eqns
+    walk = interpreter.Evaluator.walk
 
-    def counting(self, jaxpr, start, stop, env, sinks, path):
+    def counting(self, jaxpr, env, path, start, stop, sinks):
         if path == ():
             runs.append((start, stop))
-        return run_eqns(self, jaxpr, start, stop, env, sinks, path)
+        return walk(self, jaxpr, env, path, start, stop, sinks)
 
-    monkeypatch.setattr(interpreter.Evaluator, "_run_eqns", counting)
+    monkeypatch.setattr(interpreter.Evaluator, "walk", counting)
     params, batch = _case(L, jnp.float32)
     jax.jit(js.per_example_stat(_stack(L, layer), js.stats.second_moment())).lower(params, batch)
     return runs
