@@ -18,6 +18,11 @@ with optional cheaper ``sq_norms`` and ``summed_grad``:
 
     js.extend.register_custom_op(pallas_dense, rule=MyDenseRule())
 
+A primitive (your own ``jax.extend.core.Primitive``, or one the package serves only by
+its exact per-example VJP) takes the same kind of rule:
+
+    js.extend.register_primitive_rule(my_dense_p, MyDenseRule())
+
 A new reduction (`js.stats.Reduction`) is checked against the laws the engine relies on
 (merges, running accumulators, devices, shares, weights) with `check_reduction`.
 
@@ -30,6 +35,7 @@ from jaxpr_surgery._src.custom_ops import OpSite as OpSite
 from jaxpr_surgery._src.custom_ops import Registration as Registration
 from jaxpr_surgery._src.custom_ops import register_custom_op as register_custom_op
 from jaxpr_surgery._src.laws import check_reduction as check_reduction
+from jaxpr_surgery._src.sites.custom import register_primitive_rule as register_primitive_rule
 
-__all__ = ["register_custom_op", "check_rule", "check_reduction", "Registration", "CustomOpRule",
-           "OpSite"]
+__all__ = ["register_custom_op", "register_primitive_rule", "check_rule", "check_reduction",
+           "Registration", "CustomOpRule", "OpSite"]

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxpr_surgery._src import compat, walker
+from jaxpr_surgery._src import compat, custom_ops, walker
 from jaxpr_surgery._src.analysis_types import (
     DATA,
     PARAM_TAGS,
@@ -186,8 +186,11 @@ class _Analyzer(walker.Walker):
         # by the examples: vmap(grad)'s cost), where every other construct with a body
         # is opaque (the leaf is read per example)
         custom = walker.nest_of(eqn) is walker.Nest.CUSTOM
+        # (so is an equation of a primitive given a rule, `custom_ops.primitive_entry`,
+        # even one holding a jaxpr such as a Pallas call)
+        ruled = not custom and custom_ops.primitive_entry(eqn) is not None
         custom_site = (
-            custom and has_data and len(pvars) == 1
+            (custom or ruled) and has_data and len(pvars) == 1
             and not isinstance(params_tags[0], (Mixed, Merged))
         )
         opaque = not custom_site and (custom or bool(walker.bodies(eqn)))

@@ -35,6 +35,9 @@ import jax
 from jaxpr_surgery._src import compat, walker
 
 _BY_RULE: dict = {}  # the op's derivative function (`_rule_fn`) -> `_Entry`
+# a primitive object -> the `_Entry` rules for its equations, in registration order
+# (`register_primitive_rule`; each with its ``where``)
+_BY_PRIM: dict = {}
 # (registration, (argument tree, nondiff arguments), operand types) -> the printed jaxpr
 # of the op's forward at those operands (dropped with the registration)
 _PRIMAL_TEXT: dict = {}
@@ -48,10 +51,17 @@ def _rule_fn(op):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Entry:
-    op: Any
+    op: Any  # the custom op, or the primitive object (``primitive``)
     reference: Callable | None  # (None: the op keeps its own calls, served by `rule`)
     name: str
     rule: Any = None  # a `CustomOpRule`
+    primitive: bool = False  # a rule for a primitive's equations (`register_primitive_rule`)
+    where: Callable | None = None  # (a primitive's) which of its equations the rule serves
+    on_remove: Callable | None = None  # called once the registration is removed
+
+    @property
+    def describe(self) -> str:
+        return f"primitive {self.name}" if self.primitive else f"custom op {self.name}"
 
 
 class Registration:
@@ -77,13 +87,27 @@ class Registration:
 
     @property
     def active(self) -> bool:
-        return _BY_RULE.get(_rule_fn(self._entry.op)) is self._entry
+        e = self._entry
+        if e.primitive:
+            return any(x is e for x in _BY_PRIM.get(e.op, ()))
+        return _BY_RULE.get(_rule_fn(e.op)) is e
 
     def remove(self) -> None:
-        if self.active:
-            del _BY_RULE[_rule_fn(self._entry.op)]
-        for key in [k for k in _PRIMAL_TEXT if k[0] is self._entry]:
+        e = self._entry
+        if not self.active:
+            return
+        if e.primitive:
+            left = [x for x in _BY_PRIM[e.op] if x is not e]
+            if left:
+                _BY_PRIM[e.op] = left
+            else:
+                del _BY_PRIM[e.op]
+        else:
+            del _BY_RULE[_rule_fn(e.op)]
+        for key in [k for k in _PRIMAL_TEXT if k[0] is e]:
             del _PRIMAL_TEXT[key]
+        if e.on_remove is not None:
+            e.on_remove()
 
     def __enter__(self):
         return self
@@ -94,7 +118,7 @@ class Registration:
 
     def __repr__(self):
         state = "registered" if self.active else "removed"
-        return f"Registration({self._entry.name}, {state})"
+        return f"Registration({self._entry.describe}, {state})"
 
 
 def _op_name(op) -> str:
@@ -201,17 +225,7 @@ def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> R
                 f"{where}: {_op_name(op)}: give either a reference or a rule, not both (a "
                 "reference makes the op's calls its reference's; a rule keeps them)."
             )
-        if not isinstance(rule, CustomOpRule):
-            raise TypeError(
-                f"{where}: rule must be a js.extend.CustomOpRule instance, got "
-                f"{rule!r}" + (" (a class: instantiate it)" if isinstance(rule, type) else "")
-                + "."
-            )
-        if not rule.has("per_example_grad"):
-            raise TypeError(
-                f"{where}: {type(rule).__name__} must override per_example_grad (the one "
-                "method a CustomOpRule requires)."
-            )
+        _check_rule_object(where, rule)
     elif reference is None:
         reference = op.fun
     if rule is None and not callable(reference):
@@ -232,9 +246,60 @@ def register_custom_op(op, reference: Callable | None = None, *, rule=None) -> R
     return Registration(entry)
 
 
+def _check_rule_object(where, rule):
+    if not isinstance(rule, CustomOpRule):
+        raise TypeError(
+            f"{where}: rule must be a js.extend.CustomOpRule instance, got "
+            f"{rule!r}" + (" (a class: instantiate it)" if isinstance(rule, type) else "")
+            + "."
+        )
+    if not rule.has("per_example_grad"):
+        raise TypeError(
+            f"{where}: {type(rule).__name__} must override per_example_grad (the one "
+            "method a CustomOpRule requires)."
+        )
+
+
+def add_primitive_rule(primitive, rule, where, on_remove) -> Registration:
+    """Registers ``rule`` for the equations of ``primitive`` that ``where`` accepts (all
+    where None); `sites.custom.register_primitive_rule` checks the primitive and anchors
+    the kernel. ``on_remove``: called when the registration is removed."""
+    _check_rule_object("register_primitive_rule", rule)
+    if where is not None and not callable(where):
+        raise TypeError(
+            "register_primitive_rule: where must be a function of an equation returning "
+            f"whether the rule serves it, got {type(where).__name__}."
+        )
+    held = _BY_PRIM.get(primitive, [])
+    if where is None and any(e.where is None for e in held):
+        raise ValueError(
+            f"register_primitive_rule: primitive {primitive.name} already has a rule for "
+            "all its equations; call .remove() on its registration first (or pass where= "
+            "to serve some of its equations)."
+        )
+    entry = _Entry(primitive, None, primitive.name, rule, primitive=True, where=where,
+                   on_remove=on_remove)
+    _BY_PRIM[primitive] = [*held, entry]
+    return Registration(entry)
+
+
+def has_primitive_rules(primitive) -> bool:
+    """Whether any rule is registered for ``primitive``'s equations."""
+    return primitive in _BY_PRIM
+
+
+def primitive_entry(eqn):
+    """The first `_Entry` registered for ``eqn``'s primitive whose ``where`` accepts
+    ``eqn``, or None."""
+    for e in _BY_PRIM.get(eqn.primitive, ()):
+        if e.where is None or e.where(eqn):
+            return e
+    return None
+
+
 def registered() -> bool:
-    """Whether any op is registered."""
-    return bool(_BY_RULE)
+    """Whether any op or primitive rule is registered."""
+    return bool(_BY_RULE) or bool(_BY_PRIM)
 
 
 def _types(avals) -> tuple:
@@ -363,9 +428,9 @@ def ops_in(closed) -> list:
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            hit = entry_of(eqn)
+            hit = ruled_entry(eqn)
             if hit is not None:
-                found.setdefault(id(hit[0]), hit[0])
+                found.setdefault(id(hit), hit)
             for sub in walker.bodies(eqn):
                 walk(sub)
 
@@ -458,7 +523,17 @@ class CustomOpRule:
         return getattr(type(self), name) is not getattr(CustomOpRule, name)
 
 
-def rule_of(eqn):
-    """The `CustomOpRule` registered for the op ``eqn`` calls, or None."""
+def ruled_entry(eqn):
+    """The `_Entry` serving ``eqn``: a registered custom op's (with a reference or a
+    rule), or a rule registered for its primitive; None without one."""
     hit = entry_of(eqn)
-    return None if hit is None else hit[0].rule
+    if hit is not None:
+        return hit[0]
+    return primitive_entry(eqn) if _BY_PRIM else None
+
+
+def rule_of(eqn):
+    """The `CustomOpRule` registered for the op ``eqn`` calls, or for its primitive, or
+    None."""
+    hit = ruled_entry(eqn)
+    return None if hit is None else hit.rule

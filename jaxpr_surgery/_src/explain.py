@@ -376,7 +376,8 @@ def _custom_op_notes(prep):
     if not entries:
         return []
     how = [f"{e.name} (by its reference: the layers inside get their rules)"
-           if e.reference is not None else f"{e.name} (by its rule {type(e.rule).__name__})"
+           if e.reference is not None else
+           f"{e.describe if e.primitive else e.name} (by its rule {type(e.rule).__name__})"
            for e in entries]
     return ["Custom ops registered with js.extend: " + ", ".join(how) + "; their "
             "statistics are those of the op where js.extend.check_rule passes on this model."]

@@ -150,6 +150,28 @@ def register(cls):
     return cls
 
 
+def anchor(cls, prim):
+    """Anchors the registered kernel class ``cls`` at the primitive object ``prim`` as
+    well (a user's rule for a primitive, `sites.custom.register_primitive_rule`);
+    `unanchor` undoes it."""
+    if prim in cls.anchors:
+        return
+    cls.anchors = (*cls.anchors, prim)
+    rules = SITE_RULES.setdefault(prim, [])
+    rules.append(cls)
+    rules.sort(key=lambda k: -k.priority)
+
+
+def unanchor(cls, prim):
+    """Undoes `anchor`."""
+    cls.anchors = tuple(p for p in cls.anchors if p is not prim)
+    rules = [k for k in SITE_RULES.get(prim, ()) if k is not cls]
+    if rules:
+        SITE_RULES[prim] = rules
+    else:
+        SITE_RULES.pop(prim, None)
+
+
 def register_default(cls):
     """Registers ``cls`` as the kernel of every site no anchored kernel matches (the
     exact per-example VJP of the site's equation).
