@@ -7,7 +7,6 @@ fails these tests by name instead of giving a wrong statistic.
 
 from __future__ import annotations
 
-import types
 import warnings
 
 import jax
@@ -30,63 +29,6 @@ def _eqn(fn, *args, prim):
 # --------------------------------------------------------------------------- #
 # Normalised views
 # --------------------------------------------------------------------------- #
-def test_scan_params_split_operands():
-    w = jnp.arange(4.0)
-
-    def f(x, xs):
-        def body(c, y):
-            h, k = c
-            return (jnp.tanh(h * y["a"] + w.sum()), k + 1.0), h + y["b"]
-
-        return lax.scan(body, (x, x), xs)
-
-    xs = {"a": jnp.ones(3), "b": jnp.arange(3.0)}
-    eqn = _eqn(f, 1.0, xs, prim=compat.scan_p)
-    sp = compat.scan_params(eqn)
-    assert sp.length == 3 and sp.reverse is False
-    # two scanned inputs; both carries change in the body (none forwarded)
-    assert len(eqn.invars) == sp.num_consts + sp.num_carry + 2
-    assert sp.num_carry == 2
-    assert len(eqn.outvars) == sp.num_carry + 1
-    assert len(sp.jaxpr.invars) == len(eqn.invars)
-    # the view evaluates to the eqn's own result
-    ins = [np.ones(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-    out = compat.eval_jaxpr(sp.jaxpr, sp.consts, *ins)
-    assert len(out) == len(eqn.outvars)
-
-
-def test_scan_params_reverse_and_unroll():
-    eqn = _eqn(
-        lambda x: lax.scan(lambda c, y: (c * y, c), x, jnp.ones(5), reverse=True, unroll=2),
-        1.0,
-        prim=compat.scan_p,
-    )
-    sp = compat.scan_params(eqn)
-    assert sp.reverse is True and sp.length == 5 and sp.unroll == 2
-
-
-def test_remat_and_call_params():
-    pol = jax.checkpoint_policies.nothing_saveable
-    eqn = _eqn(lambda x: jax.checkpoint(jnp.sin, policy=pol)(x), 1.0, prim=compat.remat_p)
-    rp = compat.remat_params(eqn)
-    assert rp.policy is pol and isinstance(rp.prevent_cse, bool)
-    assert isinstance(rp.jaxpr, compat.Jaxpr)
-    eqn = _eqn(lambda x: jax.jit(lambda y: jnp.sin(y) * 2)(x), 1.0, prim=compat.jit_p)
-    jaxpr, consts = compat.call_parts(eqn)
-    assert isinstance(jaxpr, compat.Jaxpr) and len(jaxpr.invars) == 1
-
-
-def test_unknown_layout_raises_by_name():
-    eqn = _eqn(lambda x: lax.scan(lambda c, y: (c * y, c), x, jnp.ones(2)), 1.0,
-               prim=compat.scan_p)
-    fake = types.SimpleNamespace(primitive=eqn.primitive, invars=eqn.invars,
-                                 outvars=eqn.outvars, params={"jaxpr": None, "length": 2})
-    with pytest.raises(compat.UnsupportedJaxError, match="scan"):
-        compat.scan_params(fake)
-    with pytest.raises(compat.UnsupportedJaxError, match="jit"):
-        compat.call_parts(types.SimpleNamespace(primitive=compat.jit_p, params={}))
-
-
 def test_site_params_present():
     """Params of site primitives read by the analysis and the kernels."""
     d = _eqn(lambda x, w: jnp.einsum("bd,de->be", x, w), jnp.ones((2, 3)), jnp.ones((3, 4)),

@@ -7,10 +7,8 @@ of the package compares primitives by object and never by name string.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
-from typing import Any
 
 import jax
 import jax.extend as jex
@@ -249,20 +247,15 @@ def subjaxprs(eqn):
 
 
 # --------------------------------------------------------------------------- #
-# Normalised views of the params of the primitives the package recurses into.
-#
-# jax <= 0.11 stores sub-jaxprs as ``ClosedJaxpr`` and scan's operand split as
-# ``num_consts``/``num_carry``; jax 0.12 stores open ``Jaxpr`` (constants are
-# hoisted into operands) and the split as flat trees ``ft_in``/``ft_out``
-# (consts, carry, xs). Every reader of these params goes through the functions
-# below, which detect the layout by feature, never by version number, and raise
-# `UnsupportedJaxError` naming the primitive when neither layout is found.
+# Params whose layout changed across jax's range: read by feature, never by version
+# number (walker.py reads how the structured primitives nest jaxprs), raising
+# `UnsupportedJaxError` naming the primitive where neither layout is found.
 # --------------------------------------------------------------------------- #
 class UnsupportedJaxError(RuntimeError):
     """A primitive's params have a layout this version of the package does not know."""
 
 
-def _unsupported(eqn, what):
+def unsupported(eqn, what):
     return UnsupportedJaxError(
         f"jaxpr_surgery does not understand the params of the {eqn.primitive} primitive in "
         f"jax {jax.__version__} ({what}; params: {sorted(eqn.params)}). This jax is outside "
@@ -299,67 +292,6 @@ def plain_call(eqn) -> bool:
         all(isinstance(s, UnspecifiedValue) for s in shardings)
         and all(x is None for x in layouts)
         and not any(p.get("donated_invars", ()))
-    )
-
-
-def call_parts(eqn):
-    """``(Jaxpr, consts)`` of a call-like eqn (jit, closed_call, call)."""
-    j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if j is None:
-        raise _unsupported(eqn, "no 'jaxpr' or 'call_jaxpr'")
-    return closed_parts(j)
-
-
-@dataclasses.dataclass(frozen=True)
-class RematParams:
-    jaxpr: Any
-    prevent_cse: bool
-    policy: Any
-
-
-def remat_params(eqn) -> RematParams:
-    if "jaxpr" not in eqn.params:
-        raise _unsupported(eqn, "no 'jaxpr'")
-    jaxpr, consts = closed_parts(eqn.params["jaxpr"])
-    if consts:  # pragma: no cover - remat jaxprs are open in every tested jax
-        raise _unsupported(eqn, "a closed remat jaxpr")
-    return RematParams(jaxpr, eqn.params.get("prevent_cse", True), eqn.params.get("policy"))
-
-
-@dataclasses.dataclass(frozen=True)
-class ScanParams:
-    """One view of a ``scan`` eqn: operands are ``consts + carry + xs``,
-    outputs ``carry + ys``; ``jaxpr`` is the open body, ``consts`` its bound constants."""
-
-    jaxpr: Any
-    consts: tuple
-    num_consts: int
-    num_carry: int
-    length: int
-    reverse: bool
-    unroll: Any
-
-
-def scan_params(eqn) -> ScanParams:
-    prm = eqn.params
-    if "num_consts" in prm and "num_carry" in prm:  # jax <= 0.11
-        nc, ncar = int(prm["num_consts"]), int(prm["num_carry"])
-    elif "ft_in" in prm:  # jax 0.12: flat trees (consts, carry, xs)
-        try:
-            parts = prm["ft_in"].unpack()
-            c, k, x = parts
-            nc, ncar = len(c), len(k)
-        except Exception as e:  # noqa: BLE001
-            raise _unsupported(eqn, f"ft_in does not unpack to (consts, carry, xs): {e}") from e
-        if nc + ncar + len(x) != len(eqn.invars):
-            raise _unsupported(eqn, "ft_in does not cover the operands")
-    else:
-        raise _unsupported(eqn, "neither num_consts/num_carry nor ft_in")
-    jaxpr, consts = closed_parts(prm["jaxpr"])
-    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
-        raise _unsupported(eqn, "the body's arity differs from the eqn's")
-    return ScanParams(
-        jaxpr, consts, nc, ncar, int(prm["length"]), bool(prm["reverse"]), prm.get("unroll", 1)
     )
 
 
@@ -721,43 +653,6 @@ def map_subjaxprs(eqn, f):
 
 def replace_eqns(jaxpr, eqns):
     return jaxpr.replace(eqns=list(eqns))
-
-
-def custom_call_parts(eqn):
-    """``(Jaxpr, consts)`` of the primal function of a custom_jvp / custom_vjp call."""
-    for key in ("call_jaxpr", "fun_jaxpr"):
-        j = eqn.params.get(key)
-        if j is not None:
-            return closed_parts(j)
-    raise _unsupported(eqn, "no 'call_jaxpr' or 'fun_jaxpr'")
-
-
-@dataclasses.dataclass(frozen=True)
-class WhileParams:
-    """Operands of a ``while`` eqn: ``cond_consts + body_consts + carry``."""
-
-    cond: Any  # open Jaxpr
-    cond_consts: tuple
-    cond_nconsts: int
-    body: Any
-    body_consts: tuple
-    body_nconsts: int
-
-
-def while_params(eqn) -> WhileParams:
-    prm = eqn.params
-    if not {"cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"} <= set(prm):
-        raise _unsupported(eqn, "no cond_jaxpr/body_jaxpr/cond_nconsts/body_nconsts")
-    cj, cc = closed_parts(prm["cond_jaxpr"])
-    bj, bc = closed_parts(prm["body_jaxpr"])
-    return WhileParams(cj, cc, int(prm["cond_nconsts"]), bj, bc, int(prm["body_nconsts"]))
-
-
-def cond_branches(eqn) -> list:
-    """The open jaxprs of a ``cond`` eqn's branches (operands: index, then their inputs)."""
-    if "branches" not in eqn.params:
-        raise _unsupported(eqn, "no 'branches'")
-    return [closed_parts(b)[0] for b in eqn.params["branches"]]
 
 
 def user_frames(eqn, stop_dir: str) -> list:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat
+from jaxpr_surgery._src import compat, walker
 
 _REST = "_jaxpr_surgery_rest"  # the stand-in mesh's one axis of every device
 
@@ -125,28 +125,34 @@ _RULES = {compat.custom_vjp_call_p: {"fwd_jaxpr_thunk": _rule_thunk, "bwd": _unc
           compat.custom_jvp_call_p: {"jvp_jaxpr_fun": _rule_thunk}}
 
 
-def _evaluate(jaxpr, consts, args, stand_in):
-    env = {}
+class _Unannotated(walker.Walker):
+    """Evaluates a jaxpr traced on the stand-in mesh with its annotations dropped: a
+    placement is the identity, a call is inlined, every other equation is bound with
+    its sharding parameters dropped and its rules traced again (`_param`, `_RULES`)."""
 
-    def read(v):
+    def __init__(self, stand_in):
+        self.stand_in = stand_in
+
+    def read(self, env, v):
         return v.val if isinstance(v, compat.Literal) else env[v]
 
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
+    def inline(self, eqn, view, ins, path):
+        return self.run(view.jaxpr, ins, path, consts=view.consts)
+
+    ENTER = {walker.Nest.CALL: inline}
+
+    def equation(self, eqn, ins, path):
         if eqn.primitive in compat.placement_prims:
-            outs = ins[: len(eqn.outvars)]
-        elif eqn.primitive is compat.jit_p:
-            outs = _evaluate(*compat.closed_parts(eqn.params["jaxpr"]), ins, stand_in)
-        else:
-            params = {k: _param(v, stand_in) for k, v in eqn.params.items()}
-            for key, wrap in _RULES.get(eqn.primitive, {}).items():
-                if key in params:
-                    params[key] = wrap(params[key], stand_in)
-            outs = compat.bind(eqn.primitive, ins, params)
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+            return ins[: len(eqn.outvars)]
+        params = {k: _param(v, self.stand_in) for k, v in eqn.params.items()}
+        for key, wrap in _RULES.get(eqn.primitive, {}).items():
+            if key in params:
+                params[key] = wrap(params[key], self.stand_in)
+        return compat.bind(eqn.primitive, ins, params)
+
+
+def _evaluate(jaxpr, consts, args, stand_in):
+    return _Unannotated(stand_in).run(jaxpr, list(args), consts=consts)
 
 
 def untyped(fn, mesh, name, like):

@@ -11,8 +11,8 @@ nests a jaxpr does not, and is said here once:
 * `Nest`, the kinds of nesting, and `NESTS`, the table from primitive objects to them
   (``jit``/``pjit``, ``closed_call`` and ``call``; ``checkpoint``; ``custom_vjp`` and
   ``custom_jvp`` calls; ``scan``; ``while``; ``cond``);
-* `nested`: the typed view of an equation's nested jaxpr (`Once`, `compat.ScanParams`,
-  `compat.WhileParams`, `Branches`), read through `compat` at both ends of jax's range;
+* `nested`: the typed view of an equation's nested jaxpr (`Once`, `Loop`, `While`,
+  `Branches`), read from its params at both ends of jax's range (here alone);
 * `Walker`: an environment per jaxpr run, the equations in order, each at its *path*
   (the positions of the equations that enclose it, then its own: the key the analysis
   gives sites and the interpreter finds them by), each structured equation handed to
@@ -68,6 +68,14 @@ NESTS: dict = _table([
 CALLS = tuple(p for p, n in NESTS.items() if n is Nest.CALL)
 
 
+# --------------------------------------------------------------------------- #
+# Typed views of the nested jaxprs. jax <= 0.11 stores sub-jaxprs as ``ClosedJaxpr``
+# and scan's operand split as ``num_consts``/``num_carry``; jax 0.12 stores open
+# ``Jaxpr`` (constants hoisted into operands) and the split as flat trees ``ft_in``
+# (consts, carry, xs). Each reader detects the layout by feature, never by version
+# number, and raises `compat.UnsupportedJaxError` naming the primitive where neither
+# is found.
+# --------------------------------------------------------------------------- #
 @dataclasses.dataclass(frozen=True)
 class Once:
     """The body of an equation that runs it once (`Nest.CALL`, `Nest.REMAT`,
@@ -83,6 +91,32 @@ class Once:
 
 
 @dataclasses.dataclass(frozen=True)
+class Loop:
+    """A ``scan``: operands ``consts + carry + xs``, outputs ``carry + ys``; ``jaxpr``
+    is the open body, ``consts`` its bound constants."""
+
+    jaxpr: Any
+    consts: tuple
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class While:
+    """A ``while``: operands ``cond_consts + body_consts + carry``."""
+
+    cond: Any  # open Jaxpr
+    cond_consts: tuple
+    cond_nconsts: int
+    body: Any
+    body_consts: tuple
+    body_nconsts: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Branches:
     """A ``cond``'s branches (open jaxprs); the operands are the index, then each
     branch's inputs."""
@@ -90,26 +124,76 @@ class Branches:
     jaxprs: tuple
 
 
+def _param(eqn, *keys):
+    """The first of the params ``keys`` that ``eqn`` has (a jaxpr), split by
+    `compat.closed_parts`."""
+    for key in keys:
+        j = eqn.params.get(key)
+        if j is not None:
+            return compat.closed_parts(j)
+    raise compat.unsupported(eqn, "no " + " or ".join(repr(k) for k in keys))
+
+
 def _once_call(eqn):
-    return Once(Nest.CALL, *compat.call_parts(eqn))
+    return Once(Nest.CALL, *_param(eqn, "jaxpr", "call_jaxpr"))
 
 
 def _once_remat(eqn):
-    prm = compat.remat_params(eqn)
-    return Once(Nest.REMAT, prm.jaxpr, (), prm.prevent_cse, prm.policy)
+    jaxpr, consts = _param(eqn, "jaxpr")
+    if consts:  # pragma: no cover - remat jaxprs are open in every tested jax
+        raise compat.unsupported(eqn, "a closed remat jaxpr")
+    return Once(Nest.REMAT, jaxpr, (), eqn.params.get("prevent_cse", True),
+                eqn.params.get("policy"))
 
 
-def _once_custom(eqn):
-    return Once(Nest.CUSTOM, *compat.custom_call_parts(eqn))
+def _once_custom(eqn):  # (the primal function of a custom_jvp / custom_vjp call)
+    return Once(Nest.CUSTOM, *_param(eqn, "call_jaxpr", "fun_jaxpr"))
+
+
+def _loop(eqn) -> Loop:
+    prm = eqn.params
+    if "num_consts" in prm and "num_carry" in prm:  # jax <= 0.11
+        nc, ncar = int(prm["num_consts"]), int(prm["num_carry"])
+    elif "ft_in" in prm:  # jax 0.12: flat trees (consts, carry, xs)
+        try:
+            c, k, x = prm["ft_in"].unpack()
+            nc, ncar = len(c), len(k)
+        except Exception as e:  # noqa: BLE001
+            raise compat.unsupported(
+                eqn, f"ft_in does not unpack to (consts, carry, xs): {e}") from e
+        if nc + ncar + len(x) != len(eqn.invars):
+            raise compat.unsupported(eqn, "ft_in does not cover the operands")
+    else:
+        raise compat.unsupported(eqn, "neither num_consts/num_carry nor ft_in")
+    jaxpr, consts = _param(eqn, "jaxpr")
+    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
+        raise compat.unsupported(eqn, "the body's arity differs from the eqn's")
+    return Loop(jaxpr, consts, nc, ncar, int(prm["length"]), bool(prm["reverse"]),
+                prm.get("unroll", 1))
+
+
+def _while(eqn) -> While:
+    prm = eqn.params
+    if not {"cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"} <= set(prm):
+        raise compat.unsupported(eqn, "no cond_jaxpr/body_jaxpr/cond_nconsts/body_nconsts")
+    cj, cc = compat.closed_parts(prm["cond_jaxpr"])
+    bj, bc = compat.closed_parts(prm["body_jaxpr"])
+    return While(cj, cc, int(prm["cond_nconsts"]), bj, bc, int(prm["body_nconsts"]))
+
+
+def _branches(eqn) -> Branches:
+    if "branches" not in eqn.params:
+        raise compat.unsupported(eqn, "no 'branches'")
+    return Branches(tuple(compat.closed_parts(b)[0] for b in eqn.params["branches"]))
 
 
 _VIEWS: dict = {
     Nest.CALL: _once_call,
     Nest.REMAT: _once_remat,
     Nest.CUSTOM: _once_custom,
-    Nest.SCAN: compat.scan_params,
-    Nest.WHILE: compat.while_params,
-    Nest.COND: lambda eqn: Branches(tuple(compat.cond_branches(eqn))),
+    Nest.SCAN: _loop,
+    Nest.WHILE: _while,
+    Nest.COND: _branches,
 }
 
 
@@ -120,8 +204,8 @@ def nest_of(eqn) -> Nest | None:
 
 
 def nested(eqn):
-    """The typed view of ``eqn``'s nested jaxpr by its `Nest` (`Once`,
-    `compat.ScanParams`, `compat.WhileParams`, `Branches`); ``eqn`` must have one."""
+    """The typed view of ``eqn``'s nested jaxpr by its `Nest` (`Once`, `Loop`, `While`,
+    `Branches`); ``eqn`` must have one."""
     return _VIEWS[NESTS[eqn.primitive]](eqn)
 
 
@@ -182,9 +266,12 @@ class Walker(abc.ABC):
         """What ``v`` holds in ``env`` (a literal: None)."""
         return None if isinstance(v, compat.Literal) else env.get(v)
 
-    def run(self, jaxpr, ins, path=(), *ctx):
-        """The values of ``jaxpr``'s outputs from its inputs' ``ins``."""
+    def run(self, jaxpr, ins, path=(), *ctx, consts=None):
+        """The values of ``jaxpr``'s outputs from its inputs' ``ins`` (and its
+        constants' ``consts``, where given)."""
         env = dict(zip(jaxpr.invars, ins))
+        if consts is not None:
+            env.update(zip(jaxpr.constvars, consts))
         self.walk(jaxpr, env, path, 0, len(jaxpr.eqns), *ctx)
         return [self.read(env, v) for v in jaxpr.outvars]
 
