@@ -311,9 +311,6 @@ def shape_of(v):
     return tuple(v.aval.shape)
 
 
-CALL_PRIMS = tuple(p for p in (compat.jit_p, compat.closed_call_p, compat.call_p) if p is not None)
-
-
 _IDENTITY_PRIMS = tuple(
     p
     for p in (compat.copy_p, compat.sharding_constraint_p, *compat.vma_cast_prims)

@@ -41,9 +41,7 @@ def _sink_avals(plan, site, B, cache):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(lead + tuple(x.shape), x.dtype), a)
 
     out = {k: aval(r) for k, r in direct.items()}
-    if K.KEPT in out:  # the products kept are the ingredients
-        out[K.INGREDIENTS] = out.pop(K.KEPT)
-    if not want_ing or K.INGREDIENTS in out:
+    if K.kept_as_ingredients(out) or not want_ing or K.INGREDIENTS in out:
         return out
     # the ingredients: as the kernel states them, else traced once for repeated layers
     ing = kernel.ingredient_avals(B)

@@ -36,6 +36,16 @@ class Key(NamedTuple):
         return f"{name}[{self.index}]" if self.role is Role.REDUCTION else name
 
 
+def kept_as_ingredients(values: dict) -> bool:
+    """Renames the per-example products a site keeps for a clipped sum (``KEPT``) its
+    ingredients (``INGREDIENTS``) in ``values`` (a sink's, or its avals): its leaf's values
+    afterwards read those. Whether there were any."""
+    if KEPT not in values:
+        return False
+    values[INGREDIENTS] = values.pop(KEPT)
+    return True
+
+
 def reduction(j: int) -> Key:
     """The key of the plan's ``j``-th reduction."""
     return Key(Role.REDUCTION, int(j))

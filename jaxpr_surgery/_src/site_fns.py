@@ -172,8 +172,8 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
                 out = direct_norms(kernel, ctx, direct, compute)
             # (under a device split; with example weights, over the weighted examples)
             out = tiling.shared_values(direct if ex_w is None else weigh(direct, ex_w), out, B)
-            if want_ing:  # (per-example products kept from the tile loop: those)
-                out[K.INGREDIENTS] = out.pop(K.KEPT) if K.KEPT in out else kernel.ingredients(ctx)
+            if want_ing and not K.kept_as_ingredients(out):  # (else the tile loop's kept ones)
+                out[K.INGREDIENTS] = kernel.ingredients(ctx)
             for k in (K.EX_WEIGHTS, K.CARRY_WEIGHT):  # (inputs: no cotangent)
                 if sink is not None and k in sink:
                     out[k] = compat.zeros_like_varying(sink[k])

@@ -64,9 +64,6 @@ NESTS: dict = _table([
     ((compat.cond_p,), Nest.COND),
 ])
 
-#: the primitives of `Nest.CALL`
-CALLS = tuple(p for p, n in NESTS.items() if n is Nest.CALL)
-
 
 # --------------------------------------------------------------------------- #
 # Typed views of the nested jaxprs. jax <= 0.11 stores sub-jaxprs as ``ClosedJaxpr``

@@ -269,6 +269,7 @@ def direct_norms(kernel, ctx, reductions, compute, depth=0):
         # (a key of the requests' one type, `sink_keys.Key`: jax sorts a request's keys
         # when it flattens it, vmapped over a scanned leaf's layers)
         sq_key = K.SQ
+        assert sq_key not in req, "internal error: a request holds the squares' own key"
         req[sq_key] = S.SqNorms()
         out = dict(compute(req))
         sq = out.pop(sq_key)
