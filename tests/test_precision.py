@@ -509,7 +509,7 @@ def test_token_products_norms_need_no_recomputation(monkeypatch):
     monkeypatch.setattr(norms, "recompute_flagged", lambda *a: recomputed.append(1) or a[2])
     inner = dense.DenseKernel.scaled_sq_norms
     monkeypatch.setattr(dense.DenseKernel, "scaled_sq_norms",
-                        lambda self, ing: scaled.append(self.c["N"]) or inner(self, ing))
+                        lambda self, ing: scaled.append(self.c.N) or inner(self, ing))
     sq = _sq_norms64(case)
     assert sq[2] > 1e39 > float(np.finfo(np.float32).max)
     got = jax.jit(js.per_example_stat(loss, {"n": js.stats.norms(), "sq": js.stats.sq_norms()}))(

@@ -69,7 +69,7 @@ def _poisoned(monkeypatch):
     """The centred expansion returns NaN: a NaN result shows it was the branch taken."""
 
     def nan(self, x, d):
-        k, c, f = self.c["K"], self.c["C"], self.c["F"]
+        k, c, f = self.c.K, self.c.C, self.c.F
         z = jnp.full((k, c, f), jnp.nan, self.acc)
         return S.Moments(self.to_view(z), self.to_view(z))
 
@@ -216,7 +216,7 @@ def test_weighted_raw_form_is_the_rule_taken(monkeypatch):
         raise AssertionError("the tile loop over per-example products was traced")
 
     def nan(self, x, d, w):
-        z = jnp.full((self.c["K"], self.c["C"], self.c["F"]), jnp.nan, self.acc)
+        z = jnp.full((self.c.K, self.c.C, self.c.F), jnp.nan, self.acc)
         return S.Moments(self.to_view(z), self.to_view(z))
 
     B = 40
