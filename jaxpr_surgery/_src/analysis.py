@@ -64,7 +64,7 @@ class _Analyzer(walker.Walker):
         self.model_crossing = []
         self.sites = {}
         self.primitives = set()
-        self.patterns = {}  # Var -> OneHot | MergedUse (`analysis_types.Patterns`)
+        self.patterns = {}  # Var -> OneHot | MergedUse (`sites.base.Patterns`)
         self.onehot_parts = {}  # Var -> _Bcast | _Iota | OneHot (compared, not converted)
         self.scope_of = {}  # Var -> path of the jaxpr run that defines it (scale operands)
         self.groups = []  # [(site, is_factor), ...] of each site of a `Merged` weight
