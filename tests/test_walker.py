@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import zoo
 from jax import lax
+from test_compat import _eqn
 
 import jaxpr_surgery as js
 from jaxpr_surgery._src import analysis, compat, interpreter, walker
@@ -84,13 +85,6 @@ def test_each_nest_has_its_typed_view():
 
 
 # (the views' params at both ends of jax's range)
-def _eqn(fn, *args, prim):
-    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    found = [e for e in jaxpr.eqns if e.primitive is prim]
-    assert found, f"{prim} not found in {jaxpr}"
-    return found[-1]
-
-
 def test_scan_params_split_operands():
     w = jnp.arange(4.0)
 
