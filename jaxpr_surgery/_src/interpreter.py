@@ -224,7 +224,7 @@ class Evaluator(walker.Walker):
 
     def step(self, eqn, ins, p, env, sinks):
         if p in self.an.sites:
-            return self.site(p, env, lambda v: _read(env, v), sinks)
+            return self.site(p, env, sinks)
         return super().step(eqn, ins, p, env, sinks)
 
     def equation(self, eqn, ins, p, env, sinks):
@@ -514,7 +514,7 @@ class Evaluator(walker.Walker):
             env[v] = (o, any(flags))
 
     # ------------------------------------------------------------------ #
-    def site(self, p, env, read, sinks):
+    def site(self, p, env, sinks):
         """The equation at ``p`` by its site's kernel, then each of its taps (the other
         sites at it, `analysis_types.Site.tap_of`), which read its outputs' cotangent."""
         outs = None
@@ -523,7 +523,7 @@ class Evaluator(walker.Walker):
             assert not wf, "internal error: parameter view of an active site is batched"
             ext = []
             for v, b in zip(site.ext_vars, site.ext_batched):
-                x, f = read(v)
+                x, f = _read(env, v)
                 if b and not f:
                     x = _bcast(x, self.B)
                 ext.append(x)

@@ -144,10 +144,15 @@ def register(cls):
         raise TypeError(f"register({cls.__name__}): the class must define matches().")
     _claim_kind(cls)
     for p in dict.fromkeys(anchors):
-        rules = SITE_RULES.setdefault(p, [])
-        rules.append(cls)
-        rules.sort(key=lambda k: -k.priority)  # stable: registration order among equals
+        _add_rule(p, cls)
     return cls
+
+
+def _add_rule(prim, cls):
+    """Files the kernel class ``cls`` among those asked at ``prim``, by its priority."""
+    rules = SITE_RULES.setdefault(prim, [])
+    rules.append(cls)
+    rules.sort(key=lambda k: -k.priority)  # stable: registration order among equals
 
 
 def anchor(cls, prim):
@@ -157,9 +162,7 @@ def anchor(cls, prim):
     if prim in cls.anchors:
         return
     cls.anchors = (*cls.anchors, prim)
-    rules = SITE_RULES.setdefault(prim, [])
-    rules.append(cls)
-    rules.sort(key=lambda k: -k.priority)
+    _add_rule(prim, cls)
 
 
 def unanchor(cls, prim):
