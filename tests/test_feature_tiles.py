@@ -338,3 +338,22 @@ def test_example_norm_in_blocks_strided_or_not(nd):
         got = float(norms.example_norm(make, (1, 5, 24)))
     np.testing.assert_allclose(got, np.linalg.norm(g.astype(np.float64)), rtol=1e-6)
     assert all(isinstance(c, cuts.Strided) == (nd > 1) for c in seen if c is not None)
+
+
+def test_example_norm_in_blocks_inside_shard_map():
+    """Inside shard_map the blocks of an example's ``G`` vary over the batch's axis: the
+    loop's running norm starts varying like them (it started invariant, and jax refused
+    the loop: a hand-written FSDP scan stack's clipped mean raised at trace time)."""
+    from jaxpr_surgery._src import norms
+
+    g = np.random.default_rng(3).normal(size=(2, 3, 24)).astype(np.float32)
+    mesh = jax.make_mesh((1,), ("i",))
+
+    def one(x):  # (x [1, 3, 24]: varies over "i")
+        return norms.example_norm(lambda cut: cuts.take(cut, x, 2), (1, 5, 24))[None]
+
+    P = jax.sharding.PartitionSpec
+    x = jax.device_put(jnp.asarray(g[:1]), jax.sharding.NamedSharding(mesh, P("i")))
+    got = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=P("i"), out_specs=P("i")))(x)
+    np.testing.assert_allclose(float(got[0]), np.linalg.norm(g[0].astype(np.float64)),
+                               rtol=1e-6)

@@ -165,7 +165,8 @@ def example_norm(make, blocks=None):
     else:
         count, rem = divmod(n, size)
         cut = lambda k: (axis, k * size, size)  # noqa: E731
-    zero = jnp.zeros((), jax.eval_shape(lambda: make(cut(0))).dtype)
+    like = jax.eval_shape(lambda: make(cut(0)))  # (inside shard_map: varying like G)
+    zero = compat.make_varying(jnp.zeros((), like.dtype), compat.vma_of(like))
     state = jax.lax.fori_loop(0, count, lambda k, state: add(state, make(cut(k))), (zero, zero))
     if rem:
         state = add(state, make((axis, count * size, rem)))
