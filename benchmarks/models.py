@@ -207,9 +207,18 @@ def _lm_head(params, h, targets):
     return jnp.mean(_xent(logits, targets))
 
 
+def _lookup(embed, ids, out_sharding):
+    """Rows ``ids`` of ``embed``; with ``out_sharding`` (a PartitionSpec of the result),
+    typed for Explicit mesh axes, where a gather's output sharding must be said."""
+    if out_sharding is None:
+        return embed[ids]
+    return embed.at[ids].get(out_sharding=out_sharding)
+
+
 def transformer(T=32, d=256, V=8192, layers=2, heads=4, ff_mult=4, seed=0,
-                name="transformer") -> Model:
-    """Decoder-only LM, Python loop over layers, tied embeddings, learned positions."""
+                name="transformer", lookup_sharding=None) -> Model:
+    """Decoder-only LM, Python loop over layers, tied embeddings, learned positions.
+    ``lookup_sharding``: the embedding lookup's PartitionSpec, for Explicit mesh axes."""
     r = _Rand(seed)
     params = {
         "embed": r.normal((V, d), 0.02),
@@ -220,7 +229,7 @@ def transformer(T=32, d=256, V=8192, layers=2, heads=4, ff_mult=4, seed=0,
 
     def loss(params, batch):
         ids = batch["ids"]
-        h = params["embed"][ids] + params["pos"][: ids.shape[1]]
+        h = _lookup(params["embed"], ids, lookup_sharding) + params["pos"][: ids.shape[1]]
         for lp in params["layers"]:
             h = _block(h, lp)
         return _lm_head(params, h, batch["targets"])
@@ -231,7 +240,8 @@ def transformer(T=32, d=256, V=8192, layers=2, heads=4, ff_mult=4, seed=0,
     return Model(name, loss, params, make_batch, batch_spec, info)
 
 
-def scan_remat(T=32, d=128, V=2048, layers=4, heads=4, ff_mult=4, seed=0) -> Model:
+def scan_remat(T=32, d=128, V=2048, layers=4, heads=4, ff_mult=4, seed=0,
+               lookup_sharding=None) -> Model:
     """Same transformer, layers stacked on [L], lax.scan over jax.checkpoint(block)."""
     r = _Rand(seed)
     per_layer = [_layer_params(r, d, heads, ff_mult * d) for _ in range(layers)]
@@ -245,7 +255,7 @@ def scan_remat(T=32, d=128, V=2048, layers=4, heads=4, ff_mult=4, seed=0) -> Mod
 
     def loss(params, batch):
         ids = batch["ids"]
-        h = params["embed"][ids] + params["pos"][: ids.shape[1]]
+        h = _lookup(params["embed"], ids, lookup_sharding) + params["pos"][: ids.shape[1]]
         h, _ = lax.scan(lambda c, lp: (block(c, lp), None), h, params["layers"])
         return _lm_head(params, h, batch["targets"])
 

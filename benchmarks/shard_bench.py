@@ -5,7 +5,12 @@ Setups (XLA's partitioner: ``jax.jit`` with ``NamedSharding``, out_shardings lik
 parameters): ``fsdp`` (a (2, 4) mesh ('data', 'fsdp'), every matrix sharded over 'fsdp'
 on its largest axis 4 divides, the batch over both axes), ``tp`` (Megatron tensor
 parallelism over 'model', the batch over 'data'), ``2d`` (FSDP over 'fsdp' and TP over
-'model' on a (4, 2) mesh). Models: the transformer of ``benchmarks.models`` (tied
+'model' on a (4, 2) mesh). And FSDP written for the mesh, each weight sharded as in
+``fsdp`` and gathered whole before the loss runs: ``fsdp-shard_map`` (by hand inside
+``shard_map``, ``jax.lax.all_gather(w, 'fsdp', tiled=True)``, ``axis_name`` the batch's
+axes; grad is ``jax.grad`` under the same ``shard_map``) and ``fsdp-explicit`` (sharding
+in types: an Explicit mesh, ``jax.sharding.reshard(w, P())``, the embedding lookup's
+``out_sharding`` said). Models: the transformer of ``benchmarks.models`` (tied
 embedding, layers by a Python loop) and its scan-over-layers twin (``scan_remat``).
 Chunks: the whole batch (``chunk_size=None``) and the default (``"auto"``).
 
@@ -16,9 +21,11 @@ known trip count), so a chunk or tile loop pays per iteration. Temporary memory 
 ``compiled.memory_analysis().temp_size_in_bytes`` (per device). "remat" counts XLA's
 "Involuntary full rematerialization" warnings while the program compiles.
 
-    python -m benchmarks.shard_bench [--quick] [--out benchmarks/results/cpu_shard.json]
+    python -m benchmarks.shard_bench [--quick] [--setups fsdp,tp,...] [--models scan,...]
+        [--out benchmarks/results/cpu_shard.json]
 
-Issue 59's targets: collective bytes <= 1.25x grad's for single-reduction statistics
+Issue 59's targets (for XLA's partitioner; the written setups are measured against the
+same): collective bytes <= 1.25x grad's for single-reduction statistics
 (1.6x variance, 2.8x kurtosis), temp memory <= 1.25x, no involuntary rematerialization
 where grad has none (``../shared/bench/shard_check.py`` checks them on scale_check's
 model).
@@ -157,7 +164,24 @@ def specs(setup, params):
 
 
 MESHES = {"fsdp": ((2, 4), ("data", "fsdp")), "tp": ((2, 4), ("data", "model")),
-          "2d": ((4, 2), ("fsdp", "model"))}
+          "2d": ((4, 2), ("fsdp", "model")), "fsdp-shard_map": ((2, 4), ("data", "fsdp")),
+          "fsdp-explicit": ((2, 4), ("data", "fsdp"))}
+# the setups whose loss is written for the mesh rather than partitioned by XLA: each
+# weight gathered before use, by hand inside shard_map (axis_name: the batch's axes) or
+# by `jax.sharding.reshard` under Explicit axes (sharding in types)
+WRITTEN = {"fsdp-shard_map": "fsdp", "fsdp-explicit": "fsdp"}
+
+
+def _gathered(loss, pspec, gather):
+    """``loss`` on whole weights: each leaf sharded by ``pspec`` gathered by
+    ``gather(w, axis)`` (its one sharded axis) before the loss runs."""
+    def written(params, batch):
+        def whole(w, s):
+            axes = [a for a, n in enumerate(s) if n is not None]
+            return gather(w, axes[0]) if axes else w
+        return loss(jax.tree.map(whole, params, pspec,
+                                 is_leaf=lambda s: isinstance(s, P)), batch)
+    return written
 
 
 def measure(loss, params, batch_spec, setup, stats, chunk, log):
@@ -165,18 +189,31 @@ def measure(loss, params, batch_spec, setup, stats, chunk, log):
     import jaxpr_surgery as js
 
     shape, names = MESHES[setup]
-    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
-    pspec, bspec = specs(setup, params)
+    explicit = setup == "fsdp-explicit"
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh(shape, names, axis_types=(kind,) * len(shape))
+    pspec, bspec = specs(WRITTEN.get(setup, setup), params)
     ns = lambda s: NamedSharding(mesh, s)  # noqa: E731
     ps = jax.tree.map(ns, pspec, is_leaf=lambda s: isinstance(s, P))
     ap = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       params, ps)
     ab = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ns(bspec)),
                       batch_spec)
+    wrap, opts = (lambda f, outs: f), {}
+    if setup == "fsdp-shard_map":  # the hand-written FSDP of JAX's shard_map tutorial
+        loss = _gathered(loss, pspec, lambda w, a: jax.lax.all_gather(w, "fsdp", axis=a,
+                                                                      tiled=True))
+        opts = {"axis_name": tuple(bspec[0])}
+
+        def wrap(f, outs):
+            spec = jax.tree.map(lambda s: s.spec, outs)
+            return jax.shard_map(f, mesh=mesh, in_specs=(pspec, bspec), out_specs=spec)
+    elif explicit:  # FSDP written for sharding in types: each weight resharded whole
+        loss = _gathered(loss, pspec, lambda w, a: jax.sharding.reshard(w, P()))
 
     def cost(fn, outs):
-        with _stderr_to(log):
-            c = jax.jit(fn, out_shardings=outs).lower(ap, ab).compile()
+        with _stderr_to(log), (jax.set_mesh(mesh) if explicit else contextlib.nullcontext()):
+            c = jax.jit(wrap(fn, outs), out_shardings=outs).lower(ap, ab).compile()
         with open(log, errors="replace") as f:
             remat = f.read().count("Involuntary full rematerialization")
         static, executed = collective_bytes(c.as_text())
@@ -186,7 +223,7 @@ def measure(loss, params, batch_spec, setup, stats, chunk, log):
     out = {"grad": cost(jax.grad(loss), ps)}
     for name, st in stats.items():
         outs = ns(P(bspec[0])) if name == "sq_norms" else ps
-        out[name] = cost(js.per_example_stat(loss, st, chunk_size=chunk), outs)
+        out[name] = cost(js.per_example_stat(loss, st, chunk_size=chunk, **opts), outs)
     return out
 
 
@@ -197,7 +234,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small model: a smoke run")
     ap.add_argument("--out", default=None, help="results JSON (default: print only)")
-    ap.add_argument("--setups", default="fsdp,tp,2d")
+    ap.add_argument("--setups", default=",".join(MESHES))
+    ap.add_argument("--models", default="transformer,scan")
     a = ap.parse_args(argv)
     if jax.device_count() < 8:
         raise SystemExit("shard_bench: needs 8 devices; run it as python -m "
@@ -214,9 +252,10 @@ def main(argv=None):
     rows, bad = [], []
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "xla.log")
-        for model_name, build in builders.items():
-            m = build(**size)
+        for model_name in a.models.split(","):
             for setup in a.setups.split(","):
+                typed = {"lookup_sharding": P(specs("fsdp", {})[1][0], None, None)}
+                m = builders[model_name](**size, **(typed if setup == "fsdp-explicit" else {}))
                 for chunk in (None, "auto"):
                     res = measure(m.loss, m.params, m.batch_spec(B), setup, stats, chunk, log)
                     g = res["grad"]

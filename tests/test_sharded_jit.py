@@ -350,3 +350,41 @@ def test_a_subclass_combining_its_own_way_keeps_combine_axis_for_copies():
     np.testing.assert_allclose(S.combined_copies(S.Centered(), v, 4).m2, 4 * np.ones(3))
     with ew.opened():
         assert S.combined_copies(S.Centered(), v, 4) is None
+
+
+def test_explicit_placement_of_a_weight_kept_of_an_example_dropped():
+    """Under Explicit axes the loss's placements are dropped (explicit.py), except that of
+    a value no example reaches: FSDP's ``reshard(w, P())`` gathers the weight before use,
+    and is kept as a sharding constraint (XLA then gathers the weight, as under jax.grad,
+    rather than moving activations). One of an activation (an example reaches it) names
+    the batch's axis, which one example's trace cannot take: dropped. The variance equals
+    that of the unannotated loss."""
+    from jaxpr_surgery._src import compat, walker
+
+    mesh = jax.make_mesh((NDEV,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    r = np.random.default_rng(0)
+    params = {"w": r.normal(size=(8, 8)).astype(np.float32),
+              "v": r.normal(size=(8,)).astype(np.float32)}
+    batch = {"x": r.normal(size=(8, 8)).astype(np.float32)}
+
+    def plain(p, b):
+        return jax.numpy.mean((jax.numpy.tanh(b["x"] @ p["w"]) @ p["v"]) ** 2)
+
+    def typed(p, b):
+        w = jax.sharding.reshard(p["w"], P())
+        h = jax.sharding.reshard(jax.numpy.tanh(b["x"] @ w), P("d", None))
+        return jax.numpy.mean((h @ p["v"]) ** 2)
+
+    with jax.set_mesh(mesh):
+        p = {"w": jax.device_put(params["w"], P("d", None)), "v": jax.device_put(params["v"], P())}
+        b = jax.device_put(batch, P("d"))
+        fn = js.per_example_stat(typed, js.stats.variance())
+        kept = [e for e in walker.equations(jax.make_jaxpr(fn)(p, b).jaxpr)
+                if e.primitive is compat.sharding_constraint_p]
+        got = jax.jit(fn)(p, b)
+    assert [(tuple(e.params["sharding"].spec), e.invars[0].aval.shape) for e in kept] == [
+        ((None, None), (8, 8))]
+    want = js.per_example_stat(plain, js.stats.variance())(params, batch)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5,
+                                   atol=1e-7)

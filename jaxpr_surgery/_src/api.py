@@ -558,7 +558,7 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
             return _placed(f, prep, args, spec)
         # inside auto_axes the arguments (and the weights) are new values: prepare them there;
         # the loss's own annotations for the axes are dropped there (explicit.untyped)
-        f = explicit.untyped(f, prep.explicit[0], name, args)
+        f = explicit.untyped(f, prep.explicit[0], name, args, prep.batch_argnums)
         try:
             if spec is None:
                 out = meshes.in_auto_mode(

@@ -115,6 +115,23 @@ placement_prims = tuple(p for p in (
     sharding_constraint_p) if p is not None)
 
 
+def placement_specs(eqn) -> tuple:
+    """Per operand of a placement equation (`placement_prims`), the PartitionSpec it places
+    the operand at (its entries only), or None where it names none (a device)."""
+    p = eqn.params
+    if "dst_sharding" in p:  # reshard
+        targets = (p["dst_sharding"],) * len(eqn.invars)
+    elif "devices" in p:  # device_put
+        targets = tuple(p["devices"])
+    else:  # sharding_constraint
+        targets = (p.get("sharding"),) * len(eqn.invars)
+    out = []
+    for t in targets:
+        spec = getattr(t, "spec", None)
+        out.append(None if spec is None else jax.sharding.PartitionSpec(*spec))
+    return tuple(out)
+
+
 def _vma_cast_prims():
     """pvary / pcast and other identity casts of the shard_map type system."""
     from jax._src.lax import parallel

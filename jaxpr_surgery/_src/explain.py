@@ -285,7 +285,9 @@ def explain(
             if prep.explicit is None:
                 found = analyse(prep, opts, spec)
             else:  # (in Auto mode, the loss's annotations dropped, as the entries run: api.py)
-                held, untyped = {}, explicit.untyped(f, prep.explicit[0], "explain", args)
+                held = {}
+                untyped = explicit.untyped(f, prep.explicit[0], "explain", args,
+                                           prep.batch_argnums)
 
                 def held_analysis(*a):
                     held["found"] = analyse(Prepared(untyped, a, opts, "explain"), opts, spec)

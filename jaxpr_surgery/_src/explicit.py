@@ -7,10 +7,12 @@ the axes is invalid. `untyped` runs such a loss anyway: it traces ``fn`` on a st
 same axis names, each of size one (every annotation then types every shape), and evaluates that
 jaxpr in the caller's context with its annotations dropped. An annotation places a value, none
 changes one: ``jax.sharding.reshard``, ``jax.device_put`` and sharding constraints become the
-identity, sharding parameters (``out_sharding=`` of a ``dot_general``, ``jnp.zeros``, ``iota``,
-...) become None, ``jit`` calls are inlined and every sub-jaxpr (``scan``, ``cond``, ``remat``,
-custom derivatives) is traced again in the caller's context. XLA's partitioner then places every
-value, as for a model written with ``with_sharding_constraint`` hints.
+identity (but a placement of a value no example reaches, such as FSDP's ``reshard(w, P())``,
+stays a sharding constraint on the caller's mesh, where its axes are Auto), sharding
+parameters (``out_sharding=`` of a ``dot_general``, ``jnp.zeros``, ``iota``, ...) become None,
+``jit`` calls are inlined and every sub-jaxpr (``scan``, ``cond``, ``remat``, custom derivatives)
+is traced again in the caller's context. XLA's partitioner then places every other value, as for
+a model written with ``with_sharding_constraint`` hints.
 
 A loss the stand-in mesh cannot trace runs as written. One that closes over arrays placed on the
 real mesh (or names it in a ``NamedSharding``) fails both ways, with or without annotations: it
@@ -126,24 +128,43 @@ _RULES = {compat.custom_vjp_call_p: {"fwd_jaxpr_thunk": _rule_thunk, "bwd": _unc
 
 
 class _Unannotated(walker.Walker):
-    """Evaluates a jaxpr traced on the stand-in mesh with its annotations dropped: a
-    placement is the identity, a call is inlined, every other equation is bound with
-    its sharding parameters dropped and its rules traced again (`_param`, `_RULES`)."""
+    """Evaluates a jaxpr traced on the stand-in mesh with its annotations dropped: a call is
+    inlined, every other equation is bound with its sharding parameters dropped and its
+    rules traced again (`_param`, `_RULES`). A placement is the identity, except that of a
+    value no example reaches (a weight gathered for FSDP by ``reshard(w, P())``): that one is
+    kept as a sharding constraint of the caller's (Auto) mesh, so XLA places the weight as the
+    loss says, as it does under jax.grad. ``examples``: the jaxpr's inputs an example reaches
+    (the batch's), followed through the top level and the calls it inlines; inside any other
+    sub-jaxpr every placement is dropped."""
 
-    def __init__(self, stand_in):
+    def __init__(self, stand_in, examples=frozenset()):
         self.stand_in = stand_in
+        self.reached = set(examples)
 
     def read(self, env, v):
         return v.val if isinstance(v, compat.Literal) else env[v]
 
+    def _reaches(self, vs):
+        return any(not isinstance(v, compat.Literal) and v in self.reached for v in vs)
+
     def inline(self, eqn, view, ins, path):
-        return self.run(view.jaxpr, ins, path, consts=view.consts)
+        self.reached.update(v for v, o in zip(view.jaxpr.invars, eqn.invars)
+                            if self._reaches([o]))
+        outs = self.run(view.jaxpr, ins, path, consts=view.consts)
+        self.reached.update(o for o, v in zip(eqn.outvars, view.jaxpr.outvars)
+                            if self._reaches([v]))
+        return outs
 
     ENTER = {walker.Nest.CALL: inline}
 
     def equation(self, eqn, ins, path):
+        if self._reaches(eqn.invars):
+            self.reached.update(eqn.outvars)
         if eqn.primitive in compat.placement_prims:
-            return ins[: len(eqn.outvars)]
+            outs = ins[: len(eqn.outvars)]
+            if self._reaches(eqn.invars):
+                return outs
+            return [_constrained(x, spec) for x, spec in zip(outs, compat.placement_specs(eqn))]
         params = {k: _param(v, self.stand_in) for k, v in eqn.params.items()}
         for key, wrap in _RULES.get(eqn.primitive, {}).items():
             if key in params:
@@ -151,15 +172,31 @@ class _Unannotated(walker.Walker):
         return compat.bind(eqn.primitive, ins, params)
 
 
-def _evaluate(jaxpr, consts, args, stand_in):
-    return _Unannotated(stand_in).run(jaxpr, list(args), consts=consts)
+def _constrained(x, spec):
+    """``x`` placed at ``spec`` on the caller's mesh (its axes Auto here: a hint to XLA's
+    partitioner); ``x`` itself where that mesh cannot take the spec."""
+    if spec is None:
+        return x
+    try:
+        return jax.lax.with_sharding_constraint(x, spec)
+    except Exception:  # noqa: BLE001 - a hint only: without it XLA places the value itself
+        return x
 
 
-def untyped(fn, mesh, name, like):
+def _evaluate(jaxpr, consts, args, stand_in, examples=()):
+    """``jaxpr`` evaluated unannotated (`_Unannotated`); ``examples``: the indices of
+    ``args`` an example reaches."""
+    ev = _Unannotated(stand_in, {jaxpr.invars[i] for i in examples})
+    return ev.run(jaxpr, list(args), consts=consts)
+
+
+def untyped(fn, mesh, name, like, batch_argnums=None):
     """``fn`` with its sharding annotations for ``mesh``'s Explicit axes dropped (module
     docstring); called inside `meshes.in_auto_mode`, on arguments structured like ``like``
     (the call's, typed for the Explicit axes: each stand-in is typed like its argument, so
-    the loss's own typing rules see what they see under jax.grad)."""
+    the loss's own typing rules see what they see under jax.grad). ``batch_argnums``: the
+    positional arguments holding the examples (None: every argument), whose values keep
+    no placement."""
     stand_in = _stand_in(mesh)
     like = jax.tree.leaves(like)
     typed_like = [(_spec_of(x), jnp.ndim(x)) if compat.is_array_like(x) or hasattr(x, "shape")
@@ -167,6 +204,10 @@ def untyped(fn, mesh, name, like):
 
     def call(*args):
         leaves, tree = jax.tree.flatten(args)
+        batched = [batch_argnums is None or i in batch_argnums
+                   for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+        if len(batched) != len(leaves):  # (cannot happen: each argument's leaves in turn)
+            batched = [True] * len(leaves)
         arr = [isinstance(x, (jax.Array, np.ndarray)) or compat.is_array_like(x) for x in leaves]
         typed = typed_like if len(typed_like) == len(leaves) else [((), None)] * len(leaves)
         structs = [_struct(jax.typeof(x), stand_in,
@@ -181,8 +222,9 @@ def untyped(fn, mesh, name, like):
         try:
             with jax.sharding.use_abstract_mesh(stand_in):
                 closed, shape = jax.make_jaxpr(flat, return_shape=True)(*structs)
+            examples = [j for j, b in enumerate(b for b, a in zip(batched, arr) if a) if b]
             outs = _evaluate(closed.jaxpr, closed.consts,
-                             [x for x, a in zip(leaves, arr) if a], stand_in)
+                             [x for x, a in zip(leaves, arr) if a], stand_in, examples)
         except Exception as stand_in_error:  # noqa: BLE001 - run as written (module docstring)
             try:
                 return fn(*args)
