@@ -388,3 +388,42 @@ def test_explicit_placement_of_a_weight_kept_of_an_example_dropped():
     for k in params:
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5,
                                    atol=1e-7)
+
+
+def test_explicit_mesh_shard_map_inside_the_loss():
+    """A loss that runs a hand-written tensor-parallel layer in jax.shard_map, on a mesh
+    of Explicit axes. Given the mesh in context (no ``mesh=``), the shard_map takes the
+    Auto-switched mesh where the statistics are computed: exact (its leaves on the
+    exact per-example fallback). Given ``mesh=`` the Explicit mesh itself, it cannot run
+    there: a clear NotImplementedError saying to leave out ``mesh=`` (before, jax's
+    "context mesh ... should match the mesh passed to shard_map")."""
+    mesh = jax.make_mesh((NDEV,), ("m",), axis_types=(jax.sharding.AxisType.Explicit,))
+    r = np.random.default_rng(1)
+    params = {"w": r.normal(size=(8, 16)).astype(np.float32),
+              "v": r.normal(size=(16, 3)).astype(np.float32)}
+    batch = {"x": r.normal(size=(6, 5, 8)).astype(np.float32),
+             "y": r.normal(size=(6, 5, 3)).astype(np.float32)}
+    jnp = jax.numpy
+
+    def mlp(x, w, v):  # (w by columns, v by rows over "m": one psum)
+        return jax.lax.psum(jnp.tanh(x @ w) @ v, "m")
+
+    def loss_with(**kw):
+        def loss(p, b):
+            f = jax.shard_map(mlp, in_specs=(P(), P(None, "m"), P("m", None)),
+                              out_specs=P(), **kw)
+            return jnp.mean((f(b["x"], p["w"], p["v"]) - b["y"]) ** 2)
+        return loss
+
+    def plain(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w"]) @ p["v"] - b["y"]) ** 2)
+
+    stats = {"var": js.stats.variance(), "norms": js.stats.sq_norms()}
+    want = js.per_example_stat(plain, stats)(params, batch)
+    with jax.set_mesh(mesh), pytest.warns(js.CrossExampleWarning, match="shard_map"):
+        got = jax.jit(js.per_example_stat(loss_with(), stats))(params, batch)
+    np.testing.assert_allclose(got["norms"], want["norms"], rtol=1e-5)
+    for k in params:
+        np.testing.assert_allclose(got["var"][k], want["var"][k], rtol=1e-4, atol=1e-6)
+    with jax.set_mesh(mesh), pytest.raises(NotImplementedError, match=r"leave out mesh="):
+        js.per_example_stat(loss_with(mesh=mesh), stats)(params, batch)

@@ -238,8 +238,10 @@ def untyped(fn, mesh, name, like, batch_argnums=None):
 
 
 # jax's errors for a value typed for Explicit axes met in Auto mode: an annotation naming
-# them, an array placed on the mesh (closed over) met by the arguments switched to Auto
-_MODE_ERRORS = ("of type Auto or Manual", "should match the aval mesh")
+# them, an array placed on the mesh (closed over) met by the arguments switched to Auto, a
+# shard_map given the Explicit mesh itself
+_SHARD_MAP_MESH = "should match the mesh passed to shard_map"
+_MODE_ERRORS = ("of type Auto or Manual", "should match the aval mesh", _SHARD_MAP_MESH)
 
 
 def is_mode_error(e) -> bool:
@@ -248,6 +250,17 @@ def is_mode_error(e) -> bool:
 
 
 def _message(name, mesh, stand_in_error, error) -> str:
+    if _SHARD_MAP_MESH in str(error):
+        return (
+            f"{name}: the loss calls jax.shard_map with mesh= the mesh whose Explicit axes "
+            f"{tuple(mesh.axis_names)} are switched to Auto where the statistics are computed "
+            "(each example's gradient is traced on a batch of one, which an Explicit "
+            "annotation of the batch's axis cannot type); a shard_map given the mesh itself "
+            "cannot run there. Fix: leave out mesh= (jax.shard_map then takes the mesh in "
+            "context: call under jax.set_mesh(mesh)), or use a mesh with Auto axes "
+            "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * n)). "
+            f"(jax: {str(error).splitlines()[0][:300]})"
+        )
     return (
         f"{name}: the loss could not run with the mesh's Explicit axes "
         f"{tuple(mesh.axis_names)} in Auto mode, where the statistics are computed (each "
