@@ -63,6 +63,7 @@ STATS = {
     "norms_per_leaf": lambda: js.stats.norms(per_leaf=True),
     "clipped_mean": lambda: js.stats.clipped_mean(CLIP),
     "clipped_sum": lambda: js.stats.clipped_sum(CLIP),
+    "kurtosis": lambda: js.stats.kurtosis(),
 }
 PER_EXAMPLE = ("sq_norms", "norms_per_leaf")
 
@@ -84,6 +85,8 @@ def _oracle(G):
         "norms_per_leaf": {k: np.sqrt(v) for k, v in sq.items()},
         "clipped_mean": {k: v / N for k, v in clip.items()},
         "clipped_sum": clip,
+        "kurtosis": {k: N * np.sum((v - v.mean(0)) ** 4, 0) / np.sum((v - v.mean(0)) ** 2, 0) ** 2
+                     for k, v in G.items()},
     }
 
 
@@ -340,8 +343,40 @@ def run_case(name, chunk=None):
     return res
 
 
+def run_comms(name="comms_2d"):
+    """The executed collective bytes of the statistics of ``gather_2d`` (the batch over
+    ('data', 'fsdp'), each weight gathered over 'fsdp') over jax.grad's under the same
+    shard_map: each device's sums are reduce-scattered over 'fsdp' first, so only its
+    shard crosses 'data' (the moments' sums too; before, whole sums crossed 'data' and
+    the variance's and kurtosis' were merged whole, then sliced)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.shard_bench import collective_bytes  # noqa: PLC0415
+
+    local, params, specs, _, mesh, opt = case_gather_2d()
+    data = opt["data"]
+    batch = _batch()
+    ap = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                        sharding=NamedSharding(mesh, s)),
+                      params, specs, is_leaf=lambda s: isinstance(s, P))
+    ab = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                     sharding=NamedSharding(mesh, P(data))),
+                      batch)
+
+    def cost(f):
+        sm = jax.shard_map(f, mesh=mesh, in_specs=(specs, P(data)), out_specs=specs)
+        return collective_bytes(jax.jit(sm).lower(ap, ab).compile().as_text())[1]
+
+    g = cost(jax.grad(local))
+    return {"case": name, "ratios": {
+        s: cost(js.per_example_stat(local, STATS[s](), axis_name=data)) / g
+        for s in ("mean", "variance", "kurtosis")}}
+
+
 if __name__ == "__main__":
     names = sys.argv[1:] or list(CASES)
     for spec in names:
+        if spec == "comms_2d":
+            print(json.dumps(run_comms()), flush=True)
+            continue
         name, _, chunk = spec.partition(":")
         print(json.dumps(run_case(name, chunk=int(chunk) if chunk else None)), flush=True)

@@ -51,7 +51,7 @@ TOL = 2e-5  # float32 against the float64 reduction of JAX's per-example gradien
 
 @pytest.fixture(scope="module")
 def results():
-    return M.run_cases("_fsdp_cases.py", EXPECT, timeout=900)
+    return M.run_cases("_fsdp_cases.py", [*EXPECT, "comms_2d"], timeout=900)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECT))
@@ -72,3 +72,14 @@ def test_collective_on_parameter_exact_or_refused(results, case):
     assert "outside the statistic" in msg and "NamedSharding" in msg, msg
     if EXPECT[case] != "KronSum":
         assert "parameter leaf/leaves" in msg and "axis_name" in msg, msg
+
+
+def test_gathered_leaf_sums_cross_the_other_axes_as_shards(results):
+    """The batch over ('data', 'fsdp'), each weight gathered over 'fsdp': each device's
+    sums are reduce-scattered over 'fsdp' before they are summed over 'data', and the
+    variance's and kurtosis' sums about the whole batch's mean are reduce-scattered too
+    (the mean itself one psum). Executed collective bytes over jax.grad's under the same
+    shard_map: mean 0.67x, variance 1.11x, kurtosis 1.33x (before: whole sums crossed
+    'data' and the moments were merged whole: 1.0x, 1.33x, 1.78x)."""
+    r = results["comms_2d"]["ratios"]
+    assert r["mean"] <= 0.8 and r["variance"] <= 1.2 and r["kurtosis"] <= 1.5, r

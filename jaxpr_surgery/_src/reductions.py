@@ -611,17 +611,19 @@ class Centered(ElementwiseReduction):
             return jnp.asarray(n, acc.shift.dtype) * acc.shift
         return jnp.asarray(n, acc.shift.dtype) * acc.shift + acc.s1
 
-    def combine_axis(self, value, n_local, N, axis_name):
+    def combine_axis(self, value, n_local, N, axis_name, sums=None, whole=None):
+        """(``sums``, ``whole``: for a leaf gathered in shard_map, `gathers.combine`.)"""
+        sums = sums or (lambda x: jax.lax.psum(x, axis_name))
+        n = jnp.asarray(n_local, value.mean.dtype)
         if ew.is_open():  # (a device of weight 0: raw sums, `reshift`)
-            n = jnp.asarray(n_local, value.mean.dtype)
             p = jnp.where(n > 0, n * value.mean, value.mean)
             mean = jax.lax.psum(p, axis_name) / N
             m2 = jnp.where(n > 0, value.m2 + n * jnp.square(value.mean - mean),
                            value.m2 - 2 * mean * p + jnp.square(mean) * n)
-            return Moments(mean, jax.lax.psum(m2, axis_name))
-        mean = jax.lax.psum(value.mean * n_local, axis_name) / N
-        m2 = jax.lax.psum(value.m2 + n_local * jnp.square(value.mean - mean), axis_name)
-        return Moments(mean, m2)
+        else:
+            mean = jax.lax.psum(value.mean * n, axis_name) / N
+            m2 = value.m2 + n * jnp.square(value.mean - mean)
+        return Moments(mean if whole is None else whole(mean), sums(m2))
 
     def combined_share(self, value, n_local, axis_name, parts):
         return centred_share(self, value, n_local, axis_name, parts)

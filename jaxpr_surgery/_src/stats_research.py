@@ -153,19 +153,23 @@ class CentralMoments(S.ElementwiseReduction):
         other = self.finish(ShiftedSums(K, *s), na + nb)
         return jax.tree.map(lambda u, v: jnp.where((na > 0) & (nb > 0), u, v), out, other)
 
-    def combine_axis(self, value, n_local, N, axis_name):
+    def combine_axis(self, value, n_local, N, axis_name, sums=None, whole=None):
         """Every device's central sums about the whole batch's mean (one ``psum`` of the
         mean, then of each power: ``_shifted`` moves a device's sums from its own mean by
         ``d = mean_d - mean``, the terms of Pébay's merge, without gathering every
-        device's sums). Within derivatives in the weights: the default merge."""
+        device's sums). Within derivatives in the weights: the default merge. ``sums``:
+        how the powers are totalled over the devices (``psum``), ``whole``: what becomes
+        of a value the same on every device (as is); for a leaf gathered in shard_map
+        (`gathers.combine`) each device keeps its shard of both."""
+        whole = whole or (lambda x: x)
         if ew.is_open():
-            return super().combine_axis(value, n_local, N, axis_name)
+            return jax.tree.map(whole, super().combine_axis(value, n_local, N, axis_name))
         n = _as(n_local, value.mean)
         mean = jax.lax.psum(value.mean * n, axis_name) / _as(N, value.mean)
         z = jnp.zeros_like(value.m2)
         _, s2, s3, s4 = _shifted((z, value.m2, value.m3, value.m4), n, value.mean - mean)
-        s2, s3, s4 = jax.lax.psum((s2, s3, s4), axis_name)
-        return CentralSums(mean, S.nonneg(s2), s3, S.nonneg(s4))
+        s2, s3, s4 = (sums or (lambda x: jax.lax.psum(x, axis_name)))((s2, s3, s4))
+        return CentralSums(whole(mean), S.nonneg(s2), s3, S.nonneg(s4))
 
     def combined_share(self, value, n_local, axis_name, parts):
         return S.centred_share(self, value, n_local, axis_name, parts)
