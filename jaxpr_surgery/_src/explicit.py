@@ -158,11 +158,12 @@ class _Unannotated(walker.Walker):
     ENTER = {walker.Nest.CALL: inline}
 
     def equation(self, eqn, ins, path):
-        if self._reaches(eqn.invars):
+        reached = self._reaches(eqn.invars)
+        if reached:
             self.reached.update(eqn.outvars)
         if eqn.primitive in compat.placement_prims:
             outs = ins[: len(eqn.outvars)]
-            if self._reaches(eqn.invars):
+            if reached:
                 return outs
             return [_constrained(x, spec) for x, spec in zip(outs, compat.placement_specs(eqn))]
         params = {k: _param(v, self.stand_in) for k, v in eqn.params.items()}
