@@ -252,9 +252,10 @@ def main(argv=None):
     rows, bad = [], []
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "xla.log")
+        # (sharding in types: the embedding lookup says where its rows go, as the batch)
+        typed = {"lookup_sharding": P(specs("fsdp", {})[1][0], None, None)}
         for model_name in a.models.split(","):
             for setup in a.setups.split(","):
-                typed = {"lookup_sharding": P(specs("fsdp", {})[1][0], None, None)}
                 m = builders[model_name](**size, **(typed if setup == "fsdp-explicit" else {}))
                 for chunk in (None, "auto"):
                     res = measure(m.loss, m.params, m.batch_spec(B), setup, stats, chunk, log)

@@ -205,10 +205,8 @@ def untyped(fn, mesh, name, like, batch_argnums=None):
 
     def call(*args):
         leaves, tree = jax.tree.flatten(args)
-        batched = [batch_argnums is None or i in batch_argnums
+        batched = [batch_argnums is None or i in batch_argnums  # (each argument's leaves)
                    for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
-        if len(batched) != len(leaves):  # (cannot happen: each argument's leaves in turn)
-            batched = [True] * len(leaves)
         arr = [isinstance(x, (jax.Array, np.ndarray)) or compat.is_array_like(x) for x in leaves]
         typed = typed_like if len(typed_like) == len(leaves) else [((), None)] * len(leaves)
         structs = [_struct(jax.typeof(x), stand_in,
@@ -223,7 +221,8 @@ def untyped(fn, mesh, name, like, batch_argnums=None):
         try:
             with jax.sharding.use_abstract_mesh(stand_in):
                 closed, shape = jax.make_jaxpr(flat, return_shape=True)(*structs)
-            examples = [j for j, b in enumerate(b for b, a in zip(batched, arr) if a) if b]
+            batched_arrays = [b for b, a in zip(batched, arr) if a]
+            examples = [j for j, b in enumerate(batched_arrays) if b]
             outs = _evaluate(closed.jaxpr, closed.consts,
                              [x for x, a in zip(leaves, arr) if a], stand_in, examples)
         except Exception as stand_in_error:  # noqa: BLE001 - run as written (module docstring)

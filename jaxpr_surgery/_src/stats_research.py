@@ -161,6 +161,7 @@ class CentralMoments(S.ElementwiseReduction):
         how the powers are totalled over the devices (``psum``), ``whole``: what becomes
         of a value the same on every device (as is); for a leaf gathered in shard_map
         (`gathers.combine`) each device keeps its shard of both."""
+        sums = sums or (lambda x: jax.lax.psum(x, axis_name))
         whole = whole or (lambda x: x)
         if ew.is_open():
             return jax.tree.map(whole, super().combine_axis(value, n_local, N, axis_name))
@@ -168,7 +169,7 @@ class CentralMoments(S.ElementwiseReduction):
         mean = jax.lax.psum(value.mean * n, axis_name) / _as(N, value.mean)
         z = jnp.zeros_like(value.m2)
         _, s2, s3, s4 = _shifted((z, value.m2, value.m3, value.m4), n, value.mean - mean)
-        s2, s3, s4 = (sums or (lambda x: jax.lax.psum(x, axis_name)))((s2, s3, s4))
+        s2, s3, s4 = sums((s2, s3, s4))
         return CentralSums(whole(mean), S.nonneg(s2), s3, S.nonneg(s4))
 
     def combined_share(self, value, n_local, axis_name, parts):
