@@ -343,6 +343,33 @@ def run_case(name, chunk=None):
     return res
 
 
+def run_weighted(name="weighted_2d"):
+    """``gather_2d`` (the batch over ('data', 'fsdp'), each weight gathered over 'fsdp')
+    with ``example_weights`` (some 0, a whole device of them among them): the gathered
+    leaves' weighted sums and the moments' weighted merge are reduce-scattered like the
+    unweighted ones. Against ``per_example_stat`` of the whole parameters, one device,
+    the same weights (its weighted values are checked against numpy elsewhere:
+    tests/test_example_weights.py)."""
+    local, params, specs, whole, mesh, opt = case_gather_2d()
+    data = opt["data"]
+    batch = _batch()
+    r = np.random.default_rng(7)
+    w = r.uniform(0.2, 2.0, size=N).astype(np.float32)
+    w[[3, 17, 30]] = 0.0
+    w[8:12] = 0.0  # (the batch's examples 8..11 are one device's: all of weight 0)
+    w = jnp.asarray(w)
+    req = {s: STATS[s]() for s in STATS}
+    out_specs = {s: (P(data) if s == "sq_norms" else {k: P(data) for k in specs}
+                     if s in PER_EXAMPLE else specs) for s in req}
+    fn = js.per_example_stat(local, req, axis_name=data)
+    sm = jax.jit(jax.shard_map(lambda p, b, w: fn(p, b, example_weights=w), mesh=mesh,
+                               in_specs=(specs, P(data), P(data)), out_specs=out_specs))
+    got = sm(_place(mesh, params, specs), _place(mesh, batch, P(data)), _place(mesh, w, P(data)))
+    ref = js.per_example_stat(whole, req)(params, batch, example_weights=w)
+    return {"case": name, "err_whole": {
+        s: _close(got[s], jax.tree.map(np.asarray, ref[s]), s) for s in req}}
+
+
 def run_comms(name="comms_2d"):
     """The executed collective bytes of the statistics of ``gather_2d`` (the batch over
     ('data', 'fsdp'), each weight gathered over 'fsdp') over jax.grad's under the same
@@ -375,8 +402,8 @@ def run_comms(name="comms_2d"):
 if __name__ == "__main__":
     names = sys.argv[1:] or list(CASES)
     for spec in names:
-        if spec == "comms_2d":
-            print(json.dumps(run_comms()), flush=True)
+        if spec in ("comms_2d", "weighted_2d"):
+            print(json.dumps(run_comms() if spec == "comms_2d" else run_weighted()), flush=True)
             continue
         name, _, chunk = spec.partition(":")
         print(json.dumps(run_case(name, chunk=int(chunk) if chunk else None)), flush=True)

@@ -51,7 +51,7 @@ TOL = 2e-5  # float32 against the float64 reduction of JAX's per-example gradien
 
 @pytest.fixture(scope="module")
 def results():
-    return M.run_cases("_fsdp_cases.py", [*EXPECT, "comms_2d"], timeout=900)
+    return M.run_cases("_fsdp_cases.py", [*EXPECT, "comms_2d", "weighted_2d"], timeout=900)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECT))
@@ -83,3 +83,11 @@ def test_gathered_leaf_sums_cross_the_other_axes_as_shards(results):
     'data' and the moments were merged whole: 1.0x, 1.33x, 1.78x)."""
     r = results["comms_2d"]["ratios"]
     assert r["mean"] <= 0.8 and r["variance"] <= 1.2 and r["kurtosis"] <= 1.5, r
+
+
+def test_gathered_leaf_weighted_exact(results):
+    """The same 2-D mesh with ``example_weights`` (random, some 0, one device's all 0):
+    the gathered leaves' weighted sums and the moments' weighted merge, reduce-scattered
+    as the unweighted ones are, equal the whole parameters' statistics on one device."""
+    bad = {s: e for s, e in results["weighted_2d"]["err_whole"].items() if not e <= TOL}
+    assert not bad, f"weighted: wrong {bad}"
