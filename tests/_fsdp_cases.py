@@ -370,6 +370,46 @@ def run_weighted(name="weighted_2d"):
         s: _close(got[s], jax.tree.map(np.asarray, ref[s]), s) for s in req}}
 
 
+def run_dp_noise(name="dp_noise"):
+    """A DP-SGD step written inside the ``shard_map`` of hand-written FSDP on a (2, 4)
+    mesh (the batch over ('data', 'fsdp'), each weight sharded over 'fsdp', the update
+    sharded like it): the noise, the update less the same step's without noise, in
+    units of its standard deviation ``z C / B``, per shard of each weight. Each shard
+    must draw its own (with one key everywhere every shard drew the same noise: the
+    difference of two shards' updates was then free of noise), and the noiseless
+    update equal one device's."""
+    local, params, specs, whole, mesh, opt = case_gather_2d()
+    data = opt["data"]
+    batch = _batch()
+    z = 1.0
+
+    def update(loss, p, b, key, noise, **kw):
+        o = js.optim.dp_sgd(learning_rate=1.0, clip_norm=CLIP, noise_multiplier=noise)
+        stats = js.per_example_stat(loss, js.optim.stat_request(o), **kw)(p, b)
+        u, _ = o.update(stats["mean"], o.init(p), p, **js.optim.update_kwargs(stats, key=key))
+        return u
+
+    def sharded(noise):
+        sm = jax.jit(jax.shard_map(lambda p, b, k: update(local, p, b, k, noise, axis_name=data),
+                                   mesh=mesh,
+                                   in_specs=(specs, P(data), P()), out_specs=specs))
+        return sm(_place(mesh, params, specs), _place(mesh, batch, P(data)), jax.random.key(3))
+
+    noisy, clean = sharded(z), sharded(0.0)
+    ref = jax.jit(lambda p, b, k: update(whole, p, b, k, 0.0))(params, batch, jax.random.key(3))
+    out = {"case": name, "clean_err": _close(clean, jax.tree.map(np.asarray, ref), "mean"),
+           "shards": {}}
+    for k in params:
+        eps = (np.asarray(noisy[k], np.float64) - np.asarray(clean[k], np.float64)) * N / (z * CLIP)
+        shards = np.split(eps, NDEV // 2, axis=0)  # (the 4 shards over 'fsdp', on axis 0)
+        out["shards"][k] = {
+            "std": float(eps.std()),
+            "min_pair_diff": min(float(np.abs(a - b).max()) for i, a in enumerate(shards)
+                                 for b in shards[i + 1:]),
+        }
+    return out
+
+
 def run_comms(name="comms_2d"):
     """The executed collective bytes of the statistics of ``gather_2d`` (the batch over
     ('data', 'fsdp'), each weight gathered over 'fsdp') over jax.grad's under the same
@@ -399,11 +439,13 @@ def run_comms(name="comms_2d"):
         for s in ("mean", "variance", "kurtosis")}}
 
 
+RUNS = {"comms_2d": run_comms, "weighted_2d": run_weighted, "dp_noise": run_dp_noise}
+
 if __name__ == "__main__":
     names = sys.argv[1:] or list(CASES)
     for spec in names:
-        if spec in ("comms_2d", "weighted_2d"):
-            print(json.dumps(run_comms() if spec == "comms_2d" else run_weighted()), flush=True)
+        if spec in RUNS:
+            print(json.dumps(RUNS[spec]()), flush=True)
             continue
         name, _, chunk = spec.partition(":")
         print(json.dumps(run_case(name, chunk=int(chunk) if chunk else None)), flush=True)

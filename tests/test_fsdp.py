@@ -51,7 +51,7 @@ TOL = 2e-5  # float32 against the float64 reduction of JAX's per-example gradien
 
 @pytest.fixture(scope="module")
 def results():
-    return M.run_cases("_fsdp_cases.py", [*EXPECT, "comms_2d", "weighted_2d"], timeout=900)
+    return M.run_cases("_fsdp_cases.py", [*EXPECT, "comms_2d", "weighted_2d", "dp_noise"], timeout=900)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECT))
@@ -91,3 +91,16 @@ def test_gathered_leaf_weighted_exact(results):
     as the unweighted ones are, equal the whole parameters' statistics on one device."""
     bad = {s: e for s, e in results["weighted_2d"]["err_whole"].items() if not e <= TOL}
     assert not bad, f"weighted: wrong {bad}"
+
+
+def test_dp_step_inside_shard_map_draws_each_shards_own_noise(results):
+    """A DP-SGD step inside the shard_map of hand-written FSDP: each shard of a weight
+    draws its own noise (the key folded with its position on the axes the shard varies
+    over), of the configured scale; the noiseless update equals one device's. (Before,
+    one key drew the same noise on every shard: two shards' updates differed by their
+    clipped sums alone, the noise cancelled.)"""
+    r = results["dp_noise"]
+    assert r["clean_err"] <= TOL, r
+    for leaf, s in r["shards"].items():
+        assert s["min_pair_diff"] > 0.05, (leaf, s)  # (the same noise: ~1e-7)
+        assert 0.6 <= s["std"] <= 1.4, (leaf, s)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxpr_surgery._src import compat
 from jaxpr_surgery._src.norms import stacked_parts
 from jaxpr_surgery._src.optim.requests import (
     PerExampleTransformation,
@@ -130,12 +131,25 @@ def _check_max_weight(M, noise_multiplier, owner):
 def _noise_like(key, tree, std):
     """Gaussian noise of standard deviation ``std`` shaped like ``tree``.
 
-    Sampled in at least float32, then cast to each leaf's dtype.
+    Sampled in at least float32, then cast to each leaf's dtype. Inside ``shard_map`` a
+    leaf that varies over manual mesh axes is a shard of a parameter split over them
+    (hand-written FSDP: the clipped sum comes back sharded like the parameter), and its
+    noise is drawn from the key folded with the shard's position on those axes: every
+    shard its own noise, each shard's replicas (devices that differ only on the axes the
+    leaf does not vary over) the same. With the same key everywhere, each shard of a
+    weight would get the same noise, so the difference of two shards' updates would be
+    the difference of their clipped sums with no noise at all. (A leaf that varies over
+    no manual axis, replicated, takes the same noise on every device, as the update of
+    replicas must; so does every leaf with ``check_vma=False`` and under ``jax.pmap``,
+    where JAX does not type which values differ between devices.)
     """
     keys = optax.tree.split_key_like(key, tree)
 
     def one(leaf, k):
         dtype = jnp.promote_types(leaf.dtype, jnp.float32)
+        axes = tuple(sorted(compat.vma_of(leaf), key=str))
+        if axes:
+            k = jax.random.fold_in(k, jax.lax.axis_index(axes))
         return (std * jax.random.normal(k, leaf.shape, dtype)).astype(leaf.dtype)
 
     return jax.tree.map(one, tree, keys)
