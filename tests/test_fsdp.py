@@ -51,7 +51,8 @@ TOL = 2e-5  # float32 against the float64 reduction of JAX's per-example gradien
 
 @pytest.fixture(scope="module")
 def results():
-    return M.run_cases("_fsdp_cases.py", [*EXPECT, "comms_2d", "weighted_2d", "dp_noise"], timeout=900)
+    return M.run_cases("_fsdp_cases.py", [*EXPECT, "comms_2d", "weighted_2d", "dp_noise"],
+                       timeout=900)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECT))
