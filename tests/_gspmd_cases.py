@@ -225,7 +225,7 @@ def error(got, want, stat, N):
 LIGHT = ("sign_mean", "norms_per_leaf")
 
 
-def run_case(name, model, setup, chunk, weights=False, light=False):
+def run_case(name, model, setup, chunk, weights=False, light=False, budget=None):
     loss, params, batch = model()
     G, tree = per_example_grads(loss, params, batch)
     N = G[0].shape[0]
@@ -236,17 +236,17 @@ def run_case(name, model, setup, chunk, weights=False, light=False):
     want = oracle(G, tree, w)
     p, b, pshard, bshard = place(setup, params, batch)
     kw = {} if w is None else {"example_weights": jax.device_put(jnp.asarray(w), bshard)}
+    opts = {"chunk_size": chunk, "memory_budget_bytes": budget}
     errs = {}
     per_leaf = jax.tree.map(lambda _: CLIP, params)
     stats = {**STATS, PER_LAYER: lambda: js.stats.clipped_mean(per_leaf)}
     todo = {k: mk for k, mk in stats.items()
             if not ((w is not None and k in ("kurtosis",)) or (light and k in LIGHT))}
     if light:  # (the default tier: every statistic in one call, one program to compile)
-        f = jax.jit(js.per_example_stat(loss, {k: mk() for k, mk in todo.items()},
-                                        chunk_size=chunk))
+        f = jax.jit(js.per_example_stat(loss, {k: mk() for k, mk in todo.items()}, **opts))
         outs = f(p, b, **kw)
     else:  # (each statistic alone, its own plan)
-        outs = {k: jax.jit(js.per_example_stat(loss, mk(), chunk_size=chunk))(p, b, **kw)
+        outs = {k: jax.jit(js.per_example_stat(loss, mk(), **opts))(p, b, **kw)
                 for k, mk in todo.items()}
     for k, out in outs.items():
         errs[k] = error(out, want[k], k, N)
@@ -430,9 +430,11 @@ CASES = {
     "2d": lambda: run_case("2d", lm, "2d", None),
     "scan:tp": lambda: run_case("scan:tp", scan_mlp, "tp", None),
     "scan:fsdp:5": lambda: run_case("scan:fsdp:5", scan_mlp, "fsdp", 5, light=True),
+    # (a budget under the table's 4 MiB G: blocks under the split, SPLIT_TILE_BYTES above it)
     "blocks:tp": lambda: run_case("blocks:tp", lambda: lm(V=8192, d=64, L=1), "tp", None,
-                                  light=True),
-    "blocks:fsdp:3": lambda: run_case("blocks:fsdp:3", lambda: lm(V=8192, d=64, L=1), "fsdp", 3),
+                                  light=True, budget=1 << 20),
+    "blocks:fsdp:3": lambda: run_case("blocks:fsdp:3", lambda: lm(V=8192, d=64, L=1), "fsdp", 3,
+                                      budget=1 << 20),
     "dp:fsdp": lambda: run_dp("dp:fsdp", "fsdp", layers=1),
     "dp:tp": lambda: run_dp("dp:tp", "tp"),
     "batchnorm": lambda: run_refusal("batchnorm", lambda: batchnorm(B=8), "fsdp"),
