@@ -94,7 +94,8 @@ def feature_tile(shape, dtype, axes, budget, cache=True) -> tuple[int, int] | No
     budget, if smaller; `SPLIT_TILE_BYTES` under a batch split by device); elsewhere one
     example is split only where it alone exceeds the budget. (A long sequence's products
     read once ran no faster in cache-sized blocks, and every block loop is one more loop
-    for XLA to compile: GPT-2 small's `second_moment` 1.6 s -> 1.3 s.) Never below `MIN_FEATURE_TILE_BYTES`.
+    for XLA to compile: GPT-2 small's `second_moment` 1.6 s -> 1.3 s.) Never below
+    `MIN_FEATURE_TILE_BYTES`.
     """
     axes = [a for a in axes if shape[a] > 1]
     if not axes:
