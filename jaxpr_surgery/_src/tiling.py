@@ -32,13 +32,15 @@ from jaxpr_surgery._src import stats as S
 
 DEFAULT_MEMORY_BUDGET_BYTES = 64 << 20  # per tile of materialised per-example gradients
 CACHE_TILE_BYTES = 2 << 20  # CPU: one example's block of G, kept cache-sized
-# ... under a batch split by device (devices.py): larger. Each block's finished values
-# are combined across the devices at once (a collective per block), and where XLA runs a
-# layer's backward pass split over the features of a weight it shards, the block loop
-# gathers each example's input again in every block. On the scan-over-layers stack of
-# shard_check.py at d 1024, T 256, B 16 under FSDP (8 devices): the variance's
-# collective bytes 1.75x -> 1.28x grad's, the kurtosis' 2.26x -> 1.68x, temporary memory
-# 0.96-1.07x -> 1.02-1.09x (no block at all, only the budget's: the kurtosis 1.35x).
+# ... but under a batch split by device (devices.py) one example's G up to this size is
+# taken whole. Each block's finished values are combined across the devices at once (a
+# collective per block), and where XLA runs a layer's backward pass split over the
+# features of a weight it shards, the block loop gathers each example's input again in
+# every block. On the scan-over-layers stack of shard_check.py at d 1024, T 256, B 16
+# under FSDP (8 devices): the variance's collective bytes 1.75x -> 1.28x grad's, the
+# kurtosis' 2.26x -> 1.68x, temporary memory 0.96-1.03x -> 1.00-1.07x. Larger ones keep
+# cache-sized blocks: blocks of this size (a vocabulary table's) took the kurtosis under
+# tensor parallelism, four parts per device, from 0.96x to 1.52x grad's memory.
 SPLIT_TILE_BYTES = 16 << 20
 MIN_FEATURE_TILE_BYTES = 256 << 10  # smaller blocks cost more in loop overhead than they save
 # Feature blocks: a count of blocks that divides the axis is preferred, up to this many
@@ -91,7 +93,8 @@ def feature_tile(shape, dtype, axes, budget, cache=True) -> tuple[int, int] | No
     one example's ``G`` of ``shape``, or None where it is small enough whole.
 
     On CPU, with ``cache`` (`cache_sized`), blocks are about `CACHE_TILE_BYTES` (or the
-    budget, if smaller; `SPLIT_TILE_BYTES` under a batch split by device); elsewhere one
+    budget, if smaller; under a batch split by device, a ``G`` of at most
+    `SPLIT_TILE_BYTES` whole); elsewhere one
     example is split only where it alone exceeds the budget. (A long sequence's products
     read once ran no faster in cache-sized blocks, and every block loop is one more loop
     for XLA to compile: GPT-2 small's `second_moment` 1.6 s -> 1.3 s.) Never below
@@ -101,13 +104,11 @@ def feature_tile(shape, dtype, axes, budget, cache=True) -> tuple[int, int] | No
     if not axes:
         return None
     budget = DEFAULT_MEMORY_BUDGET_BYTES if budget is None else int(budget)
-    if cache and prefer_per_example():
-        target = min(SPLIT_TILE_BYTES if cuts.split_count() > 1 else CACHE_TILE_BYTES, budget)
-    else:
-        target = budget
+    target = min(CACHE_TILE_BYTES, budget) if cache and prefer_per_example() else budget
     target = max(target, MIN_FEATURE_TILE_BYTES)
     total = bytes_of(shape, dtype)
-    if total <= target:
+    if total <= target or (
+            cuts.split_count() > 1 and total <= min(SPLIT_TILE_BYTES, budget)):
         return None
     axis = max(axes, key=lambda a: shape[a])
     n = int(shape[axis])
