@@ -128,7 +128,8 @@ def test_feature_tiles_under_a_device_split():
     finishes, and where XLA splits a layer's backward pass over features the loop
     regathers an example's input every block (the scan stack of shard_check.py at
     d 1024 under FSDP: the variance 1.75x -> 1.28x grad's collective bytes). A larger
-    ``G`` keeps cache-sized blocks; a smaller budget still bounds them."""
+    ``G`` keeps cache-sized blocks, and so does the kurtosis (many arrays per block, held
+    for several parts at once); a smaller budget still bounds them."""
     f32 = jnp.float32
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tiling, "prefer_per_example", lambda: True)
@@ -138,6 +139,9 @@ def test_feature_tiles_under_a_device_split():
             assert tiling.feature_tile(shape, f32, (0, 1), None) is None  # whole
             assert tiling.feature_tile((1024, 16384), f32, (0, 1), None) == (1, 512)
             assert tiling.feature_tile(shape, f32, (0, 1), 1 << 20) == (1, 256)
+            # (reductions of many arrays per block keep them: `blocks_under_split`)
+            assert tiling.feature_tile(shape, f32, (0, 1), None,
+                                       whole_under_split=False) == (1, 512)
 
 
 def test_reduce_tiles_blocks_equal_whole():

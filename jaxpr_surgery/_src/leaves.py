@@ -44,7 +44,8 @@ def leaf_feature_tile(B, shape, acc, budget, kernels):
     site can cut, or None; only where a tile holds one example."""
     if tiling.leaf_tile(B, shape, acc, budget, kernels) != 1:
         return None
-    return tiling.feature_tile(tuple(shape), acc, leaf_cut_axes(shape, kernels), budget)
+    return tiling.feature_tile(tuple(shape), acc, leaf_cut_axes(shape, kernels), budget,
+                               whole_under_split=not any(k.split_blocks for k in kernels))
 
 
 def tiled_materialised(plan, ings, mat, B, reductions):

@@ -142,9 +142,11 @@ def make_plan(
             plan.modes.append(Mode.RESIDUAL if use is LeafUse.RESIDUAL else Mode.UNUSED)
     # (one decision per call: every tile loop, explain's rules and the cost model agree)
     cache_blocks = any(r.cache_blocks for r in reductions)
+    split_blocks = any(r.cache_blocks and r.blocks_under_split for r in reductions)
     for p, site in analysis.sites.items():
         dts = [site.base.aval.dtype] + [v.aval.dtype for v in site.eqn.outvars]
-        plan.kernels[p] = kernel_for(site, acc_dtype_for(*dts), budget, cache_blocks)
+        plan.kernels[p] = kernel_for(site, acc_dtype_for(*dts), budget, cache_blocks,
+                                     split_blocks)
     return plan
 
 

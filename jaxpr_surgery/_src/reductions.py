@@ -94,9 +94,8 @@ def lookup(table, r, default=None):
 
 def gather_over_axis(x, axis_name):
     """``[D, *x.shape]``: every device's ``x`` along the mapped axis ``axis_name``, in
-    the devices' order, the same on every device. A psum of each device's ``x`` in its
-    own slot of zeros (exact: the others add zeros), so the result is replicated; inside
-    ``shard_map`` an ``all_gather`` would stay varying over the axis."""
+    order, the same on every device: a psum of each ``x`` in its own slot of zeros (exact),
+    replicated; inside ``shard_map`` an ``all_gather`` would stay varying over the axis."""
     D = jax.lax.psum(1, axis_name)  # static: the size of the axis
     full = jnp.zeros((D,) + tuple(jnp.shape(x)), jnp.result_type(x))
     full = jax.lax.dynamic_update_index_in_dim(full, x, jax.lax.axis_index(axis_name), 0)
@@ -133,11 +132,11 @@ class Reduction(abc.ABC):
         (clipping: every leaf, or the leaves under one bound of a tree of bounds).
       knows_total: the accumulator knows the plain sum of its examples (`total`).
       cache_blocks: the accumulator passes over each block of an example's gradient
-        several times (centred moments): on CPU the tile loops of a call that has one
-        cut a large ``G`` into cache-sized blocks (`tiling.feature_tile`; measured 6%
-        faster per step than whole on a d=768 transformer at T=256). Calls whose
-        reductions read each block once take a long sequence's ``G`` whole within the
-        memory budget (`tiling.cache_sized`).
+        several times (centred moments): on CPU a call that has one cuts a large ``G``
+        into cache-sized blocks (`tiling.feature_tile`; 6% faster per step than whole at
+        d=768, T=256), but under a device split a ``G`` up to `tiling.SPLIT_TILE_BYTES` is
+        whole unless ``blocks_under_split`` (many arrays per block: the kurtosis). Calls
+        reading each block once take a long sequence's ``G`` whole (`tiling.cache_sized`).
     """
 
     per_example: ClassVar[bool] = False
@@ -148,6 +147,7 @@ class Reduction(abc.ABC):
     weighted_by_norm: ClassVar[bool] = False
     knows_total: ClassVar[bool] = False
     cache_blocks: ClassVar[bool] = False
+    blocks_under_split: ClassVar[bool] = False
 
     # -- the three a reduction must define ------------------------------------- #
     @abc.abstractmethod

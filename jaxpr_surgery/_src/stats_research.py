@@ -104,6 +104,7 @@ class CentralMoments(S.ElementwiseReduction):
     shift_bounded: ClassVar[bool] = True
     knows_total: ClassVar[bool] = True
     cache_blocks: ClassVar[bool] = True  # (four power sums per block)
+    blocks_under_split: ClassVar[bool] = True
 
     def aval(self, shape, dtype, B):
         v = jax.ShapeDtypeStruct(tuple(shape), dtype)

@@ -37,10 +37,11 @@ CACHE_TILE_BYTES = 2 << 20  # CPU: one example's block of G, kept cache-sized
 # collective per block), and where XLA runs a layer's backward pass split over the
 # features of a weight it shards, the block loop gathers each example's input again in
 # every block. On the scan-over-layers stack of shard_check.py at d 1024, T 256, B 16
-# under FSDP (8 devices): the variance's collective bytes 1.75x -> 1.28x grad's, the
-# kurtosis' 2.26x -> 1.68x, temporary memory 0.96-1.03x -> 1.00-1.07x. Larger ones keep
-# cache-sized blocks: blocks of this size (a vocabulary table's) took the kurtosis under
-# tensor parallelism, four parts per device, from 0.96x to 1.52x grad's memory.
+# under FSDP (8 devices): the variance's collective bytes 1.75x -> 1.28x grad's,
+# temporary memory 0.96x -> 1.00x. Larger ones keep cache-sized blocks (blocks of this
+# size, a vocabulary table's, took the kurtosis under tensor parallelism, four parts per
+# device, from 0.96x to 1.52x grad's memory), and so do reductions with many arrays per
+# block (`Reduction.blocks_under_split`: the kurtosis).
 SPLIT_TILE_BYTES = 16 << 20
 MIN_FEATURE_TILE_BYTES = 256 << 10  # smaller blocks cost more in loop overhead than they save
 # Feature blocks: a count of blocks that divides the axis is preferred, up to this many
@@ -88,13 +89,15 @@ def cache_sized(cache_blocks, tokens) -> bool:
     return cache_blocks or tokens < WHOLE_G_MIN_TOKENS
 
 
-def feature_tile(shape, dtype, axes, budget, cache=True) -> tuple[int, int] | None:
+def feature_tile(
+    shape, dtype, axes, budget, cache=True, whole_under_split=True
+) -> tuple[int, int] | None:
     """``(axis, size)``: blocks of ``size`` along ``axis`` (the longest of ``axes``) for
     one example's ``G`` of ``shape``, or None where it is small enough whole.
 
     On CPU, with ``cache`` (`cache_sized`), blocks are about `CACHE_TILE_BYTES` (or the
     budget, if smaller; under a batch split by device, a ``G`` of at most
-    `SPLIT_TILE_BYTES` whole); elsewhere one
+    `SPLIT_TILE_BYTES` whole, unless not ``whole_under_split``); elsewhere one
     example is split only where it alone exceeds the budget. (A long sequence's products
     read once ran no faster in cache-sized blocks, and every block loop is one more loop
     for XLA to compile: GPT-2 small's `second_moment` 1.6 s -> 1.3 s.) Never below
@@ -107,8 +110,8 @@ def feature_tile(shape, dtype, axes, budget, cache=True) -> tuple[int, int] | No
     target = min(CACHE_TILE_BYTES, budget) if cache and prefer_per_example() else budget
     target = max(target, MIN_FEATURE_TILE_BYTES)
     total = bytes_of(shape, dtype)
-    if total <= target or (
-            cuts.split_count() > 1 and total <= min(SPLIT_TILE_BYTES, budget)):
+    if total <= target or (whole_under_split and cuts.split_count() > 1
+                           and total <= min(SPLIT_TILE_BYTES, budget)):
         return None
     axis = max(axes, key=lambda a: shape[a])
     n = int(shape[axis])

@@ -233,10 +233,11 @@ def kind_for(eqn, tag, pos, patterns):
     return _DEFAULT[0]
 
 
-def kernel_for(site, acc_dtype, budget=None, cache_blocks=True):
+def kernel_for(site, acc_dtype, budget=None, cache_blocks=True, split_blocks=False):
     k = site.kernel(site, acc_dtype)
     k.budget = budget
     k.cache_blocks = cache_blocks
+    k.split_blocks = split_blocks
     return k
 
 
@@ -382,6 +383,9 @@ class Kernel(abc.ABC):
         # a reduction of the call passes over each block of G several times
         # (`Reduction.cache_blocks`; `tiling.cache_sized`): set by the plan
         self.cache_blocks = True
+        # ... and keeps its cache-sized blocks under a batch split by device
+        # (`Reduction.blocks_under_split`)
+        self.split_blocks = False
 
     # the site's value for a batch (the forward pass and its VJP) ---------- #
     def forward(self, f, ext_batched):

@@ -333,7 +333,8 @@ class DenseKernel(Kernel):
         if self.tile(B, budget) != 1:
             return None
         return tiling.feature_tile((c.K, c.C, c.F), self.acc, self.FEATURE_AXES, budget,
-                                   cache=tiling.cache_sized(self.cache_blocks, c.N))
+                                   cache=tiling.cache_sized(self.cache_blocks, c.N),
+                                   whole_under_split=not self.split_blocks)
 
     def tiled(self, x, dy, reds, budget=None, tokens=None, carry=None):
         c = self.c
