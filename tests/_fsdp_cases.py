@@ -316,6 +316,13 @@ CASES = {
 }
 
 
+def _out_specs(req, specs, data):
+    """Each statistic's out_specs: per-example values like the batch, the rest like the
+    parameters."""
+    return {s: (P(data) if s == "sq_norms" else {k: P(data) for k in specs}
+                if s in PER_EXAMPLE else specs) for s in req}
+
+
 def run_case(name, chunk=None):
     local, params, specs, whole, mesh, *opt = CASES[name]()
     opt = opt[0] if opt else {}
@@ -323,8 +330,7 @@ def run_case(name, chunk=None):
     axis_name = opt.get("axis_name", data)
     batch = _batch()
     req = opt.get("stats") or {s: STATS[s]() for s in STATS}
-    out_specs = {s: (P(data) if s == "sq_norms" else {k: P(data) for k in specs}
-                     if s in PER_EXAMPLE else specs) for s in req}
+    out_specs = _out_specs(req, specs, data)
     fn = js.per_example_stat(local, req, axis_name=axis_name, chunk_size=chunk)
     sm = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P(data)), out_specs=out_specs,
                                check_vma=opt.get("check_vma", True)))
@@ -359,8 +365,7 @@ def run_weighted(name="weighted_2d"):
     w[8:12] = 0.0  # (the batch's examples 8..11 are one device's: all of weight 0)
     w = jnp.asarray(w)
     req = {s: STATS[s]() for s in STATS}
-    out_specs = {s: (P(data) if s == "sq_norms" else {k: P(data) for k in specs}
-                     if s in PER_EXAMPLE else specs) for s in req}
+    out_specs = _out_specs(req, specs, data)
     fn = js.per_example_stat(local, req, axis_name=data)
     sm = jax.jit(jax.shard_map(lambda p, b, w: fn(p, b, example_weights=w), mesh=mesh,
                                in_specs=(specs, P(data), P(data)), out_specs=out_specs))
