@@ -51,7 +51,8 @@ TOL = 2e-5  # float32 against the float64 reduction of JAX's per-example gradien
 
 @pytest.fixture(scope="module")
 def results():
-    return M.run_cases("_fsdp_cases.py", [*EXPECT, "comms_2d", "weighted_2d", "dp_noise"],
+    return M.run_cases("_fsdp_cases.py", [*EXPECT, "comms_2d", "weighted_2d", "dp_noise",
+                                             "memory_written"],
                        timeout=900)
 
 
@@ -77,13 +78,24 @@ def test_collective_on_parameter_exact_or_refused(results, case):
 
 def test_gathered_leaf_sums_cross_the_other_axes_as_shards(results):
     """The batch over ('data', 'fsdp'), each weight gathered over 'fsdp': each device's
-    sums are reduce-scattered over 'fsdp' before they are summed over 'data', and the
-    variance's and kurtosis' sums about the whole batch's mean are reduce-scattered too
-    (the mean itself one psum). Executed collective bytes over jax.grad's under the same
-    shard_map: mean 0.67x, variance 1.11x, kurtosis 1.33x (before: whole sums crossed
-    'data' and the moments were merged whole: 1.0x, 1.33x, 1.78x)."""
+    sums are reduce-scattered over 'fsdp' before they are summed over 'data', and so are
+    the variance's and kurtosis' mean and sums about it (the mean then all-gathered
+    over 'fsdp' to centre each device's sums). Collective bytes (result sizes) over
+    jax.grad's under the same shard_map: mean 0.67x, variance 1.33x, kurtosis 1.56x
+    (before: whole sums crossed 'data' and the moments were merged whole: 1.0x, 1.33x,
+    1.78x; with the mean one all-reduce: 1.11x and 1.33x, the same bytes on a ring, an
+    all-reduce moving twice its result, but that held every leaf's moments whole, see
+    `test_written_fsdp_variance_memory`)."""
     r = results["comms_2d"]["ratios"]
-    assert r["mean"] <= 0.8 and r["variance"] <= 1.2 and r["kurtosis"] <= 1.5, r
+    assert r["mean"] <= 0.7 and r["variance"] <= 1.35 and r["kurtosis"] <= 1.6, r
+
+
+def test_written_fsdp_variance_memory(results):
+    """Hand-written FSDP's variance (a small transformer, benchmarks.shard_bench's
+    fsdp-shard_map setup) within 1.25x grad's per-device temporary memory: no leaf's
+    moments wait whole on a collective merged with every other leaf's (the mean's
+    all-reduce, merged by XLA into one at the end of the backward pass: 1.33x)."""
+    assert results["memory_written"]["temp_ratio"] <= 1.25, results["memory_written"]
 
 
 def test_gathered_leaf_weighted_exact(results):

@@ -5,7 +5,7 @@ without cancellation (Chan et al.'s update).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,24 @@ class Moments(NamedTuple):
 
     mean: jax.Array
     m2: jax.Array
+
+
+class Totals(NamedTuple):
+    """How moments about the whole batch's mean total a leaf-shaped sum over the
+    devices (`Centered.combine_axis`): ``sums`` totals each device's value to the part
+    the device keeps (by default ``psum``: all of it), ``spread`` takes a kept total
+    to the whole value on every device (by default as it is), ``keep`` a whole value
+    to the kept part (as it is). A leaf gathered in ``shard_map`` keeps its shard
+    (`gathers.combine`)."""
+
+    sums: Any
+    spread: Any
+    keep: Any
+
+    @classmethod
+    def psum(cls, axis_name):
+        same = lambda x: x  # noqa: E731
+        return cls(lambda x: jax.lax.psum(x, axis_name), same, same)
 
 
 def nonneg(x):

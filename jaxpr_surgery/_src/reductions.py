@@ -51,6 +51,7 @@ from jaxpr_surgery._src.fn_equality import function_name, same_function
 from jaxpr_surgery._src.moments import (
     Moments,
     Shifted,
+    Totals,
     about_the_mean,
     chan_update,
     merge_moments,
@@ -611,19 +612,18 @@ class Centered(ElementwiseReduction):
             return jnp.asarray(n, acc.shift.dtype) * acc.shift
         return jnp.asarray(n, acc.shift.dtype) * acc.shift + acc.s1
 
-    def combine_axis(self, value, n_local, N, axis_name, sums=None, whole=None):
-        """(``sums``, ``whole``: for a leaf gathered in shard_map, `gathers.combine`.)"""
-        sums = sums or (lambda x: jax.lax.psum(x, axis_name))
+    def combine_axis(self, value, n_local, N, axis_name, totals=None):
+        """(``totals``: a `Totals`, for a leaf gathered in shard_map, `gathers.combine`.)"""
+        t = totals or Totals.psum(axis_name)
         n = jnp.asarray(n_local, value.mean.dtype)
-        if ew.is_open():  # (a device of weight 0: raw sums, `reshift`)
-            p = jnp.where(n > 0, n * value.mean, value.mean)
-            mean = jax.lax.psum(p, axis_name) / N
-            m2 = jnp.where(n > 0, value.m2 + n * jnp.square(value.mean - mean),
-                           value.m2 - 2 * mean * p + jnp.square(mean) * n)
-        else:
-            mean = jax.lax.psum(value.mean * n, axis_name) / N
-            m2 = value.m2 + n * jnp.square(value.mean - mean)
-        return Moments(mean if whole is None else whole(mean), sums(m2))
+        opened = ew.is_open()  # (a device of weight 0: raw sums, `reshift`)
+        p = jnp.where(n > 0, n * value.mean, value.mean) if opened else value.mean * n
+        kept = t.sums(p) / N
+        mean = t.spread(kept)
+        m2 = value.m2 + n * jnp.square(value.mean - mean)
+        if opened:
+            m2 = jnp.where(n > 0, m2, value.m2 - 2 * mean * p + jnp.square(mean) * n)
+        return Moments(kept, t.sums(m2))
 
     def combined_share(self, value, n_local, axis_name, parts):
         return centred_share(self, value, n_local, axis_name, parts)

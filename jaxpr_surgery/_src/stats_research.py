@@ -20,6 +20,7 @@ from jaxpr_surgery._src import compat
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import stats as S
+from jaxpr_surgery._src.moments import Totals
 from jaxpr_surgery._src.norms import combine_norms
 from jaxpr_surgery._src.statistic import safe_ratio, tree_div
 
@@ -154,24 +155,22 @@ class CentralMoments(S.ElementwiseReduction):
         other = self.finish(ShiftedSums(K, *s), na + nb)
         return jax.tree.map(lambda u, v: jnp.where((na > 0) & (nb > 0), u, v), out, other)
 
-    def combine_axis(self, value, n_local, N, axis_name, sums=None, whole=None):
+    def combine_axis(self, value, n_local, N, axis_name, totals=None):
         """Every device's central sums about the whole batch's mean (one ``psum`` of the
         mean, then of each power: ``_shifted`` moves a device's sums from its own mean by
         ``d = mean_d - mean``, the terms of Pébay's merge, without gathering every
-        device's sums). Within derivatives in the weights: the default merge. ``sums``:
-        how the powers are totalled over the devices (``psum``), ``whole``: what becomes
-        of a value the same on every device (as is); for a leaf gathered in shard_map
-        (`gathers.combine`) each device keeps its shard of both."""
-        sums = sums or (lambda x: jax.lax.psum(x, axis_name))
-        whole = whole or (lambda x: x)
+        device's sums). Within derivatives in the weights: the default merge.
+        ``totals``: a `moments.Totals`, how those sums are totalled (``psum``); for a
+        leaf gathered in shard_map (`gathers.combine`) each device keeps its shard."""
+        t = totals or Totals.psum(axis_name)
         if ew.is_open():
-            return jax.tree.map(whole, super().combine_axis(value, n_local, N, axis_name))
+            return jax.tree.map(t.keep, super().combine_axis(value, n_local, N, axis_name))
         n = _as(n_local, value.mean)
-        mean = jax.lax.psum(value.mean * n, axis_name) / _as(N, value.mean)
+        kept = t.sums(value.mean * n) / _as(N, value.mean)
         z = jnp.zeros_like(value.m2)
-        _, s2, s3, s4 = _shifted((z, value.m2, value.m3, value.m4), n, value.mean - mean)
-        s2, s3, s4 = sums((s2, s3, s4))
-        return CentralSums(whole(mean), S.nonneg(s2), s3, S.nonneg(s4))
+        _, *s = _shifted((z, value.m2, value.m3, value.m4), n, value.mean - t.spread(kept))
+        s2, s3, s4 = t.sums(tuple(s))
+        return CentralSums(kept, S.nonneg(s2), s3, S.nonneg(s4))
 
     def combined_share(self, value, n_local, axis_name, parts):
         return S.centred_share(self, value, n_local, axis_name, parts)

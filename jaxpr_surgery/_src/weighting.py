@@ -141,15 +141,15 @@ class Weighted(Reduction):
         with ew.opened():
             return combined_share(self.inner, value, jnp.sum(self.w), axis_name, parts)
 
-    def combine_axis(self, value, n_local, N, axis_name, **split):  # (the whole local batch)
+    def combine_axis(self, value, n_local, N, axis_name, **totals):  # (the local batch)
         del n_local, N
         W = jnp.sum(self.w)
         # (a device's examples may weigh 0 in all: its value holds their raw sums, which
-        # the merges keep, so that the derivatives in their weights are exact; ``split``:
+        # the merges keep, so that the derivatives in their weights are exact; ``totals``:
         # a gathered leaf's, `gathers.combine`)
         with ew.opened():
             return self.inner.combine_axis(value, W, jax.lax.psum(W, axis_name), axis_name,
-                                           **split)
+                                           **totals)
 
     def to_leaf(self, value, site, B):
         if type(self.inner).to_leaf is not Reduction.to_leaf:
