@@ -188,6 +188,8 @@ def test_primitive_rule_registration_errors():
         js.extend.register_primitive_rule(my_dense_p, TE.DenseRule(), where=3)
     with pytest.raises(ValueError, match="walks into"):
         js.extend.register_primitive_rule(compat.scan_p, TE.DenseRule())
+    with pytest.raises(ValueError, match="a shard_map's, the exact per-example fallback"):
+        js.extend.register_primitive_rule(compat.shard_map_p, TE.DenseRule())
     with pytest.raises(ValueError, match="register_custom_op"):
         js.extend.register_primitive_rule(compat.custom_vjp_call_p, TE.DenseRule())
     with js.extend.register_primitive_rule(my_dense_p, TE.DenseRule()):

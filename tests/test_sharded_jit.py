@@ -10,6 +10,7 @@ the batch's shardings).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import _models as M
 import jax
@@ -394,9 +395,11 @@ def test_explicit_mesh_shard_map_inside_the_loss():
     """A loss that runs a hand-written tensor-parallel layer in jax.shard_map, on a mesh
     of Explicit axes. Given the mesh in context (no ``mesh=``), the shard_map takes the
     Auto-switched mesh where the statistics are computed: exact (its leaves on the
-    exact per-example fallback). Given ``mesh=`` the Explicit mesh itself, it cannot run
-    there: a clear NotImplementedError saying to leave out ``mesh=`` (before, jax's
-    "context mesh ... should match the mesh passed to shard_map")."""
+    exact per-example fallback), and proved per-example (no warning: the proof enters
+    the body, whose psum over 'm' adds up parts of the same examples). Given ``mesh=``
+    the Explicit mesh itself, it cannot run there: a clear NotImplementedError saying to
+    leave out ``mesh=`` (before, jax's "context mesh ... should match the mesh passed
+    to shard_map")."""
     mesh = jax.make_mesh((NDEV,), ("m",), axis_types=(jax.sharding.AxisType.Explicit,))
     r = np.random.default_rng(1)
     params = {"w": r.normal(size=(8, 16)).astype(np.float32),
@@ -420,7 +423,9 @@ def test_explicit_mesh_shard_map_inside_the_loss():
 
     stats = {"var": js.stats.variance(), "norms": js.stats.sq_norms()}
     want = js.per_example_stat(plain, stats)(params, batch)
-    with jax.set_mesh(mesh), pytest.warns(js.CrossExampleWarning, match="shard_map"):
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        # (the batch-of-one proof enters the typed body, which keeps the batch whole)
+        warnings.simplefilter("error", js.CrossExampleWarning)
         got = jax.jit(js.per_example_stat(loss_with(), stats))(params, batch)
     np.testing.assert_allclose(got["norms"], want["norms"], rtol=1e-5)
     for k in params:

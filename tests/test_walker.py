@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import zoo
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from test_compat import _eqn
 
 import jaxpr_surgery as js
@@ -43,6 +44,8 @@ def _every_nest(x):
     y = _scaled(y) + _soft(y)
     y, _ = jax.lax.scan(lambda c, a: (c + a, c), y, jnp.ones((3,) + y.shape))
     y = jax.lax.while_loop(lambda c: c[0] < 3.0, lambda c: (c[0] + 1.0, c[1] * 0.5), (0.0, y))[1]
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    y = jax.shard_map(lambda a: a * 2.0, mesh=mesh, in_specs=P(), out_specs=P())(y)
     return jax.lax.cond(x.sum() > 0, jnp.cos, jnp.sin, y)
 
 
@@ -73,6 +76,9 @@ def test_each_nest_has_its_typed_view():
             assert view.length == 3 and view.num_carry == 1
         elif nest is walker.Nest.WHILE:
             assert len(eqn.invars) == view.cond_nconsts + view.body_nconsts + 2
+        elif nest is walker.Nest.SHARD_MAP:
+            assert view.in_specs == (P(),) and view.out_specs == (P(),) and view.check_vma
+            assert len(view.jaxpr.invars) == len(eqn.invars)
         else:
             assert nest is walker.Nest.COND and len(view.jaxprs) == 2
             assert all(len(b.invars) == len(eqn.invars) - 1 for b in view.jaxprs)

@@ -77,6 +77,7 @@ jit_p = _first(lambda: __import__("jax._src.pjit", fromlist=["x"]).jit_p,
 closed_call_p = _first(lambda: _core.closed_call_p)
 call_p = _first(lambda: _core.call_p)
 remat_p = __import__("jax._src.ad_checkpoint", fromlist=["x"]).remat_p
+shard_map_p = _first(lambda: __import__("jax._src.shard_map", fromlist=["x"]).shard_map_p)
 
 
 def thunk_like(thunk, fn):

@@ -10,16 +10,17 @@ nests a jaxpr does not, and is said here once:
 
 * `Nest`, the kinds of nesting, and `NESTS`, the table from primitive objects to them
   (``jit``/``pjit``, ``closed_call`` and ``call``; ``checkpoint``; ``custom_vjp`` and
-  ``custom_jvp`` calls; ``scan``; ``while``; ``cond``);
+  ``custom_jvp`` calls; ``scan``; ``while``; ``cond``; ``shard_map``, which only the
+  independence proof enters);
 * `nested`: the typed view of an equation's nested jaxpr (`Once`, `Loop`, `While`,
-  `Branches`), read from its params at both ends of jax's range (here alone);
+  `Branches`, `Mapped`), read from its params at both ends of jax's range (here alone);
 * `Walker`: an environment per jaxpr run, the equations in order, each at its *path*
   (the positions of the equations that enclose it, then its own: the key the analysis
   gives sites and the interpreter finds them by), each structured equation handed to
   the walker's hook for its kind (`Walker.ENTER`, keyed by `Nest`), every other one,
   and a kind the walker has no hook for, to its `Walker.equation`;
 * `bodies` and `equations`: the open jaxprs of any equation (also those no pass enters:
-  a ``shard_map``'s, a custom rule's) and every equation at any depth, for read-only
+  a custom rule's) and every equation at any depth, for read-only
   scans (dtypes, collectives, FLOPs).
 """
 
@@ -43,6 +44,7 @@ class Nest(enum.Enum):
     SCAN = "lax.scan: its body once per step, over consts, carry and xs"
     WHILE = "lax.while_loop: its body while its condition holds, on consts and carry"
     COND = "lax.cond / lax.switch: one of its branches, on the operands after the index"
+    SHARD_MAP = "shard_map: its body on every device, each operand's block by its in_spec"
 
 
 def _table(entries) -> dict:
@@ -62,6 +64,7 @@ NESTS: dict = _table([
     ((compat.scan_p,), Nest.SCAN),
     ((compat.while_p,), Nest.WHILE),
     ((compat.cond_p,), Nest.COND),
+    ((compat.shard_map_p,), Nest.SHARD_MAP),
 ])
 
 
@@ -119,6 +122,19 @@ class Branches:
     branch's inputs."""
 
     jaxprs: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapped:
+    """A ``shard_map``'s open body, run on each device's blocks: operand k's block by
+    ``in_specs[k]`` (a ``PartitionSpec``: the mesh axes each dimension is split over),
+    output k assembled by ``out_specs[k]``; ``check_vma``: the body is typed with the
+    manual axes each value varies over."""
+
+    jaxpr: Any
+    in_specs: tuple
+    out_specs: tuple
+    check_vma: bool
 
 
 def _param(eqn, *keys):
@@ -184,6 +200,18 @@ def _branches(eqn) -> Branches:
     return Branches(tuple(compat.closed_parts(b)[0] for b in eqn.params["branches"]))
 
 
+def _mapped(eqn) -> Mapped:
+    prm = eqn.params
+    if not {"jaxpr", "in_specs", "out_specs"} <= set(prm):
+        raise compat.unsupported(eqn, "no jaxpr/in_specs/out_specs")
+    jaxpr, consts = compat.closed_parts(prm["jaxpr"])
+    if consts or len(prm["in_specs"]) != len(eqn.invars) or len(
+            prm["out_specs"]) != len(eqn.outvars):
+        raise compat.unsupported(eqn, "specs that do not match the operands")
+    return Mapped(jaxpr, tuple(prm["in_specs"]), tuple(prm["out_specs"]),
+                  bool(prm.get("check_vma", prm.get("check_rep", False))))
+
+
 _VIEWS: dict = {
     Nest.CALL: _once_call,
     Nest.REMAT: _once_remat,
@@ -191,6 +219,7 @@ _VIEWS: dict = {
     Nest.SCAN: _loop,
     Nest.WHILE: _while,
     Nest.COND: _branches,
+    Nest.SHARD_MAP: _mapped,
 }
 
 
@@ -202,7 +231,7 @@ def nest_of(eqn) -> Nest | None:
 
 def nested(eqn):
     """The typed view of ``eqn``'s nested jaxpr by its `Nest` (`Once`, `Loop`, `While`,
-    `Branches`); ``eqn`` must have one."""
+    `Branches`, `Mapped`); ``eqn`` must have one."""
     return _VIEWS[NESTS[eqn.primitive]](eqn)
 
 
@@ -216,7 +245,7 @@ def body(eqn):
 
 def bodies(eqn) -> list:
     """The open jaxprs in ``eqn``'s params, of any primitive (also those no pass enters:
-    a ``shard_map``'s, a custom derivative's rules)."""
+    a custom derivative's rules)."""
     return [compat.closed_parts(j)[0] for j in compat.subjaxprs(eqn)]
 
 

@@ -325,6 +325,62 @@ def _enter_run(it, eqn, jaxpr, tags):
     return outs
 
 
+def _split_axes(spec, dim):
+    """The mesh axes a ``PartitionSpec`` splits dimension ``dim`` over (none: ())."""
+    entry = spec[dim] if spec is not None and dim < len(spec) else None
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _pass_lined(it, outer, inner, specs):
+    """`_Interp.enter` across a ``shard_map``: an operand's axes lined up with the batch
+    pass to the block only where its spec keeps them whole."""
+    it.enter(outer, inner)
+    for v, spec in zip(inner, specs):
+        got = None if _is_literal(v) else it.lined.get(v)
+        if got:
+            kept = {a: src for a, src in got.items() if not _split_axes(spec, a)}
+            if kept:
+                it.lined[v] = kept
+            else:
+                it.lined.pop(v, None)
+
+
+def _shard_map(it, eqn, view, tags, path):
+    """A ``shard_map`` inside the loss (`walker.Mapped`) whose blocks keep the batch axis
+    whole on every device, as tensor parallelism written by hand does: the body runs on
+    the operands' tags, and a collective in it over the mesh axes it maps adds up parts
+    of the same examples where the body's types say the value varies over them
+    (`_collective`; without ``check_vma`` they say nothing, and the check is undecided).
+    A block that splits the examples over a mesh axis, an operand tagged other than by
+    the examples' axis, or an output assembled along its batch axis is not followed."""
+    n = len(eqn.outvars)
+    for t in tags:
+        if isinstance(t, (Cross, Unknown)):
+            return [t] * n
+    for t, spec in zip(tags, view.in_specs):
+        if t is None:
+            continue
+        if not isinstance(t, Ex):
+            return [Unknown(eqn, "runs a shard_map on a value the check follows only as a "
+                                 "batch of examples")] * n
+        if _split_axes(spec, t.axis):
+            return [Unknown(eqn, "splits the examples of the batch over the mesh axes "
+                                 f"{_split_axes(spec, t.axis)} inside the loss (a shard_map "
+                                 "whose in_specs split the batch axis); pass the batch's "
+                                 "mesh axes as axis_name instead, with fn the loss of each "
+                                 "device's examples")] * n
+    _pass_lined(it, eqn.invars, view.jaxpr.invars, view.in_specs)
+    outs = it.run(view.jaxpr, tags)
+    _pass_lined(it, view.jaxpr.outvars, eqn.outvars, view.out_specs)
+    for k, (t, spec) in enumerate(zip(outs, view.out_specs)):
+        if isinstance(t, Ex) and _split_axes(spec, t.axis):
+            outs[k] = Unknown(eqn, "assembles a shard_map's output along its batch axis "
+                                   "from every device's block")
+    return outs
+
+
 def _once(it, eqn, view, tags, path):
     """A call, checkpoint or custom_vjp / custom_jvp call (`walker.Once`): its body."""
     return _enter_run(it, eqn, view.jaxpr, tags)

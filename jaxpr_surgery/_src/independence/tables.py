@@ -18,6 +18,7 @@ from jaxpr_surgery._src.independence.control import (
     _reduce_window,
     _scan,
     _scatter,
+    _shard_map,
     _while,
 )
 from jaxpr_surgery._src.independence.layout import (
@@ -66,6 +67,7 @@ _STRUCTURED = {
     walker.Nest.SCAN: _scan,
     walker.Nest.WHILE: _while,
     walker.Nest.COND: _cond,
+    walker.Nest.SHARD_MAP: _shard_map,
 }
 
 

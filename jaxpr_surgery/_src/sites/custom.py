@@ -182,8 +182,9 @@ def register_primitive_rule(primitive, rule, *, where=None) -> custom_ops.Regist
     if walker.NESTS.get(primitive) is not None:
         raise ValueError(
             f"{what}: the equations of {primitive.name} hold a jaxpr the package walks into "
-            "(their layers get their own rules); register a rule for the primitive of the "
-            "layer inside, or wrap the layer in a jax.custom_vjp and use register_custom_op.")
+            "(their layers get their own rules; a shard_map's, the exact per-example "
+            "fallback); register a rule for the primitive of the layer inside, or wrap the "
+            "layer in a jax.custom_vjp and use register_custom_op.")
     def on_remove():  # the primitive's last rule removed
         if not custom_ops.has_primitive_rules(primitive):
             unanchor(CustomRuleKernel, primitive)
