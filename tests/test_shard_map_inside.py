@@ -120,3 +120,58 @@ def test_what_the_proof_does_not_follow_stays_undecided(case):
         why = "which the call does not know"
     with pytest.warns(js.CrossExampleWarning, match=why):
         js.per_example_stat(loss, js.stats.mean())(_params(jnp.float32), _batch(jnp.float32))
+
+
+
+def test_megatron_mlp_block_is_proved_and_exact():
+    """Megatron's MLP by hand: the first weight's columns and the second's rows over
+    'x', one psum of the parts (both weights inside the body): proved and exact."""
+    mesh = _mesh()
+
+    def mlp(h, w1, w2):
+        return jax.lax.psum(jnp.tanh(h @ w1) @ w2, "x")
+
+    def loss(p, b):
+        f = jax.shard_map(mlp, mesh=mesh, in_specs=(P(), P(None, "x"), P("x", None)),
+                          out_specs=P())
+        return jnp.mean((f(b["x"], p["w1"], p["w2"]) - b["y"]) ** 2)
+
+    with M.x64():
+        p, b = _params(jnp.float64), _batch(jnp.float64)
+        got, want = _stats(loss, p, b), _oracle(loss, p, b)
+        for k in want:
+            M.assert_tree_close(got[k], want[k], rtol=1e-10, atol=1e-10, err_msg=k)
+
+
+@pytest.mark.parametrize("case", ["along_batch", "untyped"])
+def test_gathers_the_proof_does_not_follow_stay_undecided(case):
+    """An all_gather in the body along the batch axis (each device's copy of every
+    example side by side), or in an untyped body (nothing says what its axis holds):
+    undecided, a warning naming the gather."""
+    if case == "along_batch":
+        loss = _loss(lambda h, w: jax.lax.all_gather(h @ w, "x", axis=0, tiled=True),
+                     in_specs=(P(), P()), out_specs=P("x"))
+        why = "gathers the devices' blocks along the batch axis"
+    else:
+        loss = _loss(lambda h, w: jax.lax.all_gather(h @ w, "x", axis=1, tiled=True),
+                     in_specs=(P(), P(None, "x")), check_vma=False)
+        why = "gathers over a mesh axis the call does not know"
+    with pytest.warns(js.CrossExampleWarning, match=why):
+        js.per_example_stat(loss, js.stats.mean())(_params(jnp.float32), _batch(jnp.float32))
+
+
+def test_gathering_other_devices_examples_is_refused():
+    """With the batch split over 'd' (axis_name='d'), a loss that all-gathers every
+    device's examples (contrastive negatives from the whole global batch) makes the
+    examples interact: refused at trace time, naming the gather."""
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def loss(p, b):
+        z = jnp.tanh(b["x"] @ p["w1"])
+        every = jax.lax.all_gather(z, "d", axis=0, tiled=True)
+        return jnp.mean(jax.nn.logsumexp(z @ every.T, axis=1))
+
+    f = jax.shard_map(js.per_example_stat(loss, js.stats.mean(), axis_name="d"), mesh=mesh,
+                      in_specs=(P(), P("d")), out_specs=P())
+    with pytest.raises(js.CrossExampleError, match="gathers across the devices"):
+        f(_params(jnp.float32), _batch(jnp.float32))

@@ -315,6 +315,36 @@ def _collective(summing):
     return rule
 
 
+def _all_gather(it, eqn, tags):
+    """all_gather over named mesh axes (the blocks of every device along one dimension).
+    Over an axis the batch is split over (`_collective`'s data axes) it brings in other
+    devices' examples; over an axis the operand varies over and the batch does not
+    (tensor parallelism in a typed ``shard_map``: each device's part of the same
+    examples' features) it assembles parts of each example, unless along the batch axis
+    itself; over an axis the call knows neither way, undecided."""
+    (t,) = tags
+    prm = eqn.params
+    axes = prm.get("axis_name", ())
+    axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+    data = [a for a in axes if a in it.data_axes]
+    if data:
+        names = ", ".join(repr(a) for a in data)
+        return [Cross(eqn, f"gathers across the devices, over {names}: the mesh axis the "
+                           "batch is split over, so it brings in other devices' examples")]
+    varying = compat._aval_vma(eqn.invars[0].aval) or frozenset()
+    if any(isinstance(a, (int, np.integer)) or a not in varying for a in axes):
+        return [Unknown(eqn, "gathers over a mesh axis the call does not know (no axis_name, "
+                             "and no types that say what varies over it)")]
+    dim, tiled = int(prm["all_gather_dimension"]), bool(prm.get("tiled", False))
+    if isinstance(t, (One, Cur)) or (isinstance(t, Sum) and not t.terms):
+        return [t]  # (the same examples' parts, side by side)
+    if not isinstance(t, Ex) or (tiled and dim == t.axis):
+        return [Unknown(eqn, "gathers the devices' blocks along the batch axis")]
+    if tiled:
+        return [t]
+    return [dataclasses.replace(t, axis=t.axis + (dim <= t.axis))]  # (a new axis at dim)
+
+
 # -- structured primitives: they recurse, and see Cross and Unknown operands -- #
 def _enter_run(it, eqn, jaxpr, tags):
     """``jaxpr`` (the body of a call-like ``eqn``) run on ``tags``; the values lined up

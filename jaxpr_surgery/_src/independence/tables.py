@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxpr_surgery._src import compat, walker
 from jaxpr_surgery._src.independence.control import (
+    _all_gather,
     _collective,
     _cond,
     _conv,
@@ -107,6 +108,7 @@ _RULES = _table([
      _scatter),
     ((P.psum, P.psum_invariant), _collective(True)),
     ((P.pmax, P.pmin), _collective(False)),
+    ((P.all_gather,), _all_gather),
     ((P.select_n, P.clamp, P.random_wrap, P.convert_element_type, P.reduce_precision,
       P.add_jaxvals, P.real, P.imag, P.conj), _elementwise),
     ((compat.stack_p,), _stack),
@@ -149,7 +151,8 @@ _ADDING = frozenset(p for p in (P.add, P.sub, P.add_jaxvals) if p is not None)
 
 
 # reductions over named axes: they see values of one example (`Cur`, `One`) themselves
-_COLLECTIVES = frozenset(p for p in (P.psum, P.psum_invariant, P.pmax, P.pmin) if p is not None)
+_COLLECTIVES = frozenset(p for p in (P.psum, P.psum_invariant, P.pmax, P.pmin, P.all_gather)
+                         if p is not None)
 
 
 # rules that see values of single examples taken out of the batch (`One`) next to other
