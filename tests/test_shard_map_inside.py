@@ -175,3 +175,38 @@ def test_gathering_other_devices_examples_is_refused():
                       in_specs=(P(), P("d")), out_specs=P())
     with pytest.raises(js.CrossExampleError, match="gathers across the devices"):
         f(_params(jnp.float32), _batch(jnp.float32))
+
+
+def test_reduce_scattered_block_is_proved_and_exact():
+    """A row-parallel layer that reduce-scatters its output over the features (as
+    sequence parallelism does over the tokens): the devices' parts of the same examples
+    added up, each keeping its block; proved and exact."""
+    with M.x64():
+        p, b = _params(jnp.float64), _batch(jnp.float64)
+        loss = _loss(lambda h, w: jax.lax.psum_scatter(h @ w, "x", scatter_dimension=1,
+                                                       tiled=True),
+                     out_specs=P(None, "x"))
+        got, want = _stats(loss, p, b), _oracle(loss, p, b)
+        for k in want:
+            M.assert_tree_close(got[k], want[k], rtol=1e-10, atol=1e-10, err_msg=k)
+
+
+def test_reduce_scatter_of_the_batch_or_over_its_axis():
+    """psum_scatter along the batch axis (each device keeps other examples): undecided;
+    over the axis the batch is split over (axis_name): other devices' examples added
+    up, refused."""
+    loss = _loss(lambda h, w: jax.lax.psum_scatter(h @ w, "x", scatter_dimension=0,
+                                                   tiled=True), out_specs=P("x"))
+    with pytest.warns(js.CrossExampleWarning, match="reduce-scatters the devices' blocks"):
+        js.per_example_stat(loss, js.stats.mean())(_params(jnp.float32), _batch(jnp.float32))
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def summed(p, b):
+        z = jax.lax.psum_scatter(jnp.tanh(b["x"] @ p["w1"]), "d", scatter_dimension=1,
+                                 tiled=True)
+        return jnp.mean(z ** 2)
+
+    f = jax.shard_map(js.per_example_stat(summed, js.stats.mean(), axis_name="d"), mesh=mesh,
+                      in_specs=(P(), P("d")), out_specs=P())
+    with pytest.raises(js.CrossExampleError, match="reduce-scatters across the devices"):
+        f(_params(jnp.float32), _batch(jnp.float32))

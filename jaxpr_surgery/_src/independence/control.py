@@ -315,34 +315,59 @@ def _collective(summing):
     return rule
 
 
-def _all_gather(it, eqn, tags):
-    """all_gather over named mesh axes (the blocks of every device along one dimension).
-    Over an axis the batch is split over (`_collective`'s data axes) it brings in other
-    devices' examples; over an axis the operand varies over and the batch does not
-    (tensor parallelism in a typed ``shard_map``: each device's part of the same
-    examples' features) it assembles parts of each example, unless along the batch axis
-    itself; over an axis the call knows neither way, undecided."""
-    (t,) = tags
-    prm = eqn.params
-    axes = prm.get("axis_name", ())
+def _across(it, eqn, verb, effect):
+    """A collective over named mesh axes that moves blocks between devices (all_gather,
+    psum_scatter): `Cross` over an axis the batch is split over (`_collective`'s data
+    axes: it ``effect``), `Unknown` over one the call knows neither way (positional, or
+    one the operand's types do not say it varies over), else None: over axes the operand
+    varies over and the batch does not (tensor parallelism in a typed ``shard_map``) it
+    moves parts of the same examples."""
+    axes = eqn.params.get("axis_name", ())
     axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
     data = [a for a in axes if a in it.data_axes]
     if data:
         names = ", ".join(repr(a) for a in data)
-        return [Cross(eqn, f"gathers across the devices, over {names}: the mesh axis the "
-                           "batch is split over, so it brings in other devices' examples")]
+        return Cross(eqn, f"{verb} across the devices, over {names}: the mesh axis the batch "
+                          f"is split over, so it {effect}")
     varying = compat._aval_vma(eqn.invars[0].aval) or frozenset()
     if any(isinstance(a, (int, np.integer)) or a not in varying for a in axes):
-        return [Unknown(eqn, "gathers over a mesh axis the call does not know (no axis_name, "
-                             "and no types that say what varies over it)")]
-    dim, tiled = int(prm["all_gather_dimension"]), bool(prm.get("tiled", False))
+        return Unknown(eqn, f"{verb} over a mesh axis the call does not know (no axis_name, "
+                            "and no types that say what varies over it)")
+    return None
+
+
+def _parts(eqn, t, dim, tiled, inserted, verb):
+    """The tag of the parts of the same examples moved along dimension ``dim`` (a new
+    axis there where ``inserted``, removed where not, unless ``tiled``): the examples'
+    axis stays where it was, shifted past the new or removed axis; along it, undecided."""
     if isinstance(t, (One, Cur)) or (isinstance(t, Sum) and not t.terms):
-        return [t]  # (the same examples' parts, side by side)
-    if not isinstance(t, Ex) or (tiled and dim == t.axis):
-        return [Unknown(eqn, "gathers the devices' blocks along the batch axis")]
+        return t  # (the same examples' parts)
+    if not isinstance(t, Ex) or (dim == t.axis and (tiled or not inserted)):
+        return Unknown(eqn, f"{verb} the devices' blocks along the batch axis")
     if tiled:
-        return [t]
-    return [dataclasses.replace(t, axis=t.axis + (dim <= t.axis))]  # (a new axis at dim)
+        return t
+    return dataclasses.replace(t, axis=t.axis + (1 if inserted else -1) * (dim <= t.axis))
+
+
+def _all_gather(it, eqn, tags):
+    """all_gather: each device's block of every device along one dimension (`_across`)."""
+    bad = _across(it, eqn, "gathers", "brings in other devices' examples")
+    if bad is not None:
+        return [bad]
+    prm = eqn.params
+    return [_parts(eqn, tags[0], int(prm["all_gather_dimension"]), bool(prm.get("tiled")),
+                   True, "gathers")]
+
+
+def _psum_scatter(it, eqn, tags):
+    """psum_scatter: the devices' sum, each device keeping its block along one dimension
+    (`_across`; a psum over those axes: parts of the same examples added up)."""
+    bad = _across(it, eqn, "reduce-scatters", "adds up other devices' examples")
+    if bad is not None:
+        return [bad]
+    prm = eqn.params
+    return [_parts(eqn, tags[0], int(prm["scatter_dimension"]), bool(prm.get("tiled")),
+                   False, "reduce-scatters")]
 
 
 # -- structured primitives: they recurse, and see Cross and Unknown operands -- #

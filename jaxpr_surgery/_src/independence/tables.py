@@ -16,6 +16,7 @@ from jaxpr_surgery._src.independence.control import (
     _dot_general,
     _gather,
     _once,
+    _psum_scatter,
     _reduce_window,
     _scan,
     _scatter,
@@ -109,6 +110,7 @@ _RULES = _table([
     ((P.psum, P.psum_invariant), _collective(True)),
     ((P.pmax, P.pmin), _collective(False)),
     ((P.all_gather,), _all_gather),
+    ((P.reduce_scatter,), _psum_scatter),
     ((P.select_n, P.clamp, P.random_wrap, P.convert_element_type, P.reduce_precision,
       P.add_jaxvals, P.real, P.imag, P.conj), _elementwise),
     ((compat.stack_p,), _stack),
@@ -151,8 +153,8 @@ _ADDING = frozenset(p for p in (P.add, P.sub, P.add_jaxvals) if p is not None)
 
 
 # reductions over named axes: they see values of one example (`Cur`, `One`) themselves
-_COLLECTIVES = frozenset(p for p in (P.psum, P.psum_invariant, P.pmax, P.pmin, P.all_gather)
-                         if p is not None)
+_COLLECTIVES = frozenset(p for p in (P.psum, P.psum_invariant, P.pmax, P.pmin, P.all_gather,
+                                    P.reduce_scatter) if p is not None)
 
 
 # rules that see values of single examples taken out of the batch (`One`) next to other
