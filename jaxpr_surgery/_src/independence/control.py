@@ -349,25 +349,20 @@ def _parts(eqn, t, dim, tiled, inserted, verb):
     return dataclasses.replace(t, axis=t.axis + (1 if inserted else -1) * (dim <= t.axis))
 
 
-def _all_gather(it, eqn, tags):
-    """all_gather: each device's block of every device along one dimension (`_across`)."""
-    bad = _across(it, eqn, "gathers", "brings in other devices' examples")
-    if bad is not None:
-        return [bad]
-    prm = eqn.params
-    return [_parts(eqn, tags[0], int(prm["all_gather_dimension"]), bool(prm.get("tiled")),
-                   True, "gathers")]
+def _moving(verb, effect, dim_param, inserted):
+    """all_gather (each device's block of every device along one dimension: a new axis
+    there unless tiled) and psum_scatter (the devices' sum, each keeping its block: that
+    axis removed unless tiled), checked by `_across`, then `_parts`."""
 
+    def rule(it, eqn, tags):
+        bad = _across(it, eqn, verb, effect)
+        if bad is not None:
+            return [bad]
+        prm = eqn.params
+        return [_parts(eqn, tags[0], int(prm[dim_param]), bool(prm.get("tiled")), inserted,
+                       verb)]
 
-def _psum_scatter(it, eqn, tags):
-    """psum_scatter: the devices' sum, each device keeping its block along one dimension
-    (`_across`; a psum over those axes: parts of the same examples added up)."""
-    bad = _across(it, eqn, "reduce-scatters", "adds up other devices' examples")
-    if bad is not None:
-        return [bad]
-    prm = eqn.params
-    return [_parts(eqn, tags[0], int(prm["scatter_dimension"]), bool(prm.get("tiled")),
-                   False, "reduce-scatters")]
+    return rule
 
 
 # -- structured primitives: they recurse, and see Cross and Unknown operands -- #

@@ -9,14 +9,13 @@ import numpy as np
 
 from jaxpr_surgery._src import compat, walker
 from jaxpr_surgery._src.independence.control import (
-    _all_gather,
     _collective,
     _cond,
     _conv,
     _dot_general,
     _gather,
+    _moving,
     _once,
-    _psum_scatter,
     _reduce_window,
     _scan,
     _scatter,
@@ -109,8 +108,10 @@ _RULES = _table([
      _scatter),
     ((P.psum, P.psum_invariant), _collective(True)),
     ((P.pmax, P.pmin), _collective(False)),
-    ((P.all_gather,), _all_gather),
-    ((P.reduce_scatter,), _psum_scatter),
+    ((P.all_gather,), _moving("gathers", "brings in other devices' examples",
+                              "all_gather_dimension", True)),
+    ((P.reduce_scatter,), _moving("reduce-scatters", "adds up other devices' examples",
+                                  "scatter_dimension", False)),
     ((P.select_n, P.clamp, P.random_wrap, P.convert_element_type, P.reduce_precision,
       P.add_jaxvals, P.real, P.imag, P.conj), _elementwise),
     ((compat.stack_p,), _stack),
