@@ -274,3 +274,33 @@ def test_compile_time_rerun_quick(tmp_path):
         assert r["first_compile_s"] > 0 and r["second_lower_s"] > 0
         assert r["second_compile_s"] < 0.5 * r["first_compile_s"], r  # (loaded, not compiled)
         assert 0 < r["first_step_x_cold_grad"] < 100
+
+
+def test_one_trace_prototype_is_exact():
+    """The one-trace floor's prototype (`benchmarks.one_trace`): E[g^2] of every dense
+    leaf it serves (each layer's attention and MLP matrices, inside jnp's jitted einsums)
+    equals vmap(grad)'s, and its gradient grad's, so the floor it measures is that of a
+    correct program."""
+    from benchmarks import models, one_trace
+
+    model = models.transformer(T=8, d=32, V=64, layers=1, heads=2)
+    served, err = one_trace.check(model)
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(model.params)]
+    assert sorted(names[i].split("'")[-2] for i in served) == ["w1", "w2", "wk", "wo", "wq", "wv"]
+    assert err < 1e-5
+
+
+def test_one_trace_quick(tmp_path):
+    """`benchmarks.one_trace --quick`: every method of both regimes lowered and compiled,
+    the prototype checked, all in the JSON."""
+    from benchmarks import one_trace
+
+    out = tmp_path / "one_trace.json"
+    rows, checks = one_trace.main(["--quick", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == rows and doc["checks"] == checks
+    assert {r["method"] for r in rows} == {"grad", "trace", "re-evaluate", "prototype", "package"}
+    assert all(c["max_rel_error"] < 1e-5 for c in checks.values())
+    for r in rows:
+        if r["method"] != "grad":
+            assert 0 < r["lower_cpu_x_grad"] < 100

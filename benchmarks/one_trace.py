@@ -1,0 +1,314 @@
+"""The floor of a one-trace design (issue 60, item 3): what emitting per-example statistics
+from one trace of the batch loss costs to lower and compile, measured on a prototype,
+against ``jax.grad``'s and the package's.
+
+Methods, each lowered and compiled afresh (a new ``jax.jit``, jax's caches cleared),
+process CPU time, ratios to grad's within a round (as ``benchmarks.compile_time``):
+
+* ``trace``: one trace of the batch loss (``jax.make_jaxpr``), alone. A design that reads
+  the loss's jaxpr (to find its sites, to prove its examples independent) pays it on
+  top of grad's own work.
+* ``re-evaluate``: that trace, then its jaxpr evaluated again under ``jax.grad``, with no
+  rule: the floor of any design that traces the loss once and evaluates the jaxpr with
+  rules at its sites (the package's engine re-evaluates a jaxpr so).
+* ``prototype``: the same with a rule at every dense site (a parameter leaf contracted by
+  ``dot_general`` on its leading axes against the trailing axes of a batched input, also
+  inside ``jax.jit``-ed functions): a ``custom_vjp`` whose backward pass also emits
+  ``sum_b G_b**2`` (``G_b = x_b^T dy_b``, materialised) as the cotangent of a zero input.
+  Nothing else of the package: no chunks or tiles, no proof, no other site kind, leaves
+  used elsewhere (embeddings, a scan's stack) get grad's gradient only.
+* ``package``: ``js.per_example_stat(loss, second_moment())`` as it is.
+
+Models (B 8): compile_check's s768 (4 layers of width 768, T 256), GPT-2 small (12 layers,
+T 1024, vocabulary 50304), and GPT-2 small stacked under ``lax.scan`` + ``jax.checkpoint``;
+``--quick``: a tiny one of each kind.
+
+    python -m benchmarks.one_trace [--quick] [--reps N] \
+        [--out benchmarks/results/cpu_one_trace.json]
+
+``--quick`` also checks the prototype against ``vmap(grad)`` (E[g^2] of the leaves it
+serves), so that the floor it measures is that of a correct program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jaxpr_surgery as js
+from benchmarks import compile_time, models
+from jaxpr_surgery._src import walker
+
+
+def _regimes(quick):
+    if quick:
+        return {"unrolled L2": lambda: models.transformer(T=8, d=32, V=64, layers=2, heads=2),
+                "scan L2": lambda: models.scan_remat(T=8, d=32, V=64, layers=2, heads=2)}
+    # compile_check's sizes (../shared/bench): s768, GPT-2 small, and GPT-2 small stacked
+    # under lax.scan (here with jax.checkpoint, as benchmarks.models.scan_remat writes it)
+    gpt2s = dict(T=1024, d=768, V=50304, layers=12, heads=12)
+    return {"s768": lambda: models.transformer(T=256, d=768, V=32768, layers=4, heads=12),
+            "gpt2s": lambda: models.transformer(**gpt2s),
+            "gpt2s scan": lambda: models.scan_remat(**gpt2s)}
+
+
+def _dense(eqn, x, w, B):
+    """The number of ``w``'s leading axes contracted with ``x``'s trailing ones, if
+    ``dot_general(x, w)`` is a dense site of the batch (else None)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    m = len(rc)
+    if (lb or rb or not m or tuple(rc) != tuple(range(m)) or jnp.ndim(x) < m + 1
+            or tuple(lc) != tuple(range(jnp.ndim(x) - m, jnp.ndim(x))) or x.shape[0] != B):
+        return None
+    return m
+
+
+def _site(eqn, m):
+    """A dense site's ``custom_vjp``: grad's cotangents, and sum_b G_b**2 for the sink."""
+    params = dict(eqn.params)
+
+    def dot(x, w):
+        return lax.dot_general_p.bind(x, w, **params)
+
+    @jax.custom_vjp
+    def site(x, w, sink):
+        return dot(x, w)
+
+    def fwd(x, w, sink):
+        return dot(x, w), (x, w)
+
+    def bwd(res, dy):
+        x, w = res
+        dx, dw = jax.vjp(dot, x, w)[1](dy)
+        C, F = int(np.prod(w.shape[:m])), int(np.prod(w.shape[m:]))
+        G = jnp.einsum("bnc,bnf->bcf", x.reshape(x.shape[0], -1, C),
+                       dy.reshape(dy.shape[0], -1, F))
+        return dx, dw, jnp.sum(G * G, 0).reshape(w.shape)
+
+    site.defvjp(fwd, bwd)
+    return site
+
+
+def _evaluate(jaxpr, consts, args, sinks, B, served):
+    """``jaxpr`` on ``args``. ``sinks``: ``id(value) -> (leaf index, sink)`` of the values
+    that are parameter leaves (or a scan's slices of one): a ``dot_general`` of one at a
+    dense site goes through `_site` with its sink. Calls (``jit``), ``jax.checkpoint`` and
+    ``scan`` whose operands hold one are entered (by the package's walker: its views of
+    them), a scan's stacked leaf with a stacked sink; any other equation is bound as it
+    is."""
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for e in jaxpr.eqns:
+        inv = [read(v) for v in e.invars]
+        held = sinks is not None and any(id(x) in sinks for x in inv)
+        nest = walker.nest_of(e) if held else None
+        if held and e.primitive is lax.dot_general_p and id(inv[1]) in sinks:
+            m = _dense(e, inv[0], inv[1], B)
+            if m is not None:
+                i, sink = sinks[id(inv[1])]
+                served.add(i)
+                env[e.outvars[0]] = _site(e, m)(inv[0], inv[1], sink)
+                continue
+        if nest is walker.Nest.CALL:
+            out = _call(walker.nested(e), inv, sinks, B, served)
+        elif nest is walker.Nest.REMAT:
+            view = walker.nested(e)
+
+            def once(*xs, view=view, inv=inv):
+                inner = {id(x): sinks[id(o)] for x, o in zip(xs, inv) if id(o) in sinks}
+                return _evaluate(view.jaxpr, view.consts, xs, inner, B, served)
+
+            once = jax.checkpoint(once, prevent_cse=view.prevent_cse, policy=view.policy)
+            out = once(*inv)
+        elif nest is walker.Nest.SCAN:
+            out = _scan(walker.nested(e), inv, sinks, B, served)
+        else:
+            with e.ctx.manager:
+                bp = e.primitive.get_bind_params(e.params)
+                subfuns, bp = bp if isinstance(bp, tuple) else ((), bp)
+                out = e.primitive.bind(*subfuns, *inv, **bp)
+            out = out if e.primitive.multiple_results else [out]
+        for v, x in zip(e.outvars, out):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+_CALLS: dict = {}  # (body, positions of the leaves among its operands) -> (its jit, served)
+
+
+def _call(view, inv, sinks, B, served):
+    """A call (``jit``) whose operands hold parameter leaves, as a ``jax.jit`` of its body
+    evaluated with the leaves' sinks as operands: one per body and positions of the
+    leaves, so that jax traces (and differentiates) each body once, as it does grad's
+    (each layer's ``einsum`` alike)."""
+    where = tuple(k for k, x in enumerate(inv) if id(x) in sinks)
+    key = (view.jaxpr, where)
+    if key not in _CALLS:
+        inside: set = set()  # (the positions among ``where`` whose leaf a site served)
+
+        def body(xs, ss):
+            inner = {id(xs[k]): (k, s) for k, s in zip(where, ss)}
+            return _evaluate(view.jaxpr, view.consts, xs, inner, B, inside)
+
+        _CALLS[key] = (jax.jit(body), inside)
+    fn, inside = _CALLS[key]
+    out = fn(list(inv), [sinks[id(inv[k])][1] for k in where])
+    served.update(sinks[id(inv[k])][0] for k in inside)
+    return out
+
+
+def _scan(loop, inv, sinks, B, served):
+    """A scan re-made by ``lax.scan``: its consts, carry and xs, and a stacked sink per
+    stacked parameter leaf among the xs (each step's slice is the leaf of its sites)."""
+    nc, nk = loop.num_consts, loop.num_carry
+    consts, carry, xs = inv[:nc], inv[nc:nc + nk], inv[nc + nk:]
+    stacked = [(k, sinks[id(x)]) for k, x in enumerate(xs) if id(x) in sinks]
+    held = {k: sinks[id(x)] for k, x in enumerate(consts) if id(x) in sinks}
+
+    def step(carry, sliced):
+        xs_k, sink_k = sliced
+        inner = {id(consts[k]): v for k, v in held.items()}
+        inner.update({id(xs_k[k]): (i, s) for (k, (i, _)), s in zip(stacked, sink_k)})
+        out = _evaluate(loop.jaxpr, loop.consts, list(consts) + list(carry) + list(xs_k),
+                        inner, B, served)
+        return out[:nk], out[nk:]
+
+    carry, ys = lax.scan(step, list(carry), (list(xs), [s for _, (_, s) in stacked]),
+                         length=loop.length, reverse=loop.reverse, unroll=loop.unroll)
+    return list(carry) + list(ys)
+
+
+def methods(model, B):
+    """``{name: fn(params, batch)}`` of the module docstring's methods, and a function
+    giving the prototype's served leaves (after a trace)."""
+    tree = jax.tree.structure(model.params)
+    served: set = set()
+
+    def traced(leaves, batch):
+        return jax.make_jaxpr(lambda l, b: model.loss(jax.tree.unflatten(tree, l), b))(
+            leaves, batch)
+
+    def trace(params, batch):
+        return traced(jax.tree.leaves(params), batch).jaxpr.outvars[0].aval.dtype
+
+    def run(params, batch, rules):
+        leaves = jax.tree.leaves(params)
+        closed = traced(leaves, batch)
+        data = jax.tree.leaves(batch)
+
+        def loss(leaves, sinks):
+            held = None if sinks is None else {
+                id(x): (i, s) for i, (x, s) in enumerate(zip(leaves, sinks))}
+            return _evaluate(closed.jaxpr, closed.consts, list(leaves) + data, held, B,
+                             served)[0]
+
+        sinks = [jnp.zeros_like(x) for x in leaves] if rules else None
+        if not rules:
+            return jax.grad(lambda l: loss(l, None))(leaves)
+        g, s = jax.grad(loss, argnums=(0, 1))(leaves, sinks)
+        return g, s
+
+    fns = {
+        "grad": jax.grad(model.loss),
+        "trace": lambda p, b: jnp.zeros((), trace(p, b)),
+        "re-evaluate": lambda p, b: run(p, b, False),
+        "prototype": lambda p, b: run(p, b, True),
+        "package": js.per_example_stat(model.loss, js.stats.second_moment()),
+    }
+    return fns, served
+
+
+def check(model, B=4):
+    """The prototype's ``B * sum_b G_b**2`` against ``vmap(grad)``'s E[g^2] for each leaf
+    it serves at one site: ``(served, largest relative error)``."""
+    params, batch = model.params, model.make_batch(B)
+    fns, served = methods(model, B)
+    grads, sums = jax.jit(fns["prototype"])(params, batch)
+    one = lambda p, x: model.loss(p, jax.tree.map(lambda a: a[None], x))  # noqa: E731
+    per = jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch)
+    want = [jnp.mean(g * g, 0) for g in jax.tree.leaves(per)]
+    err = 0.0
+    for i in served:
+        got = B * sums[i]
+        err = max(err, float(jnp.max(jnp.abs(got - want[i])) / jnp.max(jnp.abs(want[i]))))
+    ref = jax.tree.leaves(jax.grad(model.loss)(params, batch))
+    err = max(err, max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(grads, ref)))
+    return sorted(served), err
+
+
+def run(quick=False, reps=None):
+    reps = reps or (1 if quick else 3)
+    jax.jit(lambda x: x * 2).lower(1.0).compile()
+    rows = []
+    for name, build in _regimes(quick).items():
+        model = build()
+        B = 8
+        params, batch = model.params, model.make_batch(B)
+        fns, served = methods(model, B)
+        samples = {m: [] for m in fns}
+        for _ in range(reps):
+            for m, fn in fns.items():
+                samples[m].append(compile_time._measure(fn, (params, batch))[0])
+        g = samples["grad"]
+        n = len(jax.tree.leaves(params))
+        for m in fns:
+            s = samples[m]
+            row = {"regime": name, "B": B, "method": m,
+                   "lower_cpu_s": statistics.median(x[1] for x in s),
+                   "compile_cpu_s": statistics.median(x[3] for x in s)}
+            if m != "grad":
+                row["lower_cpu_x_grad"] = compile_time._paired([x[1] for x in s],
+                                                               [x[1] for x in g])
+                row["compile_cpu_x_grad"] = compile_time._paired([x[3] for x in s],
+                                                                 [x[3] for x in g])
+            if m == "prototype":
+                row["leaves_served"], row["leaves"] = len(served), n
+            rows.append(row)
+            if m != "grad":
+                print(f"{name:12s} {m:12s} lower {row['lower_cpu_x_grad']:5.2f}x  compile "
+                      f"{row['compile_cpu_x_grad']:5.2f}x grad (cpu time)"
+                      + (f"  ({len(served)} of {n} leaves served)" if m == "prototype"
+                         else ""), flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    checks = {}
+    if a.quick:
+        for name, build in _regimes(True).items():
+            served, err = check(build())
+            checks[name] = {"served": served, "max_rel_error": err}
+            print(f"{name}: prototype exact to {err:.1e} on {len(served)} leaves", flush=True)
+    rows = run(a.quick, a.reps)
+    if a.out:
+        meta = {"jax": jax.__version__, "backend": jax.default_backend(),
+                "machine": platform.machine(),
+                "note": "ratios: medians over rounds of the ratio within a round, of the "
+                        "process's CPU time; 'trace' lowers a function that only traces "
+                        "the loss; nothing runs"}
+        with open(a.out, "w") as fh:
+            json.dump({"meta": meta, "checks": checks, "rows": rows}, fh, indent=1)
+    return rows, checks
+
+
+if __name__ == "__main__":
+    main()
