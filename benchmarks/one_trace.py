@@ -17,6 +17,12 @@ process CPU time, ratios to grad's within a round (as ``benchmarks.compile_time`
   ``sum_b G_b**2`` (``G_b = x_b^T dy_b``, materialised) as the cotangent of a zero input.
   Nothing else of the package: no chunks or tiles, no proof, no other site kind, leaves
   used elsewhere (embeddings, a scan's stack) get grad's gradient only.
+* ``intercept``: the same rules emitted inside ``jax.grad``'s own trace of the loss, with
+  no trace of its own: a trace between the loss and grad's (a ``jax.core.Trace`` of its
+  own, whose tracers are the parameter leaves) sees each use of a leaf as grad traces it,
+  makes the dense ones sites and passes everything else on (a call holding a leaf is
+  entered, its equations seen one by one; a ``scan`` is not: its stack gets grad's
+  gradient only). The floor of "intercept the parameters' uses as grad traces them".
 * ``package``: ``js.per_example_stat(loss, second_moment())`` as it is.
 
 Models (B 8): compile_check's s768 (4 layers of width 768, T 256), GPT-2 small (12 layers,
@@ -44,7 +50,7 @@ from jax import lax
 
 import jaxpr_surgery as js
 from benchmarks import compile_time, models
-from jaxpr_surgery._src import walker
+from jaxpr_surgery._src import compat, walker
 
 
 def _regimes(quick):
@@ -59,10 +65,10 @@ def _regimes(quick):
             "gpt2s scan": lambda: models.scan_remat(**gpt2s)}
 
 
-def _dense(eqn, x, w, B):
+def _dense(params, x, w, B):
     """The number of ``w``'s leading axes contracted with ``x``'s trailing ones, if
-    ``dot_general(x, w)`` is a dense site of the batch (else None)."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    ``dot_general(x, w, **params)`` is a dense site of the batch (else None)."""
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
     m = len(rc)
     if (lb or rb or not m or tuple(rc) != tuple(range(m)) or jnp.ndim(x) < m + 1
             or tuple(lc) != tuple(range(jnp.ndim(x) - m, jnp.ndim(x))) or x.shape[0] != B):
@@ -70,9 +76,19 @@ def _dense(eqn, x, w, B):
     return m
 
 
-def _site(eqn, m):
-    """A dense site's ``custom_vjp``: grad's cotangents, and sum_b G_b**2 for the sink."""
-    params = dict(eqn.params)
+_SITES: dict = {}  # (dot_general's params, m) -> its site
+
+
+def _site(params, m):
+    """A dense site's ``custom_vjp``: grad's cotangents, and sum_b G_b**2 for the sink
+    (one per ``dot_general``'s params, so that jax's caches see one function)."""
+    try:
+        key = (tuple(sorted(params.items())), m)
+        if key in _SITES:
+            return _SITES[key]
+    except TypeError:  # (a parameter with no hash)
+        key = None
+    params = dict(params)
 
     def dot(x, w):
         return lax.dot_general_p.bind(x, w, **params)
@@ -93,6 +109,8 @@ def _site(eqn, m):
         return dx, dw, jnp.sum(G * G, 0).reshape(w.shape)
 
     site.defvjp(fwd, bwd)
+    if key is not None:
+        _SITES[key] = site
     return site
 
 
@@ -117,11 +135,11 @@ def _evaluate(jaxpr, consts, args, sinks, B, served):
         held = sinks is not None and any(id(x) in sinks for x in inv)
         nest = walker.nest_of(e) if held else None
         if held and e.primitive is lax.dot_general_p and id(inv[1]) in sinks:
-            m = _dense(e, inv[0], inv[1], B)
+            m = _dense(e.params, inv[0], inv[1], B)
             if m is not None:
                 i, sink = sinks[id(inv[1])]
                 served.add(i)
-                env[e.outvars[0]] = _site(e, m)(inv[0], inv[1], sink)
+                env[e.outvars[0]] = _site(e.params, m)(inv[0], inv[1], sink)
                 continue
         if nest is walker.Nest.CALL:
             out = _call(walker.nested(e), inv, sinks, B, served)
@@ -192,6 +210,79 @@ def _scan(loop, inv, sinks, B, served):
     return list(carry) + list(ys)
 
 
+class _Leaf(compat.Tracer):
+    """A parameter leaf seen by `_Sites`: its value (a tracer of the trace around) and
+    index."""
+
+    __slots__ = ("val", "leaf")
+
+    def __init__(self, trace, val, leaf):
+        self.val, self.leaf = val, leaf
+        super().__init__(trace, jax.typeof(val))
+
+
+class _Sites(compat.Trace):
+    """The trace between the loss and ``jax.grad``'s: a ``dot_general`` of a parameter
+    leaf at a dense site becomes `_site` with the leaf's sink, a call (``jit``) holding a
+    leaf is evaluated under this trace (its equations seen one by one), anything else is
+    bound on the trace around as it is. The leaves are this trace's only tracers: every
+    result is the trace around's."""
+
+    def __init__(self, parent, sinks, B, served):
+        super().__init__()
+        self.parent, self.sinks, self.B, self.served = parent, sinks, B, served
+
+    def low(self, x):
+        return (x.val, x.leaf) if isinstance(x, _Leaf) and x._trace is self else (x, None)
+
+    def process_primitive(self, prim, tracers, params):
+        vals, leaves = zip(*map(self.low, tracers)) if tracers else ((), ())
+        if prim is lax.dot_general_p and leaves[1] is not None:
+            m = _dense(params, vals[0], vals[1], self.B)
+            if m is not None:
+                self.served.add(leaves[1])
+                with compat.set_current_trace(self.parent):
+                    return _site(params, m)(vals[0], vals[1], self.sinks[leaves[1]])
+        if walker.NESTS.get(prim) is walker.Nest.CALL and any(x is not None for x in leaves):
+            closed = params["jaxpr"]
+            jaxpr, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "jaxpr") \
+                else (closed, ())
+            with compat.set_current_trace(self):
+                outs = jax.extend.core.jaxpr_as_fun(
+                    jax.extend.core.ClosedJaxpr(jaxpr, consts))(*tracers)
+            outs = [self.low(o)[0] for o in outs]
+            return outs if prim.multiple_results else outs[0]
+        with compat.set_current_trace(self.parent):
+            return prim.bind(*vals, **params)
+
+    def process_custom_jvp_call(self, prim, fun, jvp, tracers, *, symbolic_zeros):
+        vals = [self.low(t)[0] for t in tracers]
+        with compat.set_current_trace(self.parent):
+            return prim.bind(fun, jvp, *vals, symbolic_zeros=symbolic_zeros)
+
+    def process_custom_vjp_call(self, prim, fun, fwd, bwd, tracers, *, out_trees,
+                                symbolic_zeros):
+        vals = [self.low(t)[0] for t in tracers]
+        with compat.set_current_trace(self.parent):
+            return prim.bind(fun, fwd, bwd, *vals, out_trees=out_trees,
+                             symbolic_zeros=symbolic_zeros)
+
+
+def _intercepted(loss, tree, B, served):
+    """``loss`` of the leaves, its parameters' uses seen by `_Sites` under whatever trace
+    calls it (``jax.grad``'s)."""
+    def run(leaves, sinks, batch):
+        with compat.take_current_trace() as parent:
+            trace = _Sites(parent, sinks, B, served)
+            held = [_Leaf(trace, x, i) for i, x in enumerate(leaves)]
+            with compat.set_current_trace(trace):
+                out = loss(jax.tree.unflatten(tree, held), batch)
+            out = trace.low(out)[0]
+            trace.invalidate()
+        return out
+    return run
+
+
 def methods(model, B):
     """``{name: fn(params, batch)}`` of the module docstring's methods, and a function
     giving the prototype's served leaves (after a trace)."""
@@ -222,32 +313,44 @@ def methods(model, B):
         g, s = jax.grad(loss, argnums=(0, 1))(leaves, sinks)
         return g, s
 
+    def intercept(params, batch):
+        leaves = jax.tree.leaves(params)
+        sinks = [jnp.zeros_like(x) for x in leaves]
+        return jax.grad(_intercepted(model.loss, tree, B, served), argnums=(0, 1))(
+            leaves, sinks, batch)
+
     fns = {
         "grad": jax.grad(model.loss),
         "trace": lambda p, b: jnp.zeros((), trace(p, b)),
         "re-evaluate": lambda p, b: run(p, b, False),
         "prototype": lambda p, b: run(p, b, True),
+        "intercept": intercept,
         "package": js.per_example_stat(model.loss, js.stats.second_moment()),
     }
     return fns, served
 
 
 def check(model, B=4):
-    """The prototype's ``B * sum_b G_b**2`` against ``vmap(grad)``'s E[g^2] for each leaf
-    it serves at one site: ``(served, largest relative error)``."""
+    """The prototypes' (``prototype``, ``intercept``) ``B * sum_b G_b**2`` against
+    ``vmap(grad)``'s E[g^2] for each leaf they serve at one site, and their gradients
+    against grad's: ``({method: leaves served}, largest relative error)``. (`_Sites`
+    does not enter a ``scan``: a scan's stack is served by ``prototype`` only.)"""
     params, batch = model.params, model.make_batch(B)
     fns, served = methods(model, B)
-    grads, sums = jax.jit(fns["prototype"])(params, batch)
     one = lambda p, x: model.loss(p, jax.tree.map(lambda a: a[None], x))  # noqa: E731
     per = jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch)
     want = [jnp.mean(g * g, 0) for g in jax.tree.leaves(per)]
-    err = 0.0
-    for i in served:
-        got = B * sums[i]
-        err = max(err, float(jnp.max(jnp.abs(got - want[i])) / jnp.max(jnp.abs(want[i]))))
     ref = jax.tree.leaves(jax.grad(model.loss)(params, batch))
-    err = max(err, max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(grads, ref)))
-    return sorted(served), err
+    err, seen = 0.0, []
+    for m in ("prototype", "intercept"):
+        served.clear()
+        grads, sums = jax.jit(fns[m])(params, batch)
+        seen.append(sorted(served))
+        for i in served:
+            got = B * sums[i]
+            err = max(err, float(jnp.max(jnp.abs(got - want[i])) / jnp.max(jnp.abs(want[i]))))
+        err = max(err, max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(grads, ref)))
+    return dict(zip(("prototype", "intercept"), seen)), err
 
 
 def run(quick=False, reps=None):
@@ -275,14 +378,14 @@ def run(quick=False, reps=None):
                                                                [x[1] for x in g])
                 row["compile_cpu_x_grad"] = compile_time._paired([x[3] for x in s],
                                                                  [x[3] for x in g])
-            if m == "prototype":
+            if m in ("prototype", "intercept"):
                 row["leaves_served"], row["leaves"] = len(served), n
             rows.append(row)
             if m != "grad":
                 print(f"{name:12s} {m:12s} lower {row['lower_cpu_x_grad']:5.2f}x  compile "
                       f"{row['compile_cpu_x_grad']:5.2f}x grad (cpu time)"
-                      + (f"  ({len(served)} of {n} leaves served)" if m == "prototype"
-                         else ""), flush=True)
+                      + (f"  ({len(served)} of {n} leaves served)"
+                         if m in ("prototype", "intercept") else ""), flush=True)
     return rows
 
 
@@ -297,7 +400,8 @@ def main(argv=None):
         for name, build in _regimes(True).items():
             served, err = check(build())
             checks[name] = {"served": served, "max_rel_error": err}
-            print(f"{name}: prototype exact to {err:.1e} on {len(served)} leaves", flush=True)
+            print(f"{name}: exact to {err:.1e}, leaves served: "
+                  + ", ".join(f"{m} {len(v)}" for m, v in served.items()), flush=True)
     rows = run(a.quick, a.reps)
     if a.out:
         meta = {"jax": jax.__version__, "backend": jax.default_backend(),

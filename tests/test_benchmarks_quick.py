@@ -286,7 +286,9 @@ def test_one_trace_prototype_is_exact():
     model = models.transformer(T=8, d=32, V=64, layers=1, heads=2)
     served, err = one_trace.check(model)
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(model.params)]
-    assert sorted(names[i].split("'")[-2] for i in served) == ["w1", "w2", "wk", "wo", "wq", "wv"]
+    for method in ("prototype", "intercept"):  # (re-evaluated; intercepted in grad's trace)
+        got = sorted(names[i].split("'")[-2] for i in served[method])
+        assert got == ["w1", "w2", "wk", "wo", "wq", "wv"], method
     assert err < 1e-5
 
 
@@ -299,7 +301,8 @@ def test_one_trace_quick(tmp_path):
     rows, checks = one_trace.main(["--quick", "--out", str(out)])
     doc = json.loads(out.read_text())
     assert doc["rows"] == rows and doc["checks"] == checks
-    assert {r["method"] for r in rows} == {"grad", "trace", "re-evaluate", "prototype", "package"}
+    assert {r["method"] for r in rows} == {"grad", "trace", "re-evaluate", "prototype",
+                                           "intercept", "package"}
     assert all(c["max_rel_error"] < 1e-5 for c in checks.values())
     for r in rows:
         if r["method"] != "grad":

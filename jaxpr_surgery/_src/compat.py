@@ -28,6 +28,17 @@ JaxprEqn = jex.core.JaxprEqn
 Primitive = jex.core.Primitive
 
 
+# A trace of one's own between a function and the transformations around it (jax's
+# "stackless" tracing, jax >= 0.4.36): a subclass of `Trace` handles each primitive bound
+# on its `Tracer`s (a Tracer is built as ``Tracer(trace, aval)``), under
+# ``set_current_trace``; ``take_current_trace()`` is the trace a function is called under.
+# Used by benchmarks/one_trace.py's prototype of statistics emitted inside grad's trace.
+Trace = _core.Trace
+Tracer = _core.Tracer
+set_current_trace = _core.set_current_trace
+take_current_trace = _core.take_current_trace
+
+
 def is_array_like(v) -> bool:
     """A jax array or a tracer (values with no structural key)."""
     return isinstance(v, (jax.Array, _core.Tracer))
