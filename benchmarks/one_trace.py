@@ -155,11 +155,7 @@ def _evaluate(jaxpr, consts, args, sinks, B, served):
         elif nest is walker.Nest.SCAN:
             out = _scan(walker.nested(e), inv, sinks, B, served)
         else:
-            with e.ctx.manager:
-                bp = e.primitive.get_bind_params(e.params)
-                subfuns, bp = bp if isinstance(bp, tuple) else ((), bp)
-                out = e.primitive.bind(*subfuns, *inv, **bp)
-            out = out if e.primitive.multiple_results else [out]
+            out = compat.bind_eqn(e, inv)
         for v, x in zip(e.outvars, out):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
@@ -244,12 +240,9 @@ class _Sites(compat.Trace):
                 with compat.set_current_trace(self.parent):
                     return _site(params, m)(vals[0], vals[1], self.sinks[leaves[1]])
         if walker.NESTS.get(prim) is walker.Nest.CALL and any(x is not None for x in leaves):
-            closed = params["jaxpr"]
-            jaxpr, consts = (closed.jaxpr, closed.consts) if hasattr(closed, "jaxpr") \
-                else (closed, ())
+            jaxpr, consts = compat.closed_parts(params["jaxpr"])
             with compat.set_current_trace(self):
-                outs = jax.extend.core.jaxpr_as_fun(
-                    jax.extend.core.ClosedJaxpr(jaxpr, consts))(*tracers)
+                outs = compat.eval_jaxpr(jaxpr, consts, *tracers)
             outs = [self.low(o)[0] for o in outs]
             return outs if prim.multiple_results else outs[0]
         with compat.set_current_trace(self.parent):
@@ -284,10 +277,10 @@ def _intercepted(loss, tree, B, served):
 
 
 def methods(model, B):
-    """``{name: fn(params, batch)}`` of the module docstring's methods, and a function
-    giving the prototype's served leaves (after a trace)."""
+    """``{name: fn(params, batch)}`` of the module docstring's methods, and each
+    prototype's set of the leaves its sites served (filled as it is traced)."""
     tree = jax.tree.structure(model.params)
-    served: set = set()
+    served = {"prototype": set(), "intercept": set()}
 
     def traced(leaves, batch):
         return jax.make_jaxpr(lambda l, b: model.loss(jax.tree.unflatten(tree, l), b))(
@@ -305,18 +298,17 @@ def methods(model, B):
             held = None if sinks is None else {
                 id(x): (i, s) for i, (x, s) in enumerate(zip(leaves, sinks))}
             return _evaluate(closed.jaxpr, closed.consts, list(leaves) + data, held, B,
-                             served)[0]
+                             served["prototype"])[0]
 
-        sinks = [jnp.zeros_like(x) for x in leaves] if rules else None
         if not rules:
             return jax.grad(lambda l: loss(l, None))(leaves)
-        g, s = jax.grad(loss, argnums=(0, 1))(leaves, sinks)
-        return g, s
+        return jax.grad(loss, argnums=(0, 1))(leaves, [jnp.zeros_like(x) for x in leaves])
 
     def intercept(params, batch):
         leaves = jax.tree.leaves(params)
         sinks = [jnp.zeros_like(x) for x in leaves]
-        return jax.grad(_intercepted(model.loss, tree, B, served), argnums=(0, 1))(
+        return jax.grad(_intercepted(model.loss, tree, B, served["intercept"]),
+                        argnums=(0, 1))(
             leaves, sinks, batch)
 
     fns = {
@@ -341,16 +333,14 @@ def check(model, B=4):
     per = jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch)
     want = [jnp.mean(g * g, 0) for g in jax.tree.leaves(per)]
     ref = jax.tree.leaves(jax.grad(model.loss)(params, batch))
-    err, seen = 0.0, []
-    for m in ("prototype", "intercept"):
-        served.clear()
+    err = 0.0
+    for m in served:
         grads, sums = jax.jit(fns[m])(params, batch)
-        seen.append(sorted(served))
-        for i in served:
+        for i in served[m]:
             got = B * sums[i]
             err = max(err, float(jnp.max(jnp.abs(got - want[i])) / jnp.max(jnp.abs(want[i]))))
         err = max(err, max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(grads, ref)))
-    return dict(zip(("prototype", "intercept"), seen)), err
+    return {m: sorted(v) for m, v in served.items()}, err
 
 
 def run(quick=False, reps=None):
@@ -378,14 +368,14 @@ def run(quick=False, reps=None):
                                                                [x[1] for x in g])
                 row["compile_cpu_x_grad"] = compile_time._paired([x[3] for x in s],
                                                                  [x[3] for x in g])
-            if m in ("prototype", "intercept"):
-                row["leaves_served"], row["leaves"] = len(served), n
+            if m in served:
+                row["leaves_served"], row["leaves"] = len(served[m]), n
             rows.append(row)
             if m != "grad":
                 print(f"{name:12s} {m:12s} lower {row['lower_cpu_x_grad']:5.2f}x  compile "
                       f"{row['compile_cpu_x_grad']:5.2f}x grad (cpu time)"
-                      + (f"  ({len(served)} of {n} leaves served)"
-                         if m in ("prototype", "intercept") else ""), flush=True)
+                      + (f"  ({len(served[m])} of {n} leaves served)" if m in served
+                         else ""), flush=True)
     return rows
 
 
