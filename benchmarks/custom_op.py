@@ -14,7 +14,6 @@ back in each round); FLOPs and temporary memory from XLA's ``cost_analysis`` /
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxpr_surgery as js
+from benchmarks import output
 from benchmarks.weights import _compiled, _paired_ratio, _time
 
 STATS = {
@@ -121,10 +121,7 @@ def run(quick=False, reps=None):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--out", default=None)
+    ap = output.parser(__doc__)
     a = ap.parse_args()
     doc = run(a.quick, a.reps)
     doc["machine"] = {"jax": jax.__version__, "python": platform.python_version(),

@@ -23,6 +23,11 @@ process CPU time, ratios to grad's within a round (as ``benchmarks.compile_time`
   makes the dense ones sites and passes everything else on (a call holding a leaf is
   entered, its equations seen one by one; a ``scan`` is not: its stack gets grad's
   gradient only). The floor of "intercept the parameters' uses as grad traces them".
+* ``intercept-cached``: the same interception, but a call (``jit``), ``jax.checkpoint``
+  or ``scan`` holding a leaf is evaluated as ``prototype`` evaluates it (its body's
+  jaxpr, with rules at its sites; a call as one ``jax.jit`` per body and positions of
+  the leaves): the rules of repeated layers are traced once, as grad traces each body
+  once, and a scan's stack is served.
 * ``package``: ``js.per_example_stat(loss, second_moment())`` as it is.
 
 Models (B 8): compile_check's s768 (4 layers of width 768, T 256), GPT-2 small (12 layers,
@@ -38,10 +43,10 @@ serves), so that the floor it measures is that of a correct program.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
+import types
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +54,7 @@ import numpy as np
 from jax import lax
 
 import jaxpr_surgery as js
-from benchmarks import compile_time, models
+from benchmarks import compile_time, models, output
 from jaxpr_surgery._src import compat, walker
 
 
@@ -141,24 +146,30 @@ def _evaluate(jaxpr, consts, args, sinks, B, served):
                 served.add(i)
                 env[e.outvars[0]] = _site(e.params, m)(inv[0], inv[1], sink)
                 continue
-        if nest is walker.Nest.CALL:
-            out = _call(walker.nested(e), inv, sinks, B, served)
-        elif nest is walker.Nest.REMAT:
-            view = walker.nested(e)
-
-            def once(*xs, view=view, inv=inv):
-                inner = {id(x): sinks[id(o)] for x, o in zip(xs, inv) if id(o) in sinks}
-                return _evaluate(view.jaxpr, view.consts, xs, inner, B, served)
-
-            once = jax.checkpoint(once, prevent_cse=view.prevent_cse, policy=view.policy)
-            out = once(*inv)
-        elif nest is walker.Nest.SCAN:
-            out = _scan(walker.nested(e), inv, sinks, B, served)
-        else:
-            out = compat.bind_eqn(e, inv)
+        out = _nested(nest, e, inv, sinks, B, served) if nest in _ENTERED else None
+        out = compat.bind_eqn(e, inv) if out is None else out
         for v, x in zip(e.outvars, out):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
+
+
+def _nested(nest, eqn, inv, sinks, B, served):
+    """The outputs of ``eqn`` (a call, ``jax.checkpoint`` or ``scan`` whose operands
+    ``inv`` hold parameter leaves: ``sinks``) with its body evaluated by `_evaluate`."""
+    view = walker.nested(eqn)
+    if nest is walker.Nest.CALL:
+        return _call(view, inv, sinks, B, served)
+    if nest is walker.Nest.SCAN:
+        return _scan(view, inv, sinks, B, served)
+
+    def once(*xs):
+        inner = {id(x): sinks[id(o)] for x, o in zip(xs, inv) if id(o) in sinks}
+        return _evaluate(view.jaxpr, view.consts, xs, inner, B, served)
+
+    return jax.checkpoint(once, prevent_cse=view.prevent_cse, policy=view.policy)(*inv)
+
+
+_ENTERED = (walker.Nest.CALL, walker.Nest.REMAT, walker.Nest.SCAN)
 
 
 _CALLS: dict = {}  # (body, positions of the leaves among its operands) -> (its jit, served)
@@ -220,13 +231,15 @@ class _Leaf(compat.Tracer):
 class _Sites(compat.Trace):
     """The trace between the loss and ``jax.grad``'s: a ``dot_general`` of a parameter
     leaf at a dense site becomes `_site` with the leaf's sink, a call (``jit``) holding a
-    leaf is evaluated under this trace (its equations seen one by one), anything else is
+    leaf is evaluated under this trace (its equations seen one by one; ``cached``: a
+    call, ``jax.checkpoint`` or ``scan`` by `_nested` instead), anything else is
     bound on the trace around as it is. The leaves are this trace's only tracers: every
     result is the trace around's."""
 
-    def __init__(self, parent, sinks, B, served):
+    def __init__(self, parent, sinks, B, served, cached=False):
         super().__init__()
         self.parent, self.sinks, self.B, self.served = parent, sinks, B, served
+        self.cached = cached
 
     def low(self, x):
         return (x.val, x.leaf) if isinstance(x, _Leaf) and x._trace is self else (x, None)
@@ -239,7 +252,16 @@ class _Sites(compat.Trace):
                 self.served.add(leaves[1])
                 with compat.set_current_trace(self.parent):
                     return _site(params, m)(vals[0], vals[1], self.sinks[leaves[1]])
-        if walker.NESTS.get(prim) is walker.Nest.CALL and any(x is not None for x in leaves):
+        nest = walker.NESTS.get(prim)
+        if self.cached and nest in _ENTERED and any(x is not None for x in leaves):
+            held = {id(v): (i, self.sinks[i]) for v, i in zip(vals, leaves) if i is not None}
+            body = compat.closed_parts(params["jaxpr"])[0]  # (as an equation: its arity)
+            eqn = types.SimpleNamespace(primitive=prim, params=params, invars=vals,
+                                        outvars=body.outvars)
+            with compat.set_current_trace(self.parent):
+                outs = _nested(nest, eqn, list(vals), held, self.B, self.served)
+            return outs if prim.multiple_results else outs[0]
+        if nest is walker.Nest.CALL and any(x is not None for x in leaves):
             jaxpr, consts = compat.closed_parts(params["jaxpr"])
             with compat.set_current_trace(self):
                 outs = compat.eval_jaxpr(jaxpr, consts, *tracers)
@@ -261,12 +283,12 @@ class _Sites(compat.Trace):
                              symbolic_zeros=symbolic_zeros)
 
 
-def _intercepted(loss, tree, B, served):
+def _intercepted(loss, tree, B, served, cached=False):
     """``loss`` of the leaves, its parameters' uses seen by `_Sites` under whatever trace
     calls it (``jax.grad``'s)."""
     def run(leaves, sinks, batch):
         with compat.take_current_trace() as parent:
-            trace = _Sites(parent, sinks, B, served)
+            trace = _Sites(parent, sinks, B, served, cached)
             held = [_Leaf(trace, x, i) for i, x in enumerate(leaves)]
             with compat.set_current_trace(trace):
                 out = loss(jax.tree.unflatten(tree, held), batch)
@@ -280,7 +302,7 @@ def methods(model, B):
     """``{name: fn(params, batch)}`` of the module docstring's methods, and each
     prototype's set of the leaves its sites served (filled as it is traced)."""
     tree = jax.tree.structure(model.params)
-    served = {"prototype": set(), "intercept": set()}
+    served = {"prototype": set(), "intercept": set(), "intercept-cached": set()}
 
     def traced(leaves, batch):
         return jax.make_jaxpr(lambda l, b: model.loss(jax.tree.unflatten(tree, l), b))(
@@ -304,12 +326,12 @@ def methods(model, B):
             return jax.grad(lambda l: loss(l, None))(leaves)
         return jax.grad(loss, argnums=(0, 1))(leaves, [jnp.zeros_like(x) for x in leaves])
 
-    def intercept(params, batch):
+    def intercept(params, batch, cached=False):
         leaves = jax.tree.leaves(params)
         sinks = [jnp.zeros_like(x) for x in leaves]
-        return jax.grad(_intercepted(model.loss, tree, B, served["intercept"]),
-                        argnums=(0, 1))(
-            leaves, sinks, batch)
+        which = "intercept-cached" if cached else "intercept"
+        return jax.grad(_intercepted(model.loss, tree, B, served[which], cached),
+                        argnums=(0, 1))(leaves, sinks, batch)
 
     fns = {
         "grad": jax.grad(model.loss),
@@ -317,6 +339,7 @@ def methods(model, B):
         "re-evaluate": lambda p, b: run(p, b, False),
         "prototype": lambda p, b: run(p, b, True),
         "intercept": intercept,
+        "intercept-cached": lambda p, b: intercept(p, b, True),
         "package": js.per_example_stat(model.loss, js.stats.second_moment()),
     }
     return fns, served
@@ -325,8 +348,8 @@ def methods(model, B):
 def check(model, B=4):
     """The prototypes' (``prototype``, ``intercept``) ``B * sum_b G_b**2`` against
     ``vmap(grad)``'s E[g^2] for each leaf they serve at one site, and their gradients
-    against grad's: ``({method: leaves served}, largest relative error)``. (`_Sites`
-    does not enter a ``scan``: a scan's stack is served by ``prototype`` only.)"""
+    against grad's: ``({method: leaves served}, largest relative error)``. (``intercept``
+    does not enter a ``scan``: its stack is served by the two others only.)"""
     params, batch = model.params, model.make_batch(B)
     fns, served = methods(model, B)
     one = lambda p, x: model.loss(p, jax.tree.map(lambda a: a[None], x))  # noqa: E731
@@ -362,17 +385,20 @@ def run(quick=False, reps=None):
             s = samples[m]
             row = {"regime": name, "B": B, "method": m,
                    "lower_cpu_s": statistics.median(x[1] for x in s),
+                   "lower_thread_s": min(x[4] for x in s),
                    "compile_cpu_s": statistics.median(x[3] for x in s)}
             if m != "grad":
                 row["lower_cpu_x_grad"] = compile_time._paired([x[1] for x in s],
                                                                [x[1] for x in g])
+                row["lower_thread_x_grad"] = row["lower_thread_s"] / min(x[4] for x in g)
                 row["compile_cpu_x_grad"] = compile_time._paired([x[3] for x in s],
                                                                  [x[3] for x in g])
             if m in served:
                 row["leaves_served"], row["leaves"] = len(served[m]), n
             rows.append(row)
             if m != "grad":
-                print(f"{name:12s} {m:12s} lower {row['lower_cpu_x_grad']:5.2f}x  compile "
+                print(f"{name:12s} {m:16s} lower {row['lower_cpu_x_grad']:5.2f}x "
+                      f"(its thread {row['lower_thread_x_grad']:5.2f}x)  compile "
                       f"{row['compile_cpu_x_grad']:5.2f}x grad (cpu time)"
                       + (f"  ({len(served[m])} of {n} leaves served)" if m in served
                          else ""), flush=True)
@@ -380,10 +406,7 @@ def run(quick=False, reps=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--out", default=None)
+    ap = output.parser(__doc__)
     a = ap.parse_args(argv)
     checks = {}
     if a.quick:
@@ -397,8 +420,10 @@ def main(argv=None):
         meta = {"jax": jax.__version__, "backend": jax.default_backend(),
                 "machine": platform.machine(),
                 "note": "ratios: medians over rounds of the ratio within a round, of the "
-                        "process's CPU time; 'trace' lowers a function that only traces "
-                        "the loss; nothing runs"}
+                        "process's CPU time; lower_thread: the lowering thread's CPU "
+                        "time, the least over rounds, as a ratio to grad's least; "
+                        "'trace' lowers a function that only traces the loss; nothing "
+                        "runs"}
         with open(a.out, "w") as fh:
             json.dump({"meta": meta, "checks": checks, "rows": rows}, fh, indent=1)
     return rows, checks

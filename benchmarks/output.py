@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import json
@@ -15,6 +16,17 @@ import optax
 import jaxpr_surgery as js
 
 SCHEMA_VERSION = 1
+
+
+def parser(doc):
+    """The command line every small benchmark script takes (``--quick``, ``--reps N``,
+    ``--out FILE``), described by the first paragraph of its module docstring ``doc``;
+    a script adds its own options to it."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny models, one round: a smoke run")
+    ap.add_argument("--reps", type=int, default=None, help="rounds (default: the script's)")
+    ap.add_argument("--out", default=None, help="results JSON (default: print only)")
+    return ap
 
 RESULT_FIELDS = [
     "regime", "batch", "method", "statistic", "label", "ok", "error",

@@ -12,7 +12,6 @@ Issue 36's target: weighted / unweighted <= 1.05 on every statistic.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxpr_surgery as js
-from benchmarks import models
+from benchmarks import models, output
 from benchmarks.methods import js_stat
 
 STATS = ["mean", "second_moment", "variance", "sign_mean", "sq_norms", "clipped_mean"]
@@ -102,10 +101,7 @@ def run(quick=False, reps=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--out", default=None)
+    ap = output.parser(__doc__)
     a = ap.parse_args(argv)
     rows = run(a.quick, a.reps)
     if a.out:
