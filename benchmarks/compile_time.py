@@ -14,7 +14,9 @@ also reports the program XLA compiles: lines of optimised HLO, as a stable proxy
 
 ``--phases``: where each statistic's lowering goes, split by the package's steps (the
 trace of one example, the batch-of-one proof, the analysis, the plan, the chunk sizing,
-the engine's rules and VJP) and the rest (jax lowering the program), against grad's.
+the engine's one VJP, and within it the sites' statistics in the backward pass and the
+leaves' values from what the sites kept) and the rest (jax lowering the program),
+against grad's.
 
     python -m benchmarks.compile_time --phases [--quick] \
         [--out benchmarks/results/cpu_compile_phases.json]
@@ -146,7 +148,9 @@ PHASES = {
     "analysis": ("analysis", "analyse_jaxpr"),
     "plan": ("plans", "make_plan"),
     "chunk sizing": ("chunking", "activation_bytes_of"),
-    "engine (rules, the one VJP)": ("engine", "run"),
+    "engine (the one VJP)": ("engine", "run"),
+    "site statistics": ("sites.base", "direct_norms"),
+    "leaf values": ("engine", "_leaf_values"),
 }
 
 

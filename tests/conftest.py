@@ -849,7 +849,7 @@ EXTENDED = {
     # the benchmark and study scripts' quick modes, end to end (their units stay)
     **{f"test_benchmarks_quick.py::{t}": {""} for t in (
         "test_quick_json_schema", "test_quick_csv", "test_plot_markdown",
-        "test_compile_time_quick", "test_one_trace_quick")},
+        "test_compile_time_quick", "test_compile_time_phases_quick", "test_one_trace_quick")},
     **{f"test_reproduce_quick.py::{t}": {""} for t in (
         "test_quick_study", "test_resume_keeps_finished_experiments",
         "test_reusable_runs_need_the_same_model_and_data", "test_shampoo_study_quick",

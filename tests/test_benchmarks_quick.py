@@ -259,6 +259,20 @@ def test_compile_time_quick(tmp_path):
             assert 0 < r["compile_cpu_x_grad"] < 100 and 0 < r["hlo_lines_x_grad"] < 100
 
 
+def test_compile_time_phases_quick():
+    """`benchmarks.compile_time --phases`: every step it names is a function the lowering
+    calls (a renamed one would time nothing), each at most the whole lowering."""
+    from benchmarks import compile_time
+
+    rows = compile_time.phases(quick=True, stats=["second_moment"])
+    assert len(rows) == 2
+    for r in rows:
+        ph = r["phases_s"]
+        assert set(ph) == set(compile_time.PHASES), r
+        assert all(0 < v < r["lower_s"] for k, v in ph.items() if k != "chunk sizing"), r
+        assert r["rest_s"] > 0
+
+
 def test_compile_time_rerun_quick(tmp_path):
     """`benchmarks.compile_time --rerun`: a first and a second process sharing jax's
     persistent compilation cache; the second loads what the first compiled (its compile
