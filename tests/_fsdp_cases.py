@@ -281,8 +281,19 @@ def case_gather_no_axis_name():
 
 
 def case_gather_unchecked():
+    """Untyped (check_vma=False): every statistic but the clipped ones (`untyped.py`:
+    refused there, case ``gather_unchecked_clipped``)."""
     local, params, specs, whole, mesh = case_gather(0, True)
-    return local, params, specs, whole, mesh, {"check_vma": False}
+    req = {s: STATS[s]() for s in STATS if not s.startswith("clipped")}
+    return local, params, specs, whole, mesh, {"check_vma": False, "stats": req}
+
+
+def case_gather_unchecked_clipped():
+    """A clipped sum of gathered leaves, untyped: its shards would take the same DP
+    noise."""
+    local, params, specs, whole, mesh = case_gather(0, True)
+    return local, params, specs, whole, mesh, {"check_vma": False,
+                                               "stats": {"clipped_sum": STATS["clipped_sum"]()}}
 
 
 def case_gather_model_axis():
@@ -302,6 +313,7 @@ CASES = {
     "gather_2d": case_gather_2d,
     "gather_twice": case_gather_twice,
     "gather_unchecked": case_gather_unchecked,
+    "gather_unchecked_clipped": case_gather_unchecked_clipped,
     "gather_and_use": case_gather_and_use,
     "gather_kron": case_gather_kron,
     "gather_in_jit": case_gather_in_jit,

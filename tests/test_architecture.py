@@ -171,6 +171,7 @@ LAYERS = (
     ("arguments",),  # a call's arguments: parameters, batch, the statistics flattened
     ("chunking",),  # sizes chunks by lowering the engine
     ("gathers",),  # hand-written FSDP: leaves gathered over the examples' axis (api uses it)
+    ("untyped",),  # what an untyped body (check_vma=False, pmap) cannot give (api uses it)
     ("devices",),  # a batch sharded by XLA: reduced device by device (api uses it)
     ("engine",),
     ("leaves",),  # a leaf's statistics from its sites' ingredients (single site, tying)

@@ -51,8 +51,8 @@ TOL = 2e-5  # float32 against the float64 reduction of JAX's per-example gradien
 
 @pytest.fixture(scope="module")
 def results():
-    return M.run_cases("_fsdp_cases.py", [*EXPECT, "comms_2d", "weighted_2d", "dp_noise",
-                                             "memory_written"],
+    return M.run_cases("_fsdp_cases.py", [*EXPECT, "gather_unchecked_clipped", "comms_2d",
+                                             "weighted_2d", "dp_noise", "memory_written"],
                        timeout=900)
 
 
@@ -74,6 +74,18 @@ def test_collective_on_parameter_exact_or_refused(results, case):
     assert "outside the statistic" in msg and "NamedSharding" in msg, msg
     if EXPECT[case] != "KronSum":
         assert "parameter leaf/leaves" in msg and "axis_name" in msg, msg
+
+
+def test_untyped_clipped_sum_of_gathered_leaves_refused(results):
+    """check_vma=False: a clipped sum of gathered leaves comes back as each device's
+    shard with no type saying so, and a DP step would draw every shard the same noise
+    (was: served, and `dp_sgd` noised the shards alike). Refused, naming the leaves and
+    the fix; the other statistics stay exact (``gather_unchecked``)."""
+    msg = results["gather_unchecked_clipped"].get("refused")
+    assert msg is not None and msg.startswith("NotImplementedError: per_example_stat: "), msg
+    assert "check_vma=False" in msg and "check_vma=True" in msg and "same noise" in msg, msg
+    for leaf in ("b1", "w1", "w2"):
+        assert f"'{leaf}'" in msg, msg
 
 
 def test_gathered_leaf_sums_cross_the_other_axes_as_shards(results):

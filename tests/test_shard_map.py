@@ -152,6 +152,36 @@ def test_tensor_parallel_megatron_mlp(stat, chunk):
         np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=2e-5, atol=1e-6)
 
 
+def test_untyped_tensor_parallelism_refuses_whole_gradient_values():
+    """The Megatron MLP under shard_map with check_vma=False: no type says w1, b1, w2 are
+    split over 'model', so their per-example norms would be each device's part (were:
+    squared norms off by 48, clipping by the wrong factors, silently). Norms, clipping
+    and Kronecker factors are refused, naming the axis and the fix; the mean is served,
+    equal to jax.grad's under the same shard_map."""
+    local, _, params, batch, specs = _megatron()
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    ns = lambda s: jax.sharding.NamedSharding(mesh, s)  # noqa: E731
+    args = ({k: jax.device_put(v, ns(specs[k])) for k, v in params.items()},
+            jax.device_put(batch, ns(P("data"))))
+
+    def untyped(fn, out_specs):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P("data")),
+                                     out_specs=out_specs, check_vma=False))
+
+    for stat, out in [(js.stats.sq_norms(), P("data")), (js.stats.clipped_mean(0.5), specs),
+                      (js.stats.kron_moments(), P())]:
+        with pytest.raises(NotImplementedError, match=r"check_vma=False.*mesh axis 'model'"
+                           r".*check_vma=True"):
+            untyped(js.per_example_stat(local, stat, axis_name="data", check=False), out)(*args)
+    with pytest.warns(js.CrossExampleWarning):  # (the proof cannot follow 'model' untyped)
+        mean = untyped(js.per_example_stat(local, js.stats.mean(), axis_name="data"), specs)(*args)
+    grad = untyped(lambda p, b: jax.tree.map(lambda g: jax.lax.pmean(g, "data"),
+                                             jax.grad(local)(p, b)), specs)(*args)
+    for k in specs:
+        np.testing.assert_allclose(np.asarray(mean[k]), np.asarray(grad[k]), rtol=1e-5,
+                                   atol=1e-7, err_msg=k)
+
+
 def test_tensor_parallel_kron_moments_raise_clearly():
     local, _, params, batch, specs = _megatron()
     mesh = jax.make_mesh((2, 2), ("data", "model"))

@@ -29,6 +29,7 @@ from jaxpr_surgery._src import (
     meshes,
     plans,
     tiling,
+    untyped,
 )
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
@@ -105,6 +106,8 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     closed, lifted = gathers.lift(closed, n, axis_names(opts.axis_name))
     if lifted:
         gathers.check_reductions(lifted, reductions, prep.diff_paths, name)
+    untyped.check(closed.jaxpr, reductions, lifted, prep.data_axes | axis_names(opts.axis_name),
+                  prep.diff_paths, name)
     an = A.analyse_jaxpr(closed.jaxpr, in_tags, n, prep.data_axes | axis_names(opts.axis_name))
     if an.crossing:
         raise _crossing_error(an.crossing, prep.diff_paths, name)

@@ -327,6 +327,18 @@ def plain_call(eqn) -> bool:
 # --------------------------------------------------------------------------- #
 # shard_map varying-manual-axes (vma)
 # --------------------------------------------------------------------------- #
+def vma_checked() -> bool:
+    """Whether the values traced now are typed by the mesh axes they vary over (inside
+    ``shard_map`` with ``check_vma=True``, its default); False outside ``shard_map``,
+    with ``check_vma=False`` and under ``jax.pmap``, where no type says which values
+    differ between devices. (jax's own flag of the shard_map being traced; True where a
+    jax has none, so that nothing is refused on a guess.)"""
+    from jax._src import config
+
+    state = getattr(config, "_check_vma", None)
+    return True if state is None else bool(state.value)
+
+
 def vma_of(x) -> frozenset:
     """The manual mesh axes over which ``x`` varies (empty outside shard_map); ``x``
     may be an array, a tracer or an abstract value (``jax.eval_shape``'s

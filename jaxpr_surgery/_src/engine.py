@@ -70,12 +70,6 @@ def _traced_ingredient_avals(site, kernel, B):
     return jax.eval_shape(f, w, ext, dy)
 
 
-
-
-
-
-
-
 def _typed(plan, i, v, axes):
     """A merged value of leaf ``i`` in `value_dtype`, varying over ``axes`` (shard_map)."""
     dt = value_dtype(plan, i)
@@ -249,8 +243,6 @@ def _init_sinks(plan, ch, cache, carry):
     return sinks, done
 
 
-
-
 def _leaf_values(plan, sink_cts, copy_cts, B, cache):
     """Every leaf's values by its mode: ``(values, norms_leaf, deferred)``, the norms
     clipping needs and, per leaf, ``c -> sum_b c_b g_b`` for its clipped sums."""
@@ -308,71 +300,3 @@ def _combine_shards(plan, i, values, norms_leaf, model_axes):
         values[j][i] = plan.bound(r, i).combine_shards(values[j][i], model_axes)
     if norms_leaf[i] is not None:
         norms_leaf[i] = S.Norms().combine_shards(norms_leaf[i], model_axes)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

@@ -23,6 +23,7 @@ import jax
 from jaxpr_surgery._src import compat, stats_research
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.moments import Totals
+from jaxpr_surgery._src.weighting import unweighted
 
 
 def _gather_axes(eqn):
@@ -102,12 +103,6 @@ def scatter(eqn, value):
     return jax.tree.map(one, value)
 
 
-def _innermost(r):
-    while isinstance(r, S.Weighted):
-        r = r.inner
-    return r
-
-
 # reductions combined over the devices by a plain sum (`Reduction.combine_axis`: psum)
 _SUMMED = (S.PhiSum.combine_axis, S.ClippedSum.combine_axis)
 # reductions whose combination totals sums about the whole batch's mean, which their
@@ -140,7 +135,7 @@ def combine(eqn, r, value, n_local, N, axis_name):
             value)
         return jax.lax.psum(value, rest) if rest else value
 
-    kind = type(_innermost(r)).combine_axis
+    kind = type(unweighted(r)).combine_axis
     if kind in _SPLIT:
         spread = lambda x: jax.lax.all_gather(x, group, axis=dim, tiled=tiled)  # noqa: E731
         return r.combine_axis(value, n_local, N, axis_name,
@@ -154,7 +149,7 @@ def check_reductions(gathers, reductions, paths, name):
     """Refuses a statistic a gathered leaf cannot give: only elementwise ones (each
     device keeps its shard) and per-example norms (of the whole weight) are served."""
     for r in reductions:
-        inner = _innermost(r)
+        inner = unweighted(r)
         if isinstance(inner, (S.ElementwiseReduction, S.SqNorms, S.Norms)):
             continue
         leaves = ", ".join(paths[i] for i in sorted(gathers))

@@ -179,8 +179,6 @@ def clips_by_recompute(jaxpr) -> bool:
     return uses_remat(jaxpr)
 
 
-
-
 _to_leaf = views.to_leaf
 
 

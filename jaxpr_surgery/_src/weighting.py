@@ -169,6 +169,13 @@ class Weighted(Reduction):
         return self.inner.describe()
 
 
+def unweighted(r):
+    """The reduction ``r`` computes, past any `Weighted` wrapping it."""
+    while isinstance(r, Weighted):
+        r = r.inner
+    return r
+
+
 class Carry(NamedTuple):
     """The running accumulators a chunk's statistics continue (chunking.py).
 

@@ -141,7 +141,8 @@ def _noise_like(key, tree, std):
     the difference of their clipped sums with no noise at all. (A leaf that varies over
     no manual axis, replicated, takes the same noise on every device, as the update of
     replicas must; so does every leaf with ``check_vma=False`` and under ``jax.pmap``,
-    where JAX does not type which values differ between devices.)
+    where JAX does not type which values differ between devices: there the statistics
+    refuse the clipped sums of leaves that may be shards, untyped.py.)
     """
     keys = optax.tree.split_key_like(key, tree)
 
