@@ -10,6 +10,8 @@ the method of an unfaithful one, and removing the registration restores the exac
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,6 +142,23 @@ def test_where_picks_the_equations_a_rule_serves():
                 TE._check(out, TE._oracle(p, batch, _loss), rtol=1e-11, atol=1e-13)
             assert "custom-op" not in _kinds(p, batch)["['out']"][0]
         assert my_dense_p not in js._src.sites.base.SITE_RULES
+
+
+def test_where_is_asked_once_per_equation():
+    """A call asks a rule's ``where`` (a user's function) once per equation (was three
+    times: the analysis, the kernel's match and the kernel each asked)."""
+    asked = collections.Counter()
+
+    def first(eqn):
+        asked[id(eqn)] += 1
+        return eqn.invars[1].aval.shape[-1] == TE.D
+
+    with jax.enable_x64(True):
+        p, batch = _case()
+        with js.extend.register_primitive_rule(my_dense_p, TE.GhostDenseRule(), where=first):
+            out = js.per_example_stat(_loss, TE.STATS)(p, batch)
+        TE._check(out, TE._oracle(p, batch, _loss), rtol=1e-11, atol=1e-13)
+    assert asked and max(asked.values()) == 1, asked
 
 
 def test_a_rule_for_a_primitive_the_package_has_kernels_for():

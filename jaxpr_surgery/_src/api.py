@@ -20,6 +20,7 @@ from jaxpr_surgery._src import analysis as A
 from jaxpr_surgery._src import (
     chunking,
     compat,
+    custom_ops,
     cuts,
     devices,
     engine,
@@ -108,6 +109,17 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
         gathers.check_reductions(lifted, reductions, prep.diff_paths, name)
     untyped.check(closed.jaxpr, reductions, lifted, prep.data_axes | axis_names(opts.axis_name),
                   prep.diff_paths, name)
+    with custom_ops.asked_once():  # (a rule's `where` asked once per equation)
+        an, plan, leaf_avals = _analysed(closed, in_tags, n, prep, reductions, opts, out_tree,
+                                         lifted, name)
+    act = functools.cache(lambda: chunking.activation_bytes_of(
+        closed.jaxpr, n, len(prep.ex_leaves), len(prep.other_leaves)))
+    cs = chunk_for(opts.chunk_size, prep.B, act, reductions, leaf_avals)
+    return Front(closed, out_tree, an, leaf_avals, plan, cs, act, lifted)
+
+
+def _analysed(closed, in_tags, n, prep, reductions, opts, out_tree, lifted, name):
+    """The analysis of a call's jaxpr and its plan (`front_half`)."""
     an = A.analyse_jaxpr(closed.jaxpr, in_tags, n, prep.data_axes | axis_names(opts.axis_name))
     if an.crossing:
         raise _crossing_error(an.crossing, prep.diff_paths, name)
@@ -130,10 +142,7 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
         out_tree, budget=opts.memory_budget_bytes, flatten=prep.leaf_flatten(),
         data_axes=prep.data_axes,
     )
-    act = functools.cache(lambda: chunking.activation_bytes_of(
-        closed.jaxpr, n, len(prep.ex_leaves), len(prep.other_leaves)))
-    cs = chunk_for(opts.chunk_size, prep.B, act, reductions, leaf_avals)
-    return Front(closed, out_tree, an, leaf_avals, plan, cs, act, lifted)
+    return an, plan, leaf_avals
 
 
 def chunk_for(chunk_size, B, act, reductions, leaf_avals):

@@ -26,6 +26,7 @@ an op not recognised keeps the exact route.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -288,13 +289,38 @@ def has_primitive_rules(primitive) -> bool:
     return primitive in _BY_PRIM
 
 
+# id(equation) -> (the equation, its `primitive_entry`) while `asked_once` holds
+_ASKED: dict | None = None
+
+
+@contextlib.contextmanager
+def asked_once():
+    """Within: each equation's `primitive_entry` is found once (a rule's ``where`` is a
+    user's function: the analysis, the kernel's match and the kernel ask about the same
+    equation, and ask it once). A call's analysis and plan run within one."""
+    global _ASKED
+    outer = _ASKED
+    _ASKED = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _ASKED = outer
+
+
 def primitive_entry(eqn):
     """The first `_Entry` registered for ``eqn``'s primitive whose ``where`` accepts
     ``eqn``, or None."""
-    for e in _BY_PRIM.get(eqn.primitive, ()):
-        if e.where is None or e.where(eqn):
-            return e
-    return None
+    held = _BY_PRIM.get(eqn.primitive, ())
+    if not held:
+        return None
+    if _ASKED is not None:
+        hit = _ASKED.get(id(eqn))
+        if hit is not None and hit[0] is eqn:
+            return hit[1]
+    found = next((e for e in held if e.where is None or e.where(eqn)), None)
+    if _ASKED is not None:
+        _ASKED[id(eqn)] = (eqn, found)  # (the equation held: its id stays its own)
+    return found
 
 
 def registered() -> bool:
