@@ -104,23 +104,24 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
         + [A.DATA] * len(prep.ex_leaves)
         + [None] * len(prep.other_leaves)
     )
+    axes = prep.data_axes | axis_names(opts.axis_name)  # (the examples are split over)
     closed, lifted = gathers.lift(closed, n, axis_names(opts.axis_name))
     if lifted:
         gathers.check_reductions(lifted, reductions, prep.diff_paths, name)
-    untyped.check(closed.jaxpr, reductions, lifted, prep.data_axes | axis_names(opts.axis_name),
-                  prep.diff_paths, name)
+    untyped.check(closed.jaxpr, reductions, lifted, axes, prep.diff_paths, name)
     with custom_ops.asked_once():  # (a rule's `where` asked once per equation)
-        an, plan, leaf_avals = _analysed(closed, in_tags, n, prep, reductions, opts, out_tree,
-                                         lifted, name)
+        an, plan = _analysed(closed, in_tags, n, axes, prep, reductions, opts, out_tree,
+                             lifted, name)
     act = functools.cache(lambda: chunking.activation_bytes_of(
         closed.jaxpr, n, len(prep.ex_leaves), len(prep.other_leaves)))
-    cs = chunk_for(opts.chunk_size, prep.B, act, reductions, leaf_avals)
-    return Front(closed, out_tree, an, leaf_avals, plan, cs, act, lifted)
+    cs = chunk_for(opts.chunk_size, prep.B, act, reductions, plan.leaf_avals)
+    return Front(closed, out_tree, an, plan.leaf_avals, plan, cs, act, lifted)
 
 
-def _analysed(closed, in_tags, n, prep, reductions, opts, out_tree, lifted, name):
-    """The analysis of a call's jaxpr and its plan (`front_half`)."""
-    an = A.analyse_jaxpr(closed.jaxpr, in_tags, n, prep.data_axes | axis_names(opts.axis_name))
+def _analysed(closed, in_tags, n, axes, prep, reductions, opts, out_tree, lifted, name):
+    """The analysis of a call's jaxpr and its plan (`front_half`); ``axes``: those the
+    examples are split over."""
+    an = A.analyse_jaxpr(closed.jaxpr, in_tags, n, axes)
     if an.crossing:
         raise _crossing_error(an.crossing, prep.diff_paths, name)
     if an.model_crossing:
@@ -142,7 +143,7 @@ def _analysed(closed, in_tags, n, prep, reductions, opts, out_tree, lifted, name
         out_tree, budget=opts.memory_budget_bytes, flatten=prep.leaf_flatten(),
         data_axes=prep.data_axes,
     )
-    return an, plan, leaf_avals
+    return an, plan
 
 
 def chunk_for(chunk_size, B, act, reductions, leaf_avals):
