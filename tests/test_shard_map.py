@@ -182,6 +182,26 @@ def test_untyped_tensor_parallelism_refuses_whole_gradient_values():
                                    atol=1e-7, err_msg=k)
 
 
+def test_untyped_check_walks_no_jaxpr_where_no_axis_is_bound(monkeypatch):
+    """Outside any mapped body no collective can name a mesh axis: the untyped check
+    does not walk the loss's equations there (it did on every norm or clipping call on
+    one device); inside shard_map with check_vma=False it still refuses (above)."""
+    from jaxpr_surgery._src import untyped
+
+    walked = []
+    inner = untyped.model_axes
+    monkeypatch.setattr(untyped, "model_axes", lambda *a: walked.append(1) or inner(*a))
+    _, full, params, batch, _ = _megatron()
+    jax.jit(js.per_example_stat(full, js.stats.sq_norms())).lower(params, batch)
+    assert not walked
+    mesh = jax.make_mesh((4,), ("data",))
+    fn = js.per_example_stat(full, js.stats.sq_norms(), axis_name="data", check=False)
+    batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
+    jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"),
+                          check_vma=False))(params, batch)
+    assert walked
+
+
 def test_tensor_parallel_kron_moments_raise_clearly():
     local, _, params, batch, specs = _megatron()
     mesh = jax.make_mesh((2, 2), ("data", "model"))

@@ -339,6 +339,15 @@ def vma_checked() -> bool:
     return True if state is None else bool(state.value)
 
 
+def bound_axis_names():
+    """The named axes bound where the trace is now (``shard_map``'s mesh axes, ``pmap``'s
+    and a named ``vmap``'s axis names): a collective can only name one of them. None
+    where a jax does not say (then nothing may be skipped on a guess)."""
+    get = getattr(_core, "get_axis_env", None)
+    sizes = getattr(get(), "axis_sizes", None) if get is not None else None
+    return None if sizes is None else frozenset(sizes)
+
+
 def vma_of(x) -> frozenset:
     """The manual mesh axes over which ``x`` varies (empty outside shard_map); ``x``
     may be an array, a tracer or an abstract value (``jax.eval_shape``'s

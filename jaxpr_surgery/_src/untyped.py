@@ -57,7 +57,10 @@ def check(jaxpr, reductions, gathered, batch_axes, paths, name):
            "which parameters are split; elementwise statistics (mean, sum, moments, "
            "variance, sign_mean) are served untyped, each device's as jax.grad's "
            "gradients are there.")
-    axes = model_axes(jaxpr, batch_axes)
+    bound = compat.bound_axis_names()
+    # (no named axis bound: no collective of fn can name one but inside a shard_map of
+    # its own, which `model_axes` does not count; the walk is skipped, as on one device)
+    axes = model_axes(jaxpr, batch_axes) if bound is None or bound else frozenset()
     if axes:
         ax = ", ".join(repr(a) for a in sorted(axes, key=str))
         raise NotImplementedError(
