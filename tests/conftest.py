@@ -793,6 +793,9 @@ EXTENDED = {
     # (two processes compiling the quick models: the determinism it rests on is checked in
     # the default tier, test_trace_cache.py)
     "test_benchmarks_quick.py::test_compile_time_rerun_quick": {""},
+    # (a benchmark prototype's exactness: test_one_trace_quick checks it with the scan
+    # stack; 9-15 s of the default tier)
+    "test_benchmarks_quick.py::test_one_trace_prototype_is_exact": {""},
     "test_empty_batches.py::test_nonfinite_examples_are_dropped_from_clipped_sums": {
         "mlp-chunks-inf", "mlp-per-layer-chunks-inf", "mlp-per-layer-chunks-nan",
         "mlp-per-layer-nan", "mlp-whole-inf", "mlp-whole-nan", "remat-per-layer-chunks-nan",
