@@ -457,7 +457,7 @@ def run_comms(name="comms_2d"):
 
 
 def run_memory(name="memory_written"):
-    """Per-device temporary memory (``memory_analysis``) of the variance of a small
+    """Per-device temporary memory (``memory_analysis``) of the variance and kurtosis of a small
     transformer written as hand-written FSDP (benchmarks.shard_bench's
     ``fsdp-shard_map``: the (2, 4) mesh, each weight gathered over 'fsdp'), over
     jax.grad's under the same shard_map. The moments' whole mean was one all-reduce per
@@ -471,9 +471,11 @@ def run_memory(name="memory_written"):
     m = models.transformer(T=32, d=128, V=2048, layers=3, heads=4)
     with tempfile.TemporaryDirectory() as t:
         res = shard_bench.measure(m.loss, m.params, m.batch_spec(16), "fsdp-shard_map",
-                                  {"variance": js.stats.variance()}, None,
+                                  {"variance": js.stats.variance(),
+                                   "kurtosis": js.stats.kurtosis()}, None,
                                   os.path.join(t, "log"))
-    return {"case": name, "temp_ratio": res["variance"]["temp_mib"] / res["grad"]["temp_mib"]}
+    return {"case": name, **{f"temp_ratio_{s}": res[s]["temp_mib"] / res["grad"]["temp_mib"]
+                             for s in ("variance", "kurtosis")}}
 
 
 RUNS = {"comms_2d": run_comms, "weighted_2d": run_weighted, "dp_noise": run_dp_noise,

@@ -18,6 +18,7 @@ The cases run in one subprocess with 8 fake CPU devices (tests/_fsdp_cases.py).
 from __future__ import annotations
 
 import _models as M
+import jax
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -102,12 +103,20 @@ def test_gathered_leaf_sums_cross_the_other_axes_as_shards(results):
     assert r["mean"] <= 0.7 and r["variance"] <= 1.35 and r["kurtosis"] <= 1.6, r
 
 
-def test_written_fsdp_variance_memory(results):
-    """Hand-written FSDP's variance (a small transformer, benchmarks.shard_bench's
-    fsdp-shard_map setup) within 1.25x grad's per-device temporary memory: no leaf's
-    moments wait whole on a collective merged with every other leaf's (the mean's
-    all-reduce, merged by XLA into one at the end of the backward pass: 1.33x)."""
-    assert results["memory_written"]["temp_ratio"] <= 1.25, results["memory_written"]
+def test_written_fsdp_moments_memory(results):
+    """Hand-written FSDP's variance and kurtosis (a small transformer, benchmarks.
+    shard_bench's fsdp-shard_map setup) within 1.25x grad's per-device temporary memory:
+    each layer's sums are reduce-scattered at its site, inside the backward pass
+    (`gathers.AtSite`), not held whole to its end (the kurtosis' four sums of every
+    layer: 1.6x; the variance's mean once one all-reduce merged by XLA for all leaves
+    at the end: 1.33x)."""
+    r = results["memory_written"]
+    assert r["temp_ratio_variance"] <= 1.25, r
+    if tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 11):
+        # (jax 0.10's XLA: 2.2x with or without the combination at the site; the peak
+        # there is not the layers' sums, docs/benchmarks.md)
+        pytest.skip("jax 0.10's XLA holds this model's kurtosis buffers otherwise")
+    assert r["temp_ratio_kurtosis"] <= 1.25, r
 
 
 def test_gathered_leaf_weighted_exact(results):

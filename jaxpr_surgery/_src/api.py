@@ -264,6 +264,11 @@ def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
 
     diff = [gathers.gather(front.gathers[i], x) if i in front.gathers else x
             for i, x in enumerate(prep.diff_leaves)]
+    if front.gathers and front.chunk is None and w is None:  # (`gathers.AtSite`)
+        plan = dataclasses.replace(plan, at_site={
+            i: gathers.AtSite(e, opts.axis_name) for i, e in front.gathers.items()
+            if not compat.vma_of(diff[i]) - axes})
+    at_site = plans.at_site_pairs(plan)
     args = (diff, prep.ex_leaves, prep.other_leaves, plan.closed.consts)
     if w is None:
         values, loss_b, aux = evaluate(*args, None)
@@ -284,8 +289,9 @@ def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
         N = jax.lax.psum(B, opts.axis_name)
         # (a gathered leaf: each device keeps its shard, `gathers.combine`)
         values = {
-            j: [gathers.combine(front.gathers[i], _weighing(reductions[j], w), v, B, N,
-                                opts.axis_name)
+            j: [v if (j, i) in at_site  # (combined at its site: the device's shard)
+                else gathers.combine(front.gathers[i], _weighing(reductions[j], w), v, B, N,
+                                     opts.axis_name)
                 if i in front.gathers
                 else _combined(_weighing(reductions[j], w), v, B, N, opts.axis_name)
                 for i, v in enumerate(vals)]

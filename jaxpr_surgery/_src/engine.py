@@ -23,7 +23,14 @@ from jaxpr_surgery._src.clipping import clipped_sums, finite_sum, weighted_leaf
 from jaxpr_surgery._src.interpreter import Evaluator
 from jaxpr_surgery._src.leaves import ingredient_leaf
 from jaxpr_surgery._src.norms import live_examples
-from jaxpr_surgery._src.plans import Mode, example_weights_sink, site_request, value_dtype
+from jaxpr_surgery._src.plans import (
+    Mode,
+    at_site_pairs,
+    combined_at_site,
+    example_weights_sink,
+    site_request,
+    value_dtype,
+)
 from jaxpr_surgery._src.site_fns import make_site_fn
 from jaxpr_surgery._src.sites.base import acc_dtype_for, weighted_sum_materialised
 
@@ -41,6 +48,9 @@ def _sink_avals(plan, site, B, cache):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(lead + tuple(x.shape), x.dtype), a)
 
     out = {k: aval(r) for k, r in direct.items()}
+    leaf = tuple(plan.leaf_avals[site.leaf].shape)
+    for k, (_, r, at) in combined_at_site(plan, site).items():  # (the device's part)
+        out[k] = at.aval(r.aval(leaf, kernel.acc, B))
     if K.kept_as_ingredients(out) or not want_ing or K.INGREDIENTS in out:
         return out
     # the ingredients: as the kernel states them, else traced once for repeated layers
@@ -181,7 +191,8 @@ def _run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry, weight
     ch = _Chunk(list(diff_leaves), list(ex_leaves), list(other_leaves), B, data_axes)
     cache = fp.TraceCache()  # repeated layers are traced once (fingerprint.py)
     sinks, done = _init_sinks(plan, ch, cache, carry)
-    site_fn = make_site_fn(lambda s: site_request(plan, s), cache, plan.finish_sites_first)
+    site_fn = make_site_fn(lambda s: site_request(plan, s), cache, plan.finish_sites_first,
+                           lambda s: combined_at_site(plan, s))
     ev = Evaluator(plan.analysis, plan.kernels, site_fn, B, cache)
     sink_cts, copy_cts, loss_b, aux = ch.backward(plan, ev, sinks, ch.copies(plan))
     with live_examples(None if plan.weights is None else ew.live(plan.weights[0])):
@@ -190,6 +201,7 @@ def _run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry, weight
         _combine_shards(plan, i, values, norms_leaf, tuple(sorted(ch.leaf_axes(i) - data_axes)))
     if plan.has_clip:
         clipped_sums(plan, ch, cache, values, norms_leaf, deferred)
+    at_site = at_site_pairs(plan)  # (typed at their sites)
     for j, r in enumerate(plan.reductions):
         if r.per_example:
             if plan.weights is not None:  # (a padded example's NaN included; within
@@ -201,7 +213,7 @@ def _run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry, weight
             if carry is not None and (j, i) not in done:
                 v = plan.bound(r, i, carry).accumulate(carry.values[j][i], carry.n, v, B)
             # one type, chunked or not (a chunk loop's carry keeps zero_carry's)
-            values[j][i] = _typed(plan, i, v, ch.leaf_axes(i))
+            values[j][i] = _typed(plan, i, v, () if (j, i) in at_site else ch.leaf_axes(i))
     return values, loss_b, aux
 
 
@@ -224,11 +236,11 @@ def _init_sinks(plan, ch, cache, carry):
         return zeros[k]
 
     sites = plan.analysis.sites
-    sinks = {
-        p: jax.tree.map(lambda a, s=s: zero(a, ch.leaf_axes(s.leaf)),
-                        _sink_avals(plan, s, ch.B, cache))
-        for p, s in sites.items()
-    }
+    sinks = {}
+    for p, s in sites.items():
+        avals, axes = _sink_avals(plan, s, ch.B, cache), ch.leaf_axes(s.leaf)
+        at = {k: c.varying(axes) for k, (_, _, c) in combined_at_site(plan, s).items()}
+        sinks[p] = {k: _zeros(zero, v, at[k] if k in at else axes) for k, v in avals.items()}
     if plan.weights is not None:
         for p, s in sites.items():
             sinks[p] = {**sinks[p], K.EX_WEIGHTS: example_weights_sink(plan, s, ch)}
@@ -241,6 +253,10 @@ def _init_sinks(plan, ch, cache, carry):
                 sinks[p] = _carry_sink(plan, s, sinks[p], carry, ch.leaf_axes(s.leaf))
                 done.update((j, s.leaf) for j, r in enumerate(plan.reductions) if r.carries)
     return sinks, done
+
+
+def _zeros(zero, avals, axes):
+    return jax.tree.map(lambda a: zero(a, axes), avals)
 
 
 def _leaf_values(plan, sink_cts, copy_cts, B, cache):
@@ -274,10 +290,11 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
                 finite_sum(G, c) if finite_only else weighted_sum_materialised(G, c))
         elif mode is Mode.DIRECT:
             (site,) = sites
-            ct = sink_cts[site.path]
+            ct, done = sink_cts[site.path], combined_at_site(plan, site)
             for j, r in enumerate(plan.reductions):
-                if K.reduction(j) in ct:
-                    values[j][i] = plan.bound(r, i).to_leaf(ct[K.reduction(j)], site, B)
+                k = K.reduction(j)
+                if k in ct:  # (combined at the site: in the leaf's layout already)
+                    values[j][i] = ct[k] if k in done else plan.bound(r, i).to_leaf(ct[k], site, B)
             if plan.has_clip:  # the norms came with the other statistics
                 norms_leaf[i] = S.Norms().to_leaf(ct[K.CLIP_NORMS], site, B)
             if plan.keep_for_clip:  # and the ingredients, for the reweighted sum

@@ -18,6 +18,9 @@ Any other collective over the examples' axes that a parameter goes through is re
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 
 from jaxpr_surgery._src import compat, stats_research
@@ -143,6 +146,57 @@ def combine(eqn, r, value, n_local, N, axis_name):
     if kind not in _SUMMED:
         return scatter(eqn, r.combine_axis(value, n_local, N, axis_name))
     return total(value)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AtSite:
+    """A gathered leaf's statistics combined across the devices at its site, inside the
+    backward pass (`plans.combined_at_site`), where the engine would combine them after
+    it (api.py): each device then holds its shard of the leaf's sums from the site on,
+    not every layer's whole sums until the backward pass ends (the moments of
+    hand-written FSDP: XLA kept each layer's whole sums to the end of the program).
+    A sum (of a function) and the moments; not a call in chunks or with example
+    weights (their values are carried or weighed after the site)."""
+
+    eqn: Any  # the leaf's all_gather (`lift`)
+    axis_name: Any
+
+    @property
+    def key(self):
+        p = self.eqn.params
+        return ("gathered", _gather_axes(self.eqn), p["all_gather_dimension"], p["tiled"],
+                p["axis_size"], _axes(self.axis_name))
+
+    def varying(self, axes) -> frozenset:
+        """The mesh axes (of the leaf's ``axes``) a combined value varies over: the
+        gather's (each device its shard; summed over the others)."""
+        return frozenset(axes) & frozenset(_gather_axes(self.eqn))
+
+    def takes(self, r) -> bool:
+        """Whether reduction ``r``'s value is combined at the site."""
+        return not r.per_example and type(r).combine_axis in _SUMMED + _SPLIT
+
+    def aval(self, value):
+        """The device's part of a leaf-shaped value (a tree of ``ShapeDtypeStruct``)."""
+        p = self.eqn.params
+        a, n = p["all_gather_dimension"], p["axis_size"]
+
+        def one(x):
+            shape = list(x.shape)
+            if p["tiled"]:
+                shape[a] //= n
+            else:
+                del shape[a]
+            return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+        return jax.tree.map(one, value)
+
+    def __call__(self, r, value, B):
+        return combine(self.eqn, r, value, B, jax.lax.psum(B, self.axis_name), self.axis_name)
+
+
+def _axes(axis_name) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
 def check_reductions(gathers, reductions, paths, name):

@@ -60,6 +60,9 @@ class Plan:
     # one chunk's ``example_weights``: ``(w [B], W0)``, the weight of the examples of
     # earlier chunks (set by `run` for its chunk; None: unweighted)
     weights: Any = None
+    # leaf -> how its site's direct values are combined across the devices inside the
+    # backward pass (`combined_at_site`; a leaf gathered in shard_map: `gathers.AtSite`)
+    at_site: dict = dataclasses.field(default_factory=dict)
 
     def with_consts(self, consts):
         """This plan with ``consts`` for its jaxpr's constants (the same values, passed
@@ -160,6 +163,34 @@ def site_request(plan, site):
             req[K.KEPT] = KeptExamples()
         return req, plan.keep_for_clip
     return {}, True
+
+
+def combined_at_site(plan, site) -> dict:
+    """``site``'s direct values that its leaf's `Plan.at_site` combines across the
+    devices at the site: key -> ``fn(value, B)``, the value in the site's view to the
+    device's combined value (a gathered leaf's shard, `gathers.AtSite`). Only for a
+    site outside scans whose view covers its whole leaf."""
+    at = plan.at_site.get(site.leaf)
+    if at is None or plan.modes[site.leaf] is not Mode.DIRECT or site.depth or site.pads:
+        return {}
+    out = {}
+    for j, r in enumerate(plan.reductions):
+        b = plan.bound(r, site.leaf)
+        if not r.weighted_by_norm and at.takes(b):
+            out[K.reduction(j)] = (lambda v, B, b=b: at(b, b.to_leaf(v, site, B), B), b, at)
+    return out
+
+
+def at_site_pairs(plan) -> frozenset:
+    """The (reduction index, leaf) pairs whose values are combined at their sites
+    (`combined_at_site`), typed as the combination leaves them (a gathered leaf's
+    shard varies over the gather's axes only)."""
+    out = set()
+    for i in plan.at_site:
+        if plan.modes[i] is Mode.DIRECT:
+            keys = combined_at_site(plan, plan.analysis.leaves[i].sites[0])
+            out.update((j, i) for j in range(len(plan.reductions)) if K.reduction(j) in keys)
+    return frozenset(out)
 
 
 def uses_remat(jaxpr) -> bool:

@@ -18,7 +18,7 @@ from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.norms import live_examples
 
 
-def _site_key(sk, direct, want_ing, sink):
+def _site_key(sk, direct, want_ing, sink, combined=()):
     if sk is None:
         return None
     return (
@@ -28,6 +28,7 @@ def _site_key(sk, direct, want_ing, sink):
         bool(want_ing),
         jax.tree.structure(sink),
         tuple((tuple(x.shape), x.dtype) for x in jax.tree.leaves(sink)),
+        combined,
     )
 
 
@@ -117,12 +118,16 @@ def carried(kernel, ctx, direct, sink, B):
     return out
 
 
-def make_site_fn(reduction_plan, cache, finish_first=False):
+def make_site_fn(reduction_plan, cache, finish_first=False, combined=None):
     """Builds the custom_vjp-wrapped call for a site.
 
     ``reduction_plan(site) -> (direct_reductions: dict key->Reduction, want_ingredients)``.
     A site's custom_vjp, with its forward and backward computations as ``jax.jit``
     functions, is cached by `_site_key`, so the sites of repeated layers are traced once.
+
+    ``combined(site) -> {key: (fn, reduction, combiner)}``: direct values combined
+    across the devices at the site, ``fn(value, B)`` (`plans.combined_at_site`), before
+    the barrier below, so that XLA combines them there.
 
     ``finish_first``: a site outside any scan finishes its statistics before the
     backward pass goes on to the layers below; otherwise XLA's scheduler may keep what
@@ -148,7 +153,7 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
     from jaxpr_surgery._src.sites.base import direct_norms
     from jaxpr_surgery._src.sites.generic import composite
 
-    def build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key):
+    def build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key, fin, vmas):
         finish = finish_first and not site.scan_lengths
 
         def stats_impl(w, ext, dy, sink):
@@ -172,6 +177,8 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
                 out = direct_norms(kernel, ctx, direct, compute)
             # (under a device split; with example weights, over the weighted examples)
             out = tiling.shared_values(direct if ex_w is None else weigh(direct, ex_w), out, B)
+            for k, (fn, _, _) in fin.items():  # (typed as the sink: varying over its axes)
+                out[k] = jax.tree.map(compat.make_varying, fn(out[k], B), vmas[k])
             if want_ing and not K.kept_as_ingredients(out):  # (else the tile loop's kept ones)
                 out[K.INGREDIENTS] = kernel.ingredients(ctx)
             for k in (K.EX_WEIGHTS, K.CARRY_WEIGHT):  # (inputs: no cotangent)
@@ -179,7 +186,13 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
                     out[k] = compat.zeros_like_varying(sink[k])
             out = jax.tree.map(lambda o, d: o.astype(d), out, sink_dtypes)
             if finish:
-                dy, out = jax.lax.optimization_barrier((dy, out))
+                # (a value combined at the site keeps its own axes: at jax 0.10, where a
+                # barrier types its outputs by their union, `ordering_barrier` parts it
+                # from dy; one element of it, typed as dy, keeps dy waiting on it)
+                axes = frozenset().union(*map(compat.vma_of, jax.tree.leaves(dy)))
+                ties = [compat.make_varying(jnp.ravel(x)[:1], axes)
+                        for k in fin for x in jax.tree.leaves(out[k])]
+                (dy, _), out = compat.ordering_barrier(((dy, ties), out))
             return dy, out
 
         keep = K.CARRY_COUNT in sink_dtypes or K.EX_WEIGHTS in sink_dtypes
@@ -199,13 +212,22 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
 
         return _custom_vjp_call(jit(fwd_impl), jit(bwd_impl), keep)
 
+    def finishing(site, sink):
+        fin = combined(site) if combined is not None else {}
+        vmas = {k: jax.tree.map(compat.vma_of, sink[k]) for k in fin}
+        fkey = tuple((k, at.key, tuple(tuple(sorted(a, key=str)) for a in jax.tree.leaves(
+            vmas[k], is_leaf=lambda x: isinstance(x, frozenset)))) for k, (_, _, at) in fin.items())
+        return fin, vmas, fkey
+
     def call_of(site, kernel, ext_batched, sink):
         direct, want_ing = reduction_plan(site)
+        fin, vmas, fkey = finishing(site, sink)
         sk = cache.site_key(site, kernel)
-        key = fp.keyed(lambda: _site_key(sk, direct, want_ing, sink))
+        key = fp.keyed(lambda: _site_key(sk, direct, want_ing, sink, fkey))
         sink_dtypes = jax.tree.map(lambda s: s.dtype, sink)
         return cache.value(
-            key, lambda: build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key)
+            key, lambda: build(site, kernel, ext_batched, direct, want_ing, sink_dtypes, key,
+                               fin, vmas)
         )
 
     def site_fn(site, kernel, w, ext, ext_batched, sink):
@@ -219,8 +241,9 @@ def make_site_fn(reduction_plan, cache, finish_first=False):
     def key_of(site, kernel, sink):
         """The structural key of the call ``site_fn`` makes (None: not keyable)."""
         direct, want_ing = reduction_plan(site)
+        fkey = finishing(site, sink)[2]
         sk = cache.site_key(site, kernel)
-        return fp.keyed(lambda: _site_key(sk, direct, want_ing, sink))
+        return fp.keyed(lambda: _site_key(sk, direct, want_ing, sink, fkey))
 
     site_fn.key_of = key_of
     site_fn.tap = tap
