@@ -164,6 +164,30 @@ def case_gather(axis=0, tiled=True):
     return _gather_all(axis, tiled), params, specs, body, _mesh()
 
 
+def _scan_body(p, b):
+    def layer(h, w):
+        return jnp.tanh(h @ w["w"] + w["b"]), None
+    h, _ = jax.lax.scan(layer, b["x"], {"w": p["ws"], "b": p["bs"]})
+    return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
+
+
+def case_gather_scan(axis=2):
+    """A layer stack under lax.scan, each stacked weight gathered over 'fsdp' on a
+    feature axis (its layers' sums combined in each iteration, gathers.AtSite) or on
+    the layers' axis (``axis=0``: combined after the backward pass)."""
+    r = np.random.default_rng(2)
+    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)  # noqa: E731
+    params = {"ws": f(NDEV, D, D) / 3, "bs": f(NDEV, D) / 4, "w2": f(D, C) / 3}
+    ax = {"ws": axis, "bs": min(axis, 1), "w2": 1}
+    specs = {k: P(*[("fsdp" if i == ax[k] else None) for i in range(v.ndim)])
+             for k, v in params.items()}
+
+    def local(p, b):
+        return _scan_body({k: jax.lax.all_gather(v, "fsdp", axis=ax[k], tiled=True)
+                           for k, v in p.items()}, b)
+    return local, params, specs, _scan_body, _mesh()
+
+
 def case_gather_some():
     """Only w1 gathered; b1 and w2 replicated (mixed FSDP and data parallelism)."""
     def local(p, b):
@@ -310,6 +334,8 @@ CASES = {
     "gather_untiled": lambda: case_gather(0, False),
     "gather_axis1": lambda: case_gather(1, True),
     "gather_some": case_gather_some,
+    "gather_scan": case_gather_scan,
+    "gather_scan_layers": lambda: case_gather_scan(0),
     "gather_2d": case_gather_2d,
     "gather_twice": case_gather_twice,
     "gather_unchecked": case_gather_unchecked,
@@ -458,7 +484,7 @@ def run_comms(name="comms_2d"):
 
 def run_memory(name="memory_written"):
     """Per-device temporary memory (``memory_analysis``) of the variance and kurtosis of a small
-    transformer written as hand-written FSDP (benchmarks.shard_bench's
+    transformer and its scan-over-layers twin written as hand-written FSDP (benchmarks.shard_bench's
     ``fsdp-shard_map``: the (2, 4) mesh, each weight gathered over 'fsdp'), over
     jax.grad's under the same shard_map. The moments' whole mean was one all-reduce per
     leaf, which XLA merged into one for all leaves at the end of the backward pass:
@@ -468,14 +494,17 @@ def run_memory(name="memory_written"):
 
     from benchmarks import models, shard_bench  # noqa: PLC0415
 
-    m = models.transformer(T=32, d=128, V=2048, layers=3, heads=4)
-    with tempfile.TemporaryDirectory() as t:
-        res = shard_bench.measure(m.loss, m.params, m.batch_spec(16), "fsdp-shard_map",
-                                  {"variance": js.stats.variance(),
-                                   "kurtosis": js.stats.kurtosis()}, None,
-                                  os.path.join(t, "log"))
-    return {"case": name, **{f"temp_ratio_{s}": res[s]["temp_mib"] / res["grad"]["temp_mib"]
-                             for s in ("variance", "kurtosis")}}
+    out = {"case": name}
+    for kind in ("transformer", "scan_remat"):
+        m = getattr(models, kind)(T=32, d=128, V=2048, layers=3, heads=4)
+        with tempfile.TemporaryDirectory() as t:
+            res = shard_bench.measure(m.loss, m.params, m.batch_spec(16), "fsdp-shard_map",
+                                      {"variance": js.stats.variance(),
+                                       "kurtosis": js.stats.kurtosis()}, None,
+                                      os.path.join(t, "log"))
+        out.update({f"{kind}_{s}": res[s]["temp_mib"] / res["grad"]["temp_mib"]
+                    for s in ("variance", "kurtosis")})
+    return out
 
 
 RUNS = {"comms_2d": run_comms, "weighted_2d": run_weighted, "dp_noise": run_dp_noise,

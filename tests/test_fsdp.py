@@ -32,6 +32,8 @@ EXPECT = {
     "gather_axis1": "exact",
     "gather_some:3": "exact",
     "gather_2d": "exact",
+    "gather_scan": "exact",
+    "gather_scan_layers": "exact",
     "gather_twice": "exact",
     "gather_unchecked": "exact",
     "gather_and_use": "all_gather",
@@ -104,19 +106,23 @@ def test_gathered_leaf_sums_cross_the_other_axes_as_shards(results):
 
 
 def test_written_fsdp_moments_memory(results):
-    """Hand-written FSDP's variance and kurtosis (a small transformer, benchmarks.
-    shard_bench's fsdp-shard_map setup) within 1.25x grad's per-device temporary memory:
-    each layer's sums are reduce-scattered at its site, inside the backward pass
-    (`gathers.AtSite`), not held whole to its end (the kurtosis' four sums of every
-    layer: 1.6x; the variance's mean once one all-reduce merged by XLA for all leaves
-    at the end: 1.33x)."""
+    """Hand-written FSDP's variance and kurtosis (a small transformer and its
+    scan-over-layers twin, benchmarks.shard_bench's fsdp-shard_map setup) against
+    jax.grad's per-device temporary memory: each layer's sums are reduce-scattered at
+    its site, inside the backward pass (in each iteration of the scan), by
+    `gathers.AtSite`, not held whole to its end. Before: the transformer's kurtosis 1.9x
+    (every layer's four sums), the scan stack's variance 1.37x and kurtosis 2.3x; the
+    variance's mean once one all-reduce merged by XLA for all leaves at the end: 1.33x.
+    (The scan stack's kurtosis, 1.5x, holds the tied table's sums, combined after the
+    backward pass.)"""
     r = results["memory_written"]
-    assert r["temp_ratio_variance"] <= 1.25, r
+    assert r["transformer_variance"] <= 1.25 and r["scan_remat_variance"] <= 1.25, r
+    assert r["scan_remat_kurtosis"] <= 1.6, r
     if tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 11):
-        # (jax 0.10's XLA: 2.2x with or without the combination at the site; the peak
-        # there is not the layers' sums, docs/benchmarks.md)
+        # (jax 0.10's XLA: 2.2x with or without the combination at the site; its peak
+        # is not the layers' sums, docs/benchmarks.md)
         pytest.skip("jax 0.10's XLA holds this model's kurtosis buffers otherwise")
-    assert r["temp_ratio_kurtosis"] <= 1.25, r
+    assert r["transformer_kurtosis"] <= 1.25, r
 
 
 def test_gathered_leaf_weighted_exact(results):

@@ -48,9 +48,11 @@ def _sink_avals(plan, site, B, cache):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(lead + tuple(x.shape), x.dtype), a)
 
     out = {k: aval(r) for k, r in direct.items()}
-    leaf = tuple(plan.leaf_avals[site.leaf].shape)
-    for k, (_, r, at) in combined_at_site(plan, site).items():  # (the device's part)
-        out[k] = at.aval(r.aval(leaf, kernel.acc, B))
+    # (combined at the site: the device's part of the leaf, or of each stacked layer)
+    layer = tuple(plan.leaf_avals[site.leaf].shape)[len(lead):]
+    for k, (_, r, at) in combined_at_site(plan, site).items():
+        out[k] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(lead + tuple(x.shape), x.dtype),
+                              at.aval(r.aval(layer, kernel.acc, B)))
     if K.kept_as_ingredients(out) or not want_ing or K.INGREDIENTS in out:
         return out
     # the ingredients: as the kernel states them, else traced once for repeated layers

@@ -89,11 +89,12 @@ def gather(eqn, x):
     return compat.bind_eqn(eqn, [x])[0]
 
 
-def scatter(eqn, value):
+def scatter(eqn, value, offset=0):
     """This device's shard of a statistic shaped like the whole weight (a tree of
-    arrays: moments): the slice the gather put there."""
+    arrays: moments): the slice the gather put there. ``offset``: axes of the weight
+    the value lacks before the gathered one (one layer of a stacked weight)."""
     names = _gather_axes(eqn)
-    a = eqn.params["all_gather_dimension"]
+    a = eqn.params["all_gather_dimension"] - offset
     n = eqn.params["axis_size"]
     idx = jax.lax.axis_index(names if len(names) > 1 else names[0])
 
@@ -113,7 +114,7 @@ _SUMMED = (S.PhiSum.combine_axis, S.ClippedSum.combine_axis)
 _SPLIT = (S.Centered.combine_axis, stats_research.CentralMoments.combine_axis)
 
 
-def combine(eqn, r, value, n_local, N, axis_name):
+def combine(eqn, r, value, n_local, N, axis_name, offset=0):
     """The value of reduction ``r`` over every device's examples for a leaf gathered by
     ``eqn``, this device's shard of it: a sum (of a function, a clipped sum) is
     reduce-scattered over the gather's axes (the transpose of the gather, as ``jax.grad``
@@ -122,14 +123,15 @@ def combine(eqn, r, value, n_local, N, axis_name):
     each device's sums (no whole mean is all-reduced: XLA merged those all-reduces into
     one for every leaf at the end of the backward pass, so each leaf's moments were held
     whole until then: hand-written FSDP's variance at 1.3x grad's memory); any other
-    value is combined whole (`Reduction.combine_axis`), then sliced."""
+    value is combined whole (`Reduction.combine_axis`), then sliced. ``offset``: as in
+    `scatter`."""
     if r.per_example:
         return value
     names = _gather_axes(eqn)
     every = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     rest = tuple(a for a in every if a not in names)
     group = names if len(names) > 1 else names[0]
-    dim, tiled = eqn.params["all_gather_dimension"], eqn.params["tiled"]
+    dim, tiled = eqn.params["all_gather_dimension"] - offset, eqn.params["tiled"]
 
     def total(value):  # (every device's sum, reduce-scattered to the device's shard,
         # then summed over the other axes: a shard, not the whole value, crosses them)
@@ -142,9 +144,9 @@ def combine(eqn, r, value, n_local, N, axis_name):
     if kind in _SPLIT:
         spread = lambda x: jax.lax.all_gather(x, group, axis=dim, tiled=tiled)  # noqa: E731
         return r.combine_axis(value, n_local, N, axis_name,
-                              totals=Totals(total, spread, lambda x: scatter(eqn, x)))
+                              totals=Totals(total, spread, lambda x: scatter(eqn, x, offset)))
     if kind not in _SUMMED:
-        return scatter(eqn, r.combine_axis(value, n_local, N, axis_name))
+        return scatter(eqn, r.combine_axis(value, n_local, N, axis_name), offset)
     return total(value)
 
 
@@ -160,12 +162,21 @@ class AtSite:
 
     eqn: Any  # the leaf's all_gather (`lift`)
     axis_name: Any
+    offset: int = 0  # 1: the values are of one layer of a stacked leaf (its axis 0)
 
     @property
     def key(self):
         p = self.eqn.params
         return ("gathered", _gather_axes(self.eqn), p["all_gather_dimension"], p["tiled"],
-                p["axis_size"], _axes(self.axis_name))
+                p["axis_size"], _axes(self.axis_name), self.offset)
+
+    def per_layer(self):
+        """The same for the values of one layer of the leaf stacked on its axis 0 (a site
+        inside ``lax.scan``); None where the gather is over that axis (a layer is then
+        one device's)."""
+        if self.eqn.params["all_gather_dimension"] == 0:
+            return None
+        return dataclasses.replace(self, offset=1)
 
     def varying(self, axes) -> frozenset:
         """The mesh axes (of the leaf's ``axes``) a combined value varies over: the
@@ -179,7 +190,7 @@ class AtSite:
     def aval(self, value):
         """The device's part of a leaf-shaped value (a tree of ``ShapeDtypeStruct``)."""
         p = self.eqn.params
-        a, n = p["all_gather_dimension"], p["axis_size"]
+        a, n = p["all_gather_dimension"] - self.offset, p["axis_size"]
 
         def one(x):
             shape = list(x.shape)
@@ -192,7 +203,8 @@ class AtSite:
         return jax.tree.map(one, value)
 
     def __call__(self, r, value, B):
-        return combine(self.eqn, r, value, B, jax.lax.psum(B, self.axis_name), self.axis_name)
+        return combine(self.eqn, r, value, B, jax.lax.psum(B, self.axis_name), self.axis_name,
+                       self.offset)
 
 
 def _axes(axis_name) -> tuple:

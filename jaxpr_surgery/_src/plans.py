@@ -11,6 +11,7 @@ import dataclasses
 import enum
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat, cuts, views, walker
@@ -171,14 +172,39 @@ def combined_at_site(plan, site) -> dict:
     device's combined value (a gathered leaf's shard, `gathers.AtSite`). Only for a
     site outside scans whose view covers its whole leaf."""
     at = plan.at_site.get(site.leaf)
-    if at is None or plan.modes[site.leaf] is not Mode.DIRECT or site.depth or site.pads:
+    if at is None or plan.modes[site.leaf] is not Mode.DIRECT or site.pads:
+        return {}
+    if site.depth == 0:
+        def leaf(b, v, B):
+            return b.to_leaf(v, site, B)
+    elif site.depth == 1 and site.chain and site.chain[0].kind is views.Step.SCAN:
+        # one layer of a leaf stacked on its axis 0 (a scan's slicing, then the body's
+        # steps): combined in each iteration, the scan stacking the layers' shards
+        at = at.per_layer()
+        if at is None:
+            return {}
+
+        def leaf(b, v, B):
+            return jax.tree.map(lambda x: _layer_of(x, site.chain[1:]), v)
+    else:
         return {}
     out = {}
     for j, r in enumerate(plan.reductions):
         b = plan.bound(r, site.leaf)
-        if not r.weighted_by_norm and at.takes(b):
-            out[K.reduction(j)] = (lambda v, B, b=b: at(b, b.to_leaf(v, site, B), B), b, at)
+        if r.weighted_by_norm or not at.takes(b):
+            continue
+        if site.depth and type(b).to_leaf is not S.Reduction.to_leaf:
+            continue  # (a value of the layers together, e.g. norms)
+        out[K.reduction(j)] = (lambda v, B, b=b: at(b, leaf(b, v, B), B), b, at)
     return out
+
+
+def _layer_of(value, steps):
+    """One layer's value in its view to the layer of the leaf (the view's steps after
+    the scan's slicing, inverted)."""
+    for op in reversed(steps):
+        value = op.inverse(value)
+    return value
 
 
 def at_site_pairs(plan) -> frozenset:
