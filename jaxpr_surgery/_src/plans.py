@@ -168,9 +168,11 @@ def site_request(plan, site):
 
 def combined_at_site(plan, site) -> dict:
     """``site``'s direct values that its leaf's `Plan.at_site` combines across the
-    devices at the site: key -> ``fn(value, B)``, the value in the site's view to the
-    device's combined value (a gathered leaf's shard, `gathers.AtSite`). Only for a
-    site outside scans whose view covers its whole leaf."""
+    devices at the site: key -> ``(fn, reduction, combiner)``, ``fn(value, B)`` the value
+    in the site's view to the device's combined value in the leaf's layout (a gathered
+    leaf's shard, `gathers.AtSite`). For a site outside scans, or inside one scan over
+    the leaf's layers (each layer's value, ``combiner.per_layer()``), whose view slices
+    nothing of its leaf."""
     at = plan.at_site.get(site.leaf)
     if at is None or plan.modes[site.leaf] is not Mode.DIRECT or site.pads:
         return {}
