@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import platform
 import statistics
-import types
 
 import jax
 import jax.numpy as jnp
@@ -146,17 +145,19 @@ def _evaluate(jaxpr, consts, args, sinks, B, served):
                 served.add(i)
                 env[e.outvars[0]] = _site(e.params, m)(inv[0], inv[1], sink)
                 continue
-        out = _nested(nest, e, inv, sinks, B, served) if nest in _ENTERED else None
+        out = (_nested(nest, walker.binding(e), inv, sinks, B, served) if nest in _ENTERED
+               else None)
         out = compat.bind_eqn(e, inv) if out is None else out
         for v, x in zip(e.outvars, out):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
 
 
-def _nested(nest, eqn, inv, sinks, B, served):
-    """The outputs of ``eqn`` (a call, ``jax.checkpoint`` or ``scan`` whose operands
-    ``inv`` hold parameter leaves: ``sinks``) with its body evaluated by `_evaluate`."""
-    view = walker.nested(eqn)
+def _nested(nest, bound, inv, sinks, B, served):
+    """The outputs of a call, ``jax.checkpoint`` or ``scan`` bound as ``bound`` (a
+    `walker.Binding`) whose operands ``inv`` hold parameter leaves (``sinks``), its
+    body evaluated by `_evaluate`."""
+    view = walker.view_of(bound)
     if nest is walker.Nest.CALL:
         return _call(view, inv, sinks, B, served)
     if nest is walker.Nest.SCAN:
@@ -255,11 +256,10 @@ class _Sites(compat.Trace):
         nest = walker.NESTS.get(prim)
         if self.cached and nest in _ENTERED and any(x is not None for x in leaves):
             held = {id(v): (i, self.sinks[i]) for v, i in zip(vals, leaves) if i is not None}
-            body = compat.closed_parts(params["jaxpr"])[0]  # (as an equation: its arity)
-            eqn = types.SimpleNamespace(primitive=prim, params=params, invars=vals,
-                                        outvars=body.outvars)
+            body = compat.closed_parts(params["jaxpr"])[0]  # (the arity of its outputs)
+            bound = walker.Binding(prim, params, len(vals), len(body.outvars))
             with compat.set_current_trace(self.parent):
-                outs = _nested(nest, eqn, list(vals), held, self.B, self.served)
+                outs = _nested(nest, bound, list(vals), held, self.B, self.served)
             return outs if prim.multiple_results else outs[0]
         if nest is walker.Nest.CALL and any(x is not None for x in leaves):
             jaxpr, consts = compat.closed_parts(params["jaxpr"])

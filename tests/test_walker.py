@@ -146,8 +146,9 @@ def test_unknown_layout_raises_by_name():
                                  outvars=eqn.outvars, params={"jaxpr": None, "length": 2})
     with pytest.raises(compat.UnsupportedJaxError, match="scan"):
         walker.nested(fake)
-    with pytest.raises(compat.UnsupportedJaxError, match="jit"):
-        walker.nested(types.SimpleNamespace(primitive=compat.jit_p, params={}))
+    with pytest.raises(compat.UnsupportedJaxError, match="jit"):  # (a primitive bound
+        # under an intercepting trace: no equation yet, its binding)
+        walker.view_of(walker.Binding(compat.jit_p, {}, 0, 0))
 
 
 def test_path_to_finds_a_nested_equation():

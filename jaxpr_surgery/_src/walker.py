@@ -30,7 +30,7 @@ import abc
 import dataclasses
 import enum
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from jaxpr_surgery._src import compat
 
@@ -137,9 +137,24 @@ class Mapped:
     check_vma: bool
 
 
+class Binding(NamedTuple):
+    """What the views read of an equation: its primitive, params and arity (`binding`).
+    A primitive bound while a trace intercepts it has no equation yet: its view is
+    `view_of` its binding."""
+
+    primitive: Any
+    params: dict
+    n_in: int
+    n_out: int
+
+
+def binding(eqn) -> Binding:
+    return Binding(eqn.primitive, eqn.params, len(eqn.invars), len(eqn.outvars))
+
+
 def _param(eqn, *keys):
-    """The first of the params ``keys`` that ``eqn`` has (a jaxpr), split by
-    `compat.closed_parts`."""
+    """The first of the params ``keys`` that ``eqn`` (a `Binding`) has (a jaxpr), split
+    by `compat.closed_parts`."""
     for key in keys:
         j = eqn.params.get(key)
         if j is not None:
@@ -174,12 +189,12 @@ def _loop(eqn) -> Loop:
         except Exception as e:  # noqa: BLE001
             raise compat.unsupported(
                 eqn, f"ft_in does not unpack to (consts, carry, xs): {e}") from e
-        if nc + ncar + len(x) != len(eqn.invars):
+        if nc + ncar + len(x) != eqn.n_in:
             raise compat.unsupported(eqn, "ft_in does not cover the operands")
     else:
         raise compat.unsupported(eqn, "neither num_consts/num_carry nor ft_in")
     jaxpr, consts = _param(eqn, "jaxpr")
-    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
+    if len(jaxpr.invars) != eqn.n_in or len(jaxpr.outvars) != eqn.n_out:
         raise compat.unsupported(eqn, "the body's arity differs from the eqn's")
     return Loop(jaxpr, consts, nc, ncar, int(prm["length"]), bool(prm["reverse"]),
                 prm.get("unroll", 1))
@@ -205,8 +220,7 @@ def _mapped(eqn) -> Mapped:
     if not {"jaxpr", "in_specs", "out_specs"} <= set(prm):
         raise compat.unsupported(eqn, "no jaxpr/in_specs/out_specs")
     jaxpr, consts = compat.closed_parts(prm["jaxpr"])
-    if consts or len(prm["in_specs"]) != len(eqn.invars) or len(
-            prm["out_specs"]) != len(eqn.outvars):
+    if consts or len(prm["in_specs"]) != eqn.n_in or len(prm["out_specs"]) != eqn.n_out:
         raise compat.unsupported(eqn, "specs that do not match the operands")
     return Mapped(jaxpr, tuple(prm["in_specs"]), tuple(prm["out_specs"]),
                   bool(prm.get("check_vma", prm.get("check_rep", False))))
@@ -232,14 +246,19 @@ def nest_of(eqn) -> Nest | None:
 def nested(eqn):
     """The typed view of ``eqn``'s nested jaxpr by its `Nest` (`Once`, `Loop`, `While`,
     `Branches`, `Mapped`); ``eqn`` must have one."""
-    return _VIEWS[NESTS[eqn.primitive]](eqn)
+    return view_of(binding(eqn))
+
+
+def view_of(b: Binding):
+    """The typed view of the nested jaxpr of a primitive bound as ``b`` (`nested`)."""
+    return _VIEWS[NESTS[b.primitive]](b)
 
 
 def body(eqn):
     """The open body of an equation that runs one once (`Once`), else None."""
     nest = NESTS.get(eqn.primitive)
     if nest in (Nest.CALL, Nest.REMAT, Nest.CUSTOM):
-        return _VIEWS[nest](eqn).jaxpr
+        return _VIEWS[nest](binding(eqn)).jaxpr
     return None
 
 
@@ -320,7 +339,7 @@ class Walker(abc.ABC):
         hook = self.ENTER.get(nest) if nest is not None else None
         if hook is None:
             return self.equation(eqn, ins, path, *ctx)
-        return hook(self, eqn, _VIEWS[nest](eqn), ins, path, *ctx)
+        return hook(self, eqn, _VIEWS[nest](binding(eqn)), ins, path, *ctx)
 
     @abc.abstractmethod
     def equation(self, eqn, ins, path, *ctx):
