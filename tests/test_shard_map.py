@@ -195,6 +195,10 @@ def test_untyped_check_walks_no_jaxpr_where_no_axis_is_bound(monkeypatch):
     jax.jit(js.per_example_stat(full, js.stats.sq_norms())).lower(params, batch)
     assert not walked
     mesh = jax.make_mesh((4,), ("data",))
+    # (nor under the package's own split of a batch XLA shards, devices.py)
+    on = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
+    jax.jit(js.per_example_stat(full, js.stats.sq_norms())).lower(params, on)
+    assert not walked
     fn = js.per_example_stat(full, js.stats.sq_norms(), axis_name="data", check=False)
     batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data")))
     jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"),

@@ -22,7 +22,7 @@ Both are refused at trace time (`check`), naming the axis and the fix.
 
 from __future__ import annotations
 
-from jaxpr_surgery._src import compat, walker
+from jaxpr_surgery._src import compat, devices, walker
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.weighting import unweighted
 
@@ -58,6 +58,8 @@ def check(jaxpr, reductions, gathered, batch_axes, paths, name):
            "variance, sign_mean) are served untyped, each device's as jax.grad's "
            "gradients are there.")
     bound = compat.bound_axis_names()
+    if bound is not None:  # (the package's own split of a batch sharded by XLA names none)
+        bound = bound - {devices.AXIS}
     # (no named axis bound: no collective of fn can name one but inside a shard_map of
     # its own, which `model_axes` does not count; the walk is skipped, as on one device)
     axes = model_axes(jaxpr, batch_axes) if bound is None or bound else frozenset()
