@@ -215,9 +215,9 @@ def make_site_fn(reduction_plan, cache, finish_first=False, combined=None):
     def finishing(site, sink):
         fin = combined(site) if combined is not None else {}
         vmas = {k: jax.tree.map(compat.vma_of, sink[k]) for k in fin}
-        fkey = tuple((k, at.key, tuple(tuple(sorted(a, key=str)) for a in jax.tree.leaves(
-            vmas[k], is_leaf=lambda x: isinstance(x, frozenset)))) for k, (_, _, at) in fin.items())
-        return fin, vmas, fkey
+        axes = {k: tuple(tuple(sorted(compat.vma_of(x), key=str))
+                         for x in jax.tree.leaves(sink[k])) for k in fin}
+        return fin, vmas, tuple((k, at.key, axes[k]) for k, (_, _, at) in fin.items())
 
     def call_of(site, kernel, ext_batched, sink):
         direct, want_ing = reduction_plan(site)
