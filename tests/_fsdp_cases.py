@@ -286,12 +286,51 @@ def case_gather_and_use():
 
 
 def case_gather_in_jit():
-    """The gather inside a jitted helper: not lifted (refused)."""
+    """The gather inside a jitted helper the leaf is passed to: hoisted out of it
+    (`gathers.lift`)."""
     gather = jax.jit(lambda w: jax.lax.all_gather(w, "fsdp", tiled=True))
 
     def local(p, b):
         return body({**p, "w1": gather(p["w1"])}, b)
-    return local, _params(), {"w1": P("fsdp"), "b1": P(), "w2": P()}, None, _mesh()
+    return local, _params(), {"w1": P("fsdp"), "b1": P(), "w2": P()}, body, _mesh()
+
+
+def case_gather_per_layer(remat=False, shard_too=False):
+    """MaxText's FSDP under lax.scan: the stacked shards scanned, each layer's gathered
+    inside the body (and the layer under jax.checkpoint): hoisted out of the loop.
+    ``shard_too``: the body also uses a layer's shard itself (refused)."""
+    local_scan, params, specs, whole, mesh = case_gather_scan()
+
+    def layer(h, w):
+        out = jnp.tanh(h @ jax.lax.all_gather(w["w"], "fsdp", axis=1, tiled=True)
+                       + jax.lax.all_gather(w["b"], "fsdp", tiled=True))
+        return out + (0.01 * jnp.sum(w["w"]) if shard_too else 0.0), None
+
+    def local(p, b):
+        h, _ = jax.lax.scan(jax.checkpoint(layer) if remat else layer, b["x"],
+                            {"w": p["ws"], "b": p["bs"]})
+        w2 = jax.lax.all_gather(p["w2"], "fsdp", axis=1, tiled=True)
+        return jnp.mean((h @ w2 - b["y"]) ** 2)
+    return local, params, specs, None if shard_too else whole, mesh
+
+
+def case_gather_in_body():
+    """Weights the scan's body closes over, gathered inside the body at every step (w1
+    also gathered after the loop)."""
+    def whole(p, b):
+        def step(h, _):
+            return jnp.tanh(h @ p["w1"][:, :D] + p["b1"].reshape(2, D).sum(0)), None
+        h, _ = jax.lax.scan(step, b["x"], None, length=3)
+        return jnp.mean((h @ p["w1"] @ p["w2"] - b["y"]) ** 2)
+
+    def local(p, b):
+        g = lambda k: jax.lax.all_gather(p[k], "fsdp", tiled=True)  # noqa: E731
+
+        def step(h, _):
+            return jnp.tanh(h @ g("w1")[:, :D] + g("b1").reshape(2, D).sum(0)), None
+        h, _ = jax.lax.scan(step, b["x"], None, length=3)
+        return jnp.mean((h @ g("w1") @ g("w2") - b["y"]) ** 2)
+    return local, _params(), {k: P("fsdp") for k in ("w1", "b1", "w2")}, whole, _mesh()
 
 
 def case_gather_kron():
@@ -343,6 +382,10 @@ CASES = {
     "gather_and_use": case_gather_and_use,
     "gather_kron": case_gather_kron,
     "gather_in_jit": case_gather_in_jit,
+    "gather_per_layer": case_gather_per_layer,
+    "gather_per_layer_remat": lambda: case_gather_per_layer(remat=True),
+    "gather_per_layer_shard_too": lambda: case_gather_per_layer(shard_too=True),
+    "gather_in_body": case_gather_in_body,
     "gather_no_axis_name": case_gather_no_axis_name,
     "psum_parts": case_psum_parts,
     "psum_replicated": case_psum_replicated,

@@ -39,7 +39,12 @@ EXPECT = {
     "gather_and_use": "all_gather",
     "gather_no_axis_name": "all_gather",
     "gather_kron": "KronSum",
-    "gather_in_jit": "all_gather",
+    "gather_in_jit": "exact",
+    "gather_per_layer": "exact",
+    "gather_per_layer:3": "exact",
+    "gather_per_layer_remat": "exact",
+    "gather_per_layer_shard_too": "all_gather",
+    "gather_in_body": "exact",
     "psum_parts": "psum",
     "psum_replicated": "psum",
     "ppermute": "ppermute",
@@ -48,7 +53,8 @@ EXPECT = {
     "custom_vjp_gather": "all_gather",
 }
 LEAVES = {"psum_replicated": ["w1"], "ppermute": ["w1"], "all_to_all": ["w1"],
-          "psum_scatter": ["w1"], "gather_and_use": ["w1"], "gather_in_jit": ["w1"]}
+          "psum_scatter": ["w1"], "gather_and_use": ["w1"],
+          "gather_per_layer_shard_too": ["ws"]}
 TOL = 2e-5  # float32 against the float64 reduction of JAX's per-example gradients
 
 

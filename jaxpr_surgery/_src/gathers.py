@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from jaxpr_surgery._src import compat, stats_research
+from jaxpr_surgery._src import compat, stats_research, walker
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.moments import Totals
 from jaxpr_surgery._src.weighting import unweighted
@@ -49,39 +49,102 @@ def lift(closed, n_leaves, axes):
     """``(closed, gathers)``: the per-example jaxpr with the ``all_gather`` of each
     parameter leaf whose every use is that gather (over ``axes``, the same each time)
     removed, the gathered value its input in place of the leaf; ``gathers``: leaf index
-    -> the gather's equation (`gather`, `scatter`). Leaves used any other way are left
-    as they are (and refused by the analysis where a collective over ``axes`` remains)."""
+    -> the gather's equation (`gather`, `scatter`). A gather inside the body of a
+    ``lax.scan`` (of a stacked leaf's layer, or of a leaf the body closes over), a
+    ``jax.checkpoint`` or a ``jax.jit`` the leaf is passed into is hoisted out of it
+    (`_hoisted`): the whole leaf is gathered once before the body, as a gather written
+    before the loop would be. Leaves used any other way are left as they are (and
+    refused by the analysis where a collective over ``axes`` remains)."""
     jaxpr = closed.jaxpr
     if not axes:
         return closed, {}
-    uses = {v: [] for v in jaxpr.invars[:n_leaves]}
-    for e in jaxpr.eqns:
-        for v in e.invars:
-            if not isinstance(v, compat.Literal) and v in uses:
-                uses[v].append(e)
-    outs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
-    gathers, subst, drop = {}, {}, set()
-    for i, v in enumerate(jaxpr.invars[:n_leaves]):
-        es = uses[v]
-        if not es or v in outs or not all(liftable(e, axes) for e in es):
-            continue
-        first = es[0]
-        if any(e.params != first.params for e in es[1:]):
-            continue
-        gathers[i] = first
-        drop.update(id(e) for e in es)
-        subst.update({e.outvars[0]: first.outvars[0] for e in es[1:]})
+    gathers = {}
+    for i in range(n_leaves):
+        got = _hoisted(jaxpr, jaxpr.invars[i], axes)
+        if got is not None:
+            jaxpr, gathers[i] = got
     if not gathers:
         return closed, {}
+    return compat.ClosedJaxpr(jaxpr, closed.consts), gathers
+
+
+def _hoisted(jaxpr, v, axes):
+    """``(jaxpr', eqn)`` where every use of ``jaxpr``'s input ``v`` is an ``all_gather``
+    over ``axes`` with the same params, directly or inside the bodies of equations it is
+    passed into (`_into_body`): ``jaxpr'`` takes the gathered value in place of ``v``
+    (those gathers removed), ``eqn`` gathers ``v`` into it. None where some use is not."""
+    if any(x is v for x in jaxpr.outvars):
+        return None
+    gathered, eqn, subst, eqns = None, None, {}, []
+    for e in jaxpr.eqns:
+        at = [k for k, x in enumerate(e.invars) if x is v]
+        if not at:
+            eqns.append(e)
+            continue
+        if liftable(e, axes):
+            one = e
+        else:
+            got = _into_body(e, at, axes)
+            if got is None:
+                return None
+            e, one = got
+        if eqn is not None and one.params != eqn.params:
+            return None
+        if gathered is None:
+            gathered, eqn = one.outvars[0], one
+        elif one is e:
+            subst[e.outvars[0]] = gathered
+        if one is not e:
+            eqns.append(e.replace(invars=[gathered if k in at else x
+                                          for k, x in enumerate(e.invars)]))
+    if eqn is None:
+        return None
+    eqn = eqn.replace(invars=[v])  # (one from a body gathers the body's input)
 
     def sub(vs):
         return [subst.get(x, x) if not isinstance(x, compat.Literal) else x for x in vs]
 
-    invars = [gathers[i].outvars[0] if i in gathers else v for i, v in enumerate(jaxpr.invars)]
-    eqns = [e.replace(invars=sub(e.invars)) if subst else e
-            for e in jaxpr.eqns if id(e) not in drop]
-    new = jaxpr.replace(invars=invars, eqns=eqns, outvars=sub(jaxpr.outvars))
-    return compat.ClosedJaxpr(new, closed.consts), gathers
+    if subst:
+        eqns = [e.replace(invars=sub(e.invars)) for e in eqns]
+    invars = [gathered if x is v else x for x in jaxpr.invars]
+    return jaxpr.replace(invars=invars, eqns=eqns, outvars=sub(jaxpr.outvars)), eqn
+
+
+def _into_body(e, at, axes):
+    """``(e', gather)``: equation ``e`` (a ``scan``, ``jax.checkpoint`` or plain
+    ``jax.jit``) whose operands ``at`` are one leaf, each gathered in its body
+    (`_hoisted`), with a body that takes the gathered values instead; ``gather`` an
+    ``all_gather`` of the leaf into a new variable of the value ``e'`` takes (a scan's
+    layers: the gather's axis one further). None where the leaf is a scan's carry or
+    used otherwise in the body."""
+    nest = walker.nest_of(e)
+    if nest is walker.Nest.SCAN:
+        loop = walker.nested(e)
+        body, start = loop.jaxpr, loop.num_consts + loop.num_carry
+        if any(loop.num_consts <= k < start for k in at):
+            return None
+        stacked = [k >= start for k in at]
+    elif nest is walker.Nest.REMAT or (nest is walker.Nest.CALL and compat.plain_call(e)):
+        body, stacked = walker.body(e), [False] * len(at)
+    else:
+        return None
+    new, one = body, None
+    for k, layers in zip(at, stacked):
+        got = _hoisted(new, new.invars[k], axes)
+        if got is None:
+            return None
+        new, inner = got
+        dim = inner.params["all_gather_dimension"] + int(layers)
+        aval = inner.outvars[0].aval
+        if layers:
+            aval = aval.update(shape=(loop.length, *aval.shape))
+        cand = inner.replace(params={**inner.params, "all_gather_dimension": dim},
+                             outvars=[compat.Var(aval)])
+        if one is not None and (cand.params != one.params
+                                or cand.outvars[0].aval != one.outvars[0].aval):
+            return None
+        one = one or cand
+    return compat.map_subjaxprs(e, lambda j: new if j is body else j), one
 
 
 def gather(eqn, x):
