@@ -45,6 +45,9 @@ EXPECT = {
     "gather_per_layer_remat": "exact",
     "gather_per_layer_shard_too": "all_gather",
     "gather_in_body": "exact",
+    "tied_blocks_rows": "exact",
+    "tied_blocks_rows:5": "exact",
+    "tied_blocks_cols": "exact",
     "psum_parts": "psum",
     "psum_replicated": "psum",
     "ppermute": "ppermute",
@@ -116,17 +119,18 @@ def test_written_fsdp_moments_memory(results):
     scan-over-layers twin, benchmarks.shard_bench's fsdp-shard_map setup) against
     jax.grad's per-device temporary memory: each layer's sums are reduce-scattered at
     its site, inside the backward pass (in each iteration of the scan), by
-    `gathers.AtSite`, not held whole to its end. Before: the transformer's kurtosis 1.9x
-    (every layer's four sums), the scan stack's variance 1.37x and kurtosis 2.3x; the
-    variance's mean once one all-reduce merged by XLA for all leaves at the end: 1.33x.
-    (The scan stack's kurtosis, 1.5x, holds the tied table's sums, combined after the
-    backward pass.)"""
+    `gathers.AtSite`, not held whole to its end; the tied table's (two sites), block by
+    block in its tile loop into accumulators shaped like the device's shard
+    (`leaves.block_combined`). Before: the transformer's kurtosis 1.9x (every layer's
+    four sums), the scan stack's variance 1.37x and kurtosis 2.3x, then 1.5x (the tied
+    table's four sums held whole); the variance's mean once one all-reduce merged by XLA
+    for all leaves at the end: 1.33x."""
     r = results["memory_written"]
     assert r["transformer_variance"] <= 1.25 and r["scan_remat_variance"] <= 1.25, r
-    assert r["scan_remat_kurtosis"] <= 1.6, r
+    assert r["scan_remat_kurtosis"] <= 1.25, r
     if tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 11):
-        # (jax 0.10's XLA: 2.2x with or without the combination at the site; its peak
-        # is not the layers' sums, docs/benchmarks.md)
+        # (jax 0.10's XLA: 1.55x on this small model, 1.16x on the benchmark's;
+        # docs/benchmarks.md)
         pytest.skip("jax 0.10's XLA holds this model's kurtosis buffers otherwise")
     assert r["transformer_kurtosis"] <= 1.25, r
 

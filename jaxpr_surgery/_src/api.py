@@ -27,6 +27,7 @@ from jaxpr_surgery._src import (
     explicit,
     gathers,
     independence,
+    leaves,
     meshes,
     plans,
     tiling,
@@ -268,7 +269,7 @@ def reduce_call(prep, flat, opts: Options, name, spec=None) -> Reduced:
         plan = dataclasses.replace(plan, at_site={
             i: gathers.AtSite(e, opts.axis_name) for i, e in front.gathers.items()
             if not compat.vma_of(diff[i]) - axes})
-    at_site = plans.at_site_pairs(plan)
+    at_site = leaves.combined_pairs(plan, B)
     args = (diff, prep.ex_leaves, prep.other_leaves, plan.closed.consts)
     if w is None:
         values, loss_b, aux = evaluate(*args, None)

@@ -21,11 +21,10 @@ from jaxpr_surgery._src import sink_keys as K
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.clipping import clipped_sums, finite_sum, weighted_leaf
 from jaxpr_surgery._src.interpreter import Evaluator
-from jaxpr_surgery._src.leaves import ingredient_leaf
+from jaxpr_surgery._src.leaves import combined_pairs, ingredient_leaf
 from jaxpr_surgery._src.norms import live_examples
 from jaxpr_surgery._src.plans import (
     Mode,
-    at_site_pairs,
     combined_at_site,
     example_weights_sink,
     site_request,
@@ -203,7 +202,7 @@ def _run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry, weight
         _combine_shards(plan, i, values, norms_leaf, tuple(sorted(ch.leaf_axes(i) - data_axes)))
     if plan.has_clip:
         clipped_sums(plan, ch, cache, values, norms_leaf, deferred)
-    at_site = at_site_pairs(plan)  # (typed at their sites)
+    at_site = combined_pairs(plan, B)  # (typed where they were combined)
     for j, r in enumerate(plan.reductions):
         if r.per_example:
             if plan.weights is not None:  # (a padded example's NaN included; within

@@ -241,6 +241,22 @@ class AtSite:
             return None
         return dataclasses.replace(self, offset=1)
 
+    @property
+    def size(self) -> int:
+        """The devices the leaf is gathered from."""
+        return self.eqn.params["axis_size"]
+
+    def parts(self, axis) -> int | None:
+        """How many pieces the devices' shards cut axis ``axis`` of a leaf-shaped value
+        into (1: the gather is along another axis), for a loop over blocks of that axis
+        whose values this combines block by block (`tiling.reduce_tiles`'s
+        ``combine``); None where the shard lacks an axis of the leaf (an untiled gather)
+        or the values are a layer's."""
+        p = self.eqn.params
+        if not p["tiled"] or self.offset:
+            return None
+        return p["axis_size"] if p["all_gather_dimension"] == axis else 1
+
     def varying(self, axes) -> frozenset:
         """The mesh axes (of the leaf's ``axes``) a combined value varies over: the
         gather's (each device its shard; summed over the others)."""

@@ -23,7 +23,7 @@ from jaxpr_surgery._src.norms import (
     untrusted,
     with_bound,
 )
-from jaxpr_surgery._src.plans import needs_norms
+from jaxpr_surgery._src.plans import Mode, at_site_pairs, needs_norms
 from jaxpr_surgery._src.sites.base import acc_dtype_for, direct_norms, example_norm, stacked
 
 
@@ -39,27 +39,81 @@ def leaf_cut_axes(shape, kernels) -> list:
     return sorted(axes)
 
 
-def leaf_feature_tile(B, shape, acc, budget, kernels):
+def leaf_feature_tile(B, shape, acc, budget, kernels, gathered=None):
     """Blocks of features of a multi-site leaf's ``G`` (tiling.py), on an axis every
-    site can cut, or None; only where a tile holds one example."""
-    if tiling.leaf_tile(B, shape, acc, budget, kernels) != 1:
+    site can cut, or None; only where a tile holds one example, or for a leaf
+    ``gathered`` over the devices (a `gathers.AtSite`, `block_combined`: its blocks'
+    values combined in the loop, each device's accumulators its shard's), whose blocks
+    are then no larger than a device's share of the axis."""
+    if gathered is None and tiling.leaf_tile(B, shape, acc, budget, kernels) != 1:
         return None
-    return tiling.feature_tile(tuple(shape), acc, leaf_cut_axes(shape, kernels), budget,
-                               whole_under_split=not any(k.split_blocks for k in kernels))
+    axes = leaf_cut_axes(shape, kernels)
+    ft = tiling.feature_tile(tuple(shape), acc, axes, budget,
+                             whole_under_split=not any(k.split_blocks for k in kernels))
+    if gathered is None or not axes:
+        return ft
+    axis = ft[0] if ft is not None else max(axes, key=lambda a: shape[a])
+    share = max(1, shape[axis] // gathered.size)
+    return (axis, share) if ft is None or ft[1] > share else ft
 
 
-def tiled_materialised(plan, ings, mat, B, reductions):
-    """Reductions of a leaf's ``G [B, *leaf] = mat(b0, size)``, tile by tile (tiling.py)."""
+def tiled_materialised(plan, ings, mat, B, reductions, combine=None):
+    """Reductions of a leaf's ``G [B, *leaf] = mat(b0, size)``, tile by tile (tiling.py;
+    ``combine``: its ``combine``, `block_combined`)."""
     aval = plan.leaf_avals[ings[0][0].leaf]
     acc = acc_dtype_for(aval.dtype)
     ks = [k for _, k, _ in ings]
     tile = tiling.leaf_tile(B, aval.shape, acc, plan.budget, ks)
-    ft = leaf_feature_tile(B, aval.shape, acc, plan.budget, ks)
+    ft = leaf_feature_tile(B, aval.shape, acc, plan.budget, ks, combine)
     features = ft and (*ft, mat)
     return tiling.reduce_tiles(
         mat, B, reductions, tile, shape=tuple(aval.shape), dtype=acc,
-        features=features,
+        features=features, combine=combine,
     )
+
+
+def _shared_tiled(plan, i, tiled, rides):
+    """``(indices, reductions)`` a tied leaf reads from tiles of its ``G`` (by
+    `multi_site_routes`' ``tiled`` and ``rides``: the plain sums too); None: the norms
+    clipping needs, read as squared norms."""
+    js = tiled + [j for j, r in enumerate(plan.reductions) if r.linear] if rides else tiled
+    return js, [S.SqNorms() if j is None or plan.reductions[j] == S.Norms()
+                else plan.bound(plan.reductions[j], i) for j in js]
+
+
+def combined_pairs(plan, B) -> frozenset:
+    """The (reduction, leaf) pairs whose values the engine returns combined across the
+    devices, typed as the combination leaves them: at their sites
+    (`plans.at_site_pairs`) or in a tied leaf's block loop (`block_combined`). The
+    engine and api.py (no combination afterwards) both decide by this function."""
+    return at_site_pairs(plan) | {
+        (j, i) for i in plan.at_site for j in block_combined(plan, i, B)}
+
+
+def block_combined(plan, i, B) -> frozenset:
+    """The reductions (indices) of tied leaf ``i`` whose values its tile loop combines
+    across the devices block by block (`tiling.reduce_tiles`' ``combine``): a leaf
+    gathered over them in hand-written FSDP (`Plan.at_site`, `gathers.AtSite`) whose
+    ``G`` is read in blocks of features, of an axis the gather leaves whole or splits
+    in strided blocks. Its sums then never stand whole on a device (the tied table of
+    the scan stack's kurtosis at 1.4x grad's memory). `SharedLeaf` and
+    `combined_pairs` both decide by this function."""
+    at = plan.at_site.get(i)
+    sites = plan.analysis.leaves[i].sites
+    if at is None or plan.modes[i] is not Mode.INGREDIENTS or len(sites) < 2:
+        return frozenset()
+    aval, ks = plan.leaf_avals[i], [plan.kernels[s.path] for s in sites]
+    acc = S.acc_dtype_for(aval.dtype)
+    ft = leaf_feature_tile(B, aval.shape, acc, plan.budget, ks, at)
+    over = None if ft is None else at.parts(ft[0])
+    if over is None or (over > 1 and not cuts.strided_count(aval.shape[ft[0]], ft[1], over)):
+        return frozenset()
+    ghost_ok = plan.needs_norms and shared_norms_by_ghost(sites, ks, B, aval.shape, acc)
+    # (Kronecker moments of a gathered leaf are refused: `gathers.check_reductions`)
+    js, reds = _shared_tiled(plan, i, *multi_site_routes(plan.reductions, ghost_ok, False, ft))
+    if not reds or not all(r.feature_blocks for r in reds):
+        return frozenset()
+    return frozenset(j for j, r in zip(js, reds) if j is not None and at.takes(r))
 
 
 def _leaf_mat(ings, acc):
@@ -151,8 +205,10 @@ class SharedLeaf:
         # (only norms ask; the layout check is numpy work)
         self.ghost_ok = plan.needs_norms and shared_norms_by_ghost(
             [s for s, _, _ in ings], [k for _, k, _ in ings], B, self.aval.shape, self.acc)
+        # (a gathered leaf's values combined block by block, `block_combined`)
+        self.combine = plan.at_site[i] if block_combined(plan, i, B) else None
         self.ft = leaf_feature_tile(B, self.aval.shape, self.acc, plan.budget,
-                                    [k for _, k, _ in ings])
+                                    [k for _, k, _ in ings], self.combine)
         wants_kron = any(S.lookup(SHARED_ROUTES, r) is _kron_route for r in plan.reductions)
         # (weighted Kronecker moments: from tiles of the leaf's weighted examples)
         self.facs = leaf_factors(ings) if wants_kron and plan.weights is None else None
@@ -220,11 +276,10 @@ class SharedLeaf:
 
     def run(self, values, norms_leaf, weighted):
         plan, i, B = self.plan, self.i, self.B
-        todo, rides = multi_site_routes(plan.reductions, self.ghost_ok, self.facs is not None,
-                                        self.ft)
-        sums = [j for j, r in enumerate(plan.reductions) if r.linear]
-        if rides:
-            todo, sums = todo + sums, []
+        tiled, rides = multi_site_routes(plan.reductions, self.ghost_ok, self.facs is not None,
+                                         self.ft)
+        todo, reds = _shared_tiled(plan, i, tiled, rides)
+        sums = [] if rides else [j for j, r in enumerate(plan.reductions) if r.linear]
         for j, r in enumerate(plan.reductions):
             if j not in todo and not r.weighted_by_norm and not r.linear:
                 values[j][i] = S.lookup(SHARED_ROUTES, r)(self, plan.bound(r, i))
@@ -238,9 +293,7 @@ class SharedLeaf:
         if todo:
             # (the clipping norms read as squared norms: tiles sum squares of G, inf on
             # overflow, which `norms` rescues; centred sums take one pass, tiling.py)
-            reds = [S.SqNorms() if j is None or plan.reductions[j] == S.Norms()
-                    else plan.bound(plan.reductions[j], i) for j in todo]
-            outs = tiled_materialised(plan, self.ings, self.mat, B, reds)
+            outs = tiled_materialised(plan, self.ings, self.mat, B, reds, self.combine)
             for j, v in zip(todo, outs):
                 if j is None:
                     norms_leaf[i] = self.norms(v)

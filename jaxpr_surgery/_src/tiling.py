@@ -162,7 +162,7 @@ def prefer_per_example() -> bool:
 
 def reduce_tiles(
     make, B: int, reductions, tile: int, *, shape, dtype, features=None, carry=None,
-    factors=None,
+    factors=None, combine=None,
 ):
     """Reductions of ``G [B, *shape]`` with ``G[b0:b0+size] = make(b0, size)``.
 
@@ -191,6 +191,9 @@ def reduce_tiles(
         (``shape`` ``(K, C, F)``), where the site can give them: sums of the built-in
         ``phi`` and one-pass centred sums then take the fused kernel where it is
         selected (fused.py), which never forms a tile of ``G``.
+      combine: optional, with ``features``: the reductions' values of a leaf gathered
+        over the devices (hand-written FSDP: `gathers.AtSite`) combined block by block
+        into accumulators shaped like the device's shard (`_feature_blocks`).
 
     Returns:
       One value per reduction (`Reduction.finish`ed), or for a carried one its
@@ -210,7 +213,8 @@ def reduce_tiles(
     if features is not None and all(r.feature_blocks for r in reductions) and (
             nd == 1 or cuts.strided_count(shape[features[0]], features[1], nd)):
         # (each block's values combined by its own `reduce_tiles`: `_shared`)
-        return _feature_blocks(features, B, reductions, tile, tuple(shape), dtype, inits, n0)
+        return _feature_blocks(features, B, reductions, tile, tuple(shape), dtype, inits, n0,
+                               combine)
     if B == 1 and all(i is None for i in inits):
         # one example (a chunk of one, on CPU): its values, no loop and no accumulator
         G = make(0, 1).astype(dtype)
@@ -408,17 +412,27 @@ def _tile_loop(make, B, reductions, tile, shape, dtype, inits, n0, finish=True):
             for r, a, i in zip(reductions, acc, inits)]
 
 
-def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0):
+def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0, combine=None):
     """`reduce_tiles` with an outer loop over blocks of one axis of ``G``: each
     reduction restricted to the block (`Reduction.block`), its values put in place
     (``"place"``) or added (``"add"``, per-example sums over the features). Contiguous
-    blocks, or strided ones (cuts.py) under a batch split by device (`split_over`)."""
+    blocks, or strided ones (cuts.py) under a batch split by device (`split_over`).
+
+    ``combine`` (a leaf gathered over the devices, `gathers.AtSite`): the values it
+    takes are combined across the devices block by block (the gather's transpose, as
+    for the whole leaf) and put in accumulators shaped like the device's shard, so no
+    device holds the whole leaf's sums (the tied table of hand-written FSDP: its
+    kurtosis' four sums). Where the gather splits the blocks' axis, the blocks are
+    strided, each taking the same share of every device's piece: a block's combined
+    value is the device's strided block of its shard."""
     axis, fs, make_f = features
     n = shape[axis]
     fs = int(max(1, min(fs, n)))
     adds = [r.feature_blocks == "add" for r in reductions]
     carried = any(i is not None for i in inits)
-    nd = cuts.split_count()
+    taken = [combine is not None and combine.takes(r) for r in reductions]
+    over = combine.parts(axis) if combine is not None else 1  # (devices the axis spans)
+    nd = max(cuts.split_count(), over)
     if nd > 1:
         nf, rem = cuts.strided_count(n, fs, nd), 0
         full = lambda k: cuts.Strided(axis, k, n // nf, nf)  # noqa: E731
@@ -426,27 +440,37 @@ def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0):
         nf, rem = divmod(n, fs)
         full = lambda k: (axis, k * fs, fs)  # noqa: E731
 
+    def mine(cut, t):  # the accumulator's block: a device's share of a combined one
+        if t and over > 1:
+            return cuts.Strided(axis, cut.k, cut.size // over, cut.n)
+        return cut
+
     def block(cut):
         sub = shape[:axis] + (cuts.size_of(cut),) + shape[axis + 1 :]
 
         def cut_init(m):
             return None if m is None else jax.tree.map(lambda x: cuts.take(cut, x, axis), m)
 
-        return reduce_tiles(
+        vals = reduce_tiles(
             lambda b0, bs: make_f(b0, bs, cut), B,
             [r.block(cut) for r in reductions], tile, shape=sub, dtype=dtype,
             carry=S.Carry([cut_init(i) for i in inits], n0) if carried else None,
         )
+        out = [combine(r, v, B) if t else v for r, v, t in zip(reductions, vals, taken)]
+        return out
 
     def put(acc, vals, cut):
         return [
-            a + v if p else jax.tree.map(lambda a, v: cuts.put(cut, a, v, axis), a, v)
-            for a, v, p in zip(acc, vals, adds)
+            a + v if p else jax.tree.map(lambda a, v, t=t: cuts.put(mine(cut, t), a, v, axis),
+                                         a, v)
+            for a, v, p, t in zip(acc, vals, adds, taken)
         ]
 
-    def zeros(s, whole):  # an accumulator for a block's value ``s`` (of the whole axis)
+    def zeros(s, whole, t):  # an accumulator for a block's value ``s`` (of the whole axis)
         if whole:
-            shp = cuts.layout(full(0), s.shape[:axis] + (n,) + s.shape[axis + 1 :], axis)
+            length = n // over if t else n
+            shp = cuts.layout(mine(full(0), t), s.shape[:axis] + (length,)
+                              + s.shape[axis + 1 :], axis)
         else:
             shp = s.shape
         return compat.make_varying(jnp.zeros(shp, s.dtype), compat.vma_of(s))
@@ -454,10 +478,11 @@ def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0):
     # Every block runs in the loop, from zeros typed like a block's values (abstract:
     # nothing is computed twice), so XLA compiles the block's program once.
     first = jax.eval_shape(lambda: block(full(0)))
-    acc = _late([jax.tree.map(lambda s, p=p: zeros(s, not p), v) for v, p in zip(first, adds)])
+    acc = _late([jax.tree.map(lambda s, p=p, t=t: zeros(s, not p, t), v)
+                 for v, p, t in zip(first, adds, taken)])
     acc = jax.lax.fori_loop(0, nf, lambda k, acc: put(acc, block(full(k)), full(k)), acc)
-    acc = [v if p else jax.tree.map(lambda a: cuts.merged(full(0), a, axis), v)
-           for v, p in zip(acc, adds)]
+    acc = [v if p else jax.tree.map(lambda a, t=t: cuts.merged(mine(full(0), t), a, axis), v)
+           for v, p, t in zip(acc, adds, taken)]
     if rem:
         tail = (axis, nf * fs, rem)
         acc = put(acc, block(tail), tail)
@@ -507,7 +532,15 @@ def _late(acc):
     anchor = _ANCHOR[-1]
     if anchor is None:
         return acc
-    acc, anchor = jax.lax.optimization_barrier((acc, anchor))
+    # (not an accumulator typed to vary over fewer mesh axes than the anchor: a gathered
+    # leaf's shard, combined over the others, `_feature_blocks`; the barrier would type
+    # it to vary over them all)
+    leaves, tree = jax.tree.flatten(acc)
+    vma = compat.vma_of(anchor)
+    late = [i for i, x in enumerate(leaves) if vma <= compat.vma_of(x)]
+    if not late:
+        return acc
+    some, anchor = jax.lax.optimization_barrier(([leaves[i] for i in late], anchor))
     zero = zero_after(anchor)
     if cuts.split_axis() is not None:
         zero = jax.lax.psum(zero, cuts.split_axis())
@@ -518,7 +551,9 @@ def _late(acc):
             return x
         return x + zero.astype(x.dtype)
 
-    return jax.tree.map(tied, acc)
+    for i, x in zip(late, some):
+        leaves[i] = tied(x)
+    return jax.tree.unflatten(tree, leaves)
 
 
 def zero_after(x):

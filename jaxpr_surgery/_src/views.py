@@ -47,7 +47,7 @@ def from_leaf(value, site):
     return value
 
 
-def _is_noop(op):
+def is_noop(op):
     return op.kind is Step.IDENTITY or (op.kind is Step.RESHAPE and op.in_shape == op.out_shape)
 
 
@@ -60,7 +60,7 @@ def leaf_axes(site):
     for op in site.chain:
         if m is None:
             m = list(range(len(op.in_shape)))
-        if _is_noop(op):
+        if is_noop(op):
             continue
         if op.kind is Step.TRANSPOSE:
             m = [m[int(p)] for p in op.perm]
@@ -80,7 +80,7 @@ def leaf_map(site):
     for op in site.chain:
         if m is None:
             m = [(a, 0, 1) for a in range(len(op.in_shape))]
-        if _is_noop(op):
+        if is_noop(op):
             continue
         if op.kind is Step.TRANSPOSE:
             m = [m[int(p)] for p in op.perm]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, cuts, kron
+from jaxpr_surgery._src import compat, cuts, kron, views
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src import stats_research as R
 from jaxpr_surgery._src.sites.base import (
@@ -336,8 +336,10 @@ class EmbeddingKernel(Kernel):
     adds_in_place = True
 
     def _in_place(self):
-        """`add_to_leaf` scatters into the leaf's own layout: the table is the leaf."""
-        return not (self.site.chain or self.site.depth) and self._table_2d()
+        """`add_to_leaf` scatters into the leaf's own layout: the table is the leaf (its
+        view at most a no-op of it: a cast to varying inside shard_map, a copy)."""
+        return (not self.site.depth and all(views.is_noop(op) for op in self.site.chain)
+                and self._table_2d())
 
     def leaf_cut_axes(self):
         return (0, 1) if self._in_place() else ()
