@@ -237,9 +237,10 @@ def case_psum_scatter():
     return local, _params(), {k: P() for k in ("w1", "b1", "w2")}, body, _mesh()
 
 
-def case_custom_vjp_gather():
-    """A gather whose backward pass is written by hand (ZeRO-style: psum_scatter of the
-    gradient)."""
+def case_custom_vjp_gather(bwd_kind="transpose"):
+    """A gather whose backward pass is written by hand (ZeRO-style): the transpose
+    (``psum_scatter`` of the gradient: lifted as a gather), or one that is not
+    (scaled, cast to bfloat16 for the reduce-scatter, over another dimension: refused)."""
     @jax.custom_vjp
     def gather(w):
         return jax.lax.all_gather(w, "fsdp", tiled=True)
@@ -248,6 +249,11 @@ def case_custom_vjp_gather():
         return gather(w), None
 
     def bwd(_, ct):
+        if bwd_kind == "scaled":
+            return (2.0 * jax.lax.psum_scatter(ct, "fsdp", tiled=True),)
+        if bwd_kind == "bf16":
+            return (jax.lax.psum_scatter(ct.astype(jnp.bfloat16), "fsdp", tiled=True)
+                    .astype(ct.dtype),)
         return (jax.lax.psum_scatter(ct, "fsdp", tiled=True),)
 
     gather.defvjp(fwd, bwd)
@@ -424,6 +430,8 @@ CASES = {
     "all_to_all": case_all_to_all,
     "psum_scatter": case_psum_scatter,
     "custom_vjp_gather": case_custom_vjp_gather,
+    "custom_vjp_gather_scaled": lambda: case_custom_vjp_gather("scaled"),
+    "custom_vjp_gather_bf16": lambda: case_custom_vjp_gather("bf16"),
     "gather_model_axis": case_gather_model_axis,
     "tied_blocks_rows": case_tied_blocks,
     "tied_blocks_cols": lambda: case_tied_blocks(1),

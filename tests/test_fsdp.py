@@ -53,7 +53,9 @@ EXPECT = {
     "ppermute": "ppermute",
     "all_to_all": "all_to_all",
     "psum_scatter": "reduce_scatter",
-    "custom_vjp_gather": "all_gather",
+    "custom_vjp_gather": "exact",
+    "custom_vjp_gather_scaled": "all_gather",
+    "custom_vjp_gather_bf16": "all_gather",
 }
 LEAVES = {"psum_replicated": ["w1"], "ppermute": ["w1"], "all_to_all": ["w1"],
           "psum_scatter": ["w1"], "gather_and_use": ["w1"],

@@ -178,6 +178,8 @@ def _collective_prims():
 
 collective_prims = _collective_prims()
 all_gather_p = _first(lambda: __import__("jax._src.lax.parallel", fromlist=["x"]).all_gather_p)
+reduce_scatter_p = _first(
+    lambda: __import__("jax._src.lax.parallel", fromlist=["x"]).reduce_scatter_p)
 
 
 def collective_axes(eqn) -> frozenset:
@@ -351,8 +353,8 @@ def bound_axis_names():
 def vma_of(x) -> frozenset:
     """The manual mesh axes over which ``x`` varies (empty outside shard_map); ``x``
     may be an array, a tracer or an abstract value (``jax.eval_shape``'s
-    ``ShapeDtypeStruct``)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
+    ``ShapeDtypeStruct``, an equation's variable's ``aval``)."""
+    if isinstance(x, (jax.ShapeDtypeStruct, _core.AbstractValue)):
         aval = x
     else:
         try:

@@ -83,6 +83,8 @@ def _hoisted(jaxpr, v, axes):
             continue
         if liftable(e, axes):
             one = e
+        elif (custom := _custom_gather(e, at, axes)) is not None:
+            e = one = custom  # (a gather written with its own backward pass)
         else:
             got = _into_body(e, at, axes)
             if got is None:
@@ -108,6 +110,58 @@ def _hoisted(jaxpr, v, axes):
         eqns = [e.replace(invars=sub(e.invars)) for e in eqns]
     invars = [gathered if x is v else x for x in jaxpr.invars]
     return jaxpr.replace(invars=invars, eqns=eqns, outvars=sub(jaxpr.outvars)), eqn
+
+
+def _custom_gather(e, at, axes):
+    """An ``all_gather`` of a ``jax.custom_vjp`` call's operand into its output, where the
+    call is a gather written with its own backward pass (ZeRO-style code): its primal
+    body that gather of its one operand alone, its backward pass the gather's transpose
+    (a ``psum_scatter`` of the cotangent over the same axes and dimension, nothing else:
+    the statistics' own combination replaces it exactly). One that scales, casts (a
+    reduce-scatter in bfloat16) or computes anything else is not one (its leaf is
+    refused: the statistics would not be of its gradients). None for any other
+    equation."""
+    if (e.primitive is not compat.custom_vjp_call_p or at != [0] or len(e.invars) != 1
+            or len(e.outvars) != 1):
+        return None
+    body = walker.body(e)
+    got = _hoisted(body, body.invars[0], axes)
+    if got is None or got[0].eqns or got[0].outvars[0] is not got[0].invars[0]:
+        return None
+    g = got[1]
+    return g.replace(invars=list(e.invars), outvars=list(e.outvars)) if _transposes(e, g) else None
+
+
+def _transposes(e, g):
+    """Whether the backward pass of custom_vjp call ``e`` is the transpose of gather
+    ``g``: traced (jax.vjp of the call) and read, its output a ``psum_scatter`` of the
+    cotangent with ``g``'s axes, dimension and tiling (through casts to varying only)."""
+    xa, ya = e.invars[0].aval, e.outvars[0].aval
+    vma = compat.vma_of(xa) | compat.vma_of(ya)
+
+    def back(w, ct):
+        return jax.vjp(lambda w: compat.bind_eqn(e, [w])[0], w)[1](ct)[0]
+
+    zero = lambda a: compat.make_varying(jax.numpy.zeros(a.shape, a.dtype), vma)  # noqa: E731
+    try:
+        jaxpr = jax.make_jaxpr(back)(zero(xa), zero(ya)).jaxpr
+    except Exception:  # noqa: BLE001 - a backward pass that cannot run alone: not a gather's
+        return False
+    made = {o: q for q in jaxpr.eqns for o in q.outvars}
+    v, scattered = jaxpr.outvars[0], False
+    while v in made:
+        q = made[v]
+        if q.primitive is compat.reduce_scatter_p and not scattered:
+            p, want = q.params, g.params
+            if (tuple(_gather_axes(q)) != tuple(_gather_axes(g)) or p["axis_index_groups"]
+                    or p["scatter_dimension"] != want["all_gather_dimension"]
+                    or p["tiled"] != want["tiled"]):
+                return False
+            scattered = True
+        elif q.primitive not in compat.vma_cast_prims or len(q.invars) != 1:
+            return False
+        v = q.invars[0]
+    return scattered and v is jaxpr.invars[1]
 
 
 def _into_body(e, at, axes):
