@@ -289,9 +289,9 @@ def test_explain_says_how_the_engine_sums_a_shared_leaf(other, monkeypatch):
     seen = []
     orig = leaves.tiled_materialised
 
-    def spy(plan, ings, mat, B, reductions):
+    def spy(plan, ings, mat, B, reductions, combine=None):
         seen.extend(reductions)
-        return orig(plan, ings, mat, B, reductions)
+        return orig(plan, ings, mat, B, reductions, combine)
 
     monkeypatch.setattr(leaves, "tiled_materialised", spy)
     js.per_example_stat(loss, stat)(W, b)
