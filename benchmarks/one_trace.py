@@ -28,6 +28,14 @@ process CPU time, ratios to grad's within a round (as ``benchmarks.compile_time`
   jaxpr, with rules at its sites; a call as one ``jax.jit`` per body and positions of
   the leaves): the rules of repeated layers are traced once, as grad traces each body
   once, and a scan's stack is served.
+* ``+ proof traced``: ``intercept-cached``, and the examples' independence proved (the
+  package's `independence` interpreter) on a trace of its own of the batch loss
+  (``jax.make_jaxpr``), as the package proves it.
+* ``+ proof from stream``: ``intercept-cached`` recording every equation it sees (every
+  primitive bound while it is the current trace, a call, ``jax.checkpoint`` or ``scan``
+  as one equation with its body) into a jaxpr of the batch loss, the proof run on that:
+  no trace of its own (`_Stream`). ``--quick`` checks that both proofs decide alike on
+  each model's loss (independent) and on its square (not a mean of per-example terms).
 * ``package``: ``js.per_example_stat(loss, second_moment())`` as it is.
 
 Models (B 8): compile_check's s768 (4 layers of width 768, T 256), GPT-2 small (12 layers,
@@ -237,15 +245,23 @@ class _Sites(compat.Trace):
     bound on the trace around as it is. The leaves are this trace's only tracers: every
     result is the trace around's."""
 
-    def __init__(self, parent, sinks, B, served, cached=False):
+    def __init__(self, parent, sinks, B, served, cached=False, stream=None):
         super().__init__()
         self.parent, self.sinks, self.B, self.served = parent, sinks, B, served
-        self.cached = cached
+        self.cached, self.stream = cached, stream
 
     def low(self, x):
         return (x.val, x.leaf) if isinstance(x, _Leaf) and x._trace is self else (x, None)
 
     def process_primitive(self, prim, tracers, params):
+        if self.stream is None:
+            return self._process(prim, tracers, params)
+        out = self._process(prim, tracers, params)
+        self.stream.record(prim, params, [self.low(t) for t in tracers],
+                           out if prim.multiple_results else [out])
+        return out
+
+    def _process(self, prim, tracers, params):
         vals, leaves = zip(*map(self.low, tracers)) if tracers else ((), ())
         if prim is lax.dot_general_p and leaves[1] is not None:
             m = _dense(params, vals[0], vals[1], self.B)
@@ -283,19 +299,97 @@ class _Sites(compat.Trace):
                              symbolic_zeros=symbolic_zeros)
 
 
-def _intercepted(loss, tree, B, served, cached=False):
+def _intercepted(loss, tree, B, served, cached=False, proof=None):
     """``loss`` of the leaves, its parameters' uses seen by `_Sites` under whatever trace
-    calls it (``jax.grad``'s)."""
+    calls it (``jax.grad``'s). ``proof``: ``"traced"``, the examples' independence proved
+    on a trace of its own of the batch loss (as the package does); ``"stream"``, on the
+    equations the intercepting trace saw (`_Stream`); the verdict goes to ``proof``'s
+    list ``_VERDICTS``."""
     def run(leaves, sinks, batch):
+        data = jax.tree.leaves(batch)
+        stream = _Stream(leaves, data) if proof == "stream" else None
         with compat.take_current_trace() as parent:
-            trace = _Sites(parent, sinks, B, served, cached)
+            trace = _Sites(parent, sinks, B, served, cached, stream)
             held = [_Leaf(trace, x, i) for i, x in enumerate(leaves)]
             with compat.set_current_trace(trace):
                 out = loss(jax.tree.unflatten(tree, held), batch)
             out = trace.low(out)[0]
             trace.invalidate()
+        if proof == "stream":
+            _VERDICTS.append(_prove(stream.closed(out), len(leaves), len(data), B))
+        elif proof == "traced":
+            def batch_loss(leaves, data):
+                return loss(jax.tree.unflatten(tree, leaves),
+                            jax.tree.unflatten(jax.tree.structure(batch), data))
+            closed = jax.make_jaxpr(batch_loss)(leaves, data)
+            _VERDICTS.append(_prove(closed, len(leaves), len(data), B))
         return out
     return run
+
+
+_VERDICTS: list = []  # the proofs' verdicts, in the order the methods were traced
+
+
+class _Stream:
+    """The equations an intercepting trace sees, recorded as a jaxpr of the batch loss:
+    the parameter leaves and the batch's arrays its inputs, every primitive bound while
+    the trace is current an equation (a call, ``jax.checkpoint`` or ``scan`` one equation
+    with its body, as a trace records it), any other value it reads a constant (a
+    literal where a Python scalar). Values are told apart by identity, kept alive."""
+
+    def __init__(self, leaves, data):
+        self.ids, self.keep, self.eqns, self.consts = {}, [], [], []
+        self.leaves = [compat.Var(jax.typeof(x)) for x in leaves]
+        self.data = [self._new(x) for x in data]
+
+    def _new(self, x):
+        v = compat.Var(jax.typeof(x))
+        self.ids[id(x)] = v
+        self.keep.append(x)
+        return v
+
+    def atom(self, x, leaf):
+        if leaf is not None:
+            return self.leaves[leaf]
+        v = self.ids.get(id(x))
+        if v is not None:
+            return v
+        if isinstance(x, (int, float, bool, complex)):
+            return compat.Literal(x, jax.typeof(x))
+        v = self._new(x)
+        self.consts.append((v, x))
+        return v
+
+    def record(self, prim, params, ins, outs):
+        invars = [self.atom(x, leaf) for x, leaf in ins]
+        outvars = [self._new(o) for o in outs]
+        self.eqns.append(jax.extend.core.new_jaxpr_eqn(invars, outvars, prim, params,
+                                                       frozenset()))
+
+    def closed(self, out):
+        jaxpr = jax.extend.core.Jaxpr([v for v, _ in self.consts], self.leaves + self.data,
+                                      [self.atom(out, None)], self.eqns)
+        return compat.ClosedJaxpr(jaxpr, [x for _, x in self.consts])
+
+
+def _prove(closed, n_leaves, n_data, B):
+    """The independence proof's verdict on ``closed`` (a batch loss of ``n_leaves``
+    parameter leaves, then ``n_data`` batch arrays of ``B`` examples), as the package's
+    `independence.verdict` reads a traced one."""
+    from jaxpr_surgery._src import independence as ind
+    from jaxpr_surgery._src.independence import tags
+
+    it = ind._Interp(B, frozenset())
+    for v, c in zip(closed.jaxpr.constvars, closed.consts):
+        if B in np.shape(c):
+            it.lined[v] = {a: tags.Lined("a constant", "") for a, n in enumerate(np.shape(c))
+                           if n == B}
+    (out,) = it.run(closed.jaxpr, [None] * n_leaves + [tags.Ex(0)] * n_data)[:1]
+    if isinstance(out, tags.One):
+        return ind.CROSS
+    if out is None or (isinstance(out, tags.Sum) and not out.terms):
+        return ind.INDEPENDENT
+    return ind.CROSS if isinstance(out, (tags.Sum, tags.Cross)) else ind.UNDECIDED
 
 
 def methods(model, B):
@@ -326,11 +420,11 @@ def methods(model, B):
             return jax.grad(lambda l: loss(l, None))(leaves)
         return jax.grad(loss, argnums=(0, 1))(leaves, [jnp.zeros_like(x) for x in leaves])
 
-    def intercept(params, batch, cached=False):
+    def intercept(params, batch, cached=False, proof=None, loss=model.loss):
         leaves = jax.tree.leaves(params)
         sinks = [jnp.zeros_like(x) for x in leaves]
         which = "intercept-cached" if cached else "intercept"
-        return jax.grad(_intercepted(model.loss, tree, B, served[which], cached),
+        return jax.grad(_intercepted(loss, tree, B, served[which], cached, proof),
                         argnums=(0, 1))(leaves, sinks, batch)
 
     fns = {
@@ -340,7 +434,11 @@ def methods(model, B):
         "prototype": lambda p, b: run(p, b, True),
         "intercept": intercept,
         "intercept-cached": lambda p, b: intercept(p, b, True),
+        "+ proof traced": lambda p, b: intercept(p, b, True, "traced"),
+        "+ proof from stream": lambda p, b: intercept(p, b, True, "stream"),
         "package": js.per_example_stat(model.loss, js.stats.second_moment()),
+        # (not measured: `check_proofs`' entry, a loss and a proof of one's choosing)
+        "intercept-cached:": lambda p, b, proof, loss: intercept(p, b, True, proof, loss),
     }
     return fns, served
 
@@ -366,6 +464,25 @@ def check(model, B=4):
     return {m: sorted(v) for m, v in served.items()}, err
 
 
+def check_proofs(model, B=4):
+    """The independence proof's verdicts from the intercepted stream and from a trace of
+    the batch loss, on ``model``'s loss (independent examples) and on its square (not a
+    mean of per-example terms): ``{loss: [stream's, traced]}``."""
+    params, batch = model.params, model.make_batch(B)
+    fns, _ = methods(model, B)
+    squared = lambda p, b: model.loss(p, b) ** 2  # noqa: E731
+    out = {}
+    for name, loss in (("loss", model.loss), ("loss ** 2", squared)):
+        got = []
+        for proof in ("stream", "traced"):
+            del _VERDICTS[:]
+            jax.jit(lambda p, b, proof=proof, loss=loss: fns["intercept-cached:"](
+                p, b, proof, loss)).lower(params, batch)
+            got.append(_VERDICTS[-1])
+        out[name] = got
+    return out
+
+
 def run(quick=False, reps=None):
     reps = reps or (1 if quick else 3)
     jax.jit(lambda x: x * 2).lower(1.0).compile()
@@ -375,6 +492,7 @@ def run(quick=False, reps=None):
         B = 8
         params, batch = model.params, model.make_batch(B)
         fns, served = methods(model, B)
+        fns = {m: f for m, f in fns.items() if not m.endswith(":")}
         samples = {m: [] for m in fns}
         for _ in range(reps):
             for m, fn in fns.items():
@@ -412,9 +530,12 @@ def main(argv=None):
     if a.quick:
         for name, build in _regimes(True).items():
             served, err = check(build())
-            checks[name] = {"served": served, "max_rel_error": err}
+            proofs = check_proofs(build())
+            checks[name] = {"served": served, "max_rel_error": err, "proofs": proofs}
             print(f"{name}: exact to {err:.1e}, leaves served: "
-                  + ", ".join(f"{m} {len(v)}" for m, v in served.items()), flush=True)
+                  + ", ".join(f"{m} {len(v)}" for m, v in served.items())
+                  + "; proofs (stream, traced): " + ", ".join(
+                      f"{k}: {' / '.join(v)}" for k, v in proofs.items()), flush=True)
     rows = run(a.quick, a.reps)
     if a.out:
         meta = {"jax": jax.__version__, "backend": jax.default_backend(),

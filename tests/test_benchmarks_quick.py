@@ -317,8 +317,14 @@ def test_one_trace_quick(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["rows"] == rows and doc["checks"] == checks
     assert {r["method"] for r in rows} == {"grad", "trace", "re-evaluate", "prototype",
-                                           "intercept", "intercept-cached", "package"}
+                                           "intercept", "intercept-cached", "+ proof traced",
+                                           "+ proof from stream", "package"}
     assert all(c["max_rel_error"] < 1e-5 for c in checks.values())
+    # (the proof from the intercepted equations decides as the proof from a trace: a
+    # model's loss independent, its square not a mean of per-example terms)
+    for c in checks.values():
+        assert c["proofs"] == {"loss": ["independent"] * 2,
+                               "loss ** 2": ["cross-example"] * 2}, c["proofs"]
     # (the scan stack's layers: served by the prototypes that enter its scan)
     scan = checks["scan L2"]["served"]
     assert scan["prototype"] == scan["intercept-cached"] != [] == scan["intercept"]
