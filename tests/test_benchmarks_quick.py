@@ -331,3 +331,4 @@ def test_one_trace_quick(tmp_path):
     for r in rows:
         if r["method"] != "grad":
             assert 0 < r["lower_cpu_x_grad"] < 100 and 0 < r["lower_thread_x_grad"] < 100
+            assert 0 < r["trace_thread_x_grad"] < 100
