@@ -190,3 +190,20 @@ def test_shard_map_parameter_cast_to_varying_inside_scan():
         np.testing.assert_allclose(out["mean"][k], v.mean(0), rtol=2e-5, atol=1e-7, err_msg=k)
         np.testing.assert_allclose(out["sq"][k], np.sum(v.reshape(B, -1) ** 2, 1), rtol=2e-5,
                                    err_msg=k)
+
+
+def test_feature_blocks_is_typed_and_a_misspelt_one_named():
+    """`Reduction.feature_blocks` is read as a `FeatureBlocks` (the strings of the
+    documented protocol, ``"place"`` / ``"add"``, still work); any other value is refused
+    naming the class and the choices, not read as one of them."""
+    from jaxpr_surgery._src import stats as S
+
+    @dataclasses.dataclass(frozen=True)
+    class Misspelt(MaxAbs):
+        feature_blocks: ClassVar[str] = "Place"
+
+    assert S.feature_blocks_of(MaxAbs()) is S.FeatureBlocks.PLACE
+    assert S.feature_blocks_of(S.SqNorms()) is S.FeatureBlocks.ADD
+    assert S.feature_blocks_of(ExampleMaxAbs()) is None
+    with pytest.raises(ValueError, match=r"Misspelt.feature_blocks is 'Place': give 'place'"):
+        S.feature_blocks_of(Misspelt())

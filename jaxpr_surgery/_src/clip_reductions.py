@@ -33,7 +33,7 @@ class KeptExamples(Reduction):
 
     per_example: ClassVar[bool] = True
     carries: ClassVar[bool] = False
-    feature_blocks: ClassVar[str | None] = None  # whole examples (leading B)
+    feature_blocks: ClassVar[None] = None  # whole examples (leading B)
 
     def aval(self, shape, dtype, B):
         return jax.ShapeDtypeStruct((B,) + tuple(shape), dtype)
@@ -121,7 +121,7 @@ class ClippedSum(ElementwiseReduction):
     nonfinite: str = "drop"
     weighted_by_norm: ClassVar[bool] = True
     carries: ClassVar[bool] = False
-    feature_blocks: ClassVar[str | None] = None
+    feature_blocks: ClassVar[None] = None
 
     @property
     def drops_nonfinite(self):

@@ -14,12 +14,38 @@ accumulator takes a block's values through `put`.
 from __future__ import annotations
 
 import contextlib
+import enum
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
 
 from jaxpr_surgery._src import compat
+
+
+class FeatureBlocks(str, enum.Enum):
+    """How the values of blocks of features of one example's gradient combine, where a
+    tile loop cuts a large ``G`` into blocks (`Reduction.feature_blocks`; a reduction may
+    give the plain strings, which `feature_blocks_of` reads)."""
+
+    PLACE = "place"  # elementwise over the gradient's shape: a block's value to its place
+    ADD = "add"  # per-example values that add over the blocks (squared norms)
+
+
+def feature_blocks_of(r):
+    """``r.feature_blocks`` as a `FeatureBlocks` (None: never cut), raising a clear error
+    for a value that is neither."""
+    v = r.feature_blocks
+    if v is None:
+        return None
+    try:
+        return FeatureBlocks(v)
+    except ValueError:
+        raise ValueError(
+            f"{type(r).__name__}.feature_blocks is {v!r}: give 'place' (elementwise "
+            "values, each block's to its place), 'add' (per-example values summed over "
+            "blocks) or None (never cut into blocks)."
+        ) from None
 
 
 class Strided(NamedTuple):

@@ -121,10 +121,10 @@ class Reduction(abc.ABC):
         chunks before it (`add_examples` with an accumulator) instead of merging their
         own value into it afterwards.
       feature_blocks: how the values of blocks of features of one example's gradient
-        combine, where a tile loop cuts a large ``G`` into blocks: ``"place"`` (the value
-        is elementwise over the gradient's shape: each block's value goes to its place),
-        ``"add"`` (per-example values that add over blocks, as squared norms), or None
-        (never cut).
+        combine, where a tile loop cuts a large ``G`` into blocks (a `cuts.FeatureBlocks`, or
+        its string): ``PLACE`` (the value is elementwise over the gradient's shape: each
+        block's value goes to its place), ``ADD`` (per-example values that add over
+        blocks, as squared norms), or None (never cut).
       shift_bounded: the running accumulator holds sums against a shift whose rounding
         the tile loop keeps within `MAX_SHIFT_AMPLIFICATION` by calling `recentre`.
       linear: the plain sum of the per-example gradients (kernels contract it).
@@ -142,7 +142,7 @@ class Reduction(abc.ABC):
 
     per_example: ClassVar[bool] = False
     carries: ClassVar[bool] = True
-    feature_blocks: ClassVar[str | None] = None
+    feature_blocks: ClassVar[cuts.FeatureBlocks | str | None] = None
     shift_bounded: ClassVar[bool] = False
     linear: ClassVar[bool] = False
     weighted_by_norm: ClassVar[bool] = False
@@ -364,7 +364,7 @@ class ElementwiseReduction(Reduction):
     """A reduction whose value is elementwise over the gradient's shape (an array, or a
     tuple of arrays, shaped like the leaf): sums of a function, centred moments."""
 
-    feature_blocks = "place"
+    feature_blocks = cuts.FeatureBlocks.PLACE
 
     def aval(self, shape, dtype, B):
         return SDS(tuple(shape), dtype)
@@ -683,7 +683,7 @@ class ExampleNorms(Reduction):
 class SqNorms(ExampleNorms):
     """Per-example squared norm ``||g_b||^2`` of each leaf, an array ``[B]``."""
 
-    feature_blocks: ClassVar[str | None] = "add"
+    feature_blocks: ClassVar[cuts.FeatureBlocks | None] = cuts.FeatureBlocks.ADD
 
     def from_examples(self, G):
         return jnp.sum(jnp.square(G), axis=tuple(range(1, G.ndim)))

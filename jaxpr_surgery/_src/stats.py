@@ -26,6 +26,7 @@ from jaxpr_surgery._src.clip_reductions import (  # noqa: F401 - the protocol's 
     is_norms,
     nonfinite_examples,
 )
+from jaxpr_surgery._src.cuts import FeatureBlocks, feature_blocks_of  # noqa: F401
 from jaxpr_surgery._src.fn_equality import (  # noqa: F401 - the protocol's names, re-exported
     equal_as_bool,
     function_name,

@@ -428,7 +428,7 @@ def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0, comb
     axis, fs, make_f = features
     n = shape[axis]
     fs = int(max(1, min(fs, n)))
-    adds = [r.feature_blocks == "add" for r in reductions]
+    adds = [S.feature_blocks_of(r) is S.FeatureBlocks.ADD for r in reductions]
     carried = any(i is not None for i in inits)
     taken = [combine is not None and combine.takes(r) for r in reductions]
     over = combine.parts(axis) if combine is not None else 1  # (devices the axis spans)
