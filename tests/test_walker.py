@@ -248,3 +248,27 @@ def test_sites_sit_at_the_walkers_paths(monkeypatch, dtype):
     assert an.sites and any(len(p) >= 3 for p in an.sites)  # scan > checkpoint > jit
     for p, site in an.sites.items():
         assert rec.at[p] is site.eqn, p
+
+
+def test_every_walker_keeps_runs_signature():
+    """`walker.Walker.run(jaxpr, ins, path, *ctx, consts=)` means the same in every pass
+    (one may add keyword arguments): the evaluator's and the proof's entry points, which
+    take other arguments, are named otherwise (`Evaluator.evaluate`, `_Interp.tags_of`);
+    they shadowed `run` with other parameters (the walkers' leftover of issue 60)."""
+    import inspect
+
+    import jaxpr_surgery._src.analysis  # noqa: F401 - every pass, imported
+    import jaxpr_surgery._src.explicit  # noqa: F401
+    import jaxpr_surgery._src.independence  # noqa: F401
+    import jaxpr_surgery._src.interpreter  # noqa: F401
+    from jaxpr_surgery._src import walker
+
+    def subclasses(c):
+        for s in c.__subclasses__():
+            yield s
+            yield from subclasses(s)
+
+    passes = sorted({c for c in subclasses(walker.Walker)}, key=lambda c: c.__qualname__)
+    assert {c.__name__ for c in passes} >= {"_Analyzer", "Evaluator", "_Interp", "_Numbering"}
+    for cls in passes:
+        inspect.signature(cls.run).bind(None, "jaxpr", [], (), consts=None)

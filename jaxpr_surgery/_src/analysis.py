@@ -144,12 +144,12 @@ class _Analyzer(walker.Walker):
         return self.to_boundary(tag, where)
 
     # -- main walk (`walker.Walker`: jit / remat / scan entered by the hooks in ENTER) -- #
-    def run(self, jaxpr, in_tags, path=(), scan_lengths=()):
+    def run(self, jaxpr, in_tags, path=(), scan_lengths=(), consts=None):
         """The tags of ``jaxpr``'s outputs; ``scan_lengths``: the lengths of the scans
         enclosing it."""
         for v in (*jaxpr.invars, *jaxpr.constvars):
             self.scope_of[v] = path
-        return super().run(jaxpr, in_tags, path, scan_lengths)
+        return super().run(jaxpr, in_tags, path, scan_lengths, consts=consts)
 
     def step(self, eqn, tags, path, scan_lengths):
         self.primitives.add(eqn.primitive)

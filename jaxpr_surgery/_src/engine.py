@@ -156,7 +156,7 @@ class _Chunk:
             flags = [i in copies for i in range(n)]
             vals += list(self.ex) + list(self.other)
             flags += [True] * len(self.ex) + [False] * len(self.other)
-            outs, ofl = ev.run(plan.closed.jaxpr, plan.closed.consts, vals, flags, sinks)
+            outs, ofl = ev.evaluate(plan.closed.jaxpr, plan.closed.consts, vals, flags, sinks)
             outs = [o if f else jnp.broadcast_to(o, (B,) + jnp.shape(o))
                     for o, f in zip(outs, ofl)]
             return jnp.sum(outs[0]), (outs[0], outs[1:])

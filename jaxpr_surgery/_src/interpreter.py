@@ -172,7 +172,7 @@ class Evaluator(walker.Walker):
         self.consts = set()
         self._holds = {}  # `_holds_map_alone`'s answers by jaxpr
 
-    def run(self, jaxpr, consts, vals, flags, sinks, path=(), outer=()):
+    def evaluate(self, jaxpr, consts, vals, flags, sinks, path=(), outer=()):
         """``outer``: ``(var, (value, batched))`` of the enclosing scopes that sites in
         this one read (`analysis_types.Analysis.forwards`)."""
         env = dict(outer)
@@ -551,7 +551,7 @@ class Evaluator(walker.Walker):
         return [(v, env[v]) for v in self.an.forwards.get(p, ())]
 
     def call(self, eqn, view, ins, p, env, sinks):
-        outs, ofl = self.run(view.jaxpr, view.consts, [a for a, _ in ins], [b for _, b in ins],
+        outs, ofl = self.evaluate(view.jaxpr, view.consts, [a for a, _ in ins], [b for _, b in ins],
                              sinks, p, self._outer(p, env))
         return list(zip(outs, ofl))
 
@@ -566,7 +566,7 @@ class Evaluator(walker.Walker):
 
         def f(vals, sub_sinks, outer_vals):
             inner = [(v, (x, fl)) for v, x, fl in zip(outer_vars, outer_vals, outer_flags)]
-            outs, ofl = self.run(prm.jaxpr, (), vals, flags, sub_sinks, p, inner)
+            outs, ofl = self.evaluate(prm.jaxpr, (), vals, flags, sub_sinks, p, inner)
             out_flags[:] = ofl
             return outs
 
@@ -593,7 +593,7 @@ class Evaluator(walker.Walker):
 
         def step(carry, x):
             x_vals, s = x
-            outs, ofl = self.run(
+            outs, ofl = self.evaluate(
                 prm.jaxpr,
                 prm.consts,
                 list(consts) + list(carry) + list(x_vals),

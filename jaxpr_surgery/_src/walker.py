@@ -302,7 +302,9 @@ class Walker(abc.ABC):
     lengths; the interpreter: the run's environment and sinks), passed through as given.
     A pass overrides `step` to look at every equation first, `read` for what a literal
     holds, `walk` to evaluate several equations at once (the interpreter's runs of
-    ordinary equations)."""
+    ordinary equations). `run` keeps its signature in every walker (a pass may add
+    keyword arguments); one whose entry takes other arguments names it otherwise
+    (`interpreter.Evaluator.evaluate`, the proof's `_Interp.tags_of`)."""
 
     #: `Nest` -> hook; a kind absent is an ordinary equation to this walker
     ENTER: ClassVar[dict] = {}

@@ -189,7 +189,7 @@ def verdict(prep, data_axes=frozenset()) -> Verdict:
         lined = {a: src for a, n in enumerate(np.shape(c)) if n == prep.B}
         if lined:
             it.lined[v] = lined
-    (out,) = it.run(closed.jaxpr, tags)[:1]
+    (out,) = it.tags_of(closed.jaxpr, tags)[:1]
     if isinstance(out, One):  # the loss of one example taken out of the batch
         weights = np.zeros(prep.B)
         weights[out.example] = 1.0

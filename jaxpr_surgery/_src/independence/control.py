@@ -370,7 +370,7 @@ def _enter_run(it, eqn, jaxpr, tags):
     """``jaxpr`` (the body of a call-like ``eqn``) run on ``tags``; the values lined up
     with the batch (`Lined`) pass in and out."""
     it.enter(eqn.invars, jaxpr.invars)
-    outs = it.run(jaxpr, tags, outer=dict(zip(jaxpr.invars, eqn.invars)), call=eqn)
+    outs = it.tags_of(jaxpr, tags, outer=dict(zip(jaxpr.invars, eqn.invars)), call=eqn)
     it.enter(jaxpr.outvars, eqn.outvars)
     return outs
 
@@ -422,7 +422,7 @@ def _shard_map(it, eqn, view, tags, path):
                                  "mesh axes as axis_name instead, with fn the loss of each "
                                  "device's examples")] * n
     _pass_lined(it, eqn.invars, view.jaxpr.invars, view.in_specs)
-    outs = it.run(view.jaxpr, tags)
+    outs = it.tags_of(view.jaxpr, tags)
     _pass_lined(it, view.jaxpr.outvars, eqn.outvars, view.out_specs)
     for k, (t, spec) in enumerate(zip(outs, view.out_specs)):
         if isinstance(t, Ex) and _split_axes(spec, t.axis):
@@ -511,7 +511,7 @@ def _while(it, eqn, wp, tags, path):
     carry, _ = it.fixpoint(eqn, wp.body, tags[cn : cn + bn], tags[cn + bn :], [],
                            outer=dict(zip(wp.body.invars[:bn], eqn.invars[cn : cn + bn])))
     seen = {}
-    (pred,) = it.run(wp.cond, list(tags[:cn]) + carry, seen,
+    (pred,) = it.tags_of(wp.cond, list(tags[:cn]) + carry, seen,
                      outer=dict(zip(wp.cond.invars[:cn], eqn.invars[:cn])))
     if pred is None:
         return carry
@@ -606,9 +606,11 @@ class _Numbering(walker.Walker):
             env[v] = self.intern(("free", id(v)))
         return env[v]
 
-    def run(self, jaxpr, in_keys, path=()):
+    def run(self, jaxpr, in_keys, path=(), *ctx, consts=None):
         env = self.envs[id(jaxpr)] = dict(zip(jaxpr.invars, in_keys))
-        self.walk(jaxpr, env, path, 0, len(jaxpr.eqns))
+        if consts is not None:
+            env.update(zip(jaxpr.constvars, consts))
+        self.walk(jaxpr, env, path, 0, len(jaxpr.eqns), *ctx)
         return [self.read(env, v) for v in jaxpr.outvars]
 
     def call(self, eqn, view, ins, path):
@@ -663,7 +665,7 @@ def _cond(it, eqn, branches, tags, path):
     outs = None
     for br in branches.jaxprs:
         it.enter(eqn.invars[1:], br.invars)
-        o = it.run(br, ops, outer=dict(zip(br.invars, eqn.invars[1:])))
+        o = it.tags_of(br, ops, outer=dict(zip(br.invars, eqn.invars[1:])))
         outs = o if outs is None else [it.join(eqn, a, b) for a, b in zip(outs, o)]
     if idx is None:
         return outs

@@ -101,7 +101,7 @@ class _Interp(walker.Walker):
         """Whether ``prim`` acts element by element (its rule, or jax's batching)."""
         return _RULES.get(prim) is _elementwise or _is_elementwise(prim)
 
-    def run(self, jaxpr, in_tags, env=None, outer=None, call=None):
+    def tags_of(self, jaxpr, in_tags, env=None, outer=None, call=None):
         """The tags of ``jaxpr``'s outputs; ``env`` (a dict) receives every variable's.
         ``outer``: the enclosing jaxpr's atoms bound to (some of) ``jaxpr``'s inputs;
         ``call``: the enclosing call-like equation whose body ``jaxpr`` is."""
@@ -578,7 +578,7 @@ class _Interp(walker.Walker):
     def fixpoint(self, eqn, body, consts, carry, xs, level=None, outer=None):
         carry = list(carry)
         for _ in range(_MAX_ROUNDS):
-            outs = self.run(body, list(consts) + carry + list(xs), outer=outer)
+            outs = self.tags_of(body, list(consts) + carry + list(xs), outer=outer)
             new = [self.join(eqn, c, o, level) for c, o in zip(carry, outs)]
             if new == carry:
                 return carry, outs[len(carry) :]
@@ -604,7 +604,7 @@ class _Interp(walker.Walker):
         body = walker.body(eqn)  # a call, checkpoint or custom_vjp / custom_jvp call
         if body is not None:
             self.enter(eqn.invars, body.invars)
-            self.run(body, [None] * len(body.invars), outer=dict(zip(body.invars, eqn.invars)),
+            self.tags_of(body, [None] * len(body.invars), outer=dict(zip(body.invars, eqn.invars)),
                      call=eqn)
             self.enter(body.outvars, eqn.outvars)
             return
