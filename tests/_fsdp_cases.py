@@ -240,7 +240,7 @@ def case_psum_scatter():
 def case_custom_vjp_gather(bwd_kind="transpose"):
     """A gather whose backward pass is written by hand (ZeRO-style): the transpose
     (``psum_scatter`` of the gradient: lifted as a gather), or one that is not
-    (scaled, cast to bfloat16 for the reduce-scatter, over another dimension: refused)."""
+    (scaled, cast to bfloat16 for the reduce-scatter, zero: refused)."""
     @jax.custom_vjp
     def gather(w):
         return jax.lax.all_gather(w, "fsdp", tiled=True)
@@ -251,6 +251,8 @@ def case_custom_vjp_gather(bwd_kind="transpose"):
     def bwd(_, ct):
         if bwd_kind == "scaled":
             return (2.0 * jax.lax.psum_scatter(ct, "fsdp", tiled=True),)
+        if bwd_kind == "zero":  # (the gradient dropped: a constant cotangent)
+            return (jnp.zeros(ct.shape[:0] + (ct.shape[0] // NDEV,) + ct.shape[1:], ct.dtype),)
         if bwd_kind == "bf16":
             return (jax.lax.psum_scatter(ct.astype(jnp.bfloat16), "fsdp", tiled=True)
                     .astype(ct.dtype),)
@@ -432,6 +434,7 @@ CASES = {
     "custom_vjp_gather": case_custom_vjp_gather,
     "custom_vjp_gather_scaled": lambda: case_custom_vjp_gather("scaled"),
     "custom_vjp_gather_bf16": lambda: case_custom_vjp_gather("bf16"),
+    "custom_vjp_gather_zero": lambda: case_custom_vjp_gather("zero"),
     "gather_model_axis": case_gather_model_axis,
     "tied_blocks_rows": case_tied_blocks,
     "tied_blocks_cols": lambda: case_tied_blocks(1),

@@ -56,6 +56,7 @@ EXPECT = {
     "custom_vjp_gather": "exact",
     "custom_vjp_gather_scaled": "all_gather",
     "custom_vjp_gather_bf16": "all_gather",
+    "custom_vjp_gather_zero": "all_gather",
 }
 LEAVES = {"psum_replicated": ["w1"], "ppermute": ["w1"], "all_to_all": ["w1"],
           "psum_scatter": ["w1"], "gather_and_use": ["w1"],

@@ -149,7 +149,7 @@ def _transposes(e, g):
         return False
     made = {o: q for q in jaxpr.eqns for o in q.outvars}
     v, scattered = jaxpr.outvars[0], False
-    while v in made:
+    while isinstance(v, compat.Var) and v in made:  # (a literal: a constant cotangent)
         q = made[v]
         if q.primitive is compat.reduce_scatter_p and not scattered:
             p, want = q.params, g.params
