@@ -551,8 +551,8 @@ class Evaluator(walker.Walker):
         return [(v, env[v]) for v in self.an.forwards.get(p, ())]
 
     def call(self, eqn, view, ins, p, env, sinks):
-        outs, ofl = self.evaluate(view.jaxpr, view.consts, [a for a, _ in ins], [b for _, b in ins],
-                             sinks, p, self._outer(p, env))
+        outs, ofl = self.evaluate(view.jaxpr, view.consts, [a for a, _ in ins],
+                                  [b for _, b in ins], sinks, p, self._outer(p, env))
         return list(zip(outs, ofl))
 
     def remat(self, eqn, prm, ins, p, env, sinks):

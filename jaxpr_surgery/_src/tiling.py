@@ -456,8 +456,7 @@ def _feature_blocks(features, B, reductions, tile, shape, dtype, inits, n0, comb
             [r.block(cut) for r in reductions], tile, shape=sub, dtype=dtype,
             carry=S.Carry([cut_init(i) for i in inits], n0) if carried else None,
         )
-        out = [combine(r, v, B) if t else v for r, v, t in zip(reductions, vals, taken)]
-        return out
+        return [combine(r, v, B) if t else v for r, v, t in zip(reductions, vals, taken)]
 
     def put(acc, vals, cut):
         return [

@@ -512,7 +512,7 @@ def _while(it, eqn, wp, tags, path):
                            outer=dict(zip(wp.body.invars[:bn], eqn.invars[cn : cn + bn])))
     seen = {}
     (pred,) = it.tags_of(wp.cond, list(tags[:cn]) + carry, seen,
-                     outer=dict(zip(wp.cond.invars[:cn], eqn.invars[:cn])))
+                         outer=dict(zip(wp.cond.invars[:cn], eqn.invars[:cn])))
     if pred is None:
         return carry
     if isinstance(pred, (Ex, Cur, One)):

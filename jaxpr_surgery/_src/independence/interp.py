@@ -604,8 +604,8 @@ class _Interp(walker.Walker):
         body = walker.body(eqn)  # a call, checkpoint or custom_vjp / custom_jvp call
         if body is not None:
             self.enter(eqn.invars, body.invars)
-            self.tags_of(body, [None] * len(body.invars), outer=dict(zip(body.invars, eqn.invars)),
-                     call=eqn)
+            self.tags_of(body, [None] * len(body.invars),
+                         outer=dict(zip(body.invars, eqn.invars)), call=eqn)
             self.enter(body.outvars, eqn.outvars)
             return
         ins = [None if _is_literal(v) else self.lined.get(v) for v in eqn.invars]
