@@ -419,6 +419,26 @@ def run_explicit_scan(name, L=4, d=64, T=8, B=16):
     return {"case": name, "errors": errors, "ratios": ratios}
 
 
+def run_memory_tied(name):
+    """Per-device temporary memory (``memory_analysis``) of E[g^2] and the kurtosis of a
+    one-layer scan stack with a tied table of 16384 rows (benchmarks.models.scan_remat)
+    on the 2-D mesh (benchmarks.shard_bench's ``2d`` setup: XLA's partitioner), over
+    jax.grad's."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import tempfile  # noqa: PLC0415
+
+    from benchmarks import models, shard_bench  # noqa: PLC0415
+
+    m = models.scan_remat(T=32, d=128, V=16384, layers=1, heads=4)
+    with tempfile.TemporaryDirectory() as t:
+        res = shard_bench.measure(m.loss, m.params, m.batch_spec(16), "2d",
+                                  {"second_moment": js.stats.second_moment(),
+                                   "kurtosis": js.stats.kurtosis()}, None,
+                                  os.path.join(t, "log"))
+    return {"case": name, **{f"temp_{s}": res[s]["temp_mib"] / res["grad"]["temp_mib"]
+                             for s in ("second_moment", "kurtosis")}}
+
+
 CASES = {
     "fsdp": lambda: run_case("fsdp", lm, "fsdp", None),
     "fsdp:3": lambda: run_case("fsdp:3", lambda: lm(L=1), "fsdp", 3, light=True),
@@ -440,6 +460,7 @@ CASES = {
     "batchnorm": lambda: run_refusal("batchnorm", lambda: batchnorm(B=8), "fsdp"),
     "explicit:fsdp": lambda: run_explicit("explicit:fsdp"),
     "explicit:scan": lambda: run_explicit_scan("explicit:scan"),
+    "memory:tied:2d": lambda: run_memory_tied("memory:tied:2d"),
     "comms:fsdp": lambda: run_comms(
         "comms:fsdp", lambda: lm(B=16, T=32, d=128, L=2, V=2048), "fsdp"),
 }

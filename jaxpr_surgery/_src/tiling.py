@@ -22,6 +22,7 @@ or within the budget (elsewhere) while every reduction reads it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import jax
@@ -509,7 +510,8 @@ _ANCHOR = [None]
 @contextlib.contextmanager
 def anchored(x):
     """While this runs, the tile and block loops' zero accumulators are made no earlier
-    than ``x`` (a site's cotangent, interpreter.py): XLA's CPU scheduler otherwise
+    than ``x`` (a site's cotangent, interpreter.py; or a list of arrays, every one of
+    them: a leaf's ingredients, leaves.py): XLA's CPU scheduler otherwise
     allocated every loop's zeros (their copies, one per loop) at the start of the program,
     holding every site's accumulators at once (the kurtosis: 5 per site; under FSDP
     1.5x grad's temporary memory)."""
@@ -531,16 +533,17 @@ def _late(acc):
     anchor = _ANCHOR[-1]
     if anchor is None:
         return acc
+    anchors = jax.tree.leaves(anchor)
     # (not an accumulator typed to vary over fewer mesh axes than the anchor: a gathered
     # leaf's shard, combined over the others, `_feature_blocks`; the barrier would type
     # it to vary over them all)
     leaves, tree = jax.tree.flatten(acc)
-    vma = compat.vma_of(anchor)
+    vma = frozenset().union(*map(compat.vma_of, anchors))
     late = [i for i, x in enumerate(leaves) if vma <= compat.vma_of(x)]
     if not late:
         return acc
-    some, anchor = jax.lax.optimization_barrier(([leaves[i] for i in late], anchor))
-    zero = zero_after(anchor)
+    some, anchors = jax.lax.optimization_barrier(([leaves[i] for i in late], anchors))
+    zero = functools.reduce(jnp.add, map(zero_after, anchors))
     if cuts.split_axis() is not None:
         zero = jax.lax.psum(zero, cuts.split_axis())
     vma = compat.vma_of(zero)
