@@ -49,6 +49,7 @@ from jaxpr_surgery._src.sites.base import (
 from jaxpr_surgery._src.sites.dense_layout import (
     FALLBACK_TILE_BYTES,
     HIGHEST,
+    FoldSide,
     Tokens,
     canon,
     canonical,
@@ -120,7 +121,7 @@ class DenseKernel(Kernel):
         c = self.c
         m = jnp.broadcast_to(m, tuple(self.site.view_shape))
         m = jnp.transpose(m, c.canon_w).reshape(c.K, c.C, c.F)
-        if self.fold_side == "dy":  # constant along C
+        if self.fold_side is FoldSide.DY:  # constant along C
             return Tokens(x, dy * m[:, 0, :][None, :, None, :])
         return Tokens(x * m[:, :, 0][None, :, None, :], dy)
 

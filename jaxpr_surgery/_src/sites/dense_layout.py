@@ -6,6 +6,7 @@ shares with its fast rules: groups of raw sums, the products, Gram matrices.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any, NamedTuple
 
@@ -23,10 +24,19 @@ def pow2_scale(a):
     return pow2(exponent(m), m.dtype)
 
 
+class FoldSide(enum.Enum):
+    """The factor of a dense site's per-example gradients ``x^T dy`` that takes its
+    weight's elementwise constant factors (`dense_fold_side`)."""
+
+    X = enum.auto()
+    DY = enum.auto()
+
+
 def dense_fold_side(eqn, pos, scales):
     """Where a dense site folds its view's elementwise constant factors (`pre_scales`):
-    "dy" when they vary along the weight's free (and dot batch) axes only, "x" along
-    its contracted (and dot batch) axes only, else None. No factors: "dy"."""
+    `FoldSide.DY` when they vary along the weight's free (and dot batch) axes only,
+    `FoldSide.X` along its contracted (and dot batch) axes only, else None. No factors:
+    `FoldSide.DY`."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     wc, wb = (lc, lb) if pos == 0 else (rc, rb)
     varying = set().union(*(a for _, _, a in scales)) if scales else set()
@@ -34,9 +44,9 @@ def dense_fold_side(eqn, pos, scales):
     rank = len(eqn.invars[pos].aval.shape)
     wf = set(range(rank)) - wc - wb
     if varying <= wf | wb:
-        return "dy"
+        return FoldSide.DY
     if varying <= wc | wb:
-        return "x"
+        return FoldSide.X
     return None
 
 
