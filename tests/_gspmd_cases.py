@@ -108,6 +108,66 @@ def batchnorm(B=16, d=8, seed=0):
     return loss, p, batch
 
 
+def heads(B=16, T=8, d=32, H=4, V=64, seed=0):
+    """Attention as Flax and Equinox write it: separate query, key, value and output
+    weights with a heads axis (``[d, H, k]``, ``[H, k, d]``), one normalised input
+    for three projections, uint8 token ids, an untied head."""
+    r = np.random.default_rng(seed)
+    n = lambda *s: jnp.asarray(r.normal(size=s) * 0.3)  # noqa: E731
+    k = d // H
+    p = {"emb": n(V, d), "wq": n(d, H, k), "wk": n(d, H, k), "wv": n(d, H, k),
+         "wo": n(H, k, d), "ln_g": 1 + n(d), "ln_b": n(d), "head": n(d, V)}
+    batch = {"tok": jnp.asarray(r.integers(0, V, (B, T)), jnp.uint8),
+             "tgt": jnp.asarray(r.integers(0, V, (B, T)))}
+
+    def loss(p, b):
+        x = p["emb"][b["tok"]]
+        m = x.mean(-1, keepdims=True)
+        v = ((x - m) ** 2).mean(-1, keepdims=True)
+        h = (x - m) * jax.lax.rsqrt(v + 1e-5) * p["ln_g"] + p["ln_b"]
+        q, kk, vv = (jnp.einsum("btd,dhk->bthk", h, p[w]) for w in ("wq", "wk", "wv"))
+        a = jax.nn.softmax(jnp.einsum("bthk,bshk->bhts", q, kk) / np.sqrt(k), -1)
+        x = x + jnp.einsum("bhts,bshk,hkd->btd", a, vv, p["wo"])
+        lp = jax.nn.log_softmax(x @ p["head"])
+        return -jnp.mean(jnp.take_along_axis(lp, b["tgt"][..., None], -1))
+
+    return loss, p, batch
+
+
+def cnn(B=16, seed=0):
+    """Two convolutions (SAME and VALID, NHWC) with a bias, and a dense head."""
+    r = np.random.default_rng(seed)
+    n = lambda *s: jnp.asarray(r.normal(size=s) * 0.3)  # noqa: E731
+    p = {"k1": n(3, 3, 2, 8), "b1": n(8), "k2": n(3, 3, 8, 8), "fc": n(8 * 6 * 6, 4)}
+    batch = {"x": jnp.asarray(r.normal(size=(B, 8, 8, 2))),
+             "y": jnp.asarray(r.integers(0, 4, (B,)))}
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def loss(p, b):
+        h = jax.lax.conv_general_dilated(b["x"], p["k1"], (1, 1), "SAME", dimension_numbers=dn)
+        h = jax.lax.conv_general_dilated(jax.nn.relu(h + p["b1"]), p["k2"], (1, 1), "VALID",
+                                         dimension_numbers=dn)
+        lp = jax.nn.log_softmax(jnp.tanh(h).reshape(h.shape[0], -1) @ p["fc"])
+        return -jnp.mean(jnp.take_along_axis(lp, b["y"][:, None], -1))
+
+    return loss, p, batch
+
+
+def twice(B=16, d=16, seed=0):
+    """One weight used by two layers in a row (its per-example gradient the sum of two
+    sites'), over a token axis."""
+    r = np.random.default_rng(seed)
+    p = {"w2d": jnp.asarray(r.normal(size=(d, d)) / np.sqrt(d)),
+         "readout": jnp.asarray(r.normal(size=(d, 2)))}
+    batch = {"x": jnp.asarray(r.normal(size=(B, 4, d))), "y": jnp.asarray(r.normal(size=(B, 2)))}
+
+    def loss(p, b):
+        h = jnp.tanh(jnp.tanh(b["x"] @ p["w2d"]) @ p["w2d"])
+        return jnp.mean((h.mean(1) @ p["readout"] - b["y"]) ** 2)
+
+    return loss, p, batch
+
+
 # --------------------------------------------------------------------------- #
 # Shardings
 # --------------------------------------------------------------------------- #
@@ -124,10 +184,12 @@ def specs(setup, params):
 
     def tp(path, x, axis="model"):
         name = str(path[-1].key) if hasattr(path[-1], "key") else ""
-        if name in ("qkv", "fc"):
+        if name in ("qkv", "fc", "wq", "wk", "wv", "head", "w2d"):
             return P(None, axis)
-        if name in ("proj", "out", "emb"):
-            return P(axis, None)
+        if name in ("proj", "out", "emb", "wo", "b1"):
+            return P(axis)
+        if name in ("k1", "k2"):  # convolution kernels [h, w, in, out]: by output channels
+            return P(None, None, None, axis)
         if name == "w":  # a scan stack [L, d, d]: its output features
             return P(None, None, axis)
         return P()
@@ -145,10 +207,11 @@ MESHES = {"fsdp": ((2, 4), ("data", "fsdp")), "tp": ((2, 4), ("data", "model")),
           "2d": ((4, 2), ("fsdp", "model"))}
 
 
-def place(setup, params, batch):
+def place(setup, params, batch, batch_spec=None):
     shape, names = MESHES[setup]
     mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2)
     ps, bs = specs(setup, params)
+    bs = bs if batch_spec is None else batch_spec
     ns = lambda s: NamedSharding(mesh, s)  # noqa: E731
     pshard = jax.tree.map(ns, ps, is_leaf=lambda s: isinstance(s, P))
     return (jax.device_put(params, pshard), jax.device_put(batch, ns(bs)), pshard, ns(bs))
@@ -225,7 +288,8 @@ def error(got, want, stat, N):
 LIGHT = ("sign_mean", "norms_per_leaf")
 
 
-def run_case(name, model, setup, chunk, weights=False, light=False, budget=None):
+def run_case(name, model, setup, chunk, weights=False, light=False, budget=None,
+             batch_spec=None):
     loss, params, batch = model()
     G, tree = per_example_grads(loss, params, batch)
     N = G[0].shape[0]
@@ -234,7 +298,7 @@ def run_case(name, model, setup, chunk, weights=False, light=False, budget=None)
         w = np.random.default_rng(3).integers(0, 3, N).astype(np.float64)
         w[0] = 0.0
     want = oracle(G, tree, w)
-    p, b, pshard, bshard = place(setup, params, batch)
+    p, b, pshard, bshard = place(setup, params, batch, batch_spec)
     kw = {} if w is None else {"example_weights": jax.device_put(jnp.asarray(w), bshard)}
     opts = {"chunk_size": chunk, "memory_budget_bytes": budget}
     errs = {}
@@ -439,6 +503,52 @@ def run_memory_tied(name):
                              for s in ("second_moment", "kurtosis")}}
 
 
+def run_explicit_tp(name, B=6, T=8, d=32, V=64):
+    """Tensor parallelism written for sharding in types: the lookup and the matmuls
+    annotated with ``out_sharding=`` (the hidden layer over 'model'), an elementwise gain;
+    six examples on the (2, 4) mesh's 'data', in chunks of 3 with example weights. Every
+    statistic against the oracle of the unannotated twin, and the mean typed like
+    jax.grad's gradients."""
+    rng = np.random.default_rng(9)
+    params = {"emb": jnp.asarray(rng.normal(size=(V, d)) * 0.3),
+              "w1": jnp.asarray(rng.normal(size=(d, 4 * d)) / np.sqrt(d)),
+              "w2": jnp.asarray(rng.normal(size=(4 * d, d)) / np.sqrt(4 * d)),
+              "g": jnp.asarray(1 + 0.1 * rng.normal(size=(d,)))}
+    batch = {"tok": jnp.asarray(rng.integers(0, V, (B, T))),
+             "y": jnp.asarray(rng.normal(size=(B, T, d)))}
+
+    def typed(p, b):
+        x = p["emb"].at[b["tok"]].get(out_sharding=P("data", None, None)) * p["g"]
+        h = jnp.tanh(jnp.matmul(x, p["w1"], out_sharding=P("data", None, "model")))
+        return jnp.mean((jnp.matmul(h, p["w2"], out_sharding=P("data", None, None))
+                         - b["y"]) ** 2)
+
+    def plain(p, b):
+        x = p["emb"][b["tok"]] * p["g"]
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+    w = np.resize(np.asarray([0.0, 1.0, 2.0, 1.0, 3.0, 1.0]), B)  # (one example removed)
+    mesh = jax.make_mesh((2, 4), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    specs = {"emb": P(), "w1": P(None, "model"), "w2": P("model", None), "g": P()}
+    pshard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                          is_leaf=lambda s: isinstance(s, P))
+    bshard = NamedSharding(mesh, P("data"))
+    todo = {k: mk for k, mk in STATS.items() if k != "kurtosis"}
+    with jax.set_mesh(mesh):
+        p, b = jax.device_put(params, pshard), jax.device_put(batch, bshard)
+        ew = jax.device_put(jnp.asarray(w), bshard)
+        got = jax.jit(js.per_example_stat(typed, {k: mk() for k, mk in todo.items()},
+                                          chunk_size=3))(p, b, example_weights=ew)
+        g = jax.jit(jax.grad(typed))(p, b)
+    want = oracle(*per_example_grads(plain, params, batch), w)
+    errors = {k: error(got[k], want[k], k, B) for k in todo}
+    errors["mean_typed"] = 0.0 if all(
+        x.sharding.spec == y.sharding.spec
+        for x, y in zip(jax.tree.leaves(got["mean"]), jax.tree.leaves(g))) else 1.0
+    return {"case": name, "errors": errors}
+
+
 CASES = {
     "fsdp": lambda: run_case("fsdp", lm, "fsdp", None),
     "fsdp:3": lambda: run_case("fsdp:3", lambda: lm(L=1), "fsdp", 3, light=True),
@@ -460,7 +570,20 @@ CASES = {
     "batchnorm": lambda: run_refusal("batchnorm", lambda: batchnorm(B=8), "fsdp"),
     "explicit:fsdp": lambda: run_explicit("explicit:fsdp"),
     "explicit:scan": lambda: run_explicit_scan("explicit:scan"),
+    "explicit:tp": lambda: run_explicit_tp("explicit:tp"),
     "memory:tied:2d": lambda: run_memory_tied("memory:tied:2d"),
+    # (models written by others' conventions: heads axes, convolutions, a weight used
+    # twice; odd batches)
+    "heads:tp": lambda: run_case("heads:tp", heads, "tp", None, light=True),
+    "heads:2d:B3": lambda: run_case("heads:2d:B3", lambda: heads(B=3), "2d", None,
+                                    batch_spec=P()),
+    "heads:fsdp:weights:3": lambda: run_case("heads:fsdp:weights:3", heads, "fsdp", 3,
+                                             weights=True),
+    "cnn:tp": lambda: run_case("cnn:tp", cnn, "tp", None),
+    "cnn:2d:auto": lambda: run_case("cnn:2d:auto", cnn, "2d", "auto"),
+    "twice:tp": lambda: run_case("twice:tp", twice, "tp", None),
+    "scan:layers:fsdp": lambda: run_case("scan:layers:fsdp", lambda: scan_mlp(d=8, L=16),
+                                         "fsdp", None),
     "comms:fsdp": lambda: run_comms(
         "comms:fsdp", lambda: lm(B=16, T=32, d=128, L=2, V=2048), "fsdp"),
 }
