@@ -1,0 +1,373 @@
+"""Random models built from the layers people write, checked against the oracle.
+
+`make_model(seed)` composes one to three blocks drawn from the ways models meet their
+parameters (dense layers written six ways, attention with a heads axis, layer norm,
+scale-shift, a weight used twice, a scan over stacked layers, an RNN scanning the tokens,
+``jax.checkpoint``, ``custom_vjp``, convolutions, mixture-of-experts gathers of weights,
+one-hot lookups, ``cond``, ``fori_loop``, gated units, ``vmap`` over weights, jitted
+layers, a weight used both densely and elementwise, a weight through a nonlinearity), an
+optional embedding (tied to the head or not), a head (squared error or cross-entropy) and
+an optional L2 penalty. `check(seed)` draws a batch size (1 to 5), a chunk size, a memory
+budget (tiny ones force tiles), example weights (zeros included), three statistics and
+whether the loss is written for one example (``keep_batch_dim=False``),
+and compares `per_example_stat` against ``vmap(grad)`` reduced by `zoo.oracle_from_grads`.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import zoo
+
+import jaxpr_surgery as js
+
+S = js.stats
+
+
+class _Builder:
+    def __init__(self, rng, T, dtype, widths):
+        self.r, self.T, self.dtype, self.widths = rng, T, dtype, widths
+        self.p = {}
+        self.np = np.random.default_rng(rng.randrange(1 << 30))
+
+    def param(self, *shape, scale=None):
+        name = f"p{len(self.p)}"
+        s = 1.0 / np.sqrt(shape[0]) if scale is None else scale
+        self.p[name] = jnp.asarray(self.np.normal(size=shape) * s, self.dtype)
+        return name
+
+
+def _dense(b, d):
+    d2 = b.r.choice(b.widths)
+    form = b.r.choice(["mm", "T", "einsum", "view", "slice", "scaled", "bias", "dot_general"])
+    if form == "mm":
+        w = b.param(d, d2)
+        return (lambda p, h: h @ p[w]), d2, form
+    if form == "T":
+        w = b.param(d2, d)
+        return (lambda p, h: h @ p[w].T), d2, form
+    if form == "einsum":
+        w = b.param(d, d2)
+        return (lambda p, h: jnp.einsum("io,...i->...o", p[w], h)), d2, form
+    if form == "view":  # stored [d, 2, d2], used as [d, 2 d2]
+        w = b.param(d, 2, d2)
+        return (lambda p, h: h @ p[w].reshape(d, 2 * d2)), 2 * d2, form
+    if form == "slice":
+        w = b.param(d, d2 + 2)
+        return (lambda p, h: h @ p[w][:, 1:d2 + 1]), d2, form
+    if form == "scaled":
+        w = b.param(d, d2)
+        return (lambda p, h: h @ (0.5 * p[w])), d2, form
+    if form == "dot_general":
+        w = b.param(d, d2)
+        return (lambda p, h: jax.lax.dot_general(
+            h, p[w], (((h.ndim - 1,), (0,)), ((), ())))), d2, form
+    w, bias = b.param(d, d2), b.param(d2, scale=0.1)
+    return (lambda p, h: h @ p[w] + p[bias]), d2, form
+
+
+def _custom_tanh_dense():
+    @jax.custom_vjp
+    def f(h, w):
+        return jnp.tanh(h @ w)
+
+    def fwd(h, w):
+        y = jnp.tanh(h @ w)
+        return y, (h, w, y)
+
+    def bwd(res, g):
+        h, w, y = res
+        dz = g * (1 - y * y)
+        return dz @ w.T, jnp.einsum("...i,...o->io", h, dz)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+KINDS = ("dense", "act", "layer_norm", "scale", "tied", "attention", "scan", "remat",
+         "custom_vjp", "conv", "residual", "moe", "mixed", "cond", "fori_loop", "glu",
+         "bias_only", "jit", "rnn", "vmap_weights", "one_hot", "nonlinear_weight")
+
+
+def _block(b, d, depth=0):
+    """``(f(params, h), width after, description)`` of one block on ``h [..., d]``."""
+    kind = b.r.choice(KINDS)
+    if kind in ("attention", "conv", "rnn") and not b.T or kind in ("scan", "remat") and depth:
+        kind = "dense"
+    if kind == "dense":
+        f, d2, form = _dense(b, d)
+        return f, d2, "dense:" + form
+    if kind == "act":
+        a = b.r.choice([jnp.tanh, jax.nn.gelu, jax.nn.sigmoid])
+        return (lambda p, h: a(h)), d, kind
+    if kind == "layer_norm":
+        g, bias = b.param(d, scale=1.0), b.param(d, scale=0.1)
+
+        def f(p, h):
+            m = h.mean(-1, keepdims=True)
+            v = ((h - m) ** 2).mean(-1, keepdims=True)
+            return (h - m) * jax.lax.rsqrt(v + 1e-5) * p[g] + p[bias]
+        return f, d, kind
+    if kind == "scale":
+        g = b.param(d, scale=1.0)
+        return (lambda p, h: h * p[g]), d, kind
+    if kind == "tied":
+        w = b.param(d, d)
+        return (lambda p, h: jnp.tanh(h @ p[w]) @ p[w]), d, kind
+    if kind == "attention":
+        H, k = 2, b.r.choice([2, 3])
+        q, kk, v, o = b.param(d, H, k), b.param(d, H, k), b.param(d, H, k), b.param(H, k, d)
+
+        def f(p, h):
+            Q = jnp.einsum("...td,dhk->...thk", h, p[q])
+            K = jnp.einsum("...td,dhk->...thk", h, p[kk])
+            V = jnp.einsum("...td,dhk->...thk", h, p[v])
+            a = jax.nn.softmax(jnp.einsum("...thk,...shk->...hts", Q, K), -1)
+            return h + jnp.einsum("...thk,hkd->...td", jnp.einsum("...hts,...shk->...thk", a, V),
+                                  p[o])
+        return f, d, kind
+    if kind == "scan":
+        L = b.r.choice([2, 3])
+        w, g = b.param(L, d, d, scale=1 / np.sqrt(d)), b.param(L, d, scale=1.0)
+
+        def f(p, h):
+            def body(c, wg):
+                return jnp.tanh(c @ wg[0]) * wg[1] + c, None
+            return jax.lax.scan(body, h, (p[w], p[g]))[0]
+        return f, d, kind
+    if kind == "remat":
+        f0, d2, desc = _block(b, d, depth + 1)
+        return jax.checkpoint(f0), d2, f"remat({desc})"
+    if kind == "custom_vjp":
+        w, op = b.param(d, d), _custom_tanh_dense()
+        return (lambda p, h: op(h, p[w])), d, kind
+    if kind == "conv":
+        kw = b.param(3, d, d, scale=1 / np.sqrt(3 * d))
+
+        def f(p, h):
+            lhs = h if h.ndim == 3 else h[None]
+            out = jax.lax.conv_general_dilated(lhs, p[kw], (1,), "SAME",
+                                               dimension_numbers=("NWC", "WIO", "NWC"))
+            return out if h.ndim == 3 else out[0]
+        return f, d, kind
+    if kind == "residual":
+        f0, d2, form = _dense(b, d)
+        if d2 != d:
+            return f0, d2, "dense:" + form
+        return (lambda p, h: h + f0(p, h)), d, f"residual({form})"
+    if kind == "moe":  # each token's expert weight gathered by a data-dependent id
+        E = 3
+        w = b.param(E, d, d)
+
+        def f(p, h):
+            gate = jnp.argmax(jnp.concatenate([h] * E, -1)[..., :E], -1)
+            return jnp.einsum("...i,...io->...o", h, p[w][gate])
+        return f, d, kind
+    if kind == "mixed":  # one weight read densely and elementwise
+        w = b.param(d, d)
+        return (lambda p, h: h @ p[w] + h * jnp.diag(p[w])), d, kind
+    if kind == "cond":
+        w = b.param(d, d)
+        return (lambda p, h: jax.lax.cond(h.shape[-1] > 0, lambda: h @ p[w], lambda: h)), d, kind
+    if kind == "fori_loop":
+        w = b.param(d, d)
+        return (lambda p, h: jax.lax.fori_loop(0, 2, lambda i, c: jnp.tanh(c @ p[w]), h)), d, kind
+    if kind == "glu":
+        w1, w2 = b.param(d, d), b.param(d, d)
+        return (lambda p, h: jax.nn.silu(h @ p[w1]) * (h @ p[w2])), d, kind
+    if kind == "bias_only":
+        bias = b.param(d, scale=0.3)
+        return (lambda p, h: jnp.tanh(h + p[bias])), d, kind
+    if kind == "jit":
+        f0, d2, form = _dense(b, d)
+        return jax.jit(f0), d2, f"jit({form})"
+    if kind == "rnn":  # the weight closed over by a scan over the tokens
+        w = b.param(d, d)
+
+        def f(p, h):
+            hT = jnp.moveaxis(h, -2, 0)
+
+            def body(c, x):
+                c = jnp.tanh(c @ p[w] + x)
+                return c, c
+            return jnp.moveaxis(jax.lax.scan(body, jnp.zeros_like(hT[0]), hT)[1], 0, -2)
+        return f, d, kind
+    if kind == "vmap_weights":
+        w = b.param(2, d, d)
+        return (lambda p, h: jax.vmap(lambda W: h @ W)(p[w]).sum(0)), d, kind
+    if kind == "one_hot":
+        w = b.param(7, d)
+
+        def f(p, h):
+            ids = (jnp.abs(h[..., 0]) * 5).astype(jnp.int32) % 7
+            return h + jax.nn.one_hot(ids, 7, dtype=h.dtype) @ p[w]
+        return f, d, kind
+    w = b.param(d, d)  # nonlinear_weight
+    return (lambda p, h: h @ jnp.tanh(p[w])), d, kind
+
+
+def make_model(seed, dtype=jnp.float64, widths=(3, 4, 5, 7)):
+    """``(loss, params, batch_of(B), description)`` of random model ``seed``; its layers'
+    widths drawn from ``widths`` (the first three: the input's)."""
+    r = random.Random(seed)
+    tokens = r.random() < 0.7
+    T = r.choice([3, 4]) if tokens else 0
+    d0, V = r.choice(widths[:3]), 11
+    b = _Builder(r, T, dtype, widths)
+    emb = tokens and r.random() < 0.5
+    desc = []
+    if emb:
+        E = b.param(V, d0, scale=1.0)
+        tied_head = r.random() < 0.5
+        desc.append("embedding")
+    fs, d = [], d0
+    for _ in range(r.choice([1, 2, 3])):
+        f, d, what = _block(b, d)
+        fs.append(f)
+        desc.append(what)
+    head = "tied_xent" if emb and tied_head else r.choice(["mse", "xent"])
+    if head == "mse":
+        wo = b.param(d, 1)
+    elif head == "xent":
+        wo = b.param(d, 5)
+    elif d != d0:
+        wh = b.param(d, d0)
+    l2 = r.random() < 0.15
+    desc += [head] + (["l2"] if l2 else [])
+    n_labels = V if head == "tied_xent" else 5
+
+    def loss(p, batch):
+        h = p[E][batch["ids"]] if emb else batch["x"]
+        for f in fs:
+            h = f(p, h)
+        if head == "mse":
+            terms = ((h @ p[wo])[..., 0] - batch["y"]) ** 2
+        else:
+            z = h @ p[wo] if head == "xent" else (h if d == d0 else h @ p[wh]) @ p[E].T
+            terms = -jnp.take_along_axis(jax.nn.log_softmax(z), batch["lab"][..., None], -1)[..., 0]
+        out = jnp.mean(terms)
+        return out + 1e-2 * jnp.sum(jnp.square(p["p0"])) if l2 else out
+
+    def batch_of(B):
+        g = np.random.default_rng(seed)
+        shape = (B, T) if tokens else (B,)
+        return {"x": jnp.asarray(g.normal(size=shape + (d0,)), dtype),
+                "ids": jnp.asarray(g.integers(0, V, shape), jnp.uint8),
+                "y": jnp.asarray(g.normal(size=shape), dtype),
+                "lab": jnp.asarray(g.integers(0, n_labels, shape))}
+
+    return loss, b.p, batch_of, desc
+
+
+_PLAIN = {"mean": S.mean, "sum": S.sum, "second_moment": S.second_moment,
+          "variance": S.variance, "sign_mean": S.sign_mean, "abs_mean": S.abs_mean,
+          "sq_norms": S.sq_norms, "norms": S.norms, "kurtosis": js.stats.kurtosis,
+          "fourth_moment": js.stats.fourth_moment, "snr": S.snr,
+          "gradient_noise_scale": S.gradient_noise_scale,
+          "gradient_diversity": js.stats.gradient_diversity}
+_WEIGHTED_ORACLE = {"mean", "sum", "second_moment", "variance", "sign_mean", "abs_mean",
+                    "fourth_moment", "kurtosis", "gradient_diversity", "clipped_mean",
+                    "clipped_sum", "sq_norms"}
+_NEEDS_TWO = {"variance", "kurtosis", "snr", "gradient_noise_scale"}
+_RATIOS = {"snr", "gradient_noise_scale", "gradient_diversity", "kurtosis"}
+
+
+def draw_call(seed):
+    """The call's options for model ``seed``: ``(B, chunk_size, budget, weights, request,
+    oracle keyword arguments per statistic)``."""
+    r = random.Random(seed * 7919 + 1)
+    B = r.choice([1, 2, 3, 5])
+    chunk = r.choice([None, None, 1, 2, 3, "auto"])
+    budget = r.choice([None, None, 64, 512])
+    names = r.sample([*_PLAIN, "clipped_mean", "clipped_sum", "sq_norms_per_leaf"], 3)
+    weights = None
+    if r.random() < 0.4:
+        weights = np.random.default_rng(seed + 5).choice([0.0, 0.5, 1.0, 2.0], size=B)
+        if weights.sum() <= 1.0:
+            weights[0] = 2.0
+    req, kws = {}, {}
+    for n in names:
+        if n in ("clipped_mean", "clipped_sum"):
+            clip = 0.05 * r.choice([0.1, 1.0, 10.0, 1000.0])
+            req[n] = getattr(S, n)(clip)
+            kws[n] = (n, {"clip_norm": clip})
+        elif n == "sq_norms_per_leaf":
+            req[n] = S.sq_norms(per_leaf=True)
+            kws[n] = ("sq_norms", {"per_leaf": True})
+        else:
+            req[n] = _PLAIN[n]()
+            kws[n] = (n, {})
+    keep = [n for n in req
+            if not (weights is not None and kws[n][0] not in _WEIGHTED_ORACLE)
+            and not (B == 1 and kws[n][0] in _NEEDS_TWO)
+            and not (weights is not None and kws[n] == ("sq_norms", {"per_leaf": True}))]
+    return B, chunk, budget, weights, {n: req[n] for n in keep}, {n: kws[n] for n in keep}
+
+
+def _at(tree, path):
+    return functools.reduce(lambda t, k: t[k.key] if hasattr(k, "key") else t[k.idx], path, tree)
+
+
+def per_example_grads(loss, p, batch):
+    """``vmap(grad)`` of the batch-of-one losses: the oracle's per-example gradients."""
+    return jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda t: t[None], ex))),
+                    (None, 0))(p, batch)
+
+
+def mismatches(got, g, kws, weights, f64=True):
+    """Where ``got`` (the call's values, keyed as ``kws``) differs from the oracle of the
+    per-example gradients ``g``: a list of strings, empty where every value agrees."""
+    B = jax.tree.leaves(g)[0].shape[0]
+    bad = []
+    for n, v in got.items():
+        name, okw = kws[n]
+        want = zoo.oracle_from_grads(g, name, weights=weights, **okw)
+        for path, a in jax.tree_util.tree_leaves_with_path(want):
+            a, bv = np.asarray(a, np.float64), np.asarray(_at(v, path) if path else v, np.float64)
+            if name in ("sign_mean", "kurtosis") and path:
+                # (a tie at a zero gradient may round either way; a kurtosis where the
+                # examples agree to rounding is the ratio of two roundings)
+                gl = np.asarray(_at(g, path), np.float64)
+                top = max(np.abs(gl).max(), 1e-300)
+                if name == "sign_mean":
+                    doubtful = np.abs(gl).min(0) < (1e-12 if f64 else 1e-5) * top
+                else:  # (over the examples the weights keep)
+                    w = np.ones(B) if weights is None else np.asarray(weights, np.float64)
+                    w = w.reshape((-1,) + (1,) * (gl.ndim - 1))
+                    c = gl - np.sum(w * gl, 0) / np.sum(w)
+                    doubtful = np.sum(w * c**2, 0) / np.sum(w) < (1e-20 if f64 else 1e-8) * top**2
+                a = np.where(doubtful, bv, a)
+            if not f64 and name in _RATIOS:
+                continue
+            fin = np.abs(a[np.isfinite(a)])
+            scale = float(fin.max()) if fin.size else 1.0
+            rtol, atol = (1e-7, 1e-10 * max(scale, 1.0)) if f64 else (2e-3, 2e-4 * scale)
+            if not np.allclose(bv, a, rtol=rtol, atol=atol, equal_nan=True):
+                err = np.nanmax(np.abs(bv - a))
+                bad.append(f"{n}{jax.tree_util.keystr(path)}: error {err:.3g} of {scale:.3g}")
+    return bad
+
+
+def check(seed, dtype=jnp.float64):
+    """Mismatches of random model ``seed`` against the oracle (`mismatches`), and the
+    model's description."""
+    loss, p, batch_of, desc = make_model(seed, dtype)
+    B, chunk, budget, weights, req, kws = draw_call(seed)
+    if not req:
+        return [], desc
+    batch = batch_of(B)
+    kw = {} if weights is None else {"example_weights": jnp.asarray(weights, dtype)}
+    one = random.Random(seed * 31 + 7).random() < 0.2  # written for one example
+    if one:
+        fn = js.per_example_stat(lambda p, ex: loss(p, jax.tree.map(lambda t: t[None], ex)), req,
+                                 keep_batch_dim=False, chunk_size=chunk,
+                                 memory_budget_bytes=budget)
+    else:
+        fn = js.per_example_stat(loss, req, chunk_size=chunk, memory_budget_bytes=budget)
+    got = jax.jit(fn)(p, batch, **kw)
+    bad = mismatches(got, per_example_grads(loss, p, batch), kws, weights, dtype == jnp.float64)
+    return bad, desc + (["keep_batch_dim=False"] if one else [])

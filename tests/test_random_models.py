@@ -1,0 +1,59 @@
+"""Random models against the oracle: many ways of meeting a parameter, crossed with batch
+sizes, chunks, tiny tile budgets, example weights and statistics (`_random_models`).
+
+A model is drawn from its seed, so a failure names a model that can be rebuilt and
+inspected (``_random_models.make_model(seed)``). Float64 at a tight tolerance; a few in
+float32 at a loose one (the ratios, kurtosis and noise scales left out there: their
+conditioning, not the package, sets float32's error); and some sharded on 8 devices by
+XLA's partitioner (`_random_sharded`, in a subprocess).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import _models as M
+import jax.numpy as jnp
+import pytest
+import zoo
+from _random_models import check
+
+pytestmark = pytest.mark.slow
+
+DEFAULT = range(0, 6)
+EXTENDED = range(6, 60)
+
+
+@pytest.mark.parametrize(
+    "seed", [*DEFAULT, *(pytest.param(s, marks=pytest.mark.extended) for s in EXTENDED)])
+def test_random_model_matches_oracle_float64(seed):
+    with zoo.x64():
+        bad, desc = check(seed, jnp.float64)
+    assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)
+
+
+@pytest.mark.parametrize(
+    "seed", [60, *(pytest.param(s, marks=pytest.mark.extended) for s in range(61, 72))])
+def test_random_model_matches_oracle_float32(seed):
+    bad, desc = check(seed, jnp.float32)
+    assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)
+
+
+SHARDED_DEFAULT = ("0", "1")
+SHARDED_EXTENDED = tuple(str(s) for s in range(2, 26))
+
+
+@functools.cache
+def _sharded(cases):
+    return M.run_cases("_random_sharded.py", cases, timeout=1500)
+
+
+@pytest.mark.parametrize(
+    "seed", [*SHARDED_DEFAULT,
+             *(pytest.param(s, marks=pytest.mark.extended) for s in SHARDED_EXTENDED)])
+def test_random_sharded_model_matches_oracle(seed):
+    """The same random models with their parameters and batch sharded by XLA's
+    partitioner on 8 devices (`_random_sharded`: in a subprocess)."""
+    r = _sharded(SHARDED_DEFAULT if seed in SHARDED_DEFAULT else SHARDED_EXTENDED)[seed]
+    assert "crash" not in r, r.get("crash")
+    assert not r["bad"], f"model {seed} ({', '.join(r['desc'])}): " + "; ".join(r["bad"])
