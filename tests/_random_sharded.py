@@ -63,7 +63,8 @@ def run(seed):
     if weights is not None:
         weights = np.resize(weights, B)
         weights[0] = 2.0
-    req = {k: v for k, v in req.items() if B > 1 or kws[k][0] not in R._NEEDS_TWO}
+    if not req:
+        return {"case": str(seed), "bad": [], "desc": desc}
     batch = batch_of(B)
     ps, bs = placement(seed, p, B, mesh)
     kw = {} if weights is None else {"example_weights": jnp.asarray(weights)}
