@@ -16,7 +16,7 @@ import _models as M
 import jax.numpy as jnp
 import pytest
 import zoo
-from _random_models import check
+from _random_models import check, check_shard_map
 
 pytestmark = pytest.mark.slow
 
@@ -57,3 +57,19 @@ def test_random_sharded_model_matches_oracle(seed):
     r = _sharded(SHARDED_DEFAULT if seed in SHARDED_DEFAULT else SHARDED_EXTENDED)[seed]
     assert "crash" not in r, r.get("crash")
     assert not r["bad"], f"model {seed} ({', '.join(r['desc'])}): " + "; ".join(r["bad"])
+
+
+# (1, 7, 16: raised a type error from jax before `api.replicated_leaves`)
+SHARD_MAP_DEFAULT = (1, 7, 16)
+
+
+@M.needs_devices
+@pytest.mark.parametrize(
+    "seed", [*SHARD_MAP_DEFAULT, *(pytest.param(s, marks=pytest.mark.extended)
+                                   for s in range(17, 47) if s not in SHARD_MAP_DEFAULT)])
+def test_random_model_under_shard_map(seed):
+    """The batch split over the devices by ``jax.shard_map`` with ``axis_name``
+    (`_random_models.check_shard_map`)."""
+    with zoo.x64():
+        bad, desc = check_shard_map(seed, M.NDEV)
+    assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)

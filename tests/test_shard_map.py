@@ -263,3 +263,93 @@ def test_parameter_gathered_over_a_model_axis_refused_clearly():
     with pytest.raises(NotImplementedError, match=r"\['w'\] go through all_gather over mesh "
                        r"axis 'model'.*not split on"):
         jax.jit(stat)(params, batch)
+
+
+def _replicated_leaf_loss(form):
+    """A loss whose replicated weight JAX casts to varying (shard_map's types) inside
+    something the package evaluates as it stands: a view of the weight (``tanh(W)``,
+    ``diag(W)``: the cast comes after the view), a ``fori_loop`` closing over it (the
+    cast inside the loop's body). `test_random_models.py` crosses more."""
+    jnp = jax.numpy
+
+    def loss(p, b):
+        x = b["x"]
+        if form == "through_tanh":
+            h = x @ jnp.tanh(p["w"])
+        elif form == "dense_and_diagonal":
+            h = x @ p["w"] + x * jnp.diag(p["w"])
+        else:  # a fori_loop closing over the weight
+            h = jax.lax.fori_loop(0, 2, lambda i, c: jnp.tanh(c @ p["w"]), x)
+        return jnp.mean((jnp.tanh(h) @ p["v"] - b["y"]) ** 2)
+
+    return loss
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+@pytest.mark.parametrize("form", ["through_tanh", "dense_and_diagonal", "fori_loop"])
+def test_replicated_leaf_cast_inside_the_loss_exact(form, chunk):
+    """Each device's per-example gradients of a replicated weight that JAX casts to
+    varying inside the loss (`api.replicated_leaves`): every statistic equals the oracle
+    of the whole batch. Before, each of these raised a type error from jax (a per-example
+    gradient summed over the devices by the cast's transpose, or a cast of a copy that
+    varied already)."""
+    loss = _replicated_leaf_loss(form)
+    rng = np.random.default_rng(3)
+    with zoo.x64():
+        params = {"w": jax.numpy.asarray(rng.normal(size=(4, 4)) * 0.5),
+                  "v": jax.numpy.asarray(rng.normal(size=(4,)))}
+        batch = {"x": jax.numpy.asarray(rng.normal(size=(2 * NDEV, 4))),
+                 "y": jax.numpy.asarray(rng.normal(size=(2 * NDEV,)))}
+        stats = {"mean": js.stats.mean(), "second_moment": js.stats.second_moment(),
+                 "variance": js.stats.variance(), "clipped_mean": js.stats.clipped_mean(0.2)}
+        fn = js.per_example_stat(loss, stats, axis_name="d", chunk_size=chunk)
+        mesh = _mesh(jax.sharding.AxisType.Auto)
+        out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))(
+            params, batch)
+        g = jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda t: t[None], ex))),
+                     (None, 0))(params, batch)
+    for k in stats:
+        kw = {"clip_norm": 0.2} if k == "clipped_mean" else {}
+        want = zoo.oracle_from_grads(g, k, **kw)
+        for leaf in ("w", "v"):
+            np.testing.assert_allclose(np.asarray(out[k][leaf]), want[leaf], rtol=1e-9,
+                                       atol=1e-12, err_msg=f"{form} {k} {leaf}")
+
+
+@pytest.mark.parametrize("names", [("mean",), ("mean", "clipped_sum"),
+                                   ("mean", "second_moment", "clipped_sum")])
+@pytest.mark.parametrize("per_device", [1, 2])
+def test_convolution_kernel_sums_under_shard_map_exact(per_device, names):
+    """A convolution's plain sum over the examples (the mean, where no other statistic
+    forms the per-example gradients) is the transpose of one convolution in its kernel,
+    typed inside shard_map as the data are: before, the kernel's type was invariant and
+    the transpose raised a type error from jax (each device's sum would have been summed
+    over the devices)."""
+    jnp = jax.numpy
+
+    def loss(p, b):
+        h = jax.lax.conv_general_dilated(b["x"], p["k"], (1,), "SAME",
+                                         dimension_numbers=("NWC", "WIO", "NWC"))
+        return jnp.mean((jnp.tanh(h) @ p["o"] - b["y"]) ** 2)
+
+    rng = np.random.default_rng(4)
+    with zoo.x64():
+        params = {"k": jnp.asarray(rng.normal(size=(3, 5, 5)) * 0.3),
+                  "o": jnp.asarray(rng.normal(size=(5,)))}
+        B = per_device * NDEV
+        batch = {"x": jnp.asarray(rng.normal(size=(B, 3, 5))),
+                 "y": jnp.asarray(rng.normal(size=(B, 3)))}
+        every = {"mean": js.stats.mean(), "second_moment": js.stats.second_moment(),
+                 "clipped_sum": js.stats.clipped_sum(0.05)}
+        stats = {k: every[k] for k in names}
+        fn = js.per_example_stat(loss, stats, axis_name="d")
+        mesh = _mesh(jax.sharding.AxisType.Auto)
+        out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))(
+            params, batch)
+        g = jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda t: t[None], ex))),
+                     (None, 0))(params, batch)
+    for k in stats:
+        want = zoo.oracle_from_grads(g, k, **({"clip_norm": 0.05} if k == "clipped_sum" else {}))
+        for leaf in ("k", "o"):
+            np.testing.assert_allclose(np.asarray(out[k][leaf]), want[leaf], rtol=1e-9,
+                                       atol=1e-12, err_msg=f"{k} {leaf}")

@@ -84,8 +84,9 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
             f"gradients) or None for the default ({tiling.DEFAULT_MEMORY_BUDGET_BYTES}), got "
             f"{mb!r}."
         )
+    varying = replicated_leaves(prep)
     try:
-        closed, out_tree = prep.trace()
+        closed, out_tree = prep.trace(varying=varying)
     except Exception:
         if check is not None:  # a cross-example loss can fail on one example (the top k
             try:  # of the batch's losses): say so rather than JAX's error
@@ -113,10 +114,23 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     with custom_ops.asked_once():  # (a rule's `where` asked once per equation)
         an, plan = _analysed(closed, in_tags, n, axes, prep, reductions, opts, out_tree,
                              lifted, name)
+    plan.varying_leaves = varying
     act = functools.cache(lambda: chunking.activation_bytes_of(
         closed.jaxpr, n, len(prep.ex_leaves), len(prep.other_leaves)))
     cs = chunk_for(opts.chunk_size, prep.B, act, reductions, plan.leaf_avals)
     return Front(closed, out_tree, an, plan.leaf_avals, plan, cs, act, lifted)
+
+
+def replicated_leaves(prep) -> frozenset:
+    """Inside typed shard_map, the leaves replicated over every axis the examples vary
+    over: they are traced, and evaluated, varying over those axes (`arguments.Prep.trace`,
+    `engine.run`), as each device's examples see them. Traced as given, JAX casts such a
+    leaf to varying where it meets the data, also inside a loop's, a branch's or a jitted
+    call's body, and a per-example gradient through that cast would be summed over the
+    devices; a leaf sharded over those axes (hand-written FSDP) keeps its own type."""
+    axes = prep.data_axes
+    return frozenset(i for i, x in enumerate(prep.diff_leaves)
+                     if axes and not compat.vma_of(x) & axes)
 
 
 def _analysed(closed, in_tags, n, axes, prep, reductions, opts, out_tree, lifted, name):

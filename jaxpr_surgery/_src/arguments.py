@@ -344,14 +344,20 @@ class Prepared:
 
         return pe
 
-    def trace(self, substitute=True):
+    def trace(self, substitute=True, varying=frozenset()):
         """Per-example jaxpr, traced under vmap over the real batch (keeps sharding/vma);
         with ``substitute``, calls of registered custom ops replaced by their references
-        (`custom_ops.substitute`)."""
+        (`custom_ops.substitute`). ``varying``: the differentiated leaves cast to vary
+        over `data_axes` before ``fn`` reads them (inside shard_map, leaves the engine
+        copies per example: their copies vary as the examples do, and a cast to varying
+        that JAX would put inside a loop's or a branch's body would fail on them)."""
         holder = {}
         pe = self.per_example_fn()
 
         def flat_pe(diff_leaves, ex_leaves, other_leaves):
+            if varying:
+                diff_leaves = [compat.make_varying(x, self.data_axes) if i in varying else x
+                               for i, x in enumerate(diff_leaves)]
             out = pe(diff_leaves, ex_leaves, other_leaves)
             flat, tree = jax.tree.flatten(out)
             holder["out_tree"] = tree

@@ -189,6 +189,11 @@ def run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry=None, we
 def _run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry, weights):
     if weights is not None:
         plan = dataclasses.replace(plan, weights=weights)
+    # (inside typed shard_map a leaf replicated over the examples' axes varies over them,
+    # as the jaxpr was traced (`api.replicated_leaves`): its per-example gradients are
+    # each device's own, never summed over the devices by the transpose of a cast)
+    diff_leaves = [compat.make_varying(x, data_axes) if i in plan.varying_leaves else x
+                   for i, x in enumerate(diff_leaves)]
     ch = _Chunk(list(diff_leaves), list(ex_leaves), list(other_leaves), B, data_axes)
     cache = fp.TraceCache()  # repeated layers are traced once (fingerprint.py)
     sinks, done = _init_sinks(plan, ch, cache, carry)

@@ -64,6 +64,9 @@ class Plan:
     # leaf -> how its site's direct values are combined across the devices inside the
     # backward pass (`combined_at_site`; a leaf gathered in shard_map: `gathers.AtSite`)
     at_site: dict = dataclasses.field(default_factory=dict)
+    # the leaves traced varying over the examples' axes inside typed shard_map
+    # (`api.replicated_leaves`): `engine.run` casts their values so too
+    varying_leaves: frozenset = frozenset()
 
     def with_consts(self, consts):
         """This plan with ``consts`` for its jaxpr's constants (the same values, passed

@@ -180,7 +180,11 @@ class PatchConvKernel(DenseKernel):
                 dimension_numbers=dn,
             )
 
-        w = jax.ShapeDtypeStruct(cc.ks + (cc.C // math.prod(cc.ks), cc.F), d.dtype)
+        # (typed inside shard_map as the data vary: the transpose of an invariant kernel
+        # would sum each device's gradient over the devices; a zero only for its type)
+        w = compat.make_varying(
+            jnp.zeros(cc.ks + (cc.C // math.prod(cc.ks), cc.F), d.dtype),
+            compat.vma_of(xs) | compat.vma_of(d))
         (g,) = jax.linear_transpose(conv, w)(d)
         return self.to_view(g.reshape(1, cc.C, cc.F))
 
