@@ -1,7 +1,8 @@
 """Random models (`_random_models`) with their parameters and batch sharded by XLA's
-partitioner on 8 CPU devices: a mesh of 8 x 1, 4 x 2, 2 x 4 or 1 x 8, each parameter
-split on up to two of its axes (where the mesh's axis divides it) or replicated, the
-batch split over one axis or replicated; against the oracle on one device.
+partitioner on 8 CPU devices: a mesh of 8 x 1, 4 x 2, 2 x 4 or 1 x 8 (Auto or Explicit
+axes), each parameter split on up to two of its axes (where the mesh's axis divides it)
+or replicated, the batch split over one axis or replicated; against the oracle on one
+device.
 
 Run as a script (tests/test_random_models.py does, in a subprocess: the device count is
 set before jax starts): one JSON line per seed given.
@@ -55,8 +56,9 @@ def placement(seed, params, B, mesh):
 def run(seed):
     r = random.Random(seed + 9)
     shape = random.Random(seed).choice([(2, 4), (4, 2), (8, 1), (1, 8)])
+    kind = random.Random(seed * 17 + 1).choice(["Auto", "Auto", "Explicit"])
     mesh = jax.make_mesh(shape, ("data", "model"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+                         axis_types=(getattr(jax.sharding.AxisType, kind),) * 2)
     loss, p, batch_of, desc = R.make_model(seed, jnp.float64, widths=WIDTHS)
     _, chunk, budget, weights, req, kws = R.draw_call(seed)
     B = r.choice([2, 3, 4, 6, 8])
@@ -71,7 +73,7 @@ def run(seed):
     fn = js.per_example_stat(loss, req, chunk_size=chunk, memory_budget_bytes=budget)
     got = jax.jit(fn)(jax.device_put(p, ps), jax.device_put(batch, bs), **kw)
     bad = R.mismatches(got, R.per_example_grads(loss, p, batch), kws, weights)
-    where = [f"mesh {shape}", f"B {B}", f"chunk_size {chunk}", f"budget {budget}",
+    where = [f"mesh {shape} {kind}", f"B {B}", f"chunk_size {chunk}", f"budget {budget}",
              "weights" if weights is not None else "no weights",
              "specs " + " ".join(str(s.spec) for s in jax.tree.leaves(ps))]
     return {"case": str(seed), "bad": bad, "desc": desc + where}
