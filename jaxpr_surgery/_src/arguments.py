@@ -348,9 +348,8 @@ class Prepared:
         """Per-example jaxpr, traced under vmap over the real batch (keeps sharding/vma);
         with ``substitute``, calls of registered custom ops replaced by their references
         (`custom_ops.substitute`). ``varying``: the differentiated leaves cast to vary
-        over `data_axes` before ``fn`` reads them (inside shard_map, leaves the engine
-        copies per example: their copies vary as the examples do, and a cast to varying
-        that JAX would put inside a loop's or a branch's body would fail on them)."""
+        over `data_axes` before ``fn`` reads them (`api.replicated_leaves`: inside typed
+        shard_map, each device's per-example gradients of a replicated leaf are its own)."""
         holder = {}
         pe = self.per_example_fn()
 
