@@ -86,7 +86,13 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
         )
     varying = replicated_leaves(prep)
     try:
-        closed, out_tree = prep.trace(varying=varying)
+        try:
+            closed, out_tree = prep.trace(varying=varying)
+        except Exception:  # (a loss that casts the leaf itself, `jax.lax.pcast`: as given)
+            if not varying:
+                raise
+            varying = frozenset()
+            closed, out_tree = prep.trace()
     except Exception:
         if check is not None:  # a cross-example loss can fail on one example (the top k
             try:  # of the batch's losses): say so rather than JAX's error
@@ -127,7 +133,9 @@ def replicated_leaves(prep) -> frozenset:
     `engine.run`), as each device's examples see them. Traced as given, JAX casts such a
     leaf to varying where it meets the data, also inside a loop's, a branch's or a jitted
     call's body, and a per-example gradient through that cast would be summed over the
-    devices; a leaf sharded over those axes (hand-written FSDP) keeps its own type."""
+    devices; a leaf sharded over those axes (hand-written FSDP) keeps its own type. A
+    loss that casts such a leaf itself (``jax.lax.pcast(w, axis, to="varying")``, which
+    JAX refuses on a varying value) is traced as given (`front_half`)."""
     axes = prep.data_axes
     return frozenset(i for i, x in enumerate(prep.diff_leaves)
                      if axes and not compat.vma_of(x) & axes)
