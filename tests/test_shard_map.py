@@ -302,18 +302,24 @@ def test_replicated_leaf_cast_inside_the_loss_exact(form, chunk):
                  "y": jax.numpy.asarray(rng.normal(size=(2 * NDEV,)))}
         stats = {"mean": js.stats.mean(), "second_moment": js.stats.second_moment(),
                  "variance": js.stats.variance(), "clipped_mean": js.stats.clipped_mean(0.2)}
-        fn = js.per_example_stat(loss, stats, axis_name="d", chunk_size=chunk)
-        mesh = _mesh(jax.sharding.AxisType.Auto)
-        out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))(
-            params, batch)
-        g = jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda t: t[None], ex))),
-                     (None, 0))(params, batch)
+        _assert_data_parallel_exact(loss, params, batch, stats, {"clip_norm": 0.2}, chunk,
+                                    form)
+
+
+def _assert_data_parallel_exact(loss, params, batch, stats, clip, chunk, what):
+    """``stats`` of ``loss`` with the batch split over the mesh by shard_map
+    (``axis_name``, parameters replicated) equal the oracle of the whole batch (float64)."""
+    fn = js.per_example_stat(loss, stats, axis_name="d", chunk_size=chunk)
+    mesh = _mesh(jax.sharding.AxisType.Auto)
+    out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))(
+        params, batch)
+    g = jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda t: t[None], ex))),
+                 (None, 0))(params, batch)
     for k in stats:
-        kw = {"clip_norm": 0.2} if k == "clipped_mean" else {}
-        want = zoo.oracle_from_grads(g, k, **kw)
-        for leaf in ("w", "v"):
+        want = zoo.oracle_from_grads(g, k, **(clip if k.startswith("clipped") else {}))
+        for leaf in params:
             np.testing.assert_allclose(np.asarray(out[k][leaf]), want[leaf], rtol=1e-9,
-                                       atol=1e-12, err_msg=f"{form} {k} {leaf}")
+                                       atol=1e-12, err_msg=f"{what} {k} {leaf}")
 
 
 @pytest.mark.parametrize("names", [("mean",), ("mean", "clipped_sum"),
@@ -341,15 +347,5 @@ def test_convolution_kernel_sums_under_shard_map_exact(per_device, names):
                  "y": jnp.asarray(rng.normal(size=(B, 3)))}
         every = {"mean": js.stats.mean(), "second_moment": js.stats.second_moment(),
                  "clipped_sum": js.stats.clipped_sum(0.05)}
-        stats = {k: every[k] for k in names}
-        fn = js.per_example_stat(loss, stats, axis_name="d")
-        mesh = _mesh(jax.sharding.AxisType.Auto)
-        out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))(
-            params, batch)
-        g = jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda t: t[None], ex))),
-                     (None, 0))(params, batch)
-    for k in stats:
-        want = zoo.oracle_from_grads(g, k, **({"clip_norm": 0.05} if k == "clipped_sum" else {}))
-        for leaf in ("k", "o"):
-            np.testing.assert_allclose(np.asarray(out[k][leaf]), want[leaf], rtol=1e-9,
-                                       atol=1e-12, err_msg=f"{k} {leaf}")
+        _assert_data_parallel_exact(loss, params, batch, {k: every[k] for k in names},
+                                    {"clip_norm": 0.05}, None, "conv")
