@@ -300,16 +300,30 @@ def per_example_grads(loss, p, batch):
                     (None, 0))(p, batch)
 
 
+def _moments(x, weights):
+    """The weighted mean and population variance over the examples (axis 0) of ``x``."""
+    w = np.ones(x.shape[0]) if weights is None else np.asarray(weights, np.float64)
+    w = w.reshape((-1,) + (1,) * (x.ndim - 1))
+    m = np.sum(w * x, 0) / np.sum(w)
+    return m, np.sum(w * (x - m) ** 2, 0) / np.sum(w)
+
+
+def resized(weights, B):
+    """Drawn example weights (`draw_call`) for a batch of ``B``: repeated, the first 2."""
+    if weights is None:
+        return None
+    weights = np.resize(weights, B)
+    weights[0] = 2.0
+    return weights
+
+
 def _agree(g, path, weights):
     """Where the examples' gradients agree to rounding (a variance under 1e-12 of the
     squared mean): per entry of the leaf at ``path``, or over every leaf (``()``)."""
     x = (np.asarray(_at(g, path), np.float64) if path else
          np.concatenate([np.asarray(v, np.float64).reshape(v.shape[0], -1)
                          for v in jax.tree.leaves(g)], axis=1))
-    w = np.ones(x.shape[0]) if weights is None else np.asarray(weights, np.float64)
-    w = w.reshape((-1,) + (1,) * (x.ndim - 1))
-    m = np.sum(w * x, 0) / np.sum(w)
-    var = np.sum(w * (x - m) ** 2, 0) / np.sum(w)
+    m, var = _moments(x, weights)
     if not path:
         return np.asarray(var.sum() <= 1e-12 * np.sum(m**2))
     return var <= 1e-12 * m**2
@@ -318,7 +332,6 @@ def _agree(g, path, weights):
 def mismatches(got, g, kws, weights, f64=True):
     """Where ``got`` (the call's values, keyed as ``kws``) differs from the oracle of the
     per-example gradients ``g``: a list of strings, empty where every value agrees."""
-    B = jax.tree.leaves(g)[0].shape[0]
     bad = []
     for n, v in got.items():
         name, okw = kws[n]
@@ -337,10 +350,7 @@ def mismatches(got, g, kws, weights, f64=True):
                 if name == "sign_mean":
                     doubtful = np.abs(gl).min(0) < (1e-12 if f64 else 1e-5) * top
                 else:  # (over the examples the weights keep)
-                    w = np.ones(B) if weights is None else np.asarray(weights, np.float64)
-                    w = w.reshape((-1,) + (1,) * (gl.ndim - 1))
-                    c = gl - np.sum(w * gl, 0) / np.sum(w)
-                    doubtful = np.sum(w * c**2, 0) / np.sum(w) < (1e-20 if f64 else 1e-8) * top**2
+                    doubtful = _moments(gl, weights)[1] < (1e-20 if f64 else 1e-8) * top**2
                 a = np.where(doubtful, bv, a)
             if not f64 and name in _RATIOS:
                 continue
@@ -386,9 +396,7 @@ def check_shard_map(seed, n_devices):
     loss, p, batch_of, desc = make_model(seed)
     _, chunk, budget, weights, req, kws = draw_call(seed)
     B = n_devices * r.choice([1, 2, 3])
-    if weights is not None:
-        weights = np.resize(weights, B)
-        weights[0] = 2.0
+    weights = resized(weights, B)
     req = {k: v for k, v in req.items()
            if kws[k][0] not in ("sq_norms", "norms") and (B > 1 or kws[k][0] not in _NEEDS_TWO)}
     if not req:

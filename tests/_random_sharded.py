@@ -24,7 +24,6 @@ jax.config.update("jax_enable_x64", True)
 
 import _random_models as R  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -62,9 +61,7 @@ def run(seed):
     loss, p, batch_of, desc = R.make_model(seed, jnp.float64, widths=WIDTHS)
     _, chunk, budget, weights, req, kws = R.draw_call(seed)
     B = r.choice([2, 3, 4, 6, 8])
-    if weights is not None:
-        weights = np.resize(weights, B)
-        weights[0] = 2.0
+    weights = R.resized(weights, B)
     if not req:
         return {"case": str(seed), "bad": [], "desc": desc}
     batch = batch_of(B)
