@@ -1,11 +1,16 @@
 """Random models built from the layers people write, checked against the oracle.
 
 `make_model(seed)` composes one to three blocks drawn from the ways models meet their
-parameters (dense layers written six ways, attention with a heads axis, layer norm,
+parameters (dense layers written eight ways, attention with a heads axis, layer norm,
 scale-shift, a weight used twice, a scan over stacked layers, an RNN scanning the tokens,
 ``jax.checkpoint``, ``custom_vjp``, convolutions, mixture-of-experts gathers of weights,
 one-hot lookups, ``cond``, ``fori_loop``, gated units, ``vmap`` over weights, jitted
-layers, a weight used both densely and elementwise, a weight through a nonlinearity), an
+layers, a weight used both densely and elementwise, a weight through a nonlinearity; with
+``kinds=KINDS + MORE_KINDS`` also merged LoRA, positional tables, columns gathered by the
+data, a weight as matmul's left operand, weight normalisation, a scaled second lookup,
+a layer in a lower precision, weights times constant masks and per-row or per-column
+constants, ``.at[].set``, a window at a start the example picks, concatenated and
+stacked leaves, and ``jax.nn.dot_product_attention``), an
 optional embedding (tied to the head or not), a head (squared error or cross-entropy) and
 an optional L2 penalty. `check(seed)` draws a batch size (1 to 5), a chunk size, a memory
 budget (tiny ones force tiles), example weights (zeros included), three statistics and
@@ -29,8 +34,8 @@ S = js.stats
 
 
 class _Builder:
-    def __init__(self, rng, T, dtype, widths):
-        self.r, self.T, self.dtype, self.widths = rng, T, dtype, widths
+    def __init__(self, rng, T, dtype, widths, kinds):
+        self.r, self.T, self.dtype, self.widths, self.kinds = rng, T, dtype, widths, kinds
         self.p = {}
         self.np = np.random.default_rng(rng.randrange(1 << 30))
 
@@ -77,7 +82,9 @@ KINDS = ("dense", "act", "layer_norm", "scale", "tied", "attention", "scan", "re
 
 def _block(b, d, depth=0):
     """``(f(params, h), width after, description)`` of one block on ``h [..., d]``."""
-    kind = b.r.choice(KINDS)
+    kind = b.r.choice(b.kinds)
+    if kind in MORE_KINDS:
+        return _more(b, d, kind)
     if kind in ("attention", "conv", "rnn") and not b.T or kind in ("scan", "remat") and depth:
         kind = "dense"
     if kind == "dense":
@@ -192,14 +199,100 @@ def _block(b, d, depth=0):
     return (lambda p, h: h @ jnp.tanh(p[w])), d, kind
 
 
-def make_model(seed, dtype=jnp.float64, widths=(3, 4, 5, 7)):
+# A second family (`make_model(..., kinds=KINDS + MORE_KINDS)`; the first family's seeds
+# keep their models): weights merged, masked, normalised, concatenated, indexed by data,
+# cast to a lower precision, and jax.nn's attention.
+MORE_KINDS = ("lora", "positional", "column_gather", "left", "weight_norm", "scaled_lookup",
+              "cast", "masked", "col_scaled", "row_scaled", "at_set", "dyn_slice", "concat",
+              "stack", "dpa")
+
+
+def _more(b, d, kind):
+    """`_block` of a kind of `MORE_KINDS`."""
+    d2 = b.r.choice(b.widths)
+    if kind == "lora":  # merged low-rank adapter: W + s A B
+        w, a, c = b.param(d, d2), b.param(d, 2), b.param(2, d2)
+        return (lambda p, h: h @ (p[w] + 0.5 * p[a] @ p[c])), d2, kind
+    if kind == "positional":  # a slice of a longer table, added
+        pos = b.param(max(b.T, 1) + 2, d, scale=0.3)
+        return (lambda p, h: h + (p[pos][:h.shape[-2]] if b.T else p[pos][1])), d, kind
+    if kind == "column_gather":  # columns of a weight picked by the data
+        w = b.param(d, 7, scale=0.3)
+
+        def f(p, h):
+            ids = (jnp.abs(h[..., 0]) * 5).astype(jnp.int32) % 7
+            return h + jnp.moveaxis(jnp.take(p[w], ids, axis=1), 0, -1)
+        return f, d, kind
+    if kind == "left":  # the weight as the left operand, broadcast by matmul
+        w = b.param(d2, d)
+        return (lambda p, h: jnp.matmul(p[w], h[..., None])[..., 0]), d2, kind
+    if kind == "weight_norm":
+        v, g = b.param(d, d2), b.param(d2, scale=1.0)
+        return (lambda p, h: h @ (p[v] / jnp.linalg.norm(p[v], axis=0, keepdims=True)) * p[g]
+                ), d2, kind
+    if kind == "scaled_lookup":  # a second table looked up by the data, scaled
+        E2 = b.param(9, d, scale=0.3)
+
+        def f(p, h):
+            ids = (jnp.abs(h[..., 0]) * 4).astype(jnp.uint8) % 9
+            return h + np.sqrt(d) * p[E2][ids]
+        return f, d, kind
+    if kind == "cast":  # mixed precision: the dense layer computed a precision lower
+        w = b.param(d, d2)
+
+        def f(p, h):
+            lo = jnp.float32 if h.dtype == jnp.float64 else jnp.bfloat16
+            return (h.astype(lo) @ p[w].astype(lo)).astype(h.dtype)
+        return f, d2, kind
+    if kind in ("masked", "col_scaled", "row_scaled"):  # times a constant array
+        w = b.param(d, d2)
+        m = b.np.choice([0.0, 1.0, 2.5], size=(d, d2))
+        if kind == "col_scaled":
+            m = m[:1]
+        elif kind == "row_scaled":
+            m = m[:, :1]
+        return (lambda p, h: h @ (p[w] * m)), d2, kind
+    if kind == "at_set":  # a row of the weight replaced
+        w = b.param(d, d2)
+        return (lambda p, h: h @ p[w].at[0].set(0.25)), d2, kind
+    if kind == "dyn_slice":  # a window of the weight at a start the example decides
+        w = b.param(d + 1, d2)
+
+        def f(p, h):
+            def one(x):
+                start = (jnp.abs(x).mean() > 0.6).astype(jnp.int32)
+                return x @ jax.lax.dynamic_slice(p[w], (start, 0 * start), (d, d2))
+            return jax.vmap(one)(h) if h.ndim >= 2 else one(h)
+        return f, d2, kind
+    if kind == "concat":  # a fused projection built from two leaves
+        w1, w2 = b.param(d, d2), b.param(d, 2)
+        return (lambda p, h: h @ jnp.concatenate([p[w1], p[w2]], axis=1)), d2 + 2, kind
+    if kind == "stack":
+        w1, w2 = b.param(d, d2), b.param(d, d2)
+        return (lambda p, h: jnp.einsum("...i,kio->...o", h, jnp.stack([p[w1], p[w2]]))
+                ), d2, kind
+    # dpa: jax.nn.dot_product_attention between projections (tokens)
+    if not b.T:
+        w = b.param(d, d2)
+        return (lambda p, h: jnp.tanh(h @ p[w])), d2, "dense:tanh"
+    H, k = 2, 2
+    q, kk, v, o = b.param(d, H, k), b.param(d, H, k), b.param(d, H, k), b.param(H, k, d)
+
+    def f(p, h):
+        Q, K, V = (jnp.einsum("...td,dhk->...thk", h, p[x]) for x in (q, kk, v))
+        a = jax.nn.dot_product_attention(Q, K, V, is_causal=True)
+        return h + jnp.einsum("...thk,hkd->...td", a, p[o])
+    return f, d, kind
+
+
+def make_model(seed, dtype=jnp.float64, widths=(3, 4, 5, 7), kinds=KINDS):
     """``(loss, params, batch_of(B), description)`` of random model ``seed``; its layers'
     widths drawn from ``widths`` (the first three: the input's)."""
     r = random.Random(seed)
     tokens = r.random() < 0.7
     T = r.choice([3, 4]) if tokens else 0
     d0, V = r.choice(widths[:3]), 11
-    b = _Builder(r, T, dtype, widths)
+    b = _Builder(r, T, dtype, widths, kinds)
     emb = tokens and r.random() < 0.5
     desc = []
     if emb:
@@ -329,9 +422,11 @@ def _agree(g, path, weights):
     return var <= 1e-12 * m**2
 
 
-def mismatches(got, g, kws, weights, f64=True):
+def mismatches(got, g, kws, weights, f64=True, bf16=False):
     """Where ``got`` (the call's values, keyed as ``kws``) differs from the oracle of the
-    per-example gradients ``g``: a list of strings, empty where every value agrees."""
+    per-example gradients ``g``: a list of strings, empty where every value agrees.
+    ``f64``: float64's tolerance (else float32's); ``bf16``: a layer computed in bfloat16
+    (a tolerance of its rounding)."""
     bad = []
     for n, v in got.items():
         name, okw = kws[n]
@@ -356,17 +451,24 @@ def mismatches(got, g, kws, weights, f64=True):
                 continue
             fin = np.abs(a[np.isfinite(a)])
             scale = float(fin.max()) if fin.size else 1.0
-            rtol, atol = (1e-7, 1e-10 * max(scale, 1.0)) if f64 else (2e-3, 2e-4 * scale)
+            rtol, atol = ((1e-7, 1e-10 * max(scale, 1.0)) if f64 else (3e-2, 3e-2 * scale)
+                          if bf16 else (2e-3, 2e-4 * scale))
             if not np.allclose(bv, a, rtol=rtol, atol=atol, equal_nan=True):
                 err = np.nanmax(np.abs(bv - a))
                 bad.append(f"{n}{jax.tree_util.keystr(path)}: error {err:.3g} of {scale:.3g}")
     return bad
 
 
-def check(seed, dtype=jnp.float64):
-    """Mismatches of random model ``seed`` against the oracle (`mismatches`), and the
-    model's description."""
-    loss, p, batch_of, desc = make_model(seed, dtype)
+def lower_precision(desc):
+    """Whether a block of the model computes a precision below its parameters' (``cast``;
+    ``dpa``: jax.nn.dot_product_attention's softmax is float32's whatever the inputs)."""
+    return any(x in ("cast", "dpa") for x in desc)
+
+
+def check(seed, dtype=jnp.float64, kinds=KINDS):
+    """Mismatches of random model ``seed`` (its blocks drawn from ``kinds``) against the
+    oracle (`mismatches`), and the model's description."""
+    loss, p, batch_of, desc = make_model(seed, dtype, kinds=kinds)
     B, chunk, budget, weights, req, kws = draw_call(seed)
     if not req:
         return [], desc
@@ -380,11 +482,13 @@ def check(seed, dtype=jnp.float64):
     else:
         fn = js.per_example_stat(loss, req, chunk_size=chunk, memory_budget_bytes=budget)
     got = jax.jit(fn)(p, batch, **kw)
-    bad = mismatches(got, per_example_grads(loss, p, batch), kws, weights, dtype == jnp.float64)
+    bad = mismatches(got, per_example_grads(loss, p, batch), kws, weights,
+                     dtype == jnp.float64 and not lower_precision(desc),
+                     bf16="cast" in desc and dtype != jnp.float64)
     return bad, desc + (["keep_batch_dim=False"] if one else [])
 
 
-def check_shard_map(seed, n_devices):
+def check_shard_map(seed, n_devices, kinds=KINDS):
     """`check` of model ``seed`` with its batch split over ``n_devices`` by
     ``jax.shard_map`` (``axis_name``; the parameters replicated; one to three examples a
     device): the statistics that reduce over the examples (per-example outputs stay on
@@ -393,7 +497,7 @@ def check_shard_map(seed, n_devices):
 
     r = random.Random(seed + 77)
     mesh = jax.make_mesh((n_devices,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
-    loss, p, batch_of, desc = make_model(seed)
+    loss, p, batch_of, desc = make_model(seed, kinds=kinds)
     _, chunk, budget, weights, req, kws = draw_call(seed)
     B = n_devices * r.choice([1, 2, 3])
     weights = resized(weights, B)
@@ -411,6 +515,7 @@ def check_shard_map(seed, n_devices):
         sm = jax.shard_map(lambda p, b, w: fn(p, b, example_weights=w), mesh=mesh,
                            in_specs=(P(), P("d"), P("d")), out_specs=P())
         got = jax.jit(sm)(p, batch, jnp.asarray(weights))
-    bad = mismatches(got, per_example_grads(loss, p, batch), kws, weights)
+    bad = mismatches(got, per_example_grads(loss, p, batch), kws, weights,
+                     not lower_precision(desc))
     return bad, desc + [f"{n_devices} devices", f"B {B}", f"chunk_size {chunk}",
                         f"budget {budget}", "weights" if weights is not None else "no weights"]

@@ -5,7 +5,8 @@ or replicated, the batch split over one axis or replicated; against the oracle o
 device.
 
 Run as a script (tests/test_random_models.py does, in a subprocess: the device count is
-set before jax starts): one JSON line per seed given.
+set before jax starts): one JSON line per case given, a seed (a model of the first
+family of blocks) or ``more<seed>`` (of both families, ``_random_models.MORE_KINDS``).
 """
 
 from __future__ import annotations
@@ -52,34 +53,38 @@ def placement(seed, params, B, mesh):
     return ps, batch
 
 
-def run(seed):
+def run(case):
+    more = case.startswith("more")
+    seed = int(case[4:] if more else case)
     r = random.Random(seed + 9)
     shape = random.Random(seed).choice([(2, 4), (4, 2), (8, 1), (1, 8)])
     kind = random.Random(seed * 17 + 1).choice(["Auto", "Auto", "Explicit"])
     mesh = jax.make_mesh(shape, ("data", "model"),
                          axis_types=(getattr(jax.sharding.AxisType, kind),) * 2)
-    loss, p, batch_of, desc = R.make_model(seed, jnp.float64, widths=WIDTHS)
+    kinds = R.KINDS + R.MORE_KINDS if more else R.KINDS
+    loss, p, batch_of, desc = R.make_model(seed, jnp.float64, widths=WIDTHS, kinds=kinds)
     _, chunk, budget, weights, req, kws = R.draw_call(seed)
     B = r.choice([2, 3, 4, 6, 8])
     weights = R.resized(weights, B)
     if not req:
-        return {"case": str(seed), "bad": [], "desc": desc}
+        return {"case": case, "bad": [], "desc": desc}
     batch = batch_of(B)
     ps, bs = placement(seed, p, B, mesh)
     kw = {} if weights is None else {"example_weights": jnp.asarray(weights)}
     fn = js.per_example_stat(loss, req, chunk_size=chunk, memory_budget_bytes=budget)
     got = jax.jit(fn)(jax.device_put(p, ps), jax.device_put(batch, bs), **kw)
-    bad = R.mismatches(got, R.per_example_grads(loss, p, batch), kws, weights)
+    bad = R.mismatches(got, R.per_example_grads(loss, p, batch), kws, weights,
+                       not R.lower_precision(desc))
     where = [f"mesh {shape} {kind}", f"B {B}", f"chunk_size {chunk}", f"budget {budget}",
              "weights" if weights is not None else "no weights",
              "specs " + " ".join(str(s.spec) for s in jax.tree.leaves(ps))]
-    return {"case": str(seed), "bad": bad, "desc": desc + where}
+    return {"case": case, "bad": bad, "desc": desc + where}
 
 
 if __name__ == "__main__":
     for s in sys.argv[1:]:
         try:
-            out = run(int(s))
+            out = run(s)
         except Exception as e:  # noqa: BLE001
             out = {"case": s, "crash": f"{type(e).__name__}: {str(e)[:600]}"}
         print(json.dumps(out), flush=True)

@@ -5,7 +5,10 @@ A model is drawn from its seed, so a failure names a model that can be rebuilt a
 inspected (``_random_models.make_model(seed)``). Float64 at a tight tolerance; a few in
 float32 at a loose one (the ratios, kurtosis and noise scales left out there: their
 conditioning, not the package, sets float32's error); and some sharded on 8 devices by
-XLA's partitioner (`_random_sharded`, in a subprocess).
+XLA's partitioner (`_random_sharded`, in a subprocess) or split by ``jax.shard_map``.
+Two families of blocks: the first (`_random_models.KINDS`), and both with the second
+(`_random_models.MORE_KINDS`), whose seeds are their own (a first family's seed keeps
+its model).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import _models as M
 import jax.numpy as jnp
 import pytest
 import zoo
-from _random_models import check, check_shard_map
+from _random_models import KINDS, MORE_KINDS, check, check_shard_map
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +42,32 @@ def test_random_model_matches_oracle_float32(seed):
     assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)
 
 
-SHARDED_DEFAULT = ("0", "1")
-SHARDED_EXTENDED = tuple(str(s) for s in range(2, 26))
+# The second family of blocks (`_random_models.MORE_KINDS`: weights merged, masked,
+# normalised, concatenated, indexed by the data, cast to a lower precision; jax.nn's
+# attention): the default seeds cover every kind of it.
+MORE_DEFAULT = (1005, 1011, 1013, 1020, 1027, 1045, 1059, 1066)
+MORE_EXTENDED = tuple(s for s in range(1000, 1060) if s not in MORE_DEFAULT)
+
+
+@pytest.mark.parametrize(
+    "seed", [*MORE_DEFAULT, *(pytest.param(s, marks=pytest.mark.extended) for s in MORE_EXTENDED)])
+def test_random_model_of_more_kinds_matches_oracle(seed):
+    with zoo.x64():
+        bad, desc = check(seed, jnp.float64, kinds=KINDS + MORE_KINDS)
+    assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)
+
+
+@pytest.mark.parametrize(
+    "seed", [1011, *(pytest.param(s, marks=pytest.mark.extended) for s in range(1060, 1070))])
+def test_random_model_of_more_kinds_matches_oracle_float32(seed):
+    """(1011 computes a layer in bfloat16, at a tolerance of its rounding)"""
+    bad, desc = check(seed, jnp.float32, kinds=KINDS + MORE_KINDS)
+    assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)
+
+
+SHARDED_DEFAULT = ("0", "1", "more1027")
+SHARDED_EXTENDED = (tuple(str(s) for s in range(2, 26))
+                    + tuple(f"more{s}" for s in (*MORE_DEFAULT, *range(1070, 1080)) if s != 1027))
 
 
 @functools.cache
@@ -72,4 +99,13 @@ def test_random_model_under_shard_map(seed):
     (`_random_models.check_shard_map`)."""
     with zoo.x64():
         bad, desc = check_shard_map(seed, M.NDEV)
+    assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)
+
+
+@M.needs_devices
+@pytest.mark.parametrize(
+    "seed", [1027, *(pytest.param(s, marks=pytest.mark.extended) for s in range(1000, 1020))])
+def test_random_model_of_more_kinds_under_shard_map(seed):
+    with zoo.x64():
+        bad, desc = check_shard_map(seed, M.NDEV, kinds=KINDS + MORE_KINDS)
     assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)
