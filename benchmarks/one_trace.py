@@ -36,6 +36,15 @@ process CPU time, ratios to grad's within a round (as ``benchmarks.compile_time`
   as one equation with its body) into a jaxpr of the batch loss, the proof run on that:
   no trace of its own (`_Stream`). ``--quick`` checks that both proofs decide alike on
   each model's loss (independent) and on its square (not a mean of per-example terms).
+* ``vmap``: no trace of its own and no rule: ``jax.grad`` of the mean of ``jax.vmap`` of
+  the batch-of-one loss (the loss of a batch of one example, as the package reads it):
+  the floor of a design that runs the per-example function under ``vmap`` (the package's
+  view of a site: one example's shapes, the examples on a leading axis), with nothing
+  to find in the batch loss's layout.
+* ``vmap-intercept-cached``: ``intercept-cached`` inside that ``vmap``: the intercepting
+  trace sits between the batch-of-one loss and ``vmap``'s, so each site sees one
+  example's ``x`` and ``dy``; its backward pass emits ``G_b**2`` of its example, and
+  ``vmap`` sums the sink's cotangent over the examples (the sink is not mapped).
 * ``package``: ``js.per_example_stat(loss, second_moment())`` as it is.
 
 Models (B 8): compile_check's s768 (4 layers of width 768, T 256), GPT-2 small (12 layers,
@@ -409,7 +418,8 @@ def methods(model, B):
     """``{name: fn(params, batch)}`` of the module docstring's methods, and each
     prototype's set of the leaves its sites served (filled as it is traced)."""
     tree = jax.tree.structure(model.params)
-    served = {"prototype": set(), "intercept": set(), "intercept-cached": set()}
+    served = {"prototype": set(), "intercept": set(), "intercept-cached": set(),
+              "vmap-intercept-cached": set()}
 
     def traced(leaves, batch):
         return jax.make_jaxpr(lambda l, b: model.loss(jax.tree.unflatten(tree, l), b))(
@@ -437,6 +447,21 @@ def methods(model, B):
         which = "intercept-cached" if cached else "intercept"
         return _intercept(model.loss, B, served[which], cached, proof)(params, batch)
 
+    one = lambda p, x: model.loss(p, jax.tree.map(lambda a: a[None], x))  # noqa: E731
+
+    def vmapped(params, batch):
+        return jnp.mean(jax.vmap(one, in_axes=(None, 0))(params, batch))
+
+    def vmap_intercept(params, batch):
+        leaves = jax.tree.leaves(params)
+        sinks = [jnp.zeros_like(x) for x in leaves]
+        run = _intercepted(one, tree, 1, served["vmap-intercept-cached"], cached=True)
+
+        def loss(leaves, sinks):
+            return jnp.mean(jax.vmap(run, in_axes=(None, None, 0))(leaves, sinks, batch))
+
+        return jax.grad(loss, argnums=(0, 1))(leaves, sinks)
+
     fns = {
         "grad": jax.grad(model.loss),
         "trace": lambda p, b: jnp.zeros((), trace(p, b)),
@@ -446,6 +471,8 @@ def methods(model, B):
         "intercept-cached": lambda p, b: intercept(p, b, True),
         "+ proof traced": lambda p, b: intercept(p, b, True, "traced"),
         "+ proof from stream": lambda p, b: intercept(p, b, True, "stream"),
+        "vmap": jax.grad(vmapped),
+        "vmap-intercept-cached": vmap_intercept,
         "package": js.per_example_stat(model.loss, js.stats.second_moment()),
     }
     return fns, served
@@ -499,7 +526,8 @@ def _trace_time(fn, args):
     return time.thread_time() - t0
 
 
-def run(quick=False, reps=None):
+def run(quick=False, reps=None, only=None):
+    """``only``: the methods to measure (grad's always), default every one."""
     reps = reps or (1 if quick else 3)
     jax.jit(lambda x: x * 2).lower(1.0).compile()
     rows = []
@@ -508,6 +536,7 @@ def run(quick=False, reps=None):
         B = 8
         params, batch = model.params, model.make_batch(B)
         fns, served = methods(model, B)
+        fns = {m: f for m, f in fns.items() if only is None or m == "grad" or m in only}
         samples = {m: [] for m in fns}
         traced = {m: [] for m in fns}
         for _ in range(reps):
@@ -544,6 +573,8 @@ def run(quick=False, reps=None):
 
 def main(argv=None):
     ap = output.parser(__doc__)
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated methods to measure (grad's always; default all)")
     a = ap.parse_args(argv)
     checks = {}
     if a.quick:
@@ -555,7 +586,7 @@ def main(argv=None):
                   + ", ".join(f"{m} {len(v)}" for m, v in served.items())
                   + "; proofs (stream, traced): " + ", ".join(
                       f"{k}: {' / '.join(v)}" for k, v in proofs.items()), flush=True)
-    rows = run(a.quick, a.reps)
+    rows = run(a.quick, a.reps, None if a.methods is None else a.methods.split(","))
     if a.out:
         meta = {"jax": jax.__version__, "backend": jax.default_backend(),
                 "machine": platform.machine(),

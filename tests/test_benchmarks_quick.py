@@ -300,8 +300,9 @@ def test_one_trace_prototype_is_exact():
     model = models.transformer(T=8, d=32, V=64, layers=1, heads=2)
     served, err = one_trace.check(model)
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(model.params)]
-    # (re-evaluated; intercepted in grad's trace, calls inlined or jitted once per body)
-    for method in ("prototype", "intercept", "intercept-cached"):
+    # (re-evaluated; intercepted in grad's trace, calls inlined or jitted once per body;
+    # intercepted under vmap of the batch-of-one loss)
+    for method in ("prototype", "intercept", "intercept-cached", "vmap-intercept-cached"):
         got = sorted(names[i].split("'")[-2] for i in served[method])
         assert got == ["w1", "w2", "wk", "wo", "wq", "wv"], method
     assert err < 1e-5
@@ -318,7 +319,8 @@ def test_one_trace_quick(tmp_path):
     assert doc["rows"] == rows and doc["checks"] == checks
     assert {r["method"] for r in rows} == {"grad", "trace", "re-evaluate", "prototype",
                                            "intercept", "intercept-cached", "+ proof traced",
-                                           "+ proof from stream", "package"}
+                                           "+ proof from stream", "vmap",
+                                           "vmap-intercept-cached", "package"}
     assert all(c["max_rel_error"] < 1e-5 for c in checks.values())
     # (the proof from the intercepted equations decides as the proof from a trace: a
     # model's loss independent, its square not a mean of per-example terms)
@@ -327,7 +329,8 @@ def test_one_trace_quick(tmp_path):
                                "loss ** 2": ["cross-example"] * 2}, c["proofs"]
     # (the scan stack's layers: served by the prototypes that enter its scan)
     scan = checks["scan L2"]["served"]
-    assert scan["prototype"] == scan["intercept-cached"] != [] == scan["intercept"]
+    assert (scan["prototype"] == scan["intercept-cached"] == scan["vmap-intercept-cached"]
+            != [] == scan["intercept"])
     for r in rows:
         if r["method"] != "grad":
             assert 0 < r["lower_cpu_x_grad"] < 100 and 0 < r["lower_thread_x_grad"] < 100
