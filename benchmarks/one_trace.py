@@ -34,8 +34,14 @@ process CPU time, ratios to grad's within a round (as ``benchmarks.compile_time`
 * ``+ proof from stream``: ``intercept-cached`` recording every equation it sees (every
   primitive bound while it is the current trace, a call, ``jax.checkpoint`` or ``scan``
   as one equation with its body) into a jaxpr of the batch loss, the proof run on that:
-  no trace of its own (`_Stream`). ``--quick`` checks that both proofs decide alike on
+  no trace of its own (`_Stream`). ``--quick`` checks that the proofs decide alike on
   each model's loss (independent) and on its square (not a mean of per-example terms).
+* ``+ proof online``: ``+ proof from stream`` with the proof run on each equation as it is
+  recorded, and each site's batch layout read from its input's tag (the axis holding
+  the examples, merged with its neighbours where a reshape folded them) instead of
+  assuming a leading batch axis: the design's way to find the examples at a site of the
+  batch loss (`folded`: a model that folds the batch into the rows and turns it
+  time-major, which only this method serves).
 * ``vmap``: no trace of its own and no rule: ``jax.grad`` of the mean of ``jax.vmap`` of
   the batch-of-one loss (the loss of a batch of one example, as the package reads it):
   the floor of a design that runs the per-example function under ``vmap`` (the package's
@@ -60,10 +66,12 @@ serves), so that the floor it measures is that of a correct program.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import statistics
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -87,25 +95,44 @@ def _regimes(quick):
             "gpt2s scan": lambda: models.scan_remat(**gpt2s)}
 
 
-def _dense(params, x, w, B):
-    """The number of ``w``'s leading axes contracted with ``x``'s trailing ones, if
-    ``dot_general(x, w, **params)`` is a dense site of the batch (else None)."""
+_LEADING = (0, 1, 1)  # the batch's layout where it is the leading axis
+
+
+def _dense(params, x, w, B, tag=None, tagged=False):
+    """``(m, layout)`` if ``dot_general(x, w, **params)`` is a dense site of the batch
+    (else None): ``m``, the number of ``w``'s leading axes contracted with ``x``'s
+    trailing ones; ``layout``, ``(axis, outer, inner)``: ``x``'s axis holding the examples
+    (merged with ``outer`` positions before and ``inner`` after them, as a reshape leaves
+    them). ``tagged``: that layout read from ``tag``, ``x``'s tag by the independence
+    proof (`_Stream`'s online proof); else the batch is ``x``'s leading axis, of size B."""
     (lc, rc), (lb, rb) = params["dimension_numbers"]
-    m = len(rc)
-    if (lb or rb or not m or tuple(rc) != tuple(range(m)) or jnp.ndim(x) < m + 1
-            or tuple(lc) != tuple(range(jnp.ndim(x) - m, jnp.ndim(x))) or x.shape[0] != B):
+    m, nd = len(rc), jnp.ndim(x)
+    if (lb or rb or not m or tuple(rc) != tuple(range(m)) or nd < m + 1
+            or tuple(lc) != tuple(range(nd - m, nd))):
         return None
-    return m
+    if not tagged:
+        return (m, _LEADING) if x.shape[0] == B else None
+    if not isinstance(tag, _tags().Ex) or tag.perm is not None or tag.axis >= nd - m:
+        return None  # (examples reordered, contracted, or not in x)
+    if x.shape[tag.axis] != tag.outer * B * tag.inner:  # pragma: no cover - the proof's
+        return None
+    return m, (tag.axis, tag.outer, tag.inner)
 
 
-_SITES: dict = {}  # (dot_general's params, m) -> its site
+def _tags():
+    from jaxpr_surgery._src.independence import tags
+    return tags
 
 
-def _site(params, m):
+_SITES: dict = {}  # (dot_general's params, m, layout, B) -> its site
+
+
+def _site(params, m, layout=_LEADING, B=None):
     """A dense site's ``custom_vjp``: grad's cotangents, and sum_b G_b**2 for the sink
-    (one per ``dot_general``'s params, so that jax's caches see one function)."""
+    (one per ``dot_general``'s params and the batch's layout (`_dense`), so that jax's
+    caches see one function)."""
     try:
-        key = (tuple(sorted(params.items())), m)
+        key = (tuple(sorted(params.items())), m, layout, B)
         if key in _SITES:
             return _SITES[key]
     except TypeError:  # (a parameter with no hash)
@@ -122,12 +149,18 @@ def _site(params, m):
     def fwd(x, w, sink):
         return dot(x, w), (x, w)
 
+    def examples(t, K):  # [B, positions, K]: each example's rows of t
+        if layout == _LEADING:
+            return t.reshape(t.shape[0], -1, K)
+        a, outer, inner = layout
+        t = t.reshape(t.shape[:a] + (outer, B, inner) + t.shape[a + 1:])
+        return jnp.moveaxis(t, a + 1, 0).reshape(B, -1, K)
+
     def bwd(res, dy):
         x, w = res
         dx, dw = jax.vjp(dot, x, w)[1](dy)
         C, F = int(np.prod(w.shape[:m])), int(np.prod(w.shape[m:]))
-        G = jnp.einsum("bnc,bnf->bcf", x.reshape(x.shape[0], -1, C),
-                       dy.reshape(dy.shape[0], -1, F))
+        G = jnp.einsum("bnc,bnf->bcf", examples(x, C), examples(dy, F))
         return dx, dw, jnp.sum(G * G, 0).reshape(w.shape)
 
     site.defvjp(fwd, bwd)
@@ -136,13 +169,14 @@ def _site(params, m):
     return site
 
 
-def _evaluate(jaxpr, consts, args, sinks, B, served):
+def _evaluate(jaxpr, consts, args, sinks, B, served, tags=None):
     """``jaxpr`` on ``args``. ``sinks``: ``id(value) -> (leaf index, sink)`` of the values
     that are parameter leaves (or a scan's slices of one): a ``dot_general`` of one at a
     dense site goes through `_site` with its sink. Calls (``jit``), ``jax.checkpoint`` and
     ``scan`` whose operands hold one are entered (by the package's walker: its views of
     them), a scan's stacked leaf with a stacked sink; any other equation is bound as it
-    is."""
+    is. ``tags``: the independence proof's tag of each of ``jaxpr``'s variables, where the
+    sites' layouts are read from them (`_dense`); None: the batch leads."""
     env = {}
 
     def read(v):
@@ -157,33 +191,38 @@ def _evaluate(jaxpr, consts, args, sinks, B, served):
         held = sinks is not None and any(id(x) in sinks for x in inv)
         nest = walker.nest_of(e) if held else None
         if held and e.primitive is lax.dot_general_p and id(inv[1]) in sinks:
-            m = _dense(e.params, inv[0], inv[1], B)
-            if m is not None:
+            tag = None if tags is None else tags.get(e.invars[0])
+            dense = _dense(e.params, inv[0], inv[1], B, tag, tags is not None)
+            if dense is not None:
                 i, sink = sinks[id(inv[1])]
                 served.add(i)
-                env[e.outvars[0]] = _site(e.params, m)(inv[0], inv[1], sink)
+                env[e.outvars[0]] = _site(e.params, *dense, B)(inv[0], inv[1], sink)
                 continue
-        out = (_nested(nest, walker.binding(e), inv, sinks, B, served) if nest in _ENTERED
-               else None)
+        in_tags = None if tags is None else [
+            None if isinstance(v, jax.extend.core.Literal) else tags.get(v) for v in e.invars]
+        out = (_nested(nest, walker.binding(e), inv, sinks, B, served, in_tags)
+               if nest in _ENTERED else None)
         out = compat.bind_eqn(e, inv) if out is None else out
         for v, x in zip(e.outvars, out):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
 
 
-def _nested(nest, bound, inv, sinks, B, served):
+def _nested(nest, bound, inv, sinks, B, served, in_tags=None):
     """The outputs of a call, ``jax.checkpoint`` or ``scan`` bound as ``bound`` (a
     `walker.Binding`) whose operands ``inv`` hold parameter leaves (``sinks``), its
-    body evaluated by `_evaluate`."""
+    body evaluated by `_evaluate` (with its variables' tags where ``in_tags``, the
+    operands' tags, are given: `_body_tags`)."""
     view = walker.view_of(bound)
     if nest is walker.Nest.CALL:
-        return _call(view, inv, sinks, B, served)
+        return _call(view, inv, sinks, B, served, in_tags)
     if nest is walker.Nest.SCAN:
-        return _scan(view, inv, sinks, B, served)
+        return _scan(view, inv, sinks, B, served, in_tags)
+    tags = None if in_tags is None else _body_tags(view.jaxpr, in_tags, B)
 
     def once(*xs):
         inner = {id(x): sinks[id(o)] for x, o in zip(xs, inv) if id(o) in sinks}
-        return _evaluate(view.jaxpr, view.consts, xs, inner, B, served)
+        return _evaluate(view.jaxpr, view.consts, xs, inner, B, served, tags)
 
     return jax.checkpoint(once, prevent_cse=view.prevent_cse, policy=view.policy)(*inv)
 
@@ -194,19 +233,30 @@ _ENTERED = (walker.Nest.CALL, walker.Nest.REMAT, walker.Nest.SCAN)
 _CALLS: dict = {}  # (body, positions of the leaves among its operands) -> (its jit, served)
 
 
-def _call(view, inv, sinks, B, served):
+def _body_tags(jaxpr, in_tags, B):
+    """The independence proof's tag of each variable of ``jaxpr`` (a body) given its
+    inputs' ``in_tags`` (a scan's: its first step's), for `_evaluate`."""
+    from jaxpr_surgery._src import independence as ind
+
+    env: dict = {}
+    ind._Interp(B, frozenset()).tags_of(jaxpr, in_tags, env=env)
+    return env
+
+
+def _call(view, inv, sinks, B, served, in_tags=None):
     """A call (``jit``) whose operands hold parameter leaves, as a ``jax.jit`` of its body
     evaluated with the leaves' sinks as operands: one per body and positions of the
     leaves, so that jax traces (and differentiates) each body once, as it does grad's
     (each layer's ``einsum`` alike)."""
     where = tuple(k for k, x in enumerate(inv) if id(x) in sinks)
-    key = (view.jaxpr, where)
+    key = (view.jaxpr, where, None if in_tags is None else tuple(in_tags))
     if key not in _CALLS:
         inside: set = set()  # (the positions among ``where`` whose leaf a site served)
+        tags = None if in_tags is None else _body_tags(view.jaxpr, in_tags, B)
 
         def body(xs, ss):
             inner = {id(xs[k]): (k, s) for k, s in zip(where, ss)}
-            return _evaluate(view.jaxpr, view.consts, xs, inner, B, inside)
+            return _evaluate(view.jaxpr, view.consts, xs, inner, B, inside, tags)
 
         _CALLS[key] = (jax.jit(body), inside)
     fn, inside = _CALLS[key]
@@ -215,20 +265,29 @@ def _call(view, inv, sinks, B, served):
     return out
 
 
-def _scan(loop, inv, sinks, B, served):
+def _scan(loop, inv, sinks, B, served, in_tags=None):
     """A scan re-made by ``lax.scan``: its consts, carry and xs, and a stacked sink per
-    stacked parameter leaf among the xs (each step's slice is the leaf of its sites)."""
+    stacked parameter leaf among the xs (each step's slice is the leaf of its sites).
+    ``in_tags``: the operands' tags; the body's are read from its first step's (the
+    scanned axis of the xs taken off), which the prototype's models keep."""
     nc, nk = loop.num_consts, loop.num_carry
     consts, carry, xs = inv[:nc], inv[nc:nc + nk], inv[nc + nk:]
     stacked = [(k, sinks[id(x)]) for k, x in enumerate(xs) if id(x) in sinks]
     held = {k: sinks[id(x)] for k, x in enumerate(consts) if id(x) in sinks}
+    tags = None
+    if in_tags is not None:
+        Ex = _tags().Ex
+        step_tags = in_tags[:nc + nk] + [
+            t if not isinstance(t, Ex) else None if t.axis == 0 or t.perm is not None
+            else dataclasses.replace(t, axis=t.axis - 1) for t in in_tags[nc + nk:]]
+        tags = _body_tags(loop.jaxpr, step_tags, B)
 
     def step(carry, sliced):
         xs_k, sink_k = sliced
         inner = {id(consts[k]): v for k, v in held.items()}
         inner.update({id(xs_k[k]): (i, s) for (k, (i, _)), s in zip(stacked, sink_k)})
         out = _evaluate(loop.jaxpr, loop.consts, list(consts) + list(carry) + list(xs_k),
-                        inner, B, served)
+                        inner, B, served, tags)
         return out[:nk], out[nk:]
 
     carry, ys = lax.scan(step, list(carry), (list(xs), [s for _, (_, s) in stacked]),
@@ -273,19 +332,24 @@ class _Sites(compat.Trace):
 
     def _process(self, prim, tracers, params):
         vals, leaves = zip(*map(self.low, tracers)) if tracers else ((), ())
+        online = self.stream is not None and self.stream.online
         if prim is lax.dot_general_p and leaves[1] is not None:
-            m = _dense(params, vals[0], vals[1], self.B)
-            if m is not None:
+            tag = self.stream.tag_of(vals[0], leaves[0]) if online else None
+            dense = _dense(params, vals[0], vals[1], self.B, tag, online)
+            if dense is not None:
                 self.served.add(leaves[1])
                 with compat.set_current_trace(self.parent):
-                    return _site(params, m)(vals[0], vals[1], self.sinks[leaves[1]])
+                    return _site(params, *dense, self.B)(vals[0], vals[1],
+                                                          self.sinks[leaves[1]])
         nest = walker.NESTS.get(prim)
         if self.cached and nest in _ENTERED and any(x is not None for x in leaves):
             held = {id(v): (i, self.sinks[i]) for v, i in zip(vals, leaves) if i is not None}
             body = compat.closed_parts(params["jaxpr"])[0]  # (the arity of its outputs)
             bound = walker.Binding(prim, params, len(vals), len(body.outvars))
+            in_tags = ([self.stream.tag_of(v, i) for v, i in zip(vals, leaves)] if online
+                       else None)
             with compat.set_current_trace(self.parent):
-                outs = _nested(nest, bound, list(vals), held, self.B, self.served)
+                outs = _nested(nest, bound, list(vals), held, self.B, self.served, in_tags)
             return outs if prim.multiple_results else outs[0]
         if nest is walker.Nest.CALL and any(x is not None for x in leaves):
             jaxpr, consts = compat.closed_parts(params["jaxpr"])
@@ -314,10 +378,12 @@ def _intercepted(loss, tree, B, served, cached=False, proof=None):
     calls it (``jax.grad``'s). ``proof``: ``"traced"``, the examples' independence proved
     on a trace of its own of the batch loss (as the package does); ``"stream"``, on the
     equations the intercepting trace saw (`_Stream`); the verdict goes to ``proof``'s
-    list ``_VERDICTS``."""
+    list ``_VERDICTS``; ``"online"``, on the same equations as they are recorded, each
+    site's batch layout read from its input's tag (`_Stream`'s ``B``)."""
     def run(leaves, sinks, batch):
         data = jax.tree.leaves(batch)
-        stream = _Stream(leaves, data) if proof == "stream" else None
+        stream = (_Stream(leaves, data, B if proof == "online" else None)
+                  if proof in ("stream", "online") else None)
         with compat.take_current_trace() as parent:
             trace = _Sites(parent, sinks, B, served, cached, stream)
             held = [_Leaf(trace, x, i) for i, x in enumerate(leaves)]
@@ -327,6 +393,8 @@ def _intercepted(loss, tree, B, served, cached=False, proof=None):
             trace.invalidate()
         if proof == "stream":
             _VERDICTS.append(_prove(stream.closed(out), len(leaves), len(data), B))
+        elif proof == "online":
+            _VERDICTS.append(stream.verdict(out))
         elif proof == "traced":
             def batch_loss(leaves, data):
                 return loss(jax.tree.unflatten(tree, leaves),
@@ -357,12 +425,30 @@ class _Stream:
     the parameter leaves and the batch's arrays its inputs, every primitive bound while
     the trace is current an equation (a call, ``jax.checkpoint`` or ``scan`` one equation
     with its body, as a trace records it), any other value it reads a constant (a
-    literal where a Python scalar). Values are told apart by identity, kept alive."""
+    literal where a Python scalar). Values are told apart by identity, kept alive.
 
-    def __init__(self, leaves, data):
+    ``B`` (online): the independence proof (the package's interpreter) also runs on each
+    equation as it is recorded, so that every value's tag, hence where its examples lie,
+    is known when a site meets it (`tag_of`), and the verdict when the loss is out
+    (`verdict`)."""
+
+    def __init__(self, leaves, data, B=None):
         self.ids, self.keep, self.eqns, self.consts = {}, [], [], []
         self.leaves = [compat.Var(jax.typeof(x)) for x in leaves]
+        self.online, self.B = B is not None, B
+        if self.online:
+            from jaxpr_surgery._src import independence as ind
+
+            self.it, self.env = ind._Interp(B, frozenset()), {}
+            live = types.SimpleNamespace(eqns=self.eqns, invars=self.leaves, constvars=[],
+                                         outvars=[])
+            self.it.frames.append(ind.interp._Frame(live, self.env, None, None,
+                                                    next(self.it.serials)))
+            self.env.update((v, None) for v in self.leaves)
         self.data = [self._new(x) for x in data]
+        if self.online:
+            live.invars = self.leaves + self.data
+            self.env.update((v, _tags().Ex(0)) for v in self.data)
 
     def _new(self, x):
         v = compat.Var(jax.typeof(x))
@@ -380,13 +466,32 @@ class _Stream:
             return compat.Literal(x, jax.typeof(x))
         v = self._new(x)
         self.consts.append((v, x))
+        if self.online:
+            self.env[v] = None
+            if self.B in np.shape(x):
+                self.it.lined[v] = {a: _tags().Lined("a constant", "")
+                                    for a, n in enumerate(np.shape(x)) if n == self.B}
         return v
+
+    def tag_of(self, x, leaf):
+        """The online proof's tag of a value the trace saw (None: a parameter, or a
+        value made outside the trace, a constant)."""
+        v = None if leaf is not None else self.ids.get(id(x))
+        return None if v is None else self.env.get(v)
 
     def record(self, prim, params, ins, outs):
         invars = [self.atom(x, leaf) for x, leaf in ins]
         outvars = [self._new(o) for o in outs]
-        self.eqns.append(jax.extend.core.new_jaxpr_eqn(invars, outvars, prim, params,
-                                                       frozenset()))
+        eqn = jax.extend.core.new_jaxpr_eqn(invars, outvars, prim, params, frozenset())
+        self.eqns.append(eqn)
+        if self.online:
+            it = self.it
+            tags = it.step(eqn, [it.read(self.env, v) for v in invars], (len(self.eqns) - 1,))
+            self.env.update(zip(outvars, tags))
+
+    def verdict(self, out):
+        """The online proof's verdict on the loss ``out``."""
+        return _classify(self.env.get(self.atom(out, None)))
 
     def closed(self, out):
         jaxpr = jax.extend.core.Jaxpr([v for v, _ in self.consts], self.leaves + self.data,
@@ -407,6 +512,14 @@ def _prove(closed, n_leaves, n_data, B):
             it.lined[v] = {a: tags.Lined("a constant", "") for a, n in enumerate(np.shape(c))
                            if n == B}
     (out,) = it.tags_of(closed.jaxpr, [None] * n_leaves + [tags.Ex(0)] * n_data)[:1]
+    return _classify(out)
+
+
+def _classify(out):
+    """The verdict of the loss's tag ``out`` (as `independence.verdict`'s)."""
+    from jaxpr_surgery._src import independence as ind
+
+    tags = _tags()
     if isinstance(out, tags.One):
         return ind.CROSS
     if out is None or (isinstance(out, tags.Sum) and not out.terms):
@@ -419,7 +532,7 @@ def methods(model, B):
     prototype's set of the leaves its sites served (filled as it is traced)."""
     tree = jax.tree.structure(model.params)
     served = {"prototype": set(), "intercept": set(), "intercept-cached": set(),
-              "vmap-intercept-cached": set()}
+              "vmap-intercept-cached": set(), "+ proof online": set()}
 
     def traced(leaves, batch):
         return jax.make_jaxpr(lambda l, b: model.loss(jax.tree.unflatten(tree, l), b))(
@@ -444,7 +557,8 @@ def methods(model, B):
         return jax.grad(loss, argnums=(0, 1))(leaves, [jnp.zeros_like(x) for x in leaves])
 
     def intercept(params, batch, cached=False, proof=None):
-        which = "intercept-cached" if cached else "intercept"
+        which = ("+ proof online" if proof == "online" else "intercept-cached" if cached
+                 else "intercept")
         return _intercept(model.loss, B, served[which], cached, proof)(params, batch)
 
     one = lambda p, x: model.loss(p, jax.tree.map(lambda a: a[None], x))  # noqa: E731
@@ -471,11 +585,46 @@ def methods(model, B):
         "intercept-cached": lambda p, b: intercept(p, b, True),
         "+ proof traced": lambda p, b: intercept(p, b, True, "traced"),
         "+ proof from stream": lambda p, b: intercept(p, b, True, "stream"),
+        "+ proof online": lambda p, b: intercept(p, b, True, "online"),
         "vmap": jax.grad(vmapped),
         "vmap-intercept-cached": vmap_intercept,
         "package": js.per_example_stat(model.loss, js.stats.second_moment()),
     }
     return fns, served
+
+
+def folded(T=5, d=6, f=7, V=9):
+    """A token model whose layers meet the batch where it is not the leading axis: the
+    batch folded into the rows (``h.reshape(-1, d) @ W``, as many codebases write a
+    dense layer), time-major after an ``einsum`` (``btd,df->tbf``), and a jitted layer
+    on the time-major layout; a ``models.Model``."""
+    r = np.random.default_rng(0)
+    params = {"emb": r.normal(size=(V, d)).astype(np.float32),
+              "w1": (r.normal(size=(d, f)) / np.sqrt(d)).astype(np.float32),
+              "w2": (r.normal(size=(f, d)) / np.sqrt(f)).astype(np.float32),
+              "w3": (r.normal(size=(d, f)) / np.sqrt(d)).astype(np.float32),
+              "head": (r.normal(size=(f, V)) / np.sqrt(f)).astype(np.float32)}
+
+    @jax.jit
+    def layer(h, w):  # [T, B, d] -> [T, B, f]
+        return jnp.tanh(h @ w)
+
+    def loss(p, b):
+        Bq = b["tok"].shape[0]
+        h = p["emb"][b["tok"]]  # [B, T, d]
+        h = jnp.tanh(h.reshape(-1, d) @ p["w1"]).reshape(Bq, T, f)
+        h = jnp.einsum("btf,fd->tbd", h, p["w2"])  # time-major
+        z = layer(h, p["w3"]) @ p["head"]  # [T, B, V]
+        lab = b["tgt"].T
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), lab[..., None], -1))
+
+    def make_batch(B):
+        g = np.random.default_rng(B)
+        return {"tok": jnp.asarray(g.integers(0, V, (B, T))),
+                "tgt": jnp.asarray(g.integers(0, V, (B, T)))}
+
+    return models.Model("folded", loss, jax.tree.map(jnp.asarray, params), make_batch,
+                        None, {})
 
 
 def check(model, B=4):
@@ -508,7 +657,7 @@ def check_proofs(model, B=4):
     out = {}
     for name, loss in (("loss", model.loss), ("loss ** 2", squared)):
         got = []
-        for proof in ("stream", "traced"):
+        for proof in ("stream", "online", "traced"):
             del _VERDICTS[:]
             jax.jit(_intercept(loss, B, set(), True, proof)).lower(params, batch)
             got.append(_VERDICTS[-1])

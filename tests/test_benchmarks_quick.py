@@ -302,10 +302,28 @@ def test_one_trace_prototype_is_exact():
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(model.params)]
     # (re-evaluated; intercepted in grad's trace, calls inlined or jitted once per body;
     # intercepted under vmap of the batch-of-one loss)
-    for method in ("prototype", "intercept", "intercept-cached", "vmap-intercept-cached"):
+    for method in ("prototype", "intercept", "intercept-cached", "vmap-intercept-cached",
+                   "+ proof online"):
         got = sorted(names[i].split("'")[-2] for i in served[method])
         assert got == ["w1", "w2", "wk", "wo", "wq", "wv"], method
     assert err < 1e-5
+
+
+def test_one_trace_sites_from_online_tags_find_a_moved_batch():
+    """The prototype whose sites read the batch's layout from the independence proof's
+    tags, computed as the intercepted equations are recorded ("+ proof online"), serves
+    layers that meet the batch folded into the rows, time-major, and inside a jitted
+    layer, exactly; the prototypes that assume a leading batch axis serve none of them."""
+    from benchmarks import one_trace
+
+    model = one_trace.folded()
+    served, err = one_trace.check(model)
+    names = sorted(model.params)
+    assert [names[i] for i in served["+ proof online"]] == ["head", "w1", "w3"]
+    assert all(not served[m] for m in ("prototype", "intercept", "intercept-cached"))
+    assert err < 1e-5
+    proofs = one_trace.check_proofs(model)
+    assert proofs == {"loss": ["independent"] * 3, "loss ** 2": ["cross-example"] * 3}
 
 
 def test_one_trace_quick(tmp_path):
@@ -319,18 +337,18 @@ def test_one_trace_quick(tmp_path):
     assert doc["rows"] == rows and doc["checks"] == checks
     assert {r["method"] for r in rows} == {"grad", "trace", "re-evaluate", "prototype",
                                            "intercept", "intercept-cached", "+ proof traced",
-                                           "+ proof from stream", "vmap",
+                                           "+ proof from stream", "+ proof online", "vmap",
                                            "vmap-intercept-cached", "package"}
     assert all(c["max_rel_error"] < 1e-5 for c in checks.values())
     # (the proof from the intercepted equations decides as the proof from a trace: a
     # model's loss independent, its square not a mean of per-example terms)
     for c in checks.values():
-        assert c["proofs"] == {"loss": ["independent"] * 2,
-                               "loss ** 2": ["cross-example"] * 2}, c["proofs"]
+        assert c["proofs"] == {"loss": ["independent"] * 3,
+                               "loss ** 2": ["cross-example"] * 3}, c["proofs"]
     # (the scan stack's layers: served by the prototypes that enter its scan)
     scan = checks["scan L2"]["served"]
     assert (scan["prototype"] == scan["intercept-cached"] == scan["vmap-intercept-cached"]
-            != [] == scan["intercept"])
+            == scan["+ proof online"] != [] == scan["intercept"])
     for r in rows:
         if r["method"] != "grad":
             assert 0 < r["lower_cpu_x_grad"] < 100 and 0 < r["lower_thread_x_grad"] < 100
