@@ -8,6 +8,8 @@ to be non-zero as well as equal to the oracle.
 
 from __future__ import annotations
 
+import functools
+
 import _models as M
 import jax
 import numpy as np
@@ -265,14 +267,24 @@ def test_parameter_gathered_over_a_model_axis_refused_clearly():
         jax.jit(stat)(params, batch)
 
 
-def _replicated_leaf_loss(form):
+def _cast_to_varying(w, axis):
+    """The user's own cast (JAX refuses it on a value that varies over ``axis``)."""
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(w, axis, to="varying")
+    return jax.lax.pvary(w, axis)  # (jax 0.10)
+
+
+def _replicated_leaf_loss(form, cast_u=False):
     """A loss whose replicated weight JAX casts to varying (shard_map's types) inside
     something the package evaluates as it stands: a view of the weight (``tanh(W)``,
     ``diag(W)``: the cast comes after the view), a ``fori_loop`` closing over it (the
-    cast inside the loop's body). `test_random_models.py` crosses more."""
+    cast inside the loop's body). `test_random_models.py` crosses more. ``cast_u``: the
+    loss also casts another weight to varying itself (``jax.lax.pcast``), which it may
+    only do to a value that does not vary yet; the loss returned then takes whether to
+    (outside shard_map, for the oracle, it may not)."""
     jnp = jax.numpy
 
-    def loss(p, b):
+    def loss(p, b, cast=cast_u):
         x = b["x"]
         if form == "through_tanh":
             h = x @ jnp.tanh(p["w"])
@@ -280,40 +292,48 @@ def _replicated_leaf_loss(form):
             h = x @ p["w"] + x * jnp.diag(p["w"])
         else:  # a fori_loop closing over the weight
             h = jax.lax.fori_loop(0, 2, lambda i, c: jnp.tanh(c @ p["w"]), x)
+        if "u" in p:
+            h = h * (_cast_to_varying(p["u"], "d") if cast else p["u"])
         return jnp.mean((jnp.tanh(h) @ p["v"] - b["y"]) ** 2)
 
     return loss
 
 
+@pytest.mark.parametrize("cast_u", [False, True])
 @pytest.mark.parametrize("chunk", [None, 1])
 @pytest.mark.parametrize("form", ["through_tanh", "dense_and_diagonal", "fori_loop"])
-def test_replicated_leaf_cast_inside_the_loss_exact(form, chunk):
+def test_replicated_leaf_cast_inside_the_loss_exact(form, chunk, cast_u):
     """Each device's per-example gradients of a replicated weight that JAX casts to
     varying inside the loss (`api.replicated_leaves`): every statistic equals the oracle
     of the whole batch. Before, each of these raised a type error from jax (a per-example
     gradient summed over the devices by the cast's transpose, or a cast of a copy that
-    varied already)."""
-    loss = _replicated_leaf_loss(form)
+    varied already); and, where the loss also cast another weight itself
+    (``cast_u``: `api.cast_elsewhere`), each still did."""
+    loss = _replicated_leaf_loss(form, cast_u)
     rng = np.random.default_rng(3)
     with zoo.x64():
         params = {"w": jax.numpy.asarray(rng.normal(size=(4, 4)) * 0.5),
                   "v": jax.numpy.asarray(rng.normal(size=(4,)))}
+        if cast_u:
+            params["u"] = jax.numpy.asarray(rng.normal(size=(4,)))
         batch = {"x": jax.numpy.asarray(rng.normal(size=(2 * NDEV, 4))),
                  "y": jax.numpy.asarray(rng.normal(size=(2 * NDEV,)))}
         stats = {"mean": js.stats.mean(), "second_moment": js.stats.second_moment(),
                  "variance": js.stats.variance(), "clipped_mean": js.stats.clipped_mean(0.2)}
         _assert_data_parallel_exact(loss, params, batch, stats, {"clip_norm": 0.2}, chunk,
-                                    form)
+                                    form, functools.partial(loss, cast=False))
 
 
-def _assert_data_parallel_exact(loss, params, batch, stats, clip, chunk, what):
+def _assert_data_parallel_exact(loss, params, batch, stats, clip, chunk, what, oracle=None):
     """``stats`` of ``loss`` with the batch split over the mesh by shard_map
-    (``axis_name``, parameters replicated) equal the oracle of the whole batch (float64)."""
+    (``axis_name``, parameters replicated) equal the oracle of the whole batch (float64):
+    the per-example gradients of ``oracle`` (default ``loss``)."""
     fn = js.per_example_stat(loss, stats, axis_name="d", chunk_size=chunk)
     mesh = _mesh(jax.sharding.AxisType.Auto)
     out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))(
         params, batch)
-    g = jax.vmap(jax.grad(lambda p, ex: loss(p, jax.tree.map(lambda t: t[None], ex))),
+    oracle = loss if oracle is None else oracle
+    g = jax.vmap(jax.grad(lambda p, ex: oracle(p, jax.tree.map(lambda t: t[None], ex))),
                  (None, 0))(params, batch)
     for k in stats:
         want = zoo.oracle_from_grads(g, k, **(clip if k.startswith("clipped") else {}))

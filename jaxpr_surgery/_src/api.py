@@ -88,11 +88,14 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     try:
         try:
             closed, out_tree = prep.trace(varying=varying)
-        except Exception:  # (a loss that casts the leaf itself, `jax.lax.pcast`: as given)
+        except Exception:  # (a loss that casts a leaf itself, `jax.lax.pcast`: as given)
             if not varying:
                 raise
-            varying = frozenset()
             closed, out_tree = prep.trace()
+            # (the other replicated leaves are still traced varying)
+            varying, got = cast_elsewhere(prep, varying)
+            if got is not None:
+                closed, out_tree = got
     except Exception:
         if check is not None:  # a cross-example loss can fail on one example (the top k
             try:  # of the batch's losses): say so rather than JAX's error
@@ -127,6 +130,37 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     return Front(closed, out_tree, an, plan.leaf_avals, plan, cs, act, lifted)
 
 
+def cast_elsewhere(prep, varying):
+    """``(leaves, trace)``: the leaves of ``varying`` (`replicated_leaves`) that the loss
+    does not cast to varying itself (``jax.lax.pcast(w, axis, to="varying")``, refused by
+    JAX on a value that varies already), and the per-example trace with them varying
+    (``(frozenset(), None)``: none can be). Found by halving: a trace with a set of
+    leaves varying fails where the set holds a leaf the loss casts (about two traces per
+    such leaf per halving; only for a loss that casts a leaf itself)."""
+
+    def trace(leaves):
+        try:
+            return prep.trace(varying=leaves)
+        except Exception:  # noqa: BLE001 - one of them is cast by the loss
+            return None
+
+    cast = set()
+
+    def find(leaves):
+        if len(leaves) == 1:
+            cast.update(leaves)
+        else:
+            order = sorted(leaves)
+            for part in (order[: len(order) // 2], order[len(order) // 2 :]):
+                if trace(frozenset(part)) is None:
+                    find(part)
+
+    find(sorted(varying))
+    rest = frozenset(varying) - cast
+    got = trace(rest) if rest else None
+    return (rest, got) if got is not None else (frozenset(), None)
+
+
 def replicated_leaves(prep) -> frozenset:
     """Inside typed shard_map, the leaves replicated over every axis the examples vary
     over: they are traced, and evaluated, varying over those axes (`arguments.Prep.trace`,
@@ -134,8 +168,9 @@ def replicated_leaves(prep) -> frozenset:
     leaf to varying where it meets the data, also inside a loop's, a branch's or a jitted
     call's body, and a per-example gradient through that cast would be summed over the
     devices; a leaf sharded over those axes (hand-written FSDP) keeps its own type. A
-    loss that casts such a leaf itself (``jax.lax.pcast(w, axis, to="varying")``, which
-    JAX refuses on a varying value) is traced as given (`front_half`)."""
+    leaf the loss casts itself (``jax.lax.pcast(w, axis, to="varying")``, which JAX
+    refuses on a varying value) is traced as given, the others varying
+    (`front_half`, `cast_elsewhere`)."""
     axes = prep.data_axes
     return frozenset(i for i, x in enumerate(prep.diff_leaves)
                      if axes and not compat.vma_of(x) & axes)
