@@ -10,7 +10,9 @@ layers, a weight used both densely and elementwise, a weight through a nonlinear
 data, a weight as matmul's left operand, weight normalisation, a scaled second lookup,
 a layer in a lower precision, weights times constant masks and per-row or per-column
 constants, ``.at[].set``, a window at a start the example picks, concatenated and
-stacked leaves, and ``jax.nn.dot_product_attention``), an
+stacked leaves, ``jax.nn.dot_product_attention``, ``lax.map`` over the examples, a scalar
+temperature, a use behind ``stop_gradient``, a remat policy, ``named_call``, a
+``custom_jvp`` layer, one weight twice in an einsum, layers chosen by ``jnp.where``), an
 optional embedding (tied to the head or not), a head (squared error or cross-entropy) and
 an optional L2 penalty. `check(seed)` draws a batch size (1 to 5), a chunk size, a memory
 budget (tiny ones force tiles), example weights (zeros included), three statistics and
@@ -204,7 +206,23 @@ def _block(b, d, depth=0):
 # cast to a lower precision, and jax.nn's attention.
 MORE_KINDS = ("lora", "positional", "column_gather", "left", "weight_norm", "scaled_lookup",
               "cast", "masked", "col_scaled", "row_scaled", "at_set", "dyn_slice", "concat",
-              "stack", "dpa")
+              "stack", "dpa", "lax_map", "temperature", "stop_grad", "remat_policy", "named",
+              "custom_jvp", "einsum_twice", "where_select")
+
+
+@jax.custom_jvp
+def _softsign_dense(x, w):  # (a layer with a derivative of its own, forward mode)
+    z = x @ w
+    return z / (1 + jnp.abs(z))
+
+
+@_softsign_dense.defjvp
+def _softsign_dense_jvp(primals, tangents):
+    x, w = primals
+    dx, dw = tangents
+    z = x @ w
+    dz = dx @ w + x @ dw
+    return z / (1 + jnp.abs(z)), dz / (1 + jnp.abs(z)) ** 2
 
 
 def _more(b, d, kind):
@@ -270,6 +288,33 @@ def _more(b, d, kind):
     if kind == "stack":
         w1, w2 = b.param(d, d2), b.param(d, d2)
         return (lambda p, h: jnp.einsum("...i,kio->...o", h, jnp.stack([p[w1], p[w2]]))
+                ), d2, kind
+    if kind == "lax_map":  # a loop over the leading axis (the examples, batched)
+        w = b.param(d, d2)
+        return (lambda p, h: jax.lax.map(lambda x: jnp.tanh(x @ p[w]), h)), d2, kind
+    if kind == "temperature":  # a scalar the logits are divided by
+        t = b.param(scale=1.0)
+        return (lambda p, h: h / (1.5 + jnp.tanh(p[t]))), d, kind
+    if kind == "stop_grad":  # a second use of the weight that passes no gradient
+        w = b.param(d, d2)
+        return (lambda p, h: h @ p[w] + 0.5 * h @ jax.lax.stop_gradient(p[w])), d2, kind
+    if kind == "remat_policy":
+        w1, w2 = b.param(d, d), b.param(d, d2)
+        pol = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        return (jax.checkpoint(lambda p, h: jnp.tanh(h @ p[w1]) @ p[w2], policy=pol)
+                ), d2, kind
+    if kind == "named":
+        w = b.param(d, d2)
+        return jax.named_call(lambda p, h: jnp.tanh(h @ p[w]), name="named_layer"), d2, kind
+    if kind == "custom_jvp":
+        w = b.param(d, d2)
+        return (lambda p, h: _softsign_dense(h, p[w])), d2, kind
+    if kind == "einsum_twice":  # one weight twice in one contraction
+        w = b.param(d, d, scale=0.5 / np.sqrt(d))
+        return (lambda p, h: jnp.einsum("...i,ij,jk->...k", h, p[w], p[w])), d, kind
+    if kind == "where_select":  # two layers, chosen element by element by the data
+        w1, w2 = b.param(d, d2), b.param(d, d2)
+        return (lambda p, h: jnp.where(h[..., :1] > 0, h @ p[w1], jnp.tanh(h @ p[w2]))
                 ), d2, kind
     # dpa: jax.nn.dot_product_attention between projections (tokens)
     if not b.T:
@@ -462,7 +507,7 @@ def mismatches(got, g, kws, weights, f64=True, bf16=False):
 def lower_precision(desc):
     """Whether a block of the model computes a precision below its parameters' (``cast``;
     ``dpa``: jax.nn.dot_product_attention's softmax is float32's whatever the inputs)."""
-    return any(x in ("cast", "dpa") for x in desc)
+    return any("cast" in x or "dpa" in x for x in desc)
 
 
 def check(seed, dtype=jnp.float64, kinds=KINDS):

@@ -143,3 +143,54 @@ def test_x64_does_not_leak():
     assert jnp.zeros(()).dtype == jnp.float32 or jax.config.jax_enable_x64
     with M.x64():
         assert jnp.zeros(()).dtype == jnp.float64
+
+
+def _zero_rows_model(form):
+    """A token model some of whose per-example gradients or token cotangents are exactly
+    zero: ``"branch"``, a layer ``jnp.where`` never takes for example 1 (its gradient of
+    ``w2`` is zero); ``"padding"``, tokens masked out of the loss (their cotangents are
+    zero); ``"tied"``, the same with the embedding table tied to the head (the ghost
+    cross terms between its lookup and its dense use)."""
+    r = np.random.default_rng(5)
+    T, d, f = 3, 8, 8
+    V = 64 if form == "tied" else 4  # (a vocabulary whose norms take the cross terms)
+    params = {"w1": jnp.asarray(r.normal(size=(d, f)) / np.sqrt(d)),
+              "w2": jnp.asarray(r.normal(size=(d, f)) / np.sqrt(d)),
+              "wo": jnp.asarray(r.normal(size=(f, V)) / np.sqrt(f)),
+              "emb": jnp.asarray(r.normal(size=(V, f)))}
+    x = r.normal(size=(3, T, d))
+    x[1, :, 0] = np.abs(x[1, :, 0]) + 0.1  # (example 1: every token takes w1's branch)
+    mask = np.ones((3, T))
+    mask[0, 2] = mask[2, 1:] = 0.0
+    batch = {"x": jnp.asarray(x), "y": jnp.asarray(r.integers(0, V, (3, T))),
+             "mask": jnp.asarray(mask)}
+
+    def loss(p, b):
+        h = b["x"]
+        if form == "branch":
+            h = jnp.where(h[..., :1] > 0, h @ p["w1"], jnp.tanh(h @ p["w2"]))
+        else:
+            h = jnp.tanh(h @ p["w1"]) + jnp.tanh(h @ p["w2"])
+        if form == "tied":
+            h = h + p["emb"][b["y"]]
+        logp = jax.nn.log_softmax(h @ (p["emb"].T if form == "tied" else p["wo"]))
+        terms = -jnp.take_along_axis(logp, b["y"][..., None], -1)[..., 0]
+        if form != "branch":
+            terms = terms * b["mask"]
+        return jnp.mean(terms)
+
+    return loss, params, batch
+
+
+@pytest.mark.parametrize("form", ["branch", "padding", "tied"])
+def test_grad_of_norms_where_gradients_or_token_cotangents_are_zero(form):
+    """Per-example norms, and the clipped mean that divides by them, differentiated where
+    a site's per-example gradient is zero (a branch never taken) or some of its tokens'
+    cotangents are (padding): finite and equal to the oracle's. Before, the ghost form's
+    rounding bound took square roots of those zero rows, and a zero gradient's exact norm
+    (`norms.example_norm`) its own: NaN derivatives (found by random models)."""
+    with M.x64():
+        loss, params, batch = _zero_rows_model(form)
+        names = ["sq_norms", "norms", "clipped_mean"]
+        out = _jacobians(loss, params, batch, names)
+        _check_rows(names, *out, rtol=1e-8, atol=1e-10, model=form)

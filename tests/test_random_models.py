@@ -43,9 +43,10 @@ def test_random_model_matches_oracle_float32(seed):
 
 
 # The second family of blocks (`_random_models.MORE_KINDS`: weights merged, masked,
-# normalised, concatenated, indexed by the data, cast to a lower precision; jax.nn's
-# attention): the default seeds cover every kind of it.
-MORE_DEFAULT = (1005, 1011, 1013, 1020, 1027, 1045, 1059, 1066)
+# normalised, concatenated, indexed by the data, cast to a lower precision, used twice in
+# one einsum, behind stop_gradient, custom_jvp, named_call, a remat policy or lax.map;
+# jax.nn's attention): the default seeds cover every kind of it.
+MORE_DEFAULT = (1002, 1005, 1014, 1020, 1024, 1025, 1026, 1027, 1042, 1059, 1101, 1105)
 MORE_EXTENDED = tuple(s for s in range(1000, 1060) if s not in MORE_DEFAULT)
 
 
@@ -58,9 +59,9 @@ def test_random_model_of_more_kinds_matches_oracle(seed):
 
 
 @pytest.mark.parametrize(
-    "seed", [1011, *(pytest.param(s, marks=pytest.mark.extended) for s in range(1060, 1070))])
+    "seed", [1024, *(pytest.param(s, marks=pytest.mark.extended) for s in range(1060, 1070))])
 def test_random_model_of_more_kinds_matches_oracle_float32(seed):
-    """(1011 computes a layer in bfloat16, at a tolerance of its rounding)"""
+    """(1024 computes a layer in bfloat16, at a tolerance of its rounding)"""
     bad, desc = check(seed, jnp.float32, kinds=KINDS + MORE_KINDS)
     assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src import views
-from jaxpr_surgery._src.norms import rounding, staged_sum
+from jaxpr_surgery._src.norms import no_derivative, rounding, staged_sum
 from jaxpr_surgery._src.sites.base import Candidate, cheapest
 
 
@@ -166,6 +166,7 @@ def cross_fast(sa, ka, inga, sb, kb, ingb):
     P = jnp.take_along_axis(picked, ids[:, None, :], axis=2)  # [B, N, T]
     P = jnp.swapaxes(P, 1, 2)  # [B, T, N]
     cross = staged_sum(jnp.sum(A * P, -1))  # (products and sums: no unit batch dots)
+    dye, other, A, P = no_derivative(dye, other, A, P)  # (the bound: a margin)
     ne = jnp.sqrt(jnp.sum(jnp.square(dye), -1))
     no = jnp.sqrt(jnp.sum(jnp.square(other), -1))
     aP, dt = jnp.abs(P), cross.dtype

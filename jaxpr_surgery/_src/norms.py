@@ -156,7 +156,7 @@ def example_norm(make, blocks=None):
     if blocks is None:
         g = make(None)
         m = jnp.max(jnp.abs(g))
-        return m * jnp.sqrt(jnp.sum(jnp.square(g / jnp.where(m > 0, m, 1))))
+        return m * sqrt0(jnp.sum(jnp.square(g / jnp.where(m > 0, m, 1))))
     axis, size, n = blocks
     nd = cuts.split_count()
     nf = cuts.strided_count(n, size, nd) if nd > 1 else None
@@ -171,7 +171,7 @@ def example_norm(make, blocks=None):
     if rem:
         state = add(state, make((axis, count * size, rem)))
     scale, ssq = state
-    return scale * jnp.sqrt(ssq)
+    return scale * sqrt0(ssq)  # (an example whose gradient is zero: a zero derivative)
 
 
 def flagged_norms(sq, exact_norm, args):
@@ -209,6 +209,15 @@ def honest_sq(sq, norms):
     norm's products, cross terms of opposite signs): the square of the exact norm,
     ``inf`` only where that square is past the dtype's range."""
     return jnp.where(jnp.isfinite(sq), sq, jnp.square(norms))
+
+
+def no_derivative(*arrays):
+    """``arrays`` read by a bound of rounding errors (a ghost form's): a margin, not a
+    function to differentiate. Differentiated, the square roots of its row norms would
+    give a NaN derivative wherever a row is zero (a token whose cotangent is zero: a
+    padded or masked token, a branch ``jnp.where`` did not take), and the statistics'
+    gradients (clipping's norms read the bound) would be NaN."""
+    return tuple(jax.lax.stop_gradient(a) for a in arrays)
 
 
 def sqrt0(sq):

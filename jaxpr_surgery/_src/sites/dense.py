@@ -29,7 +29,13 @@ from jaxpr_surgery._src import sink_keys as K
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src import stats_research as R
 from jaxpr_surgery._src.clip_reductions import KeptExamples
-from jaxpr_surgery._src.norms import GHOST_TOLERANCE, rounding, staged_sum, untrusted
+from jaxpr_surgery._src.norms import (
+    GHOST_TOLERANCE,
+    no_derivative,
+    rounding,
+    staged_sum,
+    untrusted,
+)
 from jaxpr_surgery._src.sites.base import (
     STREAMED,
     Candidate,
@@ -572,6 +578,9 @@ class DenseKernel(Kernel):
         # (products and sums, no dots: a dot batched over a unit axis is laid out badly
         # by XLA:CPU, and the examples' unit batch dims are squeezed everywhere else)
         ghost = staged_sum(jnp.sum(gx * gd, -1))
+        # (the bound is a margin, not differentiated: a token whose dy is zero would
+        # give its norm's square root a NaN derivative, `norms.no_derivative`)
+        X, dy, gx, gd = no_derivative(X, dy, gx, gd)
         nx = jnp.sqrt(jnp.sum(jnp.square(X), -1))
         nd = jnp.sqrt(jnp.sum(jnp.square(dy), -1))
         ax, ad = jnp.abs(gx), jnp.abs(gd)
