@@ -91,11 +91,9 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
         except Exception:  # (a loss that casts a leaf itself, `jax.lax.pcast`: as given)
             if not varying:
                 raise
-            closed, out_tree = prep.trace()
             # (the other replicated leaves are still traced varying)
             varying, got = cast_elsewhere(prep, varying)
-            if got is not None:
-                closed, out_tree = got
+            closed, out_tree = got if got is not None else prep.trace()
     except Exception:
         if check is not None:  # a cross-example loss can fail on one example (the top k
             try:  # of the batch's losses): say so rather than JAX's error
