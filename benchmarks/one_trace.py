@@ -435,19 +435,17 @@ class _Stream:
     def __init__(self, leaves, data, B=None):
         self.ids, self.keep, self.eqns, self.consts = {}, [], [], []
         self.leaves = [compat.Var(jax.typeof(x)) for x in leaves]
+        self.data = [self._new(x) for x in data]
         self.online, self.B = B is not None, B
-        if self.online:
+        if self.online:  # (the proof's frame over the jaxpr as it grows)
             from jaxpr_surgery._src import independence as ind
 
             self.it, self.env = ind._Interp(B, frozenset()), {}
-            live = types.SimpleNamespace(eqns=self.eqns, invars=self.leaves, constvars=[],
-                                         outvars=[])
+            live = types.SimpleNamespace(eqns=self.eqns, invars=self.leaves + self.data,
+                                         constvars=[], outvars=[])
             self.it.frames.append(ind.interp._Frame(live, self.env, None, None,
                                                     next(self.it.serials)))
             self.env.update((v, None) for v in self.leaves)
-        self.data = [self._new(x) for x in data]
-        if self.online:
-            live.invars = self.leaves + self.data
             self.env.update((v, _tags().Ex(0)) for v in self.data)
 
     def _new(self, x):
@@ -468,9 +466,7 @@ class _Stream:
         self.consts.append((v, x))
         if self.online:
             self.env[v] = None
-            if self.B in np.shape(x):
-                self.it.lined[v] = {a: _tags().Lined("a constant", "")
-                                    for a, n in enumerate(np.shape(x)) if n == self.B}
+            _line_up(self.it, v, x, self.B)
         return v
 
     def tag_of(self, x, leaf):
@@ -499,6 +495,14 @@ class _Stream:
         return compat.ClosedJaxpr(jaxpr, [x for _, x in self.consts])
 
 
+def _line_up(it, v, c, B):
+    """A constant ``c`` (the proof ``it``'s variable ``v``) with an axis of size ``B`` may
+    be lined up with the batch (`independence.tags.Lined`), as the package reads one."""
+    if B in np.shape(c):
+        it.lined[v] = {a: _tags().Lined("a constant", "") for a, n in enumerate(np.shape(c))
+                       if n == B}
+
+
 def _prove(closed, n_leaves, n_data, B):
     """The independence proof's verdict on ``closed`` (a batch loss of ``n_leaves``
     parameter leaves, then ``n_data`` batch arrays of ``B`` examples), as the package's
@@ -508,9 +512,7 @@ def _prove(closed, n_leaves, n_data, B):
 
     it = ind._Interp(B, frozenset())
     for v, c in zip(closed.jaxpr.constvars, closed.consts):
-        if B in np.shape(c):
-            it.lined[v] = {a: tags.Lined("a constant", "") for a, n in enumerate(np.shape(c))
-                           if n == B}
+        _line_up(it, v, c, B)
     (out,) = it.tags_of(closed.jaxpr, [None] * n_leaves + [tags.Ex(0)] * n_data)[:1]
     return _classify(out)
 

@@ -64,6 +64,14 @@ B = 8
 CLIP = 0.5  # clip norm used throughout; below most per-example norms of the models
 
 
+def cast_to_varying(w, axis):
+    """A loss's own cast of ``w`` to varying over ``axis`` inside shard_map (JAX refuses it
+    on a value that varies over ``axis`` already)."""
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(w, axis, to="varying")
+    return jax.lax.pvary(w, axis)  # (jax 0.10)
+
+
 def x64():
     """Context manager enabling float64 locally (``jax.enable_x64(True)`` in jax 0.10)."""
     enable = getattr(jax, "enable_x64", None)

@@ -550,12 +550,6 @@ def test_rule_registration_errors():
         js.extend.register_custom_op(dense, rule=js.extend.CustomOpRule())
 
 
-def _varying(w, axis):  # (the weight typed as varying over the examples' axis)
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(w, axis, to="varying")
-    return jax.lax.pvary(w, axis)
-
-
 @pytest.mark.parametrize("how", ["unregistered", "reference", "rule"])
 def test_inside_shard_map(monkeypatch, how):
     """Data parallel in ``shard_map`` (the weight cast to varying before the op, as
@@ -575,7 +569,7 @@ def test_inside_shard_map(monkeypatch, how):
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
 
     def loss(w, b):
-        return jnp.mean(jnp.sum(jnp.tanh(dense(_varying(w, "data"), b)) ** 2, axis=(1, 2)))
+        return jnp.mean(jnp.sum(jnp.tanh(dense(M.cast_to_varying(w, "data"), b)) ** 2, axis=(1, 2)))
 
     def plain(w, b):
         return jnp.mean(jnp.sum(jnp.tanh(dense(w, b)) ** 2, axis=(1, 2)))

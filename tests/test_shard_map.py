@@ -267,13 +267,6 @@ def test_parameter_gathered_over_a_model_axis_refused_clearly():
         jax.jit(stat)(params, batch)
 
 
-def _cast_to_varying(w, axis):
-    """The user's own cast (JAX refuses it on a value that varies over ``axis``)."""
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(w, axis, to="varying")
-    return jax.lax.pvary(w, axis)  # (jax 0.10)
-
-
 def _replicated_leaf_loss(form, cast_u=False):
     """A loss whose replicated weight JAX casts to varying (shard_map's types) inside
     something the package evaluates as it stands: a view of the weight (``tanh(W)``,
@@ -293,7 +286,7 @@ def _replicated_leaf_loss(form, cast_u=False):
         else:  # a fori_loop closing over the weight
             h = jax.lax.fori_loop(0, 2, lambda i, c: jnp.tanh(c @ p["w"]), x)
         if "u" in p:
-            h = h * (_cast_to_varying(p["u"], "d") if cast else p["u"])
+            h = h * (M.cast_to_varying(p["u"], "d") if cast else p["u"])
         return jnp.mean((jnp.tanh(h) @ p["v"] - b["y"]) ** 2)
 
     return loss

@@ -144,12 +144,11 @@ def cast_elsewhere(prep, varying):
 
     cast = set()
 
-    def find(leaves):
+    def find(leaves):  # (a sorted list whose trace failed)
         if len(leaves) == 1:
             cast.update(leaves)
         else:
-            order = sorted(leaves)
-            for part in (order[: len(order) // 2], order[len(order) // 2 :]):
+            for part in (leaves[: len(leaves) // 2], leaves[len(leaves) // 2 :]):
                 if trace(frozenset(part)) is None:
                     find(part)
 
