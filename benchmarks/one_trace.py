@@ -51,6 +51,15 @@ process CPU time, ratios to grad's within a round (as ``benchmarks.compile_time`
   trace sits between the batch-of-one loss and ``vmap``'s, so each site sees one
   example's ``x`` and ``dy``; its backward pass emits ``G_b**2`` of its example, and
   ``vmap`` sums the sink's cotangent over the examples (the sink is not mapped).
+* ``batch-evaluate``: design E: ``trace``, then the batch loss's jaxpr evaluated again
+  under ``jax.grad`` with the dense rules at its sites (as ``prototype``), each repeated
+  layer (the span from one layer's first site to the next layer's, found as the package's
+  `interpreter.Evaluator` finds its blocks) one ``jax.jit`` cached by its structure, so
+  that the later layers reuse the first one's trace, linearization and transposition;
+  nothing batched again (the batch loss is already batched), the sites' sinks known
+  before ``jax.grad`` traces (from the traced jaxpr), which an intercepting design does
+  not have.
+* ``batch-evaluate + proof``: the same, the independence proof run on that one trace.
 * ``package``: ``js.per_example_stat(loss, second_moment())`` as it is.
 
 Models (B 8): compile_check's s768 (4 layers of width 768, T 256), GPT-2 small (12 layers,
@@ -295,6 +304,139 @@ def _scan(loop, inv, sinks, B, served, in_tags=None):
     return list(carry) + list(ys)
 
 
+_BLOCKS: dict = {}  # a layer's structural key -> (its jit, positions its sites served)
+
+
+def _periods(special, toks):
+    """``{start: stop}``: the spans of equations that repeat one layer, found from the
+    tokens ``toks`` of the equations ``special`` (the positions of the sites and the
+    calls holding a leaf), as the package's `interpreter.Evaluator` finds them."""
+    n = len(special)
+    last, gaps = {}, {}
+    for k, t in enumerate(toks):
+        if t is not None and t in last:
+            gaps[k - last[t]] = gaps.get(k - last[t], 0) + 1
+        last[t] = k
+    best = None
+    for P in sorted(gaps, key=gaps.get, reverse=True)[:8]:
+        k = 0
+        while k + P < n:
+            if toks[k] is None or toks[k] != toks[k + P]:
+                k += 1
+                continue
+            s = k
+            while k + P < n and toks[k] is not None and toks[k] == toks[k + P]:
+                k += 1
+            R = (k - s + P) // P
+            if R >= 2 and (best is None or (R * P, -P) > best[:2]):
+                best = (R * P, -P, s, R)
+    if best is None:
+        return {}
+    _, P, s, R = best
+    starts = [special[s + r * -P] for r in range(R)]
+    stop = special[s + R * -P] if s + R * -P < n else starts[-1] + starts[-1] - starts[-2]
+    return dict(zip(starts, starts[1:] + [stop]))
+
+
+def _evaluate_blocks(closed, leaves, data, sinks, B, served):
+    """Design E's floor (``batch-evaluate``): the batch loss's jaxpr ``closed`` (its
+    inputs the parameter leaves, then the batch's arrays) evaluated on ``leaves`` and
+    ``data`` with a dense site's rule at every ``dot_general`` of a leaf (as `_evaluate`)
+    and each repeated layer (a span between successive layers' first sites, as the
+    package's `interpreter.Evaluator` finds them) as one ``jax.jit`` cached by its
+    structure: grad's trace of the later layers reused, nothing batched again."""
+    from jaxpr_surgery._src import fingerprint as fp
+
+    jaxpr = closed.jaxpr
+    is_leaf = {v: i for i, v in enumerate(jaxpr.invars[:len(leaves)])}
+    eqns = jaxpr.eqns
+
+    def holds(e):
+        return any(not isinstance(v, jax.extend.core.Literal) and v in is_leaf
+                   for v in e.invars)
+
+    special = [k for k, e in enumerate(eqns)
+               if holds(e) and (e.primitive is lax.dot_general_p
+                                or walker.nest_of(e) in _ENTERED)]
+
+    def token(e):
+        try:
+            return (e.primitive, fp.value_key(dict(e.params)),
+                    tuple(fp.aval_key(v.aval) for v in e.outvars))
+        except fp.Unkeyable:
+            return None
+
+    blocks = _periods(special, [token(eqns[k]) for k in special]) if len(special) >= 4 else {}
+    last = {}
+    for k, e in enumerate(eqns):
+        for v in e.invars:
+            if not isinstance(v, jax.extend.core.Literal):
+                last[v] = k
+    for v in jaxpr.outvars:
+        if not isinstance(v, jax.extend.core.Literal):
+            last[v] = len(eqns)
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, list(leaves) + list(data)))
+    ids = {id(x): (i, s) for i, (x, s) in enumerate(zip(leaves, sinks))}
+
+    def span(a, b):  # eqns[a:b] as a jaxpr of what they read, and what they define
+        ins, seen, defined = [], set(), set()
+        for e in eqns[a:b]:
+            for v in e.invars:
+                if (not isinstance(v, jax.extend.core.Literal) and v not in defined
+                        and v not in seen):
+                    seen.add(v)
+                    ins.append(v)
+            defined.update(e.outvars)
+        return ins, [v for e in eqns[a:b] for v in e.outvars]
+
+    keep: dict = {}  # (a layer's length -> its outputs' positions read after any of them,
+    # so that the last layer returns what the others do and shares their trace)
+    for a, b in blocks.items():
+        defs = span(a, b)[1]
+        keep.setdefault(b - a, set()).update(
+            j for j, v in enumerate(defs) if last.get(v, -1) >= b)
+    k, starts = 0, sorted(blocks)
+    while k < len(eqns):
+        b = blocks.get(k)
+        if b is not None:
+            ins, defs = span(k, b)
+            outs = [defs[j] for j in sorted(keep[b - k])]
+            where = tuple(j for j, v in enumerate(ins) if v in is_leaf)
+            try:
+                namer = fp.Namer()
+                for j, v in enumerate(ins):
+                    namer.bind(v, ("in", j))
+                key = (fp.eqns_key(eqns[k:b], namer), tuple(fp.aval_key(v.aval) for v in ins),
+                       where, tuple(namer.ref(v) for v in outs), B)
+            except (fp.Unkeyable, KeyError):
+                key = None
+            if key is not None:
+                if key not in _BLOCKS:
+                    sub = jax.extend.core.Jaxpr([], ins, outs, eqns[k:b])
+                    inside: set = set()
+
+                    def fn(vals, ss, sub=sub, where=where, inside=inside):
+                        inner = {id(vals[j]): (j, s) for j, s in zip(where, ss)}
+                        return _evaluate(sub, [], vals, inner, B, inside)
+
+                    _BLOCKS[key] = (jax.jit(fn), inside)
+                fn, inside = _BLOCKS[key]
+                vals = [env[v] for v in ins]
+                res = fn(vals, [ids[id(vals[j])][1] for j in where])
+                served.update(ids[id(vals[j])][0] for j in inside)
+                env.update(zip(outs, res))
+                k = b
+                continue
+        stop = next((s for s in starts if s > k), len(eqns))
+        ins, defs = span(k, stop)
+        sub = jax.extend.core.Jaxpr([], ins, defs, eqns[k:stop])
+        env.update(zip(defs, _evaluate(sub, [], [env[v] for v in ins], ids, B, served)))
+        k = stop
+    return [env[v] if not isinstance(v, jax.extend.core.Literal) else v.val
+            for v in jaxpr.outvars]
+
+
 class _Leaf(compat.Tracer):
     """A parameter leaf seen by `_Sites`: its value (a tracer of the trace around) and
     index."""
@@ -534,7 +676,8 @@ def methods(model, B):
     prototype's set of the leaves its sites served (filled as it is traced)."""
     tree = jax.tree.structure(model.params)
     served = {"prototype": set(), "intercept": set(), "intercept-cached": set(),
-              "vmap-intercept-cached": set(), "+ proof online": set()}
+              "vmap-intercept-cached": set(), "+ proof online": set(),
+              "batch-evaluate": set()}
 
     def traced(leaves, batch):
         return jax.make_jaxpr(lambda l, b: model.loss(jax.tree.unflatten(tree, l), b))(
@@ -556,6 +699,19 @@ def methods(model, B):
 
         if not rules:
             return jax.grad(lambda l: loss(l, None))(leaves)
+        return jax.grad(loss, argnums=(0, 1))(leaves, [jnp.zeros_like(x) for x in leaves])
+
+    def batch_evaluate(params, batch, proof=False):
+        leaves = jax.tree.leaves(params)
+        closed = traced(leaves, batch)
+        data = jax.tree.leaves(batch)
+        if proof:
+            _VERDICTS.append(_prove(closed, len(leaves), len(data), B))
+
+        def loss(leaves, sinks):
+            return _evaluate_blocks(closed, leaves, data, sinks, B,
+                                    served["batch-evaluate"])[0]
+
         return jax.grad(loss, argnums=(0, 1))(leaves, [jnp.zeros_like(x) for x in leaves])
 
     def intercept(params, batch, cached=False, proof=None):
@@ -588,6 +744,8 @@ def methods(model, B):
         "+ proof traced": lambda p, b: intercept(p, b, True, "traced"),
         "+ proof from stream": lambda p, b: intercept(p, b, True, "stream"),
         "+ proof online": lambda p, b: intercept(p, b, True, "online"),
+        "batch-evaluate": batch_evaluate,
+        "batch-evaluate + proof": lambda p, b: batch_evaluate(p, b, True),
         "vmap": jax.grad(vmapped),
         "vmap-intercept-cached": vmap_intercept,
         "package": js.per_example_stat(model.loss, js.stats.second_moment()),

@@ -297,16 +297,20 @@ def test_one_trace_prototype_is_exact():
     correct program."""
     from benchmarks import models, one_trace
 
-    model = models.transformer(T=8, d=32, V=64, layers=1, heads=2)
+    model = models.transformer(T=8, d=32, V=64, layers=2, heads=2)
+    one_trace._BLOCKS.clear()
     served, err = one_trace.check(model)
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(model.params)]
     # (re-evaluated; intercepted in grad's trace, calls inlined or jitted once per body;
-    # intercepted under vmap of the batch-of-one loss)
+    # intercepted under vmap of the batch-of-one loss; the batch loss evaluated in layers)
     for method in ("prototype", "intercept", "intercept-cached", "vmap-intercept-cached",
-                   "+ proof online"):
+                   "+ proof online", "batch-evaluate"):
         got = sorted(names[i].split("'")[-2] for i in served[method])
-        assert got == ["w1", "w2", "wk", "wo", "wq", "wv"], method
+        assert got == sorted(["w1", "w2", "wk", "wo", "wq", "wv"] * 2), method
     assert err < 1e-5
+    # (design E's layers: the second one binds the first one's jit, the last layer's
+    # outputs made those of the others)
+    assert len(one_trace._BLOCKS) == 1
 
 
 def test_one_trace_sites_from_online_tags_find_a_moved_batch():
@@ -338,7 +342,8 @@ def test_one_trace_quick(tmp_path):
     assert {r["method"] for r in rows} == {"grad", "trace", "re-evaluate", "prototype",
                                            "intercept", "intercept-cached", "+ proof traced",
                                            "+ proof from stream", "+ proof online", "vmap",
-                                           "vmap-intercept-cached", "package"}
+                                           "vmap-intercept-cached", "batch-evaluate",
+                                           "batch-evaluate + proof", "package"}
     assert all(c["max_rel_error"] < 1e-5 for c in checks.values())
     # (the proof from the intercepted equations decides as the proof from a trace: a
     # model's loss independent, its square not a mean of per-example terms)
@@ -348,7 +353,7 @@ def test_one_trace_quick(tmp_path):
     # (the scan stack's layers: served by the prototypes that enter its scan)
     scan = checks["scan L2"]["served"]
     assert (scan["prototype"] == scan["intercept-cached"] == scan["vmap-intercept-cached"]
-            == scan["+ proof online"] != [] == scan["intercept"])
+            == scan["+ proof online"] == scan["batch-evaluate"] != [] == scan["intercept"])
     for r in rows:
         if r["method"] != "grad":
             assert 0 < r["lower_cpu_x_grad"] < 100 and 0 < r["lower_thread_x_grad"] < 100
