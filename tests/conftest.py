@@ -797,6 +797,7 @@ EXTENDED = {
     # stack; 9-15 s of the default tier)
     "test_benchmarks_quick.py::test_one_trace_prototype_is_exact": {""},
     "test_benchmarks_quick.py::test_one_trace_sites_from_online_tags_find_a_moved_batch": {""},
+    "test_benchmarks_quick.py::test_batch_engine_prototype_is_exact": {""},
     "test_empty_batches.py::test_nonfinite_examples_are_dropped_from_clipped_sums": {
         "mlp-chunks-inf", "mlp-per-layer-chunks-inf", "mlp-per-layer-chunks-nan",
         "mlp-per-layer-nan", "mlp-whole-inf", "mlp-whole-nan", "remat-per-layer-chunks-nan",
