@@ -220,6 +220,30 @@ def no_derivative(*arrays):
     return tuple(jax.lax.stop_gradient(a) for a in arrays)
 
 
+def gram_ghost_bound(x, dy, gx, gd, dims, axes, dt):
+    """A bound on the rounding of a ghost form ``sum (x_n . x_m)(dy_n . dy_m)`` over the
+    token pairs of each example, from its token rows ``x`` and ``dy`` (features last)
+    and their Gram matrices ``gx``, ``gd`` (token pairs on the two axes before the
+    last of the products, summed over ``axes``), in ``dt``. ``dims``: ``(C, F, S)``,
+    the lengths of the dots of ``gx`` and ``gd`` and of the sum of their products.
+    Each Gram entry is off by at most ``rounding(C) |x_n| |x_m|`` (``F``: ``|dy_n|
+    |dy_m|``), the sum of products by ``rounding(S)`` of the sum of their magnitudes.
+    A margin, not differentiated (`no_derivative`). Shared by the dense and the ragged
+    kernels' ghost forms."""
+    C, F, S = dims
+    x, dy, gx, gd = no_derivative(x, dy, gx, gd)
+    nx = jnp.sqrt(jnp.sum(jnp.square(x), -1))
+    nd = jnp.sqrt(jnp.sum(jnp.square(dy), -1))
+    ax, ad = jnp.abs(gx), jnp.abs(gd)
+
+    def outer(v):
+        return v[..., :, None] * v[..., None, :]
+
+    return (rounding(C, dt) * jnp.sum(outer(nx) * ad, axes)
+            + rounding(F, dt) * jnp.sum(outer(nd) * ax, axes)
+            + rounding(S, dt) * jnp.sum(ax * ad, axes))
+
+
 def sqrt0(sq):
     """``sqrt(sq)`` whose derivative at 0 is 0, not NaN (double where); NaN stays NaN."""
     pos = sq > 0

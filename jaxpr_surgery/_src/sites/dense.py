@@ -31,8 +31,7 @@ from jaxpr_surgery._src import stats_research as R
 from jaxpr_surgery._src.clip_reductions import KeptExamples
 from jaxpr_surgery._src.norms import (
     GHOST_TOLERANCE,
-    no_derivative,
-    rounding,
+    gram_ghost_bound,
     staged_sum,
     untrusted,
 )
@@ -580,18 +579,7 @@ class DenseKernel(Kernel):
         ghost = staged_sum(jnp.sum(gx * gd, -1))
         # (the bound is a margin, not differentiated: a token whose dy is zero would
         # give its norm's square root a NaN derivative, `norms.no_derivative`)
-        X, dy, gx, gd = no_derivative(X, dy, gx, gd)
-        nx = jnp.sqrt(jnp.sum(jnp.square(X), -1))
-        nd = jnp.sqrt(jnp.sum(jnp.square(dy), -1))
-        ax, ad = jnp.abs(gx), jnp.abs(gd)
-        dt = ghost.dtype
-        outer = lambda v: v[..., :, None] * v[..., None, :]  # noqa: E731
-        every = (1, 2, 3)
-        bound = (
-            rounding(C, dt) * jnp.sum(outer(nx) * ad, every)
-            + rounding(F, dt) * jnp.sum(outer(nd) * ax, every)
-            + rounding(N + K * N, dt) * jnp.sum(ax * ad, every)
-        )
+        bound = gram_ghost_bound(X, dy, gx, gd, (C, F, N + K * N), (1, 2, 3), ghost.dtype)
         return ghost, bound, untrusted(ghost, bound, GHOST_TOLERANCE)
 
     def has_sq_and_norms(self):

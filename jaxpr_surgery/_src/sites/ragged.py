@@ -34,8 +34,7 @@ from jaxpr_surgery._src import compat, cuts, tiling
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.norms import (
     GHOST_TOLERANCE,
-    no_derivative,
-    rounding,
+    gram_ghost_bound,
     staged_sum,
     untrusted,
 )
@@ -326,19 +325,9 @@ class RaggedKernel(DenseKernel):
         gx = jnp.where(same, jnp.einsum("bmc,bnc->bmn", xr, xr, precision=hi), 0)
         gd = jnp.where(same, jnp.einsum("bmf,bnf->bmn", d, d, precision=hi), 0)
         ghost = staged_sum(jnp.sum(gx * gd, -1))  # (products and sums, as the dense's)
-        # (the bound: a margin, as the dense kernel's; jax has no second derivative of
+        # (the bound: the dense kernel's margin; jax has no second derivative of
         # ragged_dot yet, so no statistic of this site is differentiated through it today)
-        xr, d, gx, gd = no_derivative(xr, d, gx, gd)
-        nx = jnp.sqrt(jnp.sum(jnp.square(xr), -1))
-        nd = jnp.sqrt(jnp.sum(jnp.square(d), -1))
-        ax, ad = jnp.abs(gx), jnp.abs(gd)
-        dt = ghost.dtype
-        outer = lambda v: v[..., :, None] * v[..., None, :]  # noqa: E731
-        bound = (
-            rounding(k, dt) * jnp.sum(outer(nx) * ad, (1, 2))
-            + rounding(n, dt) * jnp.sum(outer(nd) * ax, (1, 2))
-            + rounding(2 * M, dt) * jnp.sum(ax * ad, (1, 2))
-        )
+        bound = gram_ghost_bound(xr, d, gx, gd, (k, n, 2 * M), (1, 2), ghost.dtype)
         return ghost, bound, untrusted(ghost, bound, GHOST_TOLERANCE)
 
     # reporting ------------------------------------------------------------------ #
