@@ -529,7 +529,7 @@ def check(seed, dtype=jnp.float64, kinds=KINDS):
     got = jax.jit(fn)(p, batch, **kw)
     bad = mismatches(got, per_example_grads(loss, p, batch), kws, weights,
                      dtype == jnp.float64 and not lower_precision(desc),
-                     bf16="cast" in desc and dtype != jnp.float64)
+                     bf16=any("cast" in x for x in desc) and dtype != jnp.float64)
     return bad, desc + (["keep_batch_dim=False"] if one else [])
 
 

@@ -120,8 +120,7 @@ def front_half(prep, reductions, opts, name, check=None, check_budget=True):
     untyped.check(closed.jaxpr, reductions, lifted, axes, prep.diff_paths, name)
     with custom_ops.asked_once():  # (a rule's `where` asked once per equation)
         an, plan = _analysed(closed, in_tags, n, axes, prep, reductions, opts, out_tree,
-                             lifted, name)
-    plan.varying_leaves = varying
+                             lifted, name, varying)
     act = functools.cache(lambda: chunking.activation_bytes_of(
         closed.jaxpr, n, len(prep.ex_leaves), len(prep.other_leaves)))
     cs = chunk_for(opts.chunk_size, prep.B, act, reductions, plan.leaf_avals)
@@ -173,9 +172,11 @@ def replicated_leaves(prep) -> frozenset:
                      if axes and not compat.vma_of(x) & axes)
 
 
-def _analysed(closed, in_tags, n, axes, prep, reductions, opts, out_tree, lifted, name):
+def _analysed(closed, in_tags, n, axes, prep, reductions, opts, out_tree, lifted, name,
+              varying=frozenset()):
     """The analysis of a call's jaxpr and its plan (`front_half`); ``axes``: those the
-    examples are split over."""
+    examples are split over; ``varying``: the leaves traced varying over them
+    (`replicated_leaves`)."""
     an = A.analyse_jaxpr(closed.jaxpr, in_tags, n, axes)
     if an.crossing:
         raise _crossing_error(an.crossing, prep.diff_paths, name)
@@ -196,7 +197,7 @@ def _analysed(closed, in_tags, n, axes, prep, reductions, opts, out_tree, lifted
     plan = plans.make_plan(
         closed, an, leaf_avals, reductions, len(prep.ex_leaves), len(prep.other_leaves),
         out_tree, budget=opts.memory_budget_bytes, flatten=prep.leaf_flatten(),
-        data_axes=prep.data_axes,
+        data_axes=prep.data_axes, varying_leaves=varying,
     )
     return an, plan
 
