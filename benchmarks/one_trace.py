@@ -89,7 +89,7 @@ from jax import lax
 
 import jaxpr_surgery as js
 from benchmarks import compile_time, models, output
-from jaxpr_surgery._src import compat, walker
+from jaxpr_surgery._src import compat, interpreter, walker
 
 
 def _regimes(quick):
@@ -307,37 +307,6 @@ def _scan(loop, inv, sinks, B, served, in_tags=None):
 _BLOCKS: dict = {}  # a layer's structural key -> (its jit, positions its sites served)
 
 
-def _periods(special, toks):
-    """``{start: stop}``: the spans of equations that repeat one layer, found from the
-    tokens ``toks`` of the equations ``special`` (the positions of the sites and the
-    calls holding a leaf), as the package's `interpreter.Evaluator` finds them."""
-    n = len(special)
-    last, gaps = {}, {}
-    for k, t in enumerate(toks):
-        if t is not None and t in last:
-            gaps[k - last[t]] = gaps.get(k - last[t], 0) + 1
-        last[t] = k
-    best = None
-    for P in sorted(gaps, key=gaps.get, reverse=True)[:8]:
-        k = 0
-        while k + P < n:
-            if toks[k] is None or toks[k] != toks[k + P]:
-                k += 1
-                continue
-            s = k
-            while k + P < n and toks[k] is not None and toks[k] == toks[k + P]:
-                k += 1
-            R = (k - s + P) // P
-            if R >= 2 and (best is None or (R * P, -P) > best[:2]):
-                best = (R * P, -P, s, R)
-    if best is None:
-        return {}
-    _, P, s, R = best
-    starts = [special[s + r * -P] for r in range(R)]
-    stop = special[s + R * -P] if s + R * -P < n else starts[-1] + starts[-1] - starts[-2]
-    return dict(zip(starts, starts[1:] + [stop]))
-
-
 def _evaluate_blocks(closed, leaves, data, sinks, B, served):
     """Design E's floor (``batch-evaluate``): the batch loss's jaxpr ``closed`` (its
     inputs the parameter leaves, then the batch's arrays) evaluated on ``leaves`` and
@@ -366,7 +335,8 @@ def _evaluate_blocks(closed, leaves, data, sinks, B, served):
         except fp.Unkeyable:
             return None
 
-    blocks = _periods(special, [token(eqns[k]) for k in special]) if len(special) >= 4 else {}
+    blocks = (interpreter.layer_spans(special, [token(eqns[k]) for k in special], len(eqns))
+              if len(special) >= 4 else {})
     last = {}
     for k, e in enumerate(eqns):
         for v in e.invars:

@@ -155,6 +155,48 @@ def _segment_fn(eqns, inputs, in_flags, out_flags, B):
     return fn
 
 
+def layer_spans(specials, toks, n_eqns) -> dict:
+    """``{start: stop}``: the spans of a jaxpr's ``n_eqns`` equations that repeat one
+    layer, from the structural tokens ``toks`` (None: matches nothing) of its special
+    equations at positions ``specials`` (sites, scopes holding one): each period from one
+    layer's first special equation to the next layer's (`Evaluator._blocks`).
+
+    The candidate periods are the commonest gaps between successive occurrences of a
+    token (a layer's period is the gap of every token it has once), a few only, so the
+    search stays linear in the number of sites; the best covers the most equations."""
+    n = len(specials)
+    last, gaps = {}, collections.Counter()
+    for k, t in enumerate(toks):
+        if t is not None and t in last:
+            gaps[k - last[t]] += 1
+        last[t] = k
+    periods = [P for P, _ in gaps.most_common(_MAX_PERIODS)]
+    best = None  # (coverage, -period, start, repeats)
+    for P in periods:
+        k = 0
+        while k + P < n:
+            if toks[k] is None or toks[k] != toks[k + P]:
+                k += 1
+                continue
+            s = k
+            while k + P < n and toks[k] is not None and toks[k] == toks[k + P]:
+                k += 1
+            R = (k - s + P) // P
+            if R >= 2:
+                cand = (R * P, -P, s, R)
+                best = cand if best is None or cand > best else best
+    if best is None:
+        return {}
+    _, P, s, R = best
+    P = -P
+    starts = [specials[s + r * P] for r in range(R)]
+    if s + R * P < n:
+        stop = specials[s + R * P]
+    else:
+        stop = min(n_eqns, starts[-1] + (starts[-1] - starts[-2]))
+    return dict(zip(starts, starts[1:] + [stop]))
+
+
 class Evaluator(walker.Walker):
     """The batched evaluation (module docstring): a `walker.Walker` whose values are
     ``(value, batched)`` pairs and whose context is the run's environment and sinks;
@@ -247,43 +289,10 @@ class Evaluator(walker.Walker):
         trace separately (`block` keys each exactly)."""
         eqns = jaxpr.eqns
         specials = [k for k, e in enumerate(eqns) if self._special(path + (k,), e)]
-        n = len(specials)
-        if n < 4:
+        if len(specials) < 4:
             return {}
         toks = [self._token(path + (k,), eqns[k]) for k in specials]
-        # candidate periods: the commonest gaps between successive occurrences of a
-        # token (a layer's period is the gap of every token it has once); a few
-        # only, so the search stays linear in the number of sites
-        last, gaps = {}, collections.Counter()
-        for k, t in enumerate(toks):
-            if t is not None and t in last:
-                gaps[k - last[t]] += 1
-            last[t] = k
-        periods = [P for P, _ in gaps.most_common(_MAX_PERIODS)]
-        best = None  # (coverage, -period, start, repeats)
-        for P in periods:
-            k = 0
-            while k + P < n:
-                if toks[k] is None or toks[k] != toks[k + P]:
-                    k += 1
-                    continue
-                s = k
-                while k + P < n and toks[k] is not None and toks[k] == toks[k + P]:
-                    k += 1
-                R = (k - s + P) // P
-                if R >= 2:
-                    cand = (R * P, -P, s, R)
-                    best = cand if best is None or cand > best else best
-        if best is None:
-            return {}
-        _, P, s, R = best
-        P = -P
-        starts = [specials[s + r * P] for r in range(R)]
-        if s + R * P < n:
-            stop = specials[s + R * P]
-        else:
-            stop = min(len(eqns), starts[-1] + (starts[-1] - starts[-2]))
-        return dict(zip(starts, starts[1:] + [stop]))
+        return layer_spans(specials, toks, len(eqns))
 
     def _token(self, p, eqn):
         """A cheap structural token of a special equation (None: matches nothing)."""
