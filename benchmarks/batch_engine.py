@@ -32,8 +32,6 @@ tiny unrolled transformer), so that what it measures is a correct program.
 from __future__ import annotations
 
 import contextlib
-import json
-import platform
 import statistics
 
 import jax
@@ -338,14 +336,11 @@ def main(argv=None):
                   f"{checks[name]['max_rel_error']:.1e}", flush=True)
     rows = run(a.quick, a.reps, stats, None if a.models is None else a.models.split(","))
     if a.out:
-        meta = {"jax": jax.__version__, "backend": jax.default_backend(),
-                "machine": platform.machine(),
-                "note": "whole batches (chunk_size=None) for both; lower_thread: the "
-                        "lowering thread's CPU time, the least over rounds, over grad's "
-                        "least; compile: medians of the rounds' ratios of process CPU "
-                        "time; nothing runs"}
-        with open(a.out, "w") as fh:
-            json.dump({"meta": meta, "checks": checks, "rows": rows}, fh, indent=1)
+        note = ("whole batches (chunk_size=None) for both; lower_thread: the "
+                "lowering thread's CPU time, the least over rounds, over grad's "
+                "least; compile: medians of the rounds' ratios of process CPU "
+                "time; nothing runs")
+        output.write_small(a.out, note, rows, checks=checks)
     return rows, checks
 
 

@@ -76,8 +76,6 @@ serves), so that the floor it measures is that of a correct program.
 from __future__ import annotations
 
 import dataclasses
-import json
-import platform
 import statistics
 import time
 import types
@@ -867,16 +865,13 @@ def main(argv=None):
                       f"{k}: {' / '.join(v)}" for k, v in proofs.items()), flush=True)
     rows = run(a.quick, a.reps, None if a.methods is None else a.methods.split(","))
     if a.out:
-        meta = {"jax": jax.__version__, "backend": jax.default_backend(),
-                "machine": platform.machine(),
-                "note": "ratios: medians over rounds of the ratio within a round, of the "
-                        "process's CPU time; lower_thread: the lowering thread's CPU "
-                        "time, the least over rounds, as a ratio to grad's least; "
-                        "trace_thread: the same of tracing alone (jax.jit(f).trace); "
-                        "'trace' lowers a function that only traces the loss; nothing "
-                        "runs"}
-        with open(a.out, "w") as fh:
-            json.dump({"meta": meta, "checks": checks, "rows": rows}, fh, indent=1)
+        note = ("ratios: medians over rounds of the ratio within a round, of the "
+                "process's CPU time; lower_thread: the lowering thread's CPU "
+                "time, the least over rounds, as a ratio to grad's least; "
+                "trace_thread: the same of tracing alone (jax.jit(f).trace); "
+                "'trace' lowers a function that only traces the loss; nothing "
+                "runs")
+        output.write_small(a.out, note, rows, checks=checks)
     return rows, checks
 
 

@@ -18,6 +18,15 @@ import jaxpr_surgery as js
 SCHEMA_VERSION = 1
 
 
+def write_small(path, note, rows, **parts):
+    """A small benchmark's results JSON at ``path``: ``{"meta": {jax, backend, machine,
+    note}, **parts, "rows": rows}`` (``parts``: e.g. the ``--quick`` checks)."""
+    meta = {"jax": jax.__version__, "backend": jax.default_backend(),
+            "machine": platform.machine(), "note": note}
+    with open(path, "w") as fh:
+        json.dump({"meta": meta, **parts, "rows": rows}, fh, indent=1)
+
+
 def parser(doc):
     """The command line every small benchmark script takes (``--quick``, ``--reps N``,
     ``--out FILE``), described by the first paragraph of its module docstring ``doc``;
