@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxpr_surgery as js
-from benchmarks import compile_time, models, output
+from benchmarks import compile_time, one_trace, output
 from jaxpr_surgery._src import compat, engine, independence, walker
 from jaxpr_surgery._src.interpreter import Evaluator, _read
 
@@ -253,15 +253,9 @@ def _stat(name):
 
 
 def _regimes(quick):
-    if quick:
-        return {"unrolled L2": lambda: models.transformer(T=8, d=32, V=64, layers=2, heads=2),
-                "scan L2": lambda: models.scan_remat(T=8, d=32, V=64, layers=2, heads=2)}
-    # (benchmarks.one_trace's: compile_check's s768 and GPT-2 small, and GPT-2 small
-    # stacked under lax.scan + jax.checkpoint)
-    gpt2s = dict(T=1024, d=768, V=50304, layers=12, heads=12)
-    return {"s768": lambda: models.transformer(T=256, d=768, V=32768, layers=4, heads=12),
-            "gpt2s": lambda: models.transformer(**gpt2s),
-            "gpt2s scan": lambda: models.scan_remat(**gpt2s)}
+    """`benchmarks.one_trace`'s models (compile_check's s768 and GPT-2 small, and GPT-2
+    small stacked under ``lax.scan`` + ``jax.checkpoint``), measured alike."""
+    return one_trace._regimes(quick)
 
 
 def _measure(fn, args, batched):
