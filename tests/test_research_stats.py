@@ -136,3 +136,18 @@ def test_noise_scale_components_traced_or_batched_print_as_the_tuple():
     assert seen[0].startswith("NoiseScaleComponents(grad_sq_norm="), seen[0]
     two = jax.vmap(comp, in_axes=(None, 0))(jnp.zeros(3), {"z": z})  # two batches at once
     assert two.trace_cov.shape == (2,) and str(two) == repr(two)
+
+
+def test_gradient_diversity_where_the_summed_gradient_is_zero():
+    """Its documented values where ``|sum_b g_b|^2`` is 0: ``inf`` where the per-example
+    gradients cancel, 0 where every one is zero (the oracle's convention too: a random
+    model whose gradients all vanished had the package's 0 against the oracle's NaN)."""
+    lin = lambda w, b: jnp.mean(b["z"] @ w)  # noqa: E731 - per-example gradient z_b
+    div = js.per_example_stat(lin, js.stats.gradient_diversity())
+    z = jnp.array([[1.0, -2.0], [-1.0, 2.0], [0.5, 0.25], [-0.5, -0.25]])
+    assert float(div(jnp.zeros(2), {"z": z})) == math.inf
+    assert float(div(jnp.zeros(2), {"z": jnp.zeros((3, 2))})) == 0.0
+    z = jnp.array([[1.0, -2.0], [3.0, 0.5], [0.5, 0.25]])  # and a value to compare with
+    g = np.asarray(z, np.float64) / 3
+    want = np.sum(g**2) / np.sum(g.sum(0) ** 2)
+    np.testing.assert_allclose(float(div(jnp.zeros(2), {"z": z})), want, rtol=1e-6)

@@ -1056,8 +1056,8 @@ def _weighted_oracle(g, w, stat_name, xp, quiet, **kw):
                                 xp.nan)
 
         return tm(kurt, g)
-    if stat_name == "gradient_diversity":
-        return xp.sum(w * sq) / sum(xp.sum(xp.square(wsum(x))) for x in leaves)
+    if stat_name == "gradient_diversity":  # (0/0 = 0: every gradient zero)
+        return safe_ratio(xp.sum(w * sq), sum(xp.sum(xp.square(wsum(x))) for x in leaves), xp)
     if stat_name in ("clipped_mean", "clipped_sum"):
         c = xp.minimum(1.0, kw["clip_norm"] / xp.sqrt(sq))
         out = tm(lambda x: wsum(c.reshape((-1,) + (1,) * (x.ndim - 1)) * x), g)

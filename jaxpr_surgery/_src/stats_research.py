@@ -380,7 +380,9 @@ def gradient_diversity() -> S.Statistic:
 
     It is \(1/B\) when all per-example gradients agree and grows as they
     disagree; the speed-up of a larger batch saturates once \(B\) exceeds
-    about \(B\times\) the diversity.
+    about \(B\times\) the diversity. Where the summed gradient is zero it is
+    ``inf`` (the per-example gradients cancel), and 0 where every per-example
+    gradient is zero.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, jaxpr_surgery as js
