@@ -311,17 +311,20 @@ class Evaluator(walker.Walker):
 
     def _block_outputs(self, jaxpr, path, blocks):
         """``{start: outvars}``: what each block returns. A value read after its block
-        is returned, and so is the same value of every block of the same length: the
-        last layer then returns what the others do (one more output, unused, that
-        XLA drops) and shares their trace."""
+        is returned, and so is the same value of every block of the same shape (its
+        equations and their outputs counted): the last layer then returns what the
+        others do (one more output, unused, that XLA drops) and shares their trace.
+        (Blocks of as many equations may differ, `_blocks`: their outputs are not
+        matched by position.)"""
         last = self._last_use(jaxpr, path)
         flat = {a: [v for e in jaxpr.eqns[a:b] for v in e.outvars] for a, b in blocks.items()}
+        shape = {a: (b - a, len(flat[a])) for a, b in blocks.items()}
         keep = {}
         for a, b in blocks.items():
-            keep.setdefault(b - a, set()).update(
+            keep.setdefault(shape[a], set()).update(
                 k for k, v in enumerate(flat[a]) if last.get(v, -1) >= b
             )
-        return {a: [flat[a][k] for k in sorted(keep[b - a])] for a, b in blocks.items()}
+        return {a: [flat[a][k] for k in sorted(keep[shape[a]])] for a in blocks}
 
     def block(self, jaxpr, start, stop, env, sinks, path, outs):
         """Evaluates ``jaxpr.eqns[start:stop]`` as one cached ``jax.jit``; False
