@@ -112,3 +112,13 @@ def test_random_model_of_more_kinds_under_shard_map(seed):
     with zoo.x64():
         bad, desc = check_shard_map(seed, M.NDEV, kinds=KINDS + MORE_KINDS)
     assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)
+
+
+def test_fuzz_command_checks_the_seeds_it_is_given(capsys):
+    """``python tests/_random_models.py START STOP``: a fuzz run (README, Contributing)."""
+    import _random_models as R
+
+    with pytest.raises(SystemExit) as e:
+        R.main(["3", "5", "--minutes", "5"])
+    assert e.value.code == 0
+    assert "2 models from seed 3, 0 with mismatches or crashes" in capsys.readouterr().out
