@@ -615,8 +615,10 @@ if __name__ == "__main__":
     import os
     import sys
 
-    if "--shard-map" in sys.argv:  # (the device count, before jax's backend starts)
-        n = sys.argv[sys.argv.index("--shard-map") + 1]
+    # (the device count, set before jax's backend starts: `--shard-map N` or `=N`)
+    args = " ".join(sys.argv[1:]).replace("--shard-map=", "--shard-map ").split()
+    if "--shard-map" in args:
+        n = args[args.index("--shard-map") + 1]
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={n}").strip()
-    main()
+    main(args)
