@@ -920,10 +920,12 @@ TWINS = {
     "test_across_devices.py::test_pmap_reductions_over_examples_see_the_whole_batch": {"None"},
     "test_across_devices.py::test_shard_map_reductions_over_examples_see_the_whole_batch": {"2"},
     "test_architecture.py::test_tied_cross_layout_by_axes_equals_index_arrays": {
-        "_tied-shape0", "_tied_einsum_vd-shape4", "_tied_same_side-shape3", "_tied_square-shape1"},
+        "_tied-shape0", "_tied_einsum_vd-shape4", "_tied_same_side-shape3", "_tied_square-shape1",
+        "_tied_square_transposed-shape2"},
     "test_architecture.py::test_tied_table_ghost_cross_term": {"_tied-True"},
     "test_auto_chunk.py::test_default_is_chunked_when_activations_exceed_the_budget": {
         "transformer-float64-8-2-4"},
+    "test_benchmarks_quick.py::test_chunked_grad_reference_is_the_gradient": {""},
     "test_chunking.py::test_chunked_float32_model_under_x64": {"3"},
     "test_chunking.py::test_chunked_mlp_every_statistic": {"3", "8", "None"},
     "test_chunking.py::test_chunked_one_pass_variance_keeps_the_shift_bound": {"100"},
@@ -932,17 +934,19 @@ TWINS = {
     "test_conv_tiles.py::test_conv_batched_tiles_with_remainder": {"2d_nhwc_same", "3d_ndhwc"},
     "test_conv_tiles.py::test_conv_oracle_float32": {"2d_transposed_negative_pad"},
     "test_conv_tiles.py::test_conv_oracle_float64": {
-        "1d_nwc", "2d_batch_not_leading", "2d_nhwc_same", "2d_transposed_negative_pad",
-        "3d_ndhwc"},
+        "1d_nwc", "2d_batch_not_leading", "2d_nhwc_same", "2d_transposed_negative_pad", "3d_ndhwc"},
     "test_conv_tiles.py::test_conv_statistics_match_oracle": {"cfg0", "cfg1", "cfg2"},
     "test_docs.py::test_docstring_examples": {
         "jaxpr_surgery._src.api", "jaxpr_surgery._src.check", "jaxpr_surgery._src.dots",
         "jaxpr_surgery._src.laws", "jaxpr_surgery._src.optim.accumulate",
         "jaxpr_surgery._src.optim.adam", "jaxpr_surgery._src.optim.dp",
-        "jaxpr_surgery._src.optim.shampoo", "jaxpr_surgery._src.optim.wrappers",
+        "jaxpr_surgery._src.optim.monitor", "jaxpr_surgery._src.optim.shampoo",
+        "jaxpr_surgery._src.optim.sign", "jaxpr_surgery._src.optim.wrappers",
         "jaxpr_surgery._src.partials", "jaxpr_surgery._src.privacy.accounting",
-        "jaxpr_surgery._src.privacy.sampling", "jaxpr_surgery._src.stats",
-        "jaxpr_surgery._src.stats_research"},
+        "jaxpr_surgery._src.privacy.clipped_grad", "jaxpr_surgery._src.privacy.sampling",
+        "jaxpr_surgery._src.stats", "jaxpr_surgery._src.stats_research"},
+    "test_docs.py::test_mkdocs_build_strict": {""},
+    "test_dp_finetune_quick.py::test_dp_finetune_private_step_matches_vmap_grad": {"global"},
     "test_embedding_ids.py::test_narrow_ids": {
         "int16-clip", "int16-fill", "int16-onehot", "int8-fill", "int8-onehot", "uint8-clip",
         "uint8-fill", "uint8-index", "uint8-onehot"},
@@ -962,18 +966,27 @@ TWINS = {
     "test_example_weights.py::test_weighted_ragged_moe": {"5-3"},
     "test_explain.py::test_explain_says_how_the_engine_sums_a_shared_leaf": {
         "clipped_mean", "kron_moments", "second_moment"},
+    "test_explain.py::test_footnotes_keep_every_rule_and_reason": {"long_paths"},
     "test_explain.py::test_predicted_memory_within_1_5x_of_xla": {"mlp"},
-    "test_explain.py::test_str_fits_a_terminal": {"100-long_paths", "100-transformer"},
+    "test_explain.py::test_str_fits_a_terminal": {
+        "100-long_paths", "100-lora", "100-transformer", "80-transformer"},
     "test_extend.py::test_a_registered_custom_jvp_op": {"own_forward", "rule"},
     "test_extend.py::test_a_rule_serves_its_op_exactly": {"GhostDenseRule"},
     "test_extend.py::test_check_rule_names_the_method_that_breaks_its_law": {
         "_BadNorms-sq_norms", "_Twice-per_example_grad"},
+    "test_extend.py::test_inside_shard_map": {"reference", "unregistered"},
     "test_feature_tiles.py::test_cache_sized_blocks_where_they_pay": {"256"},
     "test_feature_tiles.py::test_split_values_are_shares_of_the_whole_batch": {"False"},
     "test_feature_tiles.py::test_strided_blocks_equal_whole": {"2-12", "4-16"},
     "test_frameworks.py::test_framework_case_is_sane": {
         "equinox_mlp-float64", "flax_linen_mlp-float64", "flax_linen_transformer-float64",
         "haiku_mlp-float64"},
+    "test_frameworks.py::test_framework_matches_oracle": {
+        f"{c}-{s}-float32" for c in ("flax_linen_transformer", "haiku_mlp", "equinox_mlp")
+        for s in ("mean", "second_moment", "variance", "sq_norms", "clipped_mean", "kron_moments",
+                  "kron_moments_diag", "per_example_dots_per_leaf", "per_example_cosines")},
+    "test_frameworks.py::test_framework_result_structure": {
+        "equinox_mlp", "flax_linen_transformer", "haiku_mlp"},
     "test_frameworks.py::test_tolerances_admit_naive_float32": {
         "equinox_mlp", "flax_linen_mlp", "flax_linen_transformer", "haiku_mlp"},
     "test_fsdp.py::test_collective_on_parameter_exact_or_refused": {
@@ -992,10 +1005,12 @@ TWINS = {
     "test_kron.py::test_tied_embedding_and_einsum_heads": {"1024", "8"},
     "test_library_layers.py::test_layer_kinds_rules_and_oracle": {
         "Equinox-Conv1d", "Equinox-Embedding", "Equinox-LayerNorm", "Equinox-Linear",
-        "Equinox-MultiheadAttention + Dropout", "Flax linen-Conv", "Flax linen-Dense",
-        "Flax linen-Embed", "Flax linen-LayerNorm", "Flax linen-MultiHeadDotProductAttention",
-        "Flax nnx-Conv", "Flax nnx-Embed", "Flax nnx-MultiHeadAttention", "Haiku-Conv1D",
-        "Haiku-Embed", "Haiku-LayerNorm", "Haiku-Linear", "Haiku-MultiHeadAttention"},
+        "Equinox-MultiheadAttention + Dropout", "Equinox-RMSNorm", "Flax linen-Conv",
+        "Flax linen-Dense", "Flax linen-Embed", "Flax linen-LayerNorm",
+        "Flax linen-MultiHeadDotProductAttention", "Flax linen-RMSNorm", "Flax nnx-Conv",
+        "Flax nnx-Embed", "Flax nnx-LayerNorm", "Flax nnx-Linear", "Flax nnx-MultiHeadAttention",
+        "Haiku-Conv1D", "Haiku-Embed", "Haiku-LayerNorm", "Haiku-Linear",
+        "Haiku-MultiHeadAttention"},
     "test_long_sequences.py::test_unit_batch_dots_oracle": {"1-False-2-8"},
     "test_merged_lora.py::test_variants_match_oracle": {
         "one_example-float64", "rank_one_no_tokens-float64", "scanned-float64", "shared-float64",
@@ -1009,52 +1024,75 @@ TWINS = {
         "dp_adam", "micro_adam_var"},
     "test_nonfloat_leaves.py::test_value_and_stat_has_aux_chunks": {"chunks-remainder"},
     "test_optax_conformance.py::test_conformance": {
-        "adam-js.chain", "adam-js.inject_hyperparams", "adam-js.masked", "adam-optax.MultiSteps",
-        "adam-optax.inject_hyperparams", "adam-optax.masked", "dp_adam-js.chain",
-        "dp_adam-js.inject_hyperparams", "dp_adam-js.named_chain", "dp_sgd-js.chain",
-        "dp_sgd-js.inject_hyperparams", "dp_sgd-js.named_chain", "ema_of_sign-js.chain",
-        "ema_of_sign-js.inject_hyperparams", "ema_of_sign-js.masked",
-        "ema_of_sign-js.named_chain", "ema_of_sign-js.partition", "ema_of_sign-optax.MultiSteps",
-        "ema_of_sign-optax.masked", "micro_adam-js.chain", "micro_adam-js.inject_hyperparams",
-        "micro_adam-js.masked", "micro_adam-js.partition", "micro_adam_msq-js.chain",
+        "adam-js.chain", "adam-js.inject_hyperparams", "adam-js.masked", "adam-js.named_chain",
+        "adam-js.partition", "adam-optax.MultiSteps", "adam-optax.inject_hyperparams",
+        "adam-optax.masked", "dp_adam-js.chain", "dp_adam-js.inject_hyperparams",
+        "dp_adam-js.named_chain", "dp_sgd-js.chain", "dp_sgd-js.inject_hyperparams",
+        "dp_sgd-js.named_chain", "ema_of_sign-js.chain", "ema_of_sign-js.inject_hyperparams",
+        "ema_of_sign-js.masked", "ema_of_sign-js.named_chain", "ema_of_sign-js.partition",
+        "ema_of_sign-optax.MultiSteps", "ema_of_sign-optax.chain",
+        "ema_of_sign-optax.inject_hyperparams", "ema_of_sign-optax.masked",
+        "ema_of_sign-optax.multi_transform", "ema_of_sign-optax.named_chain",
+        "micro_adam-js.chain", "micro_adam-js.inject_hyperparams", "micro_adam-js.masked",
+        "micro_adam-js.named_chain", "micro_adam-js.partition", "micro_adam_msq-js.chain",
         "micro_adam_msq-js.inject_hyperparams", "micro_adam_msq-js.masked",
         "micro_adam_msq-js.named_chain", "micro_adam_msq-js.partition", "micro_adam_var-js.chain",
         "micro_adam_var-js.inject_hyperparams", "micro_adam_var-js.masked",
         "micro_adam_var-js.named_chain", "micro_adam_var-js.partition",
         "per_example_sign_sgd-js.chain", "per_example_sign_sgd-js.inject_hyperparams",
         "per_example_sign_sgd-js.masked", "per_example_sign_sgd-js.named_chain",
-        "shampoo-js.chain", "shampoo-js.inject_hyperparams", "shampoo-js.masked",
-        "shampoo-js.named_chain", "shampoo-js.partition", "shampoo_classic-js.chain",
-        "shampoo_classic-js.inject_hyperparams", "shampoo_classic-js.masked",
-        "shampoo_classic-js.named_chain", "shampoo_classic-js.partition",
-        "shampoo_classic-optax.MultiSteps", "shampoo_classic-optax.chain",
-        "shampoo_classic-optax.masked", "shampoo_classic-optax.multi_transform",
-        "shampoo_classic-optax.named_chain", "sign_ema-js.chain",
-        "sign_ema-js.inject_hyperparams", "sign_ema-js.masked", "sign_ema-js.named_chain",
-        "sign_ema-optax.MultiSteps", "sign_ema-optax.inject_hyperparams",
-        "sign_ema-optax.multi_transform", "sign_sgd-js.inject_hyperparams",
+        "per_example_sign_sgd-js.partition", "shampoo-js.chain", "shampoo-js.inject_hyperparams",
+        "shampoo-js.masked", "shampoo-js.named_chain", "shampoo-js.partition",
+        "shampoo_classic-js.chain", "shampoo_classic-js.inject_hyperparams",
+        "shampoo_classic-js.masked", "shampoo_classic-js.named_chain",
+        "shampoo_classic-js.partition", "shampoo_classic-optax.MultiSteps",
+        "shampoo_classic-optax.chain", "shampoo_classic-optax.masked",
+        "shampoo_classic-optax.multi_transform", "shampoo_classic-optax.named_chain",
+        "sign_ema-js.chain", "sign_ema-js.inject_hyperparams", "sign_ema-js.masked",
+        "sign_ema-js.named_chain", "sign_ema-js.partition", "sign_ema-optax.MultiSteps",
+        "sign_ema-optax.chain", "sign_ema-optax.inject_hyperparams", "sign_ema-optax.masked",
+        "sign_ema-optax.multi_transform", "sign_ema-optax.named_chain", "sign_sgd-js.chain",
+        "sign_sgd-js.inject_hyperparams", "sign_sgd-js.named_chain", "sign_sgd-js.partition",
         "sign_sgd-optax.MultiSteps", "sign_sgd-optax.inject_hyperparams",
         "track_gradient_statistics-js.chain", "track_gradient_statistics-js.inject_hyperparams",
         "track_gradient_statistics-js.masked", "track_gradient_statistics-js.named_chain",
         "track_gradient_statistics-js.partition"},
     "test_optax_conformance.py::test_conformance_float64": {
-        "dp_adam-js.chain", "dp_sgd-js.inject_hyperparams"},
+        "dp_adam-js.chain", "dp_sgd-js.inject_hyperparams", "shampoo-js.partition"},
     "test_optim.py::test_adam_family_keeps_bfloat16": {"adam"},
     "test_optim.py::test_conformance": {
-        "adam", "clipped_micro_adam_var", "dp_adam", "dp_sgd", "dp_sgd_momentum",
-        "micro_adam_msq", "micro_adam_var", "scheduled_micro_adam_msq", "tracked_micro_adam"},
+        "adam", "clipped_micro_adam_var", "dp_adam", "dp_sgd", "dp_sgd_momentum", "ema_of_sign",
+        "micro_adam_msq", "micro_adam_var", "per_example_sign_sgd_ema", "scheduled_micro_adam_msq",
+        "tracked_micro_adam"},
+    "test_optim.py::test_docstring_examples": {"adam", "shampoo"},
     "test_optim_accumulate.py::"
     "test_scan_over_micro_batches_equals_one_step_on_their_concatenation": {
         "dp_sgd", "micro_adam_msq"},
+    "test_oracle.py::test_chunked_tiny_tiles_float32_under_x64_match_oracle": {"embedding_modes"},
+    # (float32 of these models: float64 stays, and float32 on the other core models)
+    "test_oracle.py::test_matches_oracle": {
+        f"{c}-{s}-float32" for c in ("cnn", "cnn1d", "weight_decay_lora", "custom_vjp_and_cond",
+                                      "embedding_modes", "onehot_embedding") for s in STAT_IDS},
     "test_oracle.py::test_multi_stat_equals_separate": {"cnn1d", "weight_decay_lora"},
     "test_oracle.py::test_tolerances_admit_naive_float32": {
-        "cnn", "cnn1d", "custom_vjp_and_cond", "merged_lora", "mlp_bf16", "rnn", "transformer",
-        "transformer_rms_swiglu", "transformer_scan_remat"},
+        "cnn", "cnn1d", "custom_vjp_and_cond", "embedding_modes", "merged_lora", "mlp_bf16",
+        "onehot_embedding", "rnn", "transformer", "transformer_rms_swiglu",
+        "transformer_scan_remat", "weight_decay_lora"},
     "test_oracle.py::test_zoo_case_is_sane": {
         "cnn-float64", "cnn1d-float64", "custom_vjp_and_cond-float64", "merged_lora-float64",
-        "mlp_bf16-float64", "rnn-float64", "transformer-float64",
-        "transformer_rms_swiglu-float64", "transformer_scan_remat-float64",
-        "weight_decay_lora-float64"},
+        "mlp_bf16-float64", "rnn-float64", "transformer-float64", "transformer_rms_swiglu-float64",
+        "transformer_scan_remat-float64", "weight_decay_lora-float64"},
+    # (checks of one route or script whose neighbours stay: the partials' merge on the
+    # transformer and in chunks, tiny tiles in test_feature_tiles, the chunked-grad
+    # benchmark's reference, the docs' build next to their doctests)
+    "test_partials.py::test_merged_partials_equal_the_concatenated_batch": {"mlp-float32"},
+    # (the derivative through a padded NaN-loss example: its values stay in
+    # test_padding_removes_examples_exactly_even_with_nan_loss; a rule in float32 with
+    # weights and chunks: its float64 oracle stays; per-leaf clipping on the remat scan stack:
+    # the reweighted second pass per group stays)
+    "test_example_weights.py::test_derivatives_through_a_padded_example_with_nan_loss": {"None"},
+    "test_extend.py::test_a_rule_in_float32_with_weights_and_chunks": {""},
+    "test_per_layer_clip.py::test_remat_scan_transformer_per_leaf_float32": {""},
     "test_per_layer_clip.py::test_chunks": {"4"},
     "test_per_layer_clip.py::test_per_group_clipping_matches_oracle_float32": {"cnn-_cnn_per_leaf"},
     "test_per_layer_clip.py::test_per_group_clipping_matches_oracle_float64": {
@@ -1075,7 +1113,7 @@ TWINS = {
         "_BadNorms-sq_norms", "_BadSum-summed_grad"},
     "test_properties.py::test_batch_of_one": {"transformer"},
     "test_properties.py::test_clip_inf_is_mean": {"transformer"},
-    "test_properties.py::test_norm_consistency": {"cnn", "transformer", "weight_decay_lora"},
+    "test_properties.py::test_norm_consistency": {"cnn", "rnn", "transformer", "weight_decay_lora"},
     "test_properties.py::test_variance_accurate_when_examples_nearly_agree": {"cnn", "rnn"},
     "test_properties.py::test_variance_of_identical_examples_is_tiny": {"transformer"},
     "test_properties.py::test_zero_gradient_example_no_nan": {"all", "zero0"},
@@ -1086,7 +1124,8 @@ TWINS = {
     "test_reduction_laws.py::test_built_in_reductions_keep_the_laws": {
         "centered-float32", "centered-float64", "central_moments-float32",
         "central_moments-float64", "kron-float32", "kron-float64", "norms-float32",
-        "norms-float64", "sum-float32", "sum_of_squares-float32", "sum_of_squares-float64"},
+        "norms-float64", "sq_norms-float64", "sum-float32", "sum-float64",
+        "sum_of_squares-float32", "sum_of_squares-float64"},
     "test_reduction_protocol.py::test_non_additive_reduction_across_devices": {"None"},
     "test_reduction_protocol.py::test_non_additive_reduction_exact_float64": {
         "chunks_and_tiny_tiles", "chunks_with_remainder", "default"},
@@ -1095,9 +1134,9 @@ TWINS = {
     "test_round4_optim.py::test_numpy_integers_are_int_hyperparameters": {
         "np.int64(4)", "np.uint8(4)"},
     "test_round4_optim.py::test_state_can_be_donated": {
-        f"('{n}', {i})" for n, i in (
-            ("accumulate", 0), ("accumulate", 1), ("accumulate", 2), ("adam", 0), ("chain", 0),
-            ("dp_sgd", 0), ("scale_by_adam", 0), ("scale_by_shampoo", 0))},
+        "('accumulate', 0)", "('accumulate', 1)", "('accumulate', 2)", "('adam', 0)",
+        "('chain', 0)", "('dp_sgd', 0)", "('masked', 0)", "('scale_by_adam', 0)",
+        "('scale_by_shampoo', 0)", "('track_gradient_statistics', 0)"},
     "test_shard_map.py::test_convolution_kernel_sums_under_shard_map_exact": {
         "1-names0", "1-names1", "2-names0", "2-names1", "2-names2"},
     "test_shard_map.py::test_replicated_leaf_cast_inside_the_loss_exact": {
@@ -1111,7 +1150,7 @@ TWINS = {
     "test_shard_map.py::test_shard_map_mesh_axis_types": {"Auto"},
     "test_shard_map.py::test_tensor_parallel_megatron_mlp": {
         "clipped_mean-1", "clipped_mean-None", "mean-1", "mean-None", "second_moment-1",
-        "sign_mean-1", "sq_norms-1", "sq_norms-None", "sq_norms_per_leaf-1",
+        "second_moment-None", "sign_mean-1", "sq_norms-1", "sq_norms-None", "sq_norms_per_leaf-1",
         "sq_norms_per_leaf-None", "variance-1", "variance-None"},
     "test_shard_map_inside.py::test_tensor_parallel_block_is_proved_and_exact": {"float32"},
     "test_sharded_jit.py::test_batch_sharded_jit_equals_unsharded": {"transformer-Explicit"},
@@ -1127,6 +1166,8 @@ TWINS = {
     "test_trace_cache.py::test_static_ingredient_shapes_match_the_traced_ones": {
         "cnn", "cnn1d", "custom_vjp_and_cond", "embedding_modes", "merged_lora", "mlp", "rnn",
         "transformer", "transformer_rms_swiglu", "transformer_scan_remat", "weight_decay_lora"},
+    "test_trace_cache.py::test_trace_runs_with_the_cyclic_collector_paused_and_restores_it": {
+        "False"},
     "test_user_config.py::test_optimizer_steps_under_rank_promotion_raise": {"dp_adam", "dp_sgd"},
     "test_variance_numerics.py::test_carried_chunks_match_the_whole_batch": {
         "10-3-1-False", "10-3-1-True", "12-4-2-False", "12-4-2-True", "40-13-1-True",
@@ -1139,10 +1180,10 @@ TWINS = {
     "test_variance_numerics.py::test_one_pass_float32_as_accurate_as_two_pass": {
         "1-100", "1-2", "1-257", "1-33", "1-7", "3-100", "3-257", "3-33", "3-7"},
     "test_variance_numerics.py::test_raw_form_within_its_bound_where_kept": {
-        "0.0-2", "0.0-301", "0.0-32", "0.0-7", "1.0-2", "1.0-301", "1.0-32", "1.0-7", "10.0-301",
-        "100.0-2", "100.0-301", "100.0-32", "1000.0-2", "1000.0-301", "1000.0-32", "1000.0-7",
-        "10000.0-2", "10000.0-301", "10000.0-32", "10000.0-7", "3.0-2", "3.0-301", "3.0-32",
-        "3.0-7", "30.0-2", "30.0-301", "30.0-32"},
+        "0.0-2", "0.0-301", "0.0-32", "0.0-7", "1.0-2", "1.0-301", "1.0-32", "1.0-7", "10.0-2",
+        "10.0-301", "10.0-32", "10.0-7", "100.0-2", "100.0-301", "100.0-32", "1000.0-2",
+        "1000.0-301", "1000.0-32", "1000.0-7", "10000.0-2", "10000.0-301", "10000.0-32",
+        "10000.0-7", "3.0-2", "3.0-301", "3.0-32", "3.0-7", "30.0-2", "30.0-301", "30.0-32"},
     "test_variance_numerics.py::test_weighted_variance_through_the_threshold": {
         "300-1.0", "300-10000.0", "301-3.0", "32-1.0", "32-1000.0"},
     "test_views.py::test_float32_against_float64_oracle": {
@@ -1160,22 +1201,8 @@ TWINS = {
     "test_zoo_round3.py::test_case_is_sane": {"griffin_block-float64", "llama_scan_long-float64"},
     "test_zoo_round3.py::test_kurtosis_float32_where_the_mean_dominates": {
         "96-0.25", "96-10.0", "96-100.0", "96-10000.0", "None-0.25", "None-10.0", "None-100.0"},
-    # (checks of one route or script whose neighbours stay: the partials' merge on the
-    # transformer and in chunks, tiny tiles in test_feature_tiles, the chunked-grad
-    # benchmark's reference, the docs' build next to their doctests)
-    "test_partials.py::test_merged_partials_equal_the_concatenated_batch": {"mlp-float32"},
-    "test_oracle.py::test_chunked_tiny_tiles_float32_under_x64_match_oracle": {"embedding_modes"},
-    "test_benchmarks_quick.py::test_chunked_grad_reference_is_the_gradient": {""},
-    "test_docs.py::test_mkdocs_build_strict": {""},
-    # (float32 of these models: float64 stays, and float32 on the other core models)
-    "test_oracle.py::test_matches_oracle": {
-        f"{c}-{s}-float32" for c in ("cnn1d", "weight_decay_lora", "custom_vjp_and_cond",
-                                      "embedding_modes", "onehot_embedding") for s in STAT_IDS},
-    "test_frameworks.py::test_framework_matches_oracle": {
-        f"{c}-{s}-float32" for c in ("flax_linen_transformer", "haiku_mlp", "equinox_mlp")
-        for s in ("mean", "second_moment", "variance", "sq_norms", "clipped_mean", "kron_moments",
-                  "kron_moments_diag", "per_example_dots_per_leaf", "per_example_cosines")},
-    "test_zoo_round3.py::test_matches_oracle": {f"griffin_block-float64-{s}" for s in STAT_IDS},
+    "test_zoo_round3.py::test_matches_oracle": {
+        f"{c}-float64-{s}" for c in ("griffin_block", "llama_scan_long") for s in STAT_IDS},
 }
 
 
