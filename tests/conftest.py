@@ -910,9 +910,9 @@ EXTENDED = {
 # The default tier's checks on more of their parameters (models, dtypes, options), moved
 # out of it for its time at jax 0.10 (25.8 minutes on 2 cores on 2026-12-02, over the 15
 # the project allows; jax 0.10 compiles every test 1.4x slower than 0.12). Per test
-# function, its cheapest parameters whose time (measured at jax 0.10, `--durations`, twice:
-# a moved parameter's shared compile falls on the next) is about 30% of the function's
-# stay, the rest are here; the oracle matrix and the framework models keep float64 whole
+# function, its cheapest parameters whose time (measured at jax 0.10, `--durations`, in three
+# rounds: a moved parameter's shared compile falls on the next) is about 30% of the
+# function's stay, the rest are here; the oracle matrix and the framework models keep float64 whole
 # and float32 on the core models; the cross-example, privacy and DP-bound checks stay whole.
 # Unlike `EXTENDED`'s, CI runs these at both ends of the jax range (`-m twin`, `.ci/run`);
 # they are `extended` as well.
@@ -925,7 +925,6 @@ TWINS = {
     "test_architecture.py::test_tied_table_ghost_cross_term": {"_tied-True"},
     "test_auto_chunk.py::test_default_is_chunked_when_activations_exceed_the_budget": {
         "transformer-float64-8-2-4"},
-    "test_benchmarks_quick.py::test_chunked_grad_reference_is_the_gradient": {""},
     "test_chunking.py::test_chunked_float32_model_under_x64": {"3"},
     "test_chunking.py::test_chunked_mlp_every_statistic": {"3", "8", "None"},
     "test_chunking.py::test_chunked_one_pass_variance_keeps_the_shift_bound": {"100"},
@@ -945,7 +944,6 @@ TWINS = {
         "jaxpr_surgery._src.partials", "jaxpr_surgery._src.privacy.accounting",
         "jaxpr_surgery._src.privacy.clipped_grad", "jaxpr_surgery._src.privacy.sampling",
         "jaxpr_surgery._src.stats", "jaxpr_surgery._src.stats_research"},
-    "test_docs.py::test_mkdocs_build_strict": {""},
     "test_dp_finetune_quick.py::test_dp_finetune_private_step_matches_vmap_grad": {"global"},
     "test_embedding_ids.py::test_narrow_ids": {
         "int16-clip", "int16-fill", "int16-onehot", "int8-fill", "int8-onehot", "uint8-clip",
@@ -1068,7 +1066,6 @@ TWINS = {
     "test_optim_accumulate.py::"
     "test_scan_over_micro_batches_equals_one_step_on_their_concatenation": {
         "dp_sgd", "micro_adam_msq"},
-    "test_oracle.py::test_chunked_tiny_tiles_float32_under_x64_match_oracle": {"embedding_modes"},
     # (float32 of these models: float64 stays, and float32 on the other core models)
     "test_oracle.py::test_matches_oracle": {
         f"{c}-{s}-float32" for c in ("cnn", "cnn1d", "weight_decay_lora", "custom_vjp_and_cond",
@@ -1082,10 +1079,13 @@ TWINS = {
         "cnn-float64", "cnn1d-float64", "custom_vjp_and_cond-float64", "merged_lora-float64",
         "mlp_bf16-float64", "rnn-float64", "transformer-float64", "transformer_rms_swiglu-float64",
         "transformer_scan_remat-float64", "weight_decay_lora-float64"},
-    # (checks of one route or script whose neighbours stay: the partials' merge on the
-    # transformer and in chunks, tiny tiles in test_feature_tiles, the chunked-grad
-    # benchmark's reference, the docs' build next to their doctests)
+    # Single checks of a route whose neighbours stay in the default tier: the partials'
+    # merge (on the transformer and in chunks), tiny tiles (test_feature_tiles), the
+    # chunked-grad benchmark's reference, the docs' build (next to their doctests);
     "test_partials.py::test_merged_partials_equal_the_concatenated_batch": {"mlp-float32"},
+    "test_oracle.py::test_chunked_tiny_tiles_float32_under_x64_match_oracle": {"embedding_modes"},
+    "test_benchmarks_quick.py::test_chunked_grad_reference_is_the_gradient": {""},
+    "test_docs.py::test_mkdocs_build_strict": {""},
     # (the derivative through a padded NaN-loss example: its values stay in
     # test_padding_removes_examples_exactly_even_with_nan_loss; a rule in float32 with
     # weights and chunks: its float64 oracle stays; per-leaf clipping on the remat scan stack:
@@ -1212,21 +1212,22 @@ def pytest_collection_modifyitems(config, items):
     marker (``extended`` or ``twin``)."""
     seen: dict = {}
     files = {item.path.name for item in items}
+    named = {k: EXTENDED.get(k, set()) | TWINS.get(k, set()) for k in {*EXTENDED, *TWINS}}
     for item in items:
         key = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
-        if key in EXTENDED or key in TWINS:
+        if key in named:
             pid = item.callspec.id if hasattr(item, "callspec") else ""
             seen.setdefault(key, set()).add(pid)
-            if pid in EXTENDED.get(key, ()) or pid in TWINS.get(key, ()):
+            if pid in named[key]:
                 item.add_marker(pytest.mark.extended)
             if pid in TWINS.get(key, ()):
                 item.add_marker(pytest.mark.twin)
     if not any("::" in str(a) for a in config.args):  # (whole files: every id collected)
-        named = {k: EXTENDED.get(k, set()) | TWINS.get(k, set()) for k in {*EXTENDED, *TWINS}}
         stale = {k: sorted(named[k] - seen.get(k, set())) for k in named
                  if k.split("::")[0] in files and named[k] - seen.get(k, set())}
         if stale:
-            raise pytest.UsageError(f"conftest.EXTENDED names cases that do not exist: {stale}")
+            raise pytest.UsageError(
+                f"conftest.EXTENDED / TWINS name cases that do not exist: {stale}")
     if any(m in (config.getoption("markexpr", "") or "") for m in ("extended", "twin")):
         return
     keep, drop = [], []
