@@ -72,18 +72,24 @@ EXTENDED_CASES = frozenset({
     "gather_per_layer_shard_too", "gather_in_body", "tied_blocks_rows:5", "tied_blocks_cols",
     "psum_replicated", "ppermute", "psum_scatter", "custom_vjp_gather_bf16",
     "custom_vjp_gather_zero"})
-OTHERS = ("gather_unchecked_clipped", "comms_2d", "weighted_2d", "dp_noise", "memory_written")
+#: the case each unparametrised test reads
+OTHERS = {
+    "test_untyped_clipped_sum_of_gathered_leaves_refused": "gather_unchecked_clipped",
+    "test_gathered_leaf_sums_cross_the_other_axes_as_shards": "comms_2d",
+    "test_written_fsdp_moments_memory": "memory_written",
+    "test_gathered_leaf_weighted_exact": "weighted_2d",
+    "test_dp_step_inside_shard_map_draws_each_shards_own_noise": "dp_noise",
+}
 
 
 @pytest.fixture(scope="module")
 def results(request):
     """The rows of the cases this session's selected tests of the module read (one
-    subprocess: the default tier's set, the extended tier's, or any other selection's)."""
+    subprocess: the default tier's set, the twin tier's, the extended tier's, or any
+    other selection's)."""
     mine = [it for it in request.session.items if it.path == request.path]
-    cases = {it.callspec.params.get("case") for it in mine if hasattr(it, "callspec")}
-    cases.discard(None)
-    if any(not hasattr(it, "callspec") for it in mine):
-        cases.update(OTHERS)
+    cases = {it.callspec.params["case"] if hasattr(it, "callspec") else OTHERS[it.name]
+             for it in mine}
     return M.run_cases("_fsdp_cases.py", sorted(cases), timeout=900)
 
 
