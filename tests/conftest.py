@@ -759,8 +759,9 @@ def pytest_xdist_make_scheduler(config, log):
 # route treats them apart), in one dtype where the other adds no code path; the oracle
 # matrix (test_oracle.py) keeps every statistic on every model in both dtypes. The cases
 # below are marked ``extended``, and deselected unless the ``-m`` expression names that
-# marker: ``python -m pytest -q -n 2 -m extended`` runs them alone (CI does, at the
-# newest jax), ``-m "extended or not extended"`` runs everything. Keys:
+# marker: ``python -m pytest -q -n 2 -m extended`` runs them alone (by hand, before a
+# release: well over an hour on 2 cores, more than CI's time), ``-m "extended or not
+# extended"`` runs everything. Keys:
 # ``file::function``; values: parameter ids ("" for an unparametrised test). An id that
 # no longer exists in a collected file is an error.
 EXTENDED = {
@@ -853,8 +854,8 @@ EXTENDED = {
         "dense-bfloat16", "embedding-bfloat16", "conv-bfloat16", "scale_shift-bfloat16",
         "tied-bfloat16"},
     "test_feature_tiles.py::test_tied_vocabulary_table_in_blocks_by_budget": {"float32"},
-    # --- for the default tier's time at jax 0.10 (19 minutes on 2 cores): the extended tier
-    # runs these in CI at the newest jax. The docs' pages (the API's doctests stay):
+    # --- for the default tier's time at jax 0.10 (19 minutes on 2 cores; the extended tier
+    # runs them). The docs' pages (the API's doctests stay):
     "test_docs.py::test_doc_pages_run": {"0", "1"},
     # the benchmark and study scripts' quick modes, end to end (their units stay)
     **{f"test_benchmarks_quick.py::{t}": {""} for t in (
@@ -914,8 +915,8 @@ EXTENDED = {
 # rounds: a moved parameter's shared compile falls on the next) is about 30% of the
 # function's stay, the rest are here; the oracle matrix and the framework models keep float64 whole
 # and float32 on the core models; the cross-example, privacy and DP-bound checks stay whole.
-# Unlike `EXTENDED`'s, CI runs these at both ends of the jax range (`-m twin`, `.ci/run`);
-# they are `extended` as well.
+# Unlike `EXTENDED`'s, CI runs these, at the newest jax (`-m twin`, `.ci/run`; at jax 0.10
+# too they did not fit CI's 90 minutes); they are `extended` as well.
 TWINS = {
     "test_across_devices.py::test_pmap_reductions_over_examples_see_the_whole_batch": {"None"},
     "test_across_devices.py::test_shard_map_reductions_over_examples_see_the_whole_batch": {"2"},
@@ -1254,7 +1255,7 @@ for _key, _ids in {
     "test_partials.py::test_finalize_of_one_partial_is_per_example_stat": {""},
     "test_library_layers.py::test_docs_table_is_generated": {""},
     # (XLA's partitioner under tensor parallelism, on a 2-D mesh and on a scan stack: the
-    # extended tier's cases CI runs, in the twin subprocess of test_gspmd)
+    # extended tier's cases CI runs now, in the twin subprocess of test_gspmd)
     "test_gspmd.py::test_sharded_statistics_equal_the_oracle": {"tp", "2d", "scan:tp"},
 }.items():
     TWINS[_key] = TWINS.get(_key, set()) | _ids

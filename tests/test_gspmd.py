@@ -35,7 +35,7 @@ TOL = 1e-9  # float64 against float64
 
 DEFAULT = ("fsdp:3", "batchnorm")
 # (the DP step, FSDP written for sharding in types, tensor parallelism, the 2-D mesh and a
-# scan stack under it: conftest.TWINS, which CI runs at both jax ends; a subprocess of
+# scan stack under it: conftest.TWINS, which CI runs at the newest jax; a subprocess of
 # their own, for the default tier's time)
 TWIN = ("dp:fsdp", "explicit:fsdp", "tp", "2d", "scan:tp")
 # (blocks of features, more forms of the batch and the model, the collective bytes and
