@@ -990,7 +990,7 @@ TWINS = {
         "equinox_mlp", "flax_linen_mlp", "flax_linen_transformer", "haiku_mlp"},
     "test_fsdp.py::test_collective_on_parameter_exact_or_refused": {
         "custom_vjp_gather_scaled", "gather_in_jit", "gather_kron", "gather_tiled:1",
-        "gather_unchecked", "psum_parts", "tied_blocks_rows"},
+        "gather_unchecked", "psum_parts", "tied_blocks_rows", "gather_2d"},
     "test_fused.py::test_kernel_blocks_with_remainders": {"shape0", "shape2"},
     "test_grad.py::test_grad_of_norms_where_gradients_or_token_cotangents_are_zero": {
         "branch", "tied"},
@@ -999,7 +999,7 @@ TWINS = {
     "test_jit.py::test_jit_matches_oracle_every_statistic": {"transformer"},
     "test_jit.py::test_jit_static_non_array_args": {"tanh"},
     "test_kron.py::test_conv": {"early"},
-    "test_kron.py::test_empty_axes_give_zeros_of_the_right_shapes": {"2"},
+    "test_kron.py::test_empty_axes_give_zeros_of_the_right_shapes": {"2", "1024"},
     "test_kron.py::test_shampoo_matches_numpy_reference": {"1024-1-True", "3-2-False", "3-2-True"},
     "test_kron.py::test_tied_embedding_and_einsum_heads": {"1024", "8"},
     "test_library_layers.py::test_layer_kinds_rules_and_oracle": {
@@ -1204,18 +1204,14 @@ TWINS = {
         "96-0.25", "96-10.0", "96-100.0", "96-10000.0", "None-0.25", "None-10.0", "None-100.0"},
     "test_zoo_round3.py::test_matches_oracle": {
         f"{c}-float64-{s}" for c in ("griffin_block", "llama_scan_long") for s in STAT_IDS},
-}
-
-
-# A second round (2026-12-02): the default tier still took 14.3-16.9 minutes at jax 0.10
-# (1,684 tests, this machine's slow phases over the 15 the project allows). Single tests
-# whose route other default tests take too (the neighbour named where it is not obvious),
-# measured at jax 0.10 (`--durations`, two runs): about 390 s of the tier's 1,780-1,990.
-for _key, _ids in {
-    # (hand-written FSDP: the memory of the moments is shard_bench's measure; the 2-D mesh
-    # stays in the default tier by its weighted and collective-bytes cases)
+    # A second round (2026-12-02): the default tier still took 14.3-16.9 minutes at jax 0.10
+    # (1,684 tests, this machine's slow phases over the 15 the project allows). Single tests
+    # whose route other default tests take too (the neighbour named where it is not obvious),
+    # measured at jax 0.10 (`--durations`, two runs): about 390 s of the tier's 1,780-1,990.
+    # (hand-written FSDP: the memory of the moments is shard_bench's measure; with it
+    # `gather_2d` above, the 2-D mesh staying in the default tier by its weighted and
+    # collective-bytes cases; and the ids 1024 of test_kron's empty axes)
     "test_fsdp.py::test_written_fsdp_moments_memory": {""},
-    "test_fsdp.py::test_collective_on_parameter_exact_or_refused": {"gather_2d"},
     "test_trace_cache.py::"
     "test_programs_are_the_same_in_every_process_so_jax_caches_them_across_runs": {""},
     "test_optim_accumulate.py::test_token_weighted_accumulation_equals_one_weighted_step": {
@@ -1231,7 +1227,6 @@ for _key, _ids in {
     "test_precision.py::test_float32_running_statistics_in_a_float64_resnet": {""},
     "test_long_sequences.py::test_cost_model_takes_ghost_at_short_t": {""},
     "test_long_sequences.py::test_per_layer_clip_long": {""},
-    "test_kron.py::test_empty_axes_give_zeros_of_the_right_shapes": {"1024"},
     "test_random_models.py::test_fuzz_command_checks_the_seeds_it_is_given": {""},
     "test_partials.py::test_chunk_size_and_batch_of_one": {""},
     "test_partials.py::test_shard_map_partials_equal_the_concatenated_batch": {""},
@@ -1257,8 +1252,8 @@ for _key, _ids in {
     # (XLA's partitioner under tensor parallelism, on a 2-D mesh and on a scan stack: the
     # extended tier's cases CI runs now, in the twin subprocess of test_gspmd)
     "test_gspmd.py::test_sharded_statistics_equal_the_oracle": {"tp", "2d", "scan:tp"},
-}.items():
-    TWINS[_key] = TWINS.get(_key, set()) | _ids
+}
+
 
 
 @pytest.hookimpl(tryfirst=True)
