@@ -153,3 +153,29 @@ def test_explain_says_how_clipping_runs():
     rep = js.explain(plain, js.stats.clipped_mean(1.0))(p, b)
     assert all("weighted sum" in leaf.detail and "reweighted" not in leaf.detail
                for leaf in rep.leaves)
+
+
+def _primitives(jaxpr, out=None):
+    """The names of the primitives of ``jaxpr`` and of every jaxpr inside it."""
+    out = set() if out is None else out
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _primitives(inner, out)
+    return out
+
+
+def test_remat_clipping_is_one_masked_second_pass():
+    """Clipped sums that drop the examples whose gradient is not finite (the default)
+    take one second pass with the sites' example mask: no conditional third pass (a
+    whole forward and backward pass more to trace and compile). A propagating sum beside
+    a dropping one keeps its own unmasked pass (test_empty_batches checks the values)."""
+    loss, p, b = _remat_mlp_case()
+    jp = jax.make_jaxpr(js.per_example_stat(loss, js.stats.clipped_mean(1.0)))(p, b).jaxpr
+    assert "cond" not in _primitives(jp)
+    both = (js.stats.clipped_sum(1.0), js.stats.clipped_sum(1.0, nonfinite="propagate"))
+    jp = jax.make_jaxpr(js.per_example_stat(loss, both))(p, b).jaxpr
+    assert "cond" in _primitives(jp)

@@ -73,8 +73,10 @@ def clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
     An example whose gradient is not finite has the weight 0 in the clipped sums that
     drop it, but ``0 * NaN`` is NaN: those sums read the kept ingredients with their
     non-finite entries as zeros (`_finite_only`: one select per input, no conditional);
-    with remat, where there is one (a traced flag, so a ``lax.cond``), the second pass
-    runs again with the sites' example mask (`_without`)."""
+    with remat, the one second pass reads them so through the sites' example mask
+    (`_without`). Only a request that also propagates them (a clipped sum with
+    ``nonfinite="propagate"`` beside one that drops them) runs that pass unmasked and,
+    where some example is not finite (a traced flag, so a ``lax.cond``), again masked."""
     clips = [j for j, r in enumerate(plan.reductions) if r.weighted_by_norm]
     cs, bad = clip_weights(plan, clips, norms_leaf)
     n = len(ch.diff)
@@ -88,7 +90,13 @@ def clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
     every = list(range(len(clips)))
     drop = [] if bad is None else [
         k for k in every if plan.reductions[clips[k]].drops_nonfinite]
-    if plan.clip_recompute or not drop:
+    if plan.clip_recompute and drop and len(drop) == len(every):
+        # every sum drops them: one second pass with the sites' example mask, on every
+        # step (a select per site input and cotangent), not the pass without it and a
+        # third under `lax.cond` for a step that has one: that conditional's whole
+        # forward and backward pass doubled what the clipped sums trace and compile
+        out = sums(every, jnp.logical_not(bad))
+    elif plan.clip_recompute or not drop:
         out = sums(every)
         if drop:  # (a second pass without them, only on a step that has one)
             def without_them(out):
