@@ -398,6 +398,41 @@ def test_nonfinite_with_example_weights(name):
         assert int(got["count"]) == 1
 
 
+@pytest.mark.parametrize("bad", [[0], [0, 1, 2, 3, 4, 5, 6, 7], [1, 3, 4, 5, 6, 7]],
+                         ids=["first", "every", "all-but-one"])
+@pytest.mark.parametrize("how", ["nan", "inf"])
+def test_remat_drop_in_the_one_second_pass(bad, how):
+    """Under remat the one second pass reads the dropped examples as zeros at every site
+    (`clipping.clipped_sums`): the first example dropped, all but one, and every one (the
+    sums are zeros, not NaN), whole and in chunks."""
+    loss, p, b = _case("remat")
+    C = _median_norm(loss, p, b)
+    keep = ~np.isin(np.arange(B), bad)
+    pb = _poisoned(b, bad, how)
+    g = _grads(loss, p, pb)
+    stats = {"sum": js.stats.clipped_sum(C), "count": js.stats.nonfinite_count()}
+    for chunk in (None, 3):  # (a chunk of the last three: none finite, or one)
+        got = jax.jit(js.per_example_stat(loss, stats, chunk_size=chunk))(p, pb)
+        _close(got["sum"], _clipped_sum(g, C, keep))
+        assert int(got["count"]) == len(bad)
+
+
+def test_remat_drop_with_a_padded_example_of_nan_data():
+    """Example weights and a dropped example in the one second pass: a padded example
+    (weight 0) first in the batch with NaN inputs, a weighted one dropped."""
+    loss, p, b = _case("remat")
+    C = _median_norm(loss, p, b)
+    w = np.ones(B, np.float32)
+    w[0] = 0.0
+    pb = {**b, "x": b["x"].at[0].set(jnp.nan)}
+    pb = _poisoned(pb, [2])
+    keep = ~np.isin(np.arange(B), [0, 2])
+    g = _grads(loss, p, pb)
+    got = jax.jit(js.per_example_stat(loss, js.stats.clipped_sum(C)))(
+        p, pb, example_weights=jnp.asarray(w))
+    _close(got, _clipped_sum(g, C, keep, w))
+
+
 def test_nonfinite_mixed_modes_in_one_request():
     """A dropping and a propagating clipped sum of one call: each its own."""
     loss, p, b = _case("remat")
