@@ -411,7 +411,7 @@ def test_remat_drop_in_the_one_second_pass(bad, how):
     pb = _poisoned(b, bad, how)
     g = _grads(loss, p, pb)
     stats = {"sum": js.stats.clipped_sum(C), "count": js.stats.nonfinite_count()}
-    for chunk in (None, 3):  # (a chunk of the last three: none finite, or one)
+    for chunk in (None, 3):  # (chunks of 3, 3 and 2: some with no finite example)
         got = jax.jit(js.per_example_stat(loss, stats, chunk_size=chunk))(p, pb)
         _close(got["sum"], _clipped_sum(g, C, keep))
         assert int(got["count"]) == len(bad)
