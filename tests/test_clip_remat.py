@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import zoo
+from _models import all_eqns
 from jax.sharding import PartitionSpec as P
 
 import jaxpr_surgery as js
@@ -155,18 +156,9 @@ def test_explain_says_how_clipping_runs():
                for leaf in rep.leaves)
 
 
-def _primitives(jaxpr, out=None):
+def _primitives(jaxpr):
     """The names of the primitives of ``jaxpr`` and of every jaxpr inside it."""
-    out = set() if out is None else out
-    for eqn in jaxpr.eqns:
-        out.add(eqn.primitive.name)
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _primitives(inner, out)
-    return out
-
+    return {eqn.primitive.name for eqn in all_eqns(jaxpr)}
 
 def test_remat_clipping_is_one_masked_second_pass():
     """Clipped sums that drop the examples whose gradient is not finite (the default)
