@@ -215,10 +215,18 @@ def _lookup(embed, ids, out_sharding):
     return embed.at[ids].get(out_sharding=out_sharding)
 
 
+def _constrained(h, spec):
+    """``h`` with the sharding constraint ``spec`` (a PartitionSpec, under the mesh of
+    ``jax.set_mesh``), as MaxText constrains activations by logical axis rules; None: ``h``."""
+    return h if spec is None else jax.lax.with_sharding_constraint(h, spec)
+
+
 def transformer(T=32, d=256, V=8192, layers=2, heads=4, ff_mult=4, seed=0,
-                name="transformer", lookup_sharding=None) -> Model:
+                name="transformer", lookup_sharding=None, activation_sharding=None) -> Model:
     """Decoder-only LM, Python loop over layers, tied embeddings, learned positions.
-    ``lookup_sharding``: the embedding lookup's PartitionSpec, for Explicit mesh axes."""
+    ``lookup_sharding``: the embedding lookup's PartitionSpec, for Explicit mesh axes.
+    ``activation_sharding``: a PartitionSpec the residual stream ``[B, T, d]`` is
+    constrained to after the lookup and each block (`_constrained`)."""
     r = _Rand(seed)
     params = {
         "embed": r.normal((V, d), 0.02),
@@ -230,8 +238,9 @@ def transformer(T=32, d=256, V=8192, layers=2, heads=4, ff_mult=4, seed=0,
     def loss(params, batch):
         ids = batch["ids"]
         h = _lookup(params["embed"], ids, lookup_sharding) + params["pos"][: ids.shape[1]]
+        h = _constrained(h, activation_sharding)
         for lp in params["layers"]:
-            h = _block(h, lp)
+            h = _constrained(_block(h, lp), activation_sharding)
         return _lm_head(params, h, batch["targets"])
 
     make_batch, batch_spec = _token_batch_fns(T, V)
@@ -241,8 +250,9 @@ def transformer(T=32, d=256, V=8192, layers=2, heads=4, ff_mult=4, seed=0,
 
 
 def scan_remat(T=32, d=128, V=2048, layers=4, heads=4, ff_mult=4, seed=0,
-               lookup_sharding=None) -> Model:
-    """Same transformer, layers stacked on [L], lax.scan over jax.checkpoint(block)."""
+               lookup_sharding=None, activation_sharding=None) -> Model:
+    """Same transformer, layers stacked on [L], lax.scan over jax.checkpoint(block)
+    (``activation_sharding``: as `transformer`'s, inside the checkpointed block)."""
     r = _Rand(seed)
     per_layer = [_layer_params(r, d, heads, ff_mult * d) for _ in range(layers)]
     params = {
@@ -251,11 +261,12 @@ def scan_remat(T=32, d=128, V=2048, layers=4, heads=4, ff_mult=4, seed=0,
         "layers": jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *per_layer),
         "lnf_g": _ones(d), "lnf_b": _zeros(d),
     }
-    block = jax.checkpoint(_block)
+    block = jax.checkpoint(lambda h, lp: _constrained(_block(h, lp), activation_sharding))
 
     def loss(params, batch):
         ids = batch["ids"]
         h = _lookup(params["embed"], ids, lookup_sharding) + params["pos"][: ids.shape[1]]
+        h = _constrained(h, activation_sharding)
         h, _ = lax.scan(lambda c, lp: (block(c, lp), None), h, params["layers"])
         return _lm_head(params, h, batch["targets"])
 

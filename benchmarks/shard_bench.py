@@ -10,7 +10,10 @@ parallelism over 'model', the batch over 'data'), ``2d`` (FSDP over 'fsdp' and T
 ``shard_map``, ``jax.lax.all_gather(w, 'fsdp', tiled=True)``, ``axis_name`` the batch's
 axes; grad is ``jax.grad`` under the same ``shard_map``) and ``fsdp-explicit`` (sharding
 in types: an Explicit mesh, ``jax.sharding.reshard(w, P())``, the embedding lookup's
-``out_sharding`` said). Models: the transformer of ``benchmarks.models`` (tied
+``out_sharding`` said). And ``fsdp-constrained`` / ``tp-constrained``: ``fsdp`` / ``tp``
+with the model's residual stream constrained to the batch's axes after the lookup and
+every block (``with_sharding_constraint(h, P(batch_axes, None, None))``, as MaxText's
+logical axis rules constrain activations). Models: the transformer of ``benchmarks.models`` (tied
 embedding, layers by a Python loop) and its scan-over-layers twin (``scan_remat``).
 Chunks: the whole batch (``chunk_size=None``) and the default (``"auto"``).
 
@@ -21,8 +24,11 @@ known trip count), so a chunk or tile loop pays per iteration. Temporary memory 
 ``compiled.memory_analysis().temp_size_in_bytes`` (per device). "remat" counts XLA's
 "Involuntary full rematerialization" warnings while the program compiles.
 
-    python -m benchmarks.shard_bench [--quick] [--setups fsdp,tp,...] [--models scan,...]
-        [--out benchmarks/results/cpu_shard.json]
+    python -m benchmarks.shard_bench [--quick | --size issue] [--setups fsdp,tp,...]
+        [--models scan,...] [--out benchmarks/results/cpu_shard.json]
+
+``--size issue`` measures issue 59's own model (T 256, d 1024, 16 heads, 4 layers, B 16;
+V 32768) instead of the default (T 128, d 512, 8 heads, 4 layers, B 16, V 16384).
 
 Issue 59's targets (for XLA's partitioner; the written setups are measured against the
 same): collective bytes <= 1.25x grad's for single-reduction statistics
@@ -163,13 +169,25 @@ def specs(setup, params):
     raise ValueError(setup)
 
 
+# model sizes (transformer keyword arguments) and batch: the default, a smoke run's, and
+# issue 59's own model (its vocabulary unsaid there: GPT-2's rounded to a power of two)
+SIZES = {"default": (dict(T=128, d=512, V=16384, layers=4, heads=8), 16),
+         "quick": (dict(T=16, d=64, V=512, layers=2, heads=2), 16),
+         "issue": (dict(T=256, d=1024, V=32768, layers=4, heads=16), 16)}
+
 MESHES = {"fsdp": ((2, 4), ("data", "fsdp")), "tp": ((2, 4), ("data", "model")),
           "2d": ((4, 2), ("fsdp", "model")), "fsdp-shard_map": ((2, 4), ("data", "fsdp")),
-          "fsdp-explicit": ((2, 4), ("data", "fsdp"))}
+          "fsdp-explicit": ((2, 4), ("data", "fsdp")),
+          "fsdp-constrained": ((2, 4), ("data", "fsdp")),
+          "tp-constrained": ((2, 4), ("data", "model"))}
 # the setups whose loss is written for the mesh rather than partitioned by XLA: each
 # weight gathered before use, by hand inside shard_map (axis_name: the batch's axes) or
 # by `jax.sharding.reshard` under Explicit axes (sharding in types)
 WRITTEN = {"fsdp-shard_map": "fsdp", "fsdp-explicit": "fsdp"}
+# the setups whose model constrains its activations (the residual stream, ``[B, T, d]``) to
+# the batch's axes, as MaxText's logical axis rules do: partitioned by XLA as the base setup
+CONSTRAINED = {"fsdp-constrained": ("fsdp", P(("data", "fsdp"), None, None)),
+               "tp-constrained": ("tp", P("data", None, None))}
 
 
 def _gathered(loss, pspec, gather):
@@ -192,7 +210,8 @@ def measure(loss, params, batch_spec, setup, stats, chunk, log):
     explicit = setup == "fsdp-explicit"
     kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
     mesh = jax.make_mesh(shape, names, axis_types=(kind,) * len(shape))
-    pspec, bspec = specs(WRITTEN.get(setup, setup), params)
+    base = CONSTRAINED[setup][0] if setup in CONSTRAINED else WRITTEN.get(setup, setup)
+    pspec, bspec = specs(base, params)
     ns = lambda s: NamedSharding(mesh, s)  # noqa: E731
     ps = jax.tree.map(ns, pspec, is_leaf=lambda s: isinstance(s, P))
     ap = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -212,7 +231,8 @@ def measure(loss, params, batch_spec, setup, stats, chunk, log):
         loss = _gathered(loss, pspec, lambda w, a: jax.sharding.reshard(w, P()))
 
     def cost(fn, outs):
-        with _stderr_to(log), (jax.set_mesh(mesh) if explicit else contextlib.nullcontext()):
+        ctx = explicit or setup in CONSTRAINED  # (a bare PartitionSpec names its mesh)
+        with _stderr_to(log), (jax.set_mesh(mesh) if ctx else contextlib.nullcontext()):
             c = jax.jit(wrap(fn, outs), out_shardings=outs).lower(ap, ab).compile()
         with open(log, errors="replace") as f:
             remat = f.read().count("Involuntary full rematerialization")
@@ -233,6 +253,8 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small model: a smoke run")
+    ap.add_argument("--size", default="default", choices=sorted(SIZES),
+                    help="the model's size (ignored with --quick)")
     ap.add_argument("--out", default=None, help="results JSON (default: print only)")
     ap.add_argument("--setups", default=",".join(MESHES))
     ap.add_argument("--models", default="transformer,scan")
@@ -244,10 +266,7 @@ def main(argv=None):
     stats = {"mean": S.mean(), "second_moment": S.second_moment(), "sign_mean": S.sign_mean(),
              "sq_norms": S.sq_norms(), "clipped_mean": S.clipped_mean(1.0),
              "variance": S.variance(), "kurtosis": S.kurtosis()}
-    if a.quick:
-        size, B = dict(T=16, d=64, V=512, layers=2, heads=2), 16
-    else:
-        size, B = dict(T=128, d=512, V=16384, layers=4, heads=8), 16
+    size, B = SIZES["quick" if a.quick else a.size]
     builders = {"transformer": models.transformer, "scan": models.scan_remat}
     rows, bad = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -256,7 +275,10 @@ def main(argv=None):
         typed = {"lookup_sharding": P(specs("fsdp", {})[1][0], None, None)}
         for model_name in a.models.split(","):
             for setup in a.setups.split(","):
-                m = builders[model_name](**size, **(typed if setup == "fsdp-explicit" else {}))
+                extra = typed if setup == "fsdp-explicit" else {}
+                if setup in CONSTRAINED:
+                    extra = {"activation_sharding": CONSTRAINED[setup][1]}
+                m = builders[model_name](**size, **extra)
                 for chunk in (None, "auto"):
                     res = measure(m.loss, m.params, m.batch_spec(B), setup, stats, chunk, log)
                     g = res["grad"]

@@ -39,8 +39,11 @@ CLIP = 0.05
 # --------------------------------------------------------------------------- #
 # Models
 # --------------------------------------------------------------------------- #
-def lm(B=16, T=8, d=32, L=2, V=128, H=2, seed=0):
-    """A GPT-style model: tied embedding, attention, MLP, layer norms."""
+def lm(B=16, T=8, d=32, L=2, V=128, H=2, seed=0, constrained=None):
+    """A GPT-style model: tied embedding, attention, MLP, layer norms. ``constrained``: a
+    setup of `MESHES` whose batch axes the residual stream ``[B, T, d]`` is constrained
+    to after the lookup and each block (``with_sharding_constraint``, as MaxText's logical
+    axis rules constrain activations)."""
     r = np.random.default_rng(seed)
     n = lambda *s: jnp.asarray(r.normal(size=s) * 0.2)  # noqa: E731
     p = {"emb": n(V, d), "pos": n(T, d), "lnf_g": 1 + n(d), "lnf_b": n(d), "blocks": []}
@@ -56,8 +59,16 @@ def lm(B=16, T=8, d=32, L=2, V=128, H=2, seed=0):
         v = ((x - m) ** 2).mean(-1, keepdims=True)
         return (x - m) * jax.lax.rsqrt(v + 1e-5) * g + b
 
+    if constrained is None:
+        c = lambda x: x  # noqa: E731
+    else:
+        shape, names = MESHES[constrained]
+        mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        act = NamedSharding(mesh, P(specs(constrained, {})[1][0], None, None))
+        c = lambda x: jax.lax.with_sharding_constraint(x, act)  # noqa: E731
+
     def loss(p, b):
-        x = p["emb"][b["tok"]] + p["pos"][None]
+        x = c(p["emb"][b["tok"]] + p["pos"][None])
         Bq, Tq, _ = x.shape
         mask = jnp.tril(jnp.ones((Tq, Tq), bool))
         for blk in p["blocks"]:
@@ -68,7 +79,7 @@ def lm(B=16, T=8, d=32, L=2, V=128, H=2, seed=0):
             a = jax.nn.softmax(jnp.where(mask, a, -1e9), -1)
             o = jnp.einsum("bhts,bshk->bthk", a, sh(v)).reshape(Bq, Tq, d)
             x = x + o @ blk["proj"]
-            x = x + jax.nn.gelu(h @ blk["fc"] + blk["fc_b"]) @ blk["out"]
+            x = c(x + jax.nn.gelu(h @ blk["fc"] + blk["fc_b"]) @ blk["out"])
         z = ln(x, p["lnf_g"], p["lnf_b"]) @ p["emb"].T
         lp = jax.nn.log_softmax(z)
         return -jnp.mean(jnp.take_along_axis(lp, b["tgt"][..., None], -1))
@@ -586,6 +597,13 @@ CASES = {
                                          "fsdp", None),
     "comms:fsdp": lambda: run_comms(
         "comms:fsdp", lambda: lm(B=16, T=32, d=128, L=2, V=2048), "fsdp"),
+    # (activations constrained to the batch's axes, as MaxText writes models)
+    "constrained:fsdp": lambda: run_case("constrained:fsdp",
+                                         lambda: lm(L=1, constrained="fsdp"), "fsdp", None,
+                                         light=True),
+    "comms:constrained:tp": lambda: run_comms(
+        "comms:constrained:tp", lambda: lm(B=16, T=32, d=128, L=2, V=2048, constrained="tp"),
+        "tp"),
 }
 
 if __name__ == "__main__":

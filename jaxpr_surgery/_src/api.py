@@ -661,9 +661,13 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
             if opts.check:  # (on the whole batch: a part's examples may be one)
                 independence.check(prep, name, prep.data_axes)
             part = devices.part_options(opts, D)
+            # (one example traced here, once: the parts' traces are the same; where the
+            # model's sharding constraints name the batch's mesh axes, the parts go there)
+            prep.trace(varying=replicated_leaves(prep))
+            axes = devices.spmd_axes(prep.batch_constraints, D)
             return devices.split_call(
-                lambda a, sp: body(Prepared(f, a, part, name), sp),
-                args, spec, prep.batch_argnums, prep.B, D)
+                lambda a, sp: body(Prepared(f, a, part, name, traces=prep.traces), sp),
+                args, spec, prep.batch_argnums, prep.B, D, axes)
         return body(prep, spec)
 
     compiled = fp.EagerCache()

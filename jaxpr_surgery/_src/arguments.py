@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, custom_ops, meshes, prefix
+from jaxpr_surgery._src import compat, custom_ops, devices, meshes, prefix
 from jaxpr_surgery._src import stats as S
 
 
@@ -186,8 +186,12 @@ def _batch_size(bflat, name) -> int:
 class Prepared:
     """Everything derived from the call's arguments, shared by the entry points."""
 
-    def __init__(self, fn, args, opts: Options, name: str):
+    def __init__(self, fn, args, opts: Options, name: str, traces=None):
         nargs = len(args)
+        # (key -> (closed, out_tree) of `trace`; the parts of a batch split by device
+        # share their whole batch's, api.py)
+        self.traces = {} if traces is None else traces
+        self.batch_constraints = None
         self.argnums = norm_nums(opts.argnums, "argnums", nargs)
         self.batch_argnums = norm_nums(opts.batch_argnums, "batch_argnums", nargs)
         overlap = set(self.argnums) & set(self.batch_argnums)
@@ -347,8 +351,12 @@ class Prepared:
     def trace(self, substitute=True, varying=frozenset()):
         """Per-example jaxpr, traced under vmap over the real batch (keeps sharding/vma);
         with ``substitute``, calls of registered custom ops replaced by their references
-        (`custom_ops.substitute`). ``varying``: the differentiated leaves cast to vary
-        over `data_axes` before ``fn`` reads them (`api.replicated_leaves`: inside typed
+        (`custom_ops.substitute`); sharding constraints on the example's unit axis
+        released (`devices.release_unit_constraints`: what they named is then
+        ``self.batch_constraints``). Traced once per ``(substitute, varying)``: ``traces``
+        (shared with the parts of a batch split by device, whose examples trace alike).
+        ``varying``: the differentiated leaves cast to vary over `data_axes` before ``fn``
+        reads them (`api.replicated_leaves`: inside typed
         shard_map, each device's per-example gradients of a replicated leaf are its own)."""
         holder = {}
         pe = self.per_example_fn()
@@ -380,9 +388,14 @@ class Prepared:
             # (registered custom ops replaced by their references: extend.register_custom_op)
             if substitute:
                 closed = custom_ops.substitute(closed)
+            # (a constraint on the example's unit axis: released, devices.py)
+            closed, holder["constraints"] = devices.release_unit_constraints(closed)
             holder["closed"], holder["shapes"] = closed, shapes
             return jnp.zeros(())
 
+        key = (substitute, frozenset(varying))
+        if key in self.traces:
+            return self.traces[key]
         jax.eval_shape(jax.vmap(trace_one), self.ex_leaves)
         loss = holder["shapes"][0]
         if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
@@ -396,7 +409,9 @@ class Prepared:
                     else "."
                 )
             )
-        return holder["closed"], holder["out_tree"]
+        self.batch_constraints = holder["constraints"]
+        self.traces[key] = holder["closed"], holder["out_tree"]
+        return self.traces[key]
 
 
 def gather_examples(v, n_local, axis_name):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import NamedTuple
 
 import jax
 import jax.extend as jex
@@ -142,6 +143,52 @@ def placement_specs(eqn) -> tuple:
         spec = getattr(t, "spec", None)
         out.append(None if spec is None else jax.sharding.PartitionSpec(*spec))
     return tuple(out)
+
+
+class UnitRelease(NamedTuple):
+    """A sharding constraint on one example's values with its unit axes released
+    (`constraint_unit_release`): ``params``, its new parameters (None: nothing to
+    release); ``unit_axes``, the mesh axes it named on its axes of size one (a tuple per
+    such axis); ``other_axes``, those it names on its other axes; ``sizes``, each mesh
+    axis's size."""
+
+    params: dict | None
+    unit_axes: tuple
+    other_axes: frozenset
+    sizes: dict
+
+
+def _axis_names(entry) -> tuple:
+    if entry is None or entry is jax.sharding.PartitionSpec.UNCONSTRAINED:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def constraint_unit_release(eqn) -> UnitRelease | None:
+    """For a sharding constraint ``eqn`` (``with_sharding_constraint``) traced on one
+    example: its parameters with every axis of size one that names mesh axes left
+    unconstrained, and which axes it named where (`UnitRelease`); None for any other
+    equation, or a constraint not given by a ``NamedSharding``."""
+    if eqn.primitive is not sharding_constraint_p or len(eqn.invars) != 1:
+        return None
+    s = eqn.params.get("sharding")
+    shape = getattr(eqn.invars[0].aval, "shape", None)
+    if not isinstance(s, jax.sharding.NamedSharding) or shape is None:
+        return None
+    P = jax.sharding.PartitionSpec
+    entries = list(s.spec) + [None] * (len(shape) - len(s.spec))
+    unit = [i for i, (n, e) in enumerate(zip(shape, entries)) if n == 1 and _axis_names(e)]
+    unit_axes = tuple(_axis_names(entries[i]) for i in unit)
+    other = frozenset(a for i, e in enumerate(entries) if i not in unit for a in _axis_names(e))
+    sizes = dict(zip(s.mesh.axis_names, s.mesh.axis_sizes))
+    if not unit:
+        return UnitRelease(None, (), other, sizes)
+    for i in unit:
+        entries[i] = P.UNCONSTRAINED
+    sharding = jax.sharding.NamedSharding(s.mesh, P(*entries), memory_kind=s.memory_kind)
+    dims = frozenset(eqn.params.get("unconstrained_dims", ())) | frozenset(unit)
+    return UnitRelease({**eqn.params, "sharding": sharding, "unconstrained_dims": dims},
+                       unit_axes, other, sizes)
 
 
 def _vma_cast_prims():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,60 @@ import numpy as np
 from jaxpr_surgery._src import compat, cuts, meshes
 
 AXIS = "jaxpr_surgery:devices"  # the vmap axis of the split (never a user's axis name)
+
+
+class BatchConstraints(NamedTuple):
+    """What the sharding constraints of a per-example jaxpr name (`release_unit_constraints`):
+    ``unit_axes``, the mesh axes named on an example's axis of size one (a tuple per
+    constraint and axis); ``other_axes``, those named on other axes; ``sizes``, each mesh
+    axis's size."""
+
+    unit_axes: frozenset = frozenset()
+    other_axes: frozenset = frozenset()
+    sizes: tuple = ()
+
+
+def release_unit_constraints(closed):
+    """``(closed', found)``: ``closed`` (a per-example ``ClosedJaxpr``) with every sharding
+    constraint's axes of size one that name mesh axes left unconstrained, at any depth
+    (`compat.constraint_unit_release`; a unit axis holds one value however it is placed),
+    and what the constraints named (`BatchConstraints`)."""
+    unit, other, sizes = set(), set(), {}
+
+    def walk(jaxpr):
+        eqns, changed = [], False
+        for eqn in jaxpr.eqns:
+            r = compat.constraint_unit_release(eqn)
+            if r is not None:
+                unit.update(r.unit_axes)
+                other.update(r.other_axes)
+                sizes.update(r.sizes)
+                new = eqn if r.params is None else eqn.replace(params=r.params)
+            else:
+                new = compat.map_subjaxprs(eqn, walk)
+            changed = changed or new is not eqn
+            eqns.append(new)
+        return compat.replace_eqns(jaxpr, eqns) if changed else jaxpr
+
+    new = walk(closed.jaxpr)
+    found = BatchConstraints(frozenset(unit), frozenset(other), tuple(sorted(sizes.items())))
+    return (closed if new is closed.jaxpr else compat.ClosedJaxpr(new, closed.consts)), found
+
+
+def spmd_axes(found: BatchConstraints | None, D: int):
+    """The mesh axes the split's ``D`` parts go on (``vmap``'s ``spmd_axis_name``): those
+    the per-example jaxpr's sharding constraints name on an example's unit axis, where
+    they all name the same ones, none names them on another axis, and their devices
+    divide ``D``; else None (the parts are placed by XLA's propagation alone)."""
+    if found is None or len(found.unit_axes) != 1:
+        return None
+    (axes,) = found.unit_axes
+    if set(axes) & found.other_axes:
+        return None
+    sizes = dict(found.sizes)
+    if any(a not in sizes for a in axes) or D % math.prod(sizes[a] for a in axes):
+        return None
+    return tuple(axes)
 
 
 def part_options(opts, D: int):
@@ -65,11 +120,12 @@ def split_count(prep, opts) -> int:
     return math.gcd(prep.B, n) if n > 1 else 1
 
 
-def split_call(call, args, spec, batch_argnums, B: int, D: int):
+def split_call(call, args, spec, batch_argnums, B: int, D: int, axes=None):
     """``call(args, spec)`` (an entry point's body on a `Prepared` of ``args``) over
     ``D`` parts of the batch under ``jax.vmap`` with axis name `AXIS`; values combined
     across the parts (the same for every part) come back once, per-example ones (a
-    part's own) in the batch's order."""
+    part's own) in the batch's order. ``axes``: the mesh axes the model's sharding
+    constraints put the parts on (`spmd_axes`), or None."""
     args = list(args)
     split = lambda x: jnp.reshape(x, (D, B // D) + jnp.shape(x)[1:])  # noqa: E731
     parts = [jax.tree.map(split, args[i]) for i in batch_argnums]
@@ -85,7 +141,9 @@ def split_call(call, args, spec, batch_argnums, B: int, D: int):
         return out
 
     with cuts.split_over(D, AXIS):  # (feature blocks strided: cuts.py)
-        out = jax.vmap(one, in_axes=(0, None if w is None else 0), axis_name=AXIS)(parts, w)
+        spmd = {} if axes is None else {"spmd_axis_name": axes}
+        out = jax.vmap(one, in_axes=(0, None if w is None else 0), axis_name=AXIS,
+                       **spmd)(parts, w)
     leaves, tree = jax.tree.flatten(out)
     leaves = [x.reshape((B,) + x.shape[2:]) if m else x[0] for x, m in zip(leaves, mapped)]
     return jax.tree.unflatten(tree, leaves)
