@@ -1253,7 +1253,11 @@ TWINS = {
     "test_library_layers.py::test_docs_table_is_generated": {""},
     # (XLA's partitioner under tensor parallelism, on a 2-D mesh and on a scan stack: the
     # extended tier's cases CI runs now, in the twin subprocess of test_gspmd)
-    "test_gspmd.py::test_sharded_statistics_equal_the_oracle": {"tp", "2d", "scan:tp"},
+    "test_gspmd.py::test_sharded_statistics_equal_the_oracle": {"tp", "2d", "scan:tp",
+                                                                "constrained:fsdp"},
+    # (activations constrained to the batch's axes: the twin subprocess; the rewrite
+    # itself in the default tier, test_activation_constraints)
+    "test_gspmd.py::test_activation_constraints_keep_grads_collectives": {""},
 }
 
 

@@ -665,9 +665,21 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
             # model's sharding constraints name the batch's mesh axes, the parts go there)
             prep.trace(varying=replicated_leaves(prep))
             axes = devices.spmd_axes(prep.batch_constraints, D)
-            return devices.split_call(
-                lambda a, sp: body(Prepared(f, a, part, name, traces=prep.traces), sp),
-                args, spec, prep.batch_argnums, prep.B, D, axes)
+
+            def split(axes):
+                return devices.split_call(
+                    lambda a, sp: body(Prepared(f, a, part, name, traces=prep.traces), sp),
+                    args, spec, prep.batch_argnums, prep.B, D, axes)
+
+            if axes is None:
+                return split(None)
+            try:
+                return split(axes)
+            except ValueError as e:  # (a constraint traced later, in a custom_vjp's
+                # backward rule, names the axes too: the parts placed by XLA alone)
+                if not compat.is_spmd_axis_conflict(e):
+                    raise
+                return split(None)
         return body(prep, spec)
 
     compiled = fp.EagerCache()

@@ -191,6 +191,13 @@ def constraint_unit_release(eqn) -> UnitRelease | None:
                        unit_axes, other, sizes)
 
 
+def is_spmd_axis_conflict(e: Exception) -> bool:
+    """``e`` is jax's refusal of a sharding constraint naming a ``vmap``'s
+    ``spmd_axis_name`` (one the per-example jaxpr did not hold: traced later, in a
+    custom_vjp's backward rule)."""
+    return isinstance(e, ValueError) and "spmd_axis_name" in str(e)
+
+
 def _vma_cast_prims():
     """pvary / pcast and other identity casts of the shard_map type system."""
     from jax._src.lax import parallel
