@@ -188,8 +188,8 @@ class Prepared:
 
     def __init__(self, fn, args, opts: Options, name: str, traces=None):
         nargs = len(args)
-        # (key -> (closed, out_tree) of `trace`; the parts of a batch split by device
-        # share their whole batch's, api.py)
+        # (key -> (closed, out_tree, batch_constraints) of `trace`; the parts of a batch
+        # split by device share their whole batch's, api.py)
         self.traces = {} if traces is None else traces
         self.batch_constraints = None
         self.argnums = norm_nums(opts.argnums, "argnums", nargs)
@@ -395,7 +395,8 @@ class Prepared:
 
         key = (substitute, frozenset(varying))
         if key in self.traces:
-            return self.traces[key]
+            closed, out_tree, self.batch_constraints = self.traces[key]
+            return closed, out_tree
         jax.eval_shape(jax.vmap(trace_one), self.ex_leaves)
         loss = holder["shapes"][0]
         if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
@@ -410,8 +411,8 @@ class Prepared:
                 )
             )
         self.batch_constraints = holder["constraints"]
-        self.traces[key] = holder["closed"], holder["out_tree"]
-        return self.traces[key]
+        self.traces[key] = holder["closed"], holder["out_tree"], holder["constraints"]
+        return holder["closed"], holder["out_tree"]
 
 
 def gather_examples(v, n_local, axis_name):
