@@ -661,25 +661,9 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
             if opts.check:  # (on the whole batch: a part's examples may be one)
                 independence.check(prep, name, prep.data_axes)
             part = devices.part_options(opts, D)
-            # (one example traced here, once: the parts' traces are the same; where the
-            # model's sharding constraints name the batch's mesh axes, the parts go there)
-            prep.trace(varying=replicated_leaves(prep))
-            axes = devices.spmd_axes(prep.batch_constraints, D)
-
-            def split(axes):
-                return devices.split_call(
-                    lambda a, sp: body(Prepared(f, a, part, name, traces=prep.traces), sp),
-                    args, spec, prep.batch_argnums, prep.B, D, axes)
-
-            if axes is None:
-                return split(None)
-            try:
-                return split(axes)
-            except ValueError as e:  # (a constraint traced later, in a custom_vjp's
-                # backward rule, names the axes too: the parts placed by XLA alone)
-                if not compat.is_spmd_axis_conflict(e):
-                    raise
-                return split(None)
+            return devices.split_run(
+                prep, lambda a, sp: body(Prepared(f, a, part, name, traces=prep.traces), sp),
+                args, spec, D, replicated_leaves(prep))
         return body(prep, spec)
 
     compiled = fp.EagerCache()
