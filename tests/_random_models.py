@@ -330,9 +330,11 @@ def _more(b, d, kind):
     return f, d, kind
 
 
-def make_model(seed, dtype=jnp.float64, widths=(3, 4, 5, 7), kinds=KINDS):
+def make_model(seed, dtype=jnp.float64, widths=(3, 4, 5, 7), kinds=KINDS, constrain=None):
     """``(loss, params, batch_of(B), description)`` of random model ``seed``; its layers'
-    widths drawn from ``widths`` (the first three: the input's)."""
+    widths drawn from ``widths`` (the first three: the input's). ``constrain``: applied
+    to the activations after the input and each block (a sharding constraint, as MaxText
+    constrains them; `_random_sharded`)."""
     r = random.Random(seed)
     tokens = r.random() < 0.7
     T = r.choice([3, 4]) if tokens else 0
@@ -361,9 +363,10 @@ def make_model(seed, dtype=jnp.float64, widths=(3, 4, 5, 7), kinds=KINDS):
     n_labels = V if head == "tied_xent" else 5
 
     def loss(p, batch):
-        h = p[E][batch["ids"]] if emb else batch["x"]
+        c = constrain or (lambda h: h)
+        h = c(p[E][batch["ids"]] if emb else batch["x"])
         for f in fs:
-            h = f(p, h)
+            h = c(f(p, h))
         if head == "mse":
             terms = ((h @ p[wo])[..., 0] - batch["y"]) ** 2
         else:
