@@ -71,6 +71,29 @@ def test_unit_axes_released_at_every_depth():
                                    compat.jaxpr_as_fun(closed)(xb, w)[0], rtol=1e-6)
 
 
+def test_only_constraints_on_the_examples_name_the_batchs_axes():
+    """A unit axis of a value computed from the parameters alone (a ``[1, d]`` row) is
+    released too, but what its constraint names is not read as the batch's axes: only
+    constraints on values computed from the example, or inside a call or loop that reads
+    one, are."""
+    mesh = _mesh()
+    c = jax.lax.with_sharding_constraint
+
+    def f(w, x):  # invars: the parameter, then the example
+        row = c(w[:1], NamedSharding(mesh, P("model", None)))  # [1, d], from w alone
+        h = c(x @ w, NamedSharding(mesh, P("data", None, None)))  # [1, T, d]
+        return jnp.sum(h + row)
+
+    closed = jax.make_jaxpr(f)(jnp.ones((8, 8)), jnp.ones((1, 4, 8)))
+    new, found = devices.release_unit_constraints(closed, examples=[1])
+    assert all(tuple(e.params["sharding"].spec)[0] is UNC for e in _constraints(new))
+    assert found.unit_axes == frozenset({("data",)})
+    _, every = devices.release_unit_constraints(closed)  # (None: every constraint)
+    assert every.unit_axes == frozenset({("data",), ("model",)})
+    _, none = devices.release_unit_constraints(closed, examples=[])
+    assert not none.unit_axes
+
+
 def test_a_jaxpr_without_unit_constraints_is_returned_as_is():
     mesh = _mesh()
     f = lambda x: jnp.sum(jax.lax.with_sharding_constraint(  # noqa: E731

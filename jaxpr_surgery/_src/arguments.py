@@ -389,7 +389,9 @@ class Prepared:
             if substitute:
                 closed = custom_ops.substitute(closed)
             # (a constraint on the example's unit axis: released, devices.py)
-            closed, holder["constraints"] = devices.release_unit_constraints(closed)
+            n = len(self.diff_leaves)
+            closed, holder["constraints"] = devices.release_unit_constraints(
+                closed, range(n, n + len(self.ex_leaves)))
             holder["closed"], holder["shapes"] = closed, shapes
             return jnp.zeros(())
 

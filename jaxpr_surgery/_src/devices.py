@@ -42,29 +42,38 @@ class BatchConstraints(NamedTuple):
     sizes: tuple = ()
 
 
-def release_unit_constraints(closed):
+def release_unit_constraints(closed, examples=None):
     """``(closed', found)``: ``closed`` (a per-example ``ClosedJaxpr``) with every sharding
     constraint's axes of size one that name mesh axes left unconstrained, at any depth
     (`compat.constraint_unit_release`; a unit axis holds one value however it is placed),
-    and what the constraints named (`BatchConstraints`)."""
+    and what the constraints named (`BatchConstraints`). ``examples``: the positions of
+    the jaxpr's inputs that hold the example; only a constraint on a value computed from
+    them names the batch's axes in ``found.unit_axes`` (inside a call or loop that reads
+    one, every constraint does); None: every constraint."""
     unit, other, sizes = set(), set(), {}
 
-    def walk(jaxpr):
+    def walk(jaxpr, dep):  # dep: the variables computed from the example, or True: all
         eqns, changed = [], False
         for eqn in jaxpr.eqns:
+            on = dep is True or any(v in dep for v in eqn.invars
+                                    if not isinstance(v, compat.Literal))
             r = compat.constraint_unit_release(eqn)
             if r is not None:
-                unit.update(r.unit_axes)
+                if on:
+                    unit.update(r.unit_axes)
                 other.update(r.other_axes)
                 sizes.update(r.sizes)
                 new = eqn if r.params is None else eqn.replace(params=r.params)
             else:
-                new = compat.map_subjaxprs(eqn, walk)
+                new = compat.map_subjaxprs(eqn, lambda j, on=on: walk(j, True if on else set()))
+            if on and dep is not True:
+                dep.update(eqn.outvars)
             changed = changed or new is not eqn
             eqns.append(new)
         return compat.replace_eqns(jaxpr, eqns) if changed else jaxpr
 
-    new = walk(closed.jaxpr)
+    invars = closed.jaxpr.invars
+    new = walk(closed.jaxpr, True if examples is None else {invars[i] for i in examples})
     found = BatchConstraints(frozenset(unit), frozenset(other), tuple(sorted(sizes.items())))
     return (closed if new is closed.jaxpr else compat.ClosedJaxpr(new, closed.consts)), found
 
