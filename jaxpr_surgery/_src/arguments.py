@@ -356,8 +356,8 @@ class Prepared:
         ``self.batch_constraints``). Traced once per ``(substitute, varying)``: ``traces``
         (shared with the parts of a batch split by device, whose examples trace alike).
         ``varying``: the differentiated leaves cast to vary over `data_axes` before ``fn``
-        reads them (`api.replicated_leaves`: inside typed
-        shard_map, each device's per-example gradients of a replicated leaf are its own)."""
+        reads them (`api.replicated_leaves`: inside typed shard_map, each device's
+        per-example gradients of a replicated leaf are its own)."""
         holder = {}
         pe = self.per_example_fn()
 
