@@ -663,7 +663,7 @@ def entry(fn, opts: Options, name: str, body, ddofs=(), all_zero_ok=False, empty
             part = devices.part_options(opts, D)
             return devices.split_run(
                 prep, lambda a, sp: body(Prepared(f, a, part, name, traces=prep.traces), sp),
-                args, spec, D, replicated_leaves(prep))
+                args, spec, D)
         return body(prep, spec)
 
     compiled = fp.EagerCache()

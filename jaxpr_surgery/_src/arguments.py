@@ -188,10 +188,9 @@ class Prepared:
 
     def __init__(self, fn, args, opts: Options, name: str, traces=None):
         nargs = len(args)
-        # (key -> (closed, out_tree, batch_constraints) of `trace`; the parts of a batch
-        # split by device share their whole batch's, api.py)
+        # (key -> (closed, out_tree, constraints) of `trace`; the parts of a batch split
+        # by device share their whole batch's, api.py)
         self.traces = {} if traces is None else traces
-        self.batch_constraints = None
         self.argnums = norm_nums(opts.argnums, "argnums", nargs)
         self.batch_argnums = norm_nums(opts.batch_argnums, "batch_argnums", nargs)
         overlap = set(self.argnums) & set(self.batch_argnums)
@@ -352,8 +351,8 @@ class Prepared:
         """Per-example jaxpr, traced under vmap over the real batch (keeps sharding/vma);
         with ``substitute``, calls of registered custom ops replaced by their references
         (`custom_ops.substitute`); sharding constraints on the example's unit axis
-        released (`devices.release_unit_constraints`: what they named is then
-        ``self.batch_constraints``). Traced once per ``(substitute, varying)``: ``traces``
+        released (`devices.release_unit_constraints`: what they named,
+        `batch_constraints`). Traced once per ``(substitute, varying)``: ``traces``
         (shared with the parts of a batch split by device, whose examples trace alike).
         ``varying``: the differentiated leaves cast to vary over `data_axes` before ``fn``
         reads them (`api.replicated_leaves`: inside typed shard_map, each device's
@@ -397,8 +396,7 @@ class Prepared:
 
         key = (substitute, frozenset(varying))
         if key in self.traces:
-            closed, out_tree, self.batch_constraints = self.traces[key]
-            return closed, out_tree
+            return self.traces[key][:2]
         jax.eval_shape(jax.vmap(trace_one), self.ex_leaves)
         loss = holder["shapes"][0]
         if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
@@ -412,9 +410,14 @@ class Prepared:
                     else "."
                 )
             )
-        self.batch_constraints = holder["constraints"]
         self.traces[key] = holder["closed"], holder["out_tree"], holder["constraints"]
         return holder["closed"], holder["out_tree"]
+
+    def batch_constraints(self):
+        """What the per-example jaxpr's sharding constraints name
+        (`devices.BatchConstraints`), from its `trace`."""
+        self.trace()
+        return self.traces[(True, frozenset())][2]
 
 
 def gather_examples(v, n_local, axis_name):

@@ -129,15 +129,15 @@ def split_count(prep, opts) -> int:
     return math.gcd(prep.B, n) if n > 1 else 1
 
 
-def split_run(prep, call, args, spec, D: int, varying=frozenset()):
+def split_run(prep, call, args, spec, D: int):
     """`split_call` of ``call`` for the `arguments.Prepared` call ``prep`` over ``D``
-    parts: one example traced first (the parts' ``call`` reuses it: `Prepared.traces`),
+    parts: one example traced first (the parts' ``call`` reuses it: `Prepared.traces`;
+    no leaf is traced varying, there being no ``shard_map`` axes under a split),
     the parts on the mesh axes its sharding constraints put the examples on
     (`spmd_axes`). A constraint traced later, in a custom_vjp's backward rule, that names
     those axes too (jax refuses it under ``spmd_axis_name``) runs the split again with
     the parts placed by XLA's propagation alone."""
-    prep.trace(varying=varying)
-    axes = spmd_axes(prep.batch_constraints, D)
+    axes = spmd_axes(prep.batch_constraints(), D)
     run = lambda axes: split_call(call, args, spec, prep.batch_argnums, prep.B, D, axes)  # noqa: E731
     if axes is None:
         return run(None)
