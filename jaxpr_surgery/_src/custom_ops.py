@@ -425,17 +425,14 @@ def _reference_eqn(eqn, entry, op_call):
 
 
 def _substitute_jaxpr(jaxpr, only):
-    eqns, changed = [], False
-    for eqn in jaxpr.eqns:
+    def step(eqn):
         found = entry_of(eqn)
         if (found is not None and found[0].reference is not None
                 and (only is None or found[0] is only)):
-            new = _reference_eqn(eqn, *found)
-        else:
-            new = compat.map_subjaxprs(eqn, lambda j: _substitute_jaxpr(j, only))
-        changed = changed or new is not eqn
-        eqns.append(new)
-    return compat.replace_eqns(jaxpr, eqns) if changed else jaxpr
+            return _reference_eqn(eqn, *found)
+        return compat.map_subjaxprs(eqn, lambda j: _substitute_jaxpr(j, only))
+
+    return walker.rewrite(jaxpr, step)
 
 
 def substitute(closed, only=None):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, cuts, meshes
+from jaxpr_surgery._src import compat, cuts, meshes, walker
 
 AXIS = "jaxpr_surgery:devices"  # the vmap axis of the split (never a user's axis name)
 
@@ -53,24 +53,21 @@ def release_unit_constraints(closed, examples=None):
     unit, other, sizes = set(), set(), {}
 
     def walk(jaxpr, dep):  # dep: the variables computed from the example, or True: all
-        eqns, changed = [], False
-        for eqn in jaxpr.eqns:
+        def step(eqn):
             on = dep is True or any(v in dep for v in eqn.invars
                                     if not isinstance(v, compat.Literal))
-            r = compat.constraint_unit_release(eqn)
-            if r is not None:
-                if on:
-                    unit.update(r.unit_axes)
-                other.update(r.other_axes)
-                sizes.update(r.sizes)
-                new = eqn if r.params is None else eqn.replace(params=r.params)
-            else:
-                new = compat.map_subjaxprs(eqn, lambda j, on=on: walk(j, True if on else set()))
             if on and dep is not True:
                 dep.update(eqn.outvars)
-            changed = changed or new is not eqn
-            eqns.append(new)
-        return compat.replace_eqns(jaxpr, eqns) if changed else jaxpr
+            r = compat.constraint_unit_release(eqn)
+            if r is None:
+                return compat.map_subjaxprs(eqn, lambda j: walk(j, True if on else set()))
+            if on:
+                unit.update(r.unit_axes)
+            other.update(r.other_axes)
+            sizes.update(r.sizes)
+            return eqn if r.params is None else eqn.replace(params=r.params)
+
+        return walker.rewrite(jaxpr, step)
 
     invars = closed.jaxpr.invars
     new = walk(closed.jaxpr, True if examples is None else {invars[i] for i in examples})

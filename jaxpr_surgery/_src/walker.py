@@ -21,7 +21,8 @@ nests a jaxpr does not, and is said here once:
   and a kind the walker has no hook for, to its `Walker.equation`;
 * `bodies` and `equations`: the open jaxprs of any equation (also those no pass enters:
   a custom rule's) and every equation at any depth, for read-only
-  scans (dtypes, collectives, FLOPs).
+  scans (dtypes, collectives, FLOPs); `rewrite`: a jaxpr with its equations replaced
+  one by one, at any depth (a registered op by its reference, a constraint released).
 """
 
 from __future__ import annotations
@@ -276,6 +277,17 @@ def equations(jaxpr, enter: Callable[[Any], bool] | None = None) -> Iterator:
         if enter is None or enter(eqn):
             for sub in bodies(eqn):
                 yield from equations(sub, enter)
+
+
+def rewrite(jaxpr, step: Callable[[Any], Any]):
+    """The open ``jaxpr`` with each equation, in order, replaced by ``step(eqn)`` (``eqn``
+    itself: kept), or ``jaxpr`` itself where none changed. ``step`` rewrites the jaxprs
+    inside an equation it enters by `rewrite` again (``compat.map_subjaxprs``), each with
+    the step its depth asks for."""
+    eqns = [step(eqn) for eqn in jaxpr.eqns]
+    if all(new is old for new, old in zip(eqns, jaxpr.eqns)):
+        return jaxpr
+    return compat.replace_eqns(jaxpr, eqns)
 
 
 def path_to(jaxpr, target) -> list | None:
