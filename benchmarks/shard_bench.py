@@ -10,10 +10,11 @@ parallelism over 'model', the batch over 'data'), ``2d`` (FSDP over 'fsdp' and T
 ``shard_map``, ``jax.lax.all_gather(w, 'fsdp', tiled=True)``, ``axis_name`` the batch's
 axes; grad is ``jax.grad`` under the same ``shard_map``) and ``fsdp-explicit`` (sharding
 in types: an Explicit mesh, ``jax.sharding.reshard(w, P())``, the embedding lookup's
-``out_sharding`` said). And ``fsdp-constrained`` / ``tp-constrained``: ``fsdp`` / ``tp``
-with the model's residual stream constrained to the batch's axes after the lookup and
-every block (``with_sharding_constraint(h, P(batch_axes, None, None))``, as MaxText's
-logical axis rules constrain activations). Models: the transformer of ``benchmarks.models`` (tied
+``out_sharding`` said). And ``fsdp-constrained`` / ``tp-constrained`` /
+``2d-constrained``: ``fsdp`` / ``tp`` / ``2d`` with the model's residual stream
+constrained to the batch's axes after the lookup and every block
+(``with_sharding_constraint(h, P(batch_axes, None, None))``, as MaxText's logical axis
+rules constrain activations). Models: the transformer of ``benchmarks.models`` (tied
 embedding, layers by a Python loop) and its scan-over-layers twin (``scan_remat``).
 Chunks: the whole batch (``chunk_size=None``) and the default (``"auto"``).
 
@@ -179,7 +180,8 @@ MESHES = {"fsdp": ((2, 4), ("data", "fsdp")), "tp": ((2, 4), ("data", "model")),
           "2d": ((4, 2), ("fsdp", "model")), "fsdp-shard_map": ((2, 4), ("data", "fsdp")),
           "fsdp-explicit": ((2, 4), ("data", "fsdp")),
           "fsdp-constrained": ((2, 4), ("data", "fsdp")),
-          "tp-constrained": ((2, 4), ("data", "model"))}
+          "tp-constrained": ((2, 4), ("data", "model")),
+          "2d-constrained": ((4, 2), ("fsdp", "model"))}
 # the setups whose loss is written for the mesh rather than partitioned by XLA: each
 # weight gathered before use, by hand inside shard_map (axis_name: the batch's axes) or
 # by `jax.sharding.reshard` under Explicit axes (sharding in types)
@@ -187,7 +189,8 @@ WRITTEN = {"fsdp-shard_map": "fsdp", "fsdp-explicit": "fsdp"}
 # the setups whose model constrains its activations (the residual stream, ``[B, T, d]``) to
 # the batch's axes, as MaxText's logical axis rules do: partitioned by XLA as the base setup
 CONSTRAINED = {"fsdp-constrained": ("fsdp", P(("data", "fsdp"), None, None)),
-               "tp-constrained": ("tp", P("data", None, None))}
+               "tp-constrained": ("tp", P("data", None, None)),
+               "2d-constrained": ("2d", P("fsdp", None, None))}
 
 
 def _gathered(loss, pspec, gather):

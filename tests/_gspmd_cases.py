@@ -497,19 +497,22 @@ def run_explicit_scan(name, L=4, d=64, T=8, B=16):
     return {"case": name, "errors": errors, "ratios": ratios}
 
 
-def run_memory_tied(name):
+def run_memory_tied(name, setup="2d"):
     """Per-device temporary memory (``memory_analysis``) of E[g^2] and the kurtosis of a
     one-layer scan stack with a tied table of 16384 rows (benchmarks.models.scan_remat)
-    on the 2-D mesh (benchmarks.shard_bench's ``2d`` setup: XLA's partitioner), over
+    on the 2-D mesh (benchmarks.shard_bench's ``setup``: ``2d``, XLA's partitioner, or
+    ``2d-constrained``, the model's activations constrained to the batch's axis), over
     jax.grad's."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import tempfile  # noqa: PLC0415
 
     from benchmarks import models, shard_bench  # noqa: PLC0415
 
-    m = models.scan_remat(T=32, d=128, V=16384, layers=1, heads=4)
+    extra = ({"activation_sharding": shard_bench.CONSTRAINED[setup][1]}
+             if setup in shard_bench.CONSTRAINED else {})
+    m = models.scan_remat(T=32, d=128, V=16384, layers=1, heads=4, **extra)
     with tempfile.TemporaryDirectory() as t:
-        res = shard_bench.measure(m.loss, m.params, m.batch_spec(16), "2d",
+        res = shard_bench.measure(m.loss, m.params, m.batch_spec(16), setup,
                                   {"second_moment": js.stats.second_moment(),
                                    "kurtosis": js.stats.kurtosis()}, None,
                                   os.path.join(t, "log"))
@@ -586,6 +589,8 @@ CASES = {
     "explicit:scan": lambda: run_explicit_scan("explicit:scan"),
     "explicit:tp": lambda: run_explicit_tp("explicit:tp"),
     "memory:tied:2d": lambda: run_memory_tied("memory:tied:2d"),
+    "memory:constrained:2d": lambda: run_memory_tied("memory:constrained:2d",
+                                                     "2d-constrained"),
     # (models written by others' conventions: heads axes, convolutions, a weight used
     # twice; odd batches)
     "heads:tp": lambda: run_case("heads:tp", heads, "tp", None, light=True),

@@ -1258,6 +1258,8 @@ TWINS = {
     # (activations constrained to the batch's axes: the twin subprocess; the rewrite
     # itself in the default tier, test_activation_constraints)
     "test_gspmd.py::test_activation_constraints_keep_grads_collectives": {""},
+    # (the loops' zeros made late, measured on a constrained 2-D scan stack: the same)
+    "test_gspmd.py::test_loop_zeros_not_held_from_the_start_of_the_program": {""},
 }
 
 

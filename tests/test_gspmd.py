@@ -38,7 +38,7 @@ DEFAULT = ("fsdp:3", "batchnorm")
 # scan stack under it: conftest.TWINS, which CI runs at the newest jax; a subprocess of
 # their own, for the default tier's time)
 TWIN = ("dp:fsdp", "explicit:fsdp", "tp", "2d", "scan:tp", "constrained:fsdp",
-        "comms:constrained:tp")
+        "comms:constrained:tp", "memory:constrained:2d")
 # (blocks of features, more forms of the batch and the model, the collective bytes and
 # memory against grad's, which the benchmark measures: the extended tier, which CI does
 # not run; its subprocess took 20 minutes at jax 0.12 on 2 busy cores)
@@ -186,11 +186,30 @@ def test_tied_table_accumulators_made_after_the_forward_peak():
     before the forward pass's logits, the program's peak. Per-device temporary memory
     over grad's, E[g^2] / kurtosis: before 1.33x / 1.46x at jax 0.12, 1.19x / 1.27x at
     jax 0.10; after 1.11x / 1.40x and 0.97x / 1.09x (deterministic: compile only). The
-    benchmark's scan stack on the 2-D mesh: kurtosis 1.37x -> 1.17x (1.26x -> 1.07x)."""
+    benchmark's scan stack on the 2-D mesh: kurtosis 1.37x -> 1.17x (1.26x -> 1.07x).
+    With the zeros made without a barrier too (the test below): 1.01x / 1.12x at jax 0.12,
+    0.98x / 0.98x at jax 0.10."""
     r = _result("memory:tied:2d")
     assert "crash" not in r, r.get("crash")
-    assert r["temp_second_moment"] <= 1.15, r
-    assert r["temp_kurtosis"] <= 1.42, r
+    assert r["temp_second_moment"] <= 1.06, r
+    assert r["temp_kurtosis"] <= 1.25, r
+
+
+def test_loop_zeros_not_held_from_the_start_of_the_program():
+    """The tile and block loops' zero accumulators are computed from their anchor (a zero
+    from its first entry), not also passed through an optimisation barrier with it: a
+    barrier's operands are buffers, and XLA:CPU at jax 0.12 made those zeros at the
+    start of the program and held them through the forward pass's logits, the peak.
+    Per-device temporary memory over grad's, E[g^2] / kurtosis, on a scan stack on the
+    2-D mesh with its activations constrained to the batch's axis: before 1.29x / 2.92x,
+    after 1.15x / 2.47x (the benchmark's larger stack: kurtosis 1.29x -> 0.96x; this
+    one-layer stack's ratios are its small parameters'); unconstrained
+    (`memory:tied:2d`): 1.11x / 1.40x -> 1.01x / 1.12x. At jax 0.10: 1.13x / 1.41x ->
+    1.13x / 1.35x."""
+    r = _result("memory:constrained:2d")
+    assert "crash" not in r, r.get("crash")
+    assert r["temp_second_moment"] <= 1.2, r
+    assert r["temp_kurtosis"] <= 2.6, r
 
 
 def _free_port():
