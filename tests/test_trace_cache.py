@@ -373,6 +373,35 @@ def test_many_leaves_of_a_few_types_trace_the_epilogue_once_per_type(monkeypatch
             np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
 
 
+def test_clipped_sums_read_finite_inputs_once_per_layer_type(monkeypatch):
+    """A clipped sum that drops the examples whose gradient is not finite reads each
+    site's kept inputs with their non-finite entries as zeros: those selects are traced
+    with the site's weighted sum, once per layer type, not once per leaf (3 and 12
+    layers trace as many); the values stay exact."""
+    from jaxpr_surgery._src import clipping
+
+    inner = clipping._finite_only
+    counts = {}
+    for L in (3, 12):
+        calls = []
+
+        def counting(x, zero=0, calls=calls):
+            calls.append(jnp.shape(x))
+            return inner(x, zero)
+
+        monkeypatch.setattr(clipping, "_finite_only", counting)
+        loss = _stack(L, _layer)
+        with zoo.x64():
+            params, batch = _case(L, jnp.float64, B=5)
+            g = _grads(loss, params, batch)
+            stats, want = _oracle(g, ("clipped_mean",))
+            got = jax.jit(js.per_example_stat(loss, stats, chunk_size=None))(params, batch)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+        counts[L] = len(calls)
+    assert 0 < counts[3] == counts[12], counts
+
+
 @pytest.mark.parametrize("name", ["clipped_mean", "nonfinite_count"])
 def test_per_example_flag_over_many_leaves_is_one_reduction(name):
     """Whether an example's gradient is finite, over a model's leaves: one reduction over

@@ -174,10 +174,13 @@ def _reweighted_sums(plan, ch, cache, cs):
     return out
 
 
-def _weighted_fn(s, k):
-    """``(ing, c) -> sum_b c_b G_b`` of one site in its view's layout."""
+def _weighted_fn(s, k, finite_only=False):
+    """``(ing, c) -> sum_b c_b G_b`` of one site in its view's layout; ``finite_only``:
+    the ingredients' non-finite entries read as zeros (`_finite_only`)."""
 
     def fn(ing, c):
+        if finite_only:
+            ing = _finite_inputs(ing, c)
         if s.depth:
             cs = jnp.broadcast_to(c, tuple(s.scan_lengths) + c.shape)
             return stacked(k.weighted_sum, s.depth)(ing, cs)
@@ -197,28 +200,28 @@ def weighted_leaf(ings, cache):
     examples have ``c_b = 0``)."""
 
     def weighted(c, finite_only=False):
-        if finite_only:
-            # (the zero read from ``c``: each select made once the clip factors exist,
-            # not where the backward pass made the input; XLA:CPU at jax 0.10 ran the
-            # selects there, holding every site's input twice until the sums)
-            zero = tiling.zero_after(c)
-            both = [(s, k, jax.tree.map(lambda x: _finite_only(x, zero), ing))
-                    for s, k, ing in ings]
-        else:
-            both = ings
-        if len(both) == 1:  # repeated layers: traced once
-            s, k, ing = both[0]
+        if len(ings) == 1:  # repeated layers: traced once (the selects too)
+            s, k, ing = ings[0]
             sk = cache.site_key(s, k)
-            key = sk and ("weighted", sk)
-            fn = cache.get(key, lambda: _in_leaf_space(_weighted_fn(s, k), s))
+            key = sk and ("weighted", sk, bool(finite_only))
+            fn = cache.get(key, lambda: _in_leaf_space(_weighted_fn(s, k, finite_only), s))
             return fn(ing, c)
         total = None
-        for s, k, ing in both:
-            v = views.to_leaf(_weighted_fn(s, k)(ing, c), s)
+        for s, k, ing in ings:
+            v = views.to_leaf(_weighted_fn(s, k, finite_only)(ing, c), s)
             total = v if total is None else total + v
         return total
 
     return weighted
+
+
+def _finite_inputs(ing, c):
+    """A site's ingredients with their non-finite entries read as zeros (`_finite_only`),
+    the zero read from the clip factors ``c``: each select made once they exist, not
+    where the backward pass made the input (XLA:CPU at jax 0.10 ran the selects there,
+    holding every site's input twice until the sums)."""
+    zero = tiling.zero_after(c)
+    return jax.tree.map(lambda x: _finite_only(x, zero), ing)
 
 
 def _finite_only(x, zero=0):
