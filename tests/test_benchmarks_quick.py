@@ -345,6 +345,18 @@ def test_batch_engine_prototype_is_exact():
         assert batch_engine.COUNTS["batch"] >= before + 2
 
 
+def test_tp_recompute_prototype_is_exact():
+    """The tensor-parallel clipped mean's prototype (`benchmarks.tp_recompute`): keeping
+    every site's input and cotangent, and recomputing the blocks' inner ones from the
+    residual stream's, both give vmap(grad)'s clipped mean (so the memory it measures is
+    that of a correct program)."""
+    from benchmarks import tp_recompute
+
+    errors = tp_recompute.check()
+    assert set(errors) == {"keep", "recompute"}
+    assert max(errors.values()) < 2e-5, errors
+
+
 def test_one_trace_quick(tmp_path):
     """`benchmarks.one_trace --quick`: every method of both regimes lowered and compiled,
     the prototype checked, all in the JSON."""
