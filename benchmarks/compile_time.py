@@ -76,9 +76,11 @@ def _cpu():
 
 def _measure(fn, args):
     """Seconds ``(lower wall, lower cpu, compile wall, compile cpu, lower cpu of this
-    thread)`` and the lines of the optimised HLO, from a fresh jit with jax's caches
-    cleared. (Lowering is this thread's Python; the process's CPU time also counts what
-    other threads do meanwhile.)"""
+    thread)``, and the lines of the optimised HLO and of the lowered StableHLO (the
+    program the lowering produced: a deterministic proxy of its work, where a lowering of
+    a fraction of a second moves by a third between processes on a shared machine), from
+    a fresh jit with jax's caches cleared. (Lowering is this thread's Python; the
+    process's CPU time also counts what other threads do meanwhile.)"""
     jax.clear_caches()
     f = jax.jit(fn)
     w0, c0, t0 = time.perf_counter(), _cpu(), time.thread_time()
@@ -86,7 +88,8 @@ def _measure(fn, args):
     w1, c1, t1 = time.perf_counter(), _cpu(), time.thread_time()
     comp = low.compile()
     w2, c2 = time.perf_counter(), _cpu()
-    return (w1 - w0, c1 - c0, w2 - w1, c2 - c1, t1 - t0), comp.as_text().count("\n")
+    return ((w1 - w0, c1 - c0, w2 - w1, c2 - c1, t1 - t0),
+            (comp.as_text().count("\n"), low.as_text().count("\n")))
 
 
 def _paired(num, den):
@@ -119,7 +122,7 @@ def run(quick=False, reps=None, stats=None, quiet=False):
                 "regime": name, "layers": model.info["layers"], "B": B, "method": m,
                 "lower_s": med[0], "lower_cpu_s": med[1],
                 "compile_s": med[2], "compile_cpu_s": med[3],
-                "hlo_lines": lines[m],
+                "hlo_lines": lines[m][0], "stablehlo_lines": lines[m][1],
             }
             if m != "grad":
                 row.update({
@@ -127,11 +130,13 @@ def run(quick=False, reps=None, stats=None, quiet=False):
                     "compile_cpu_x_grad": _paired([x[3] for x in s], [x[3] for x in g]),
                     "lower_wall_x_grad": _paired([x[0] for x in s], [x[0] for x in g]),
                     "compile_wall_x_grad": _paired([x[2] for x in s], [x[2] for x in g]),
-                    "hlo_lines_x_grad": lines[m] / lines["grad"],
+                    "hlo_lines_x_grad": lines[m][0] / lines["grad"][0],
+                    "stablehlo_lines_x_grad": lines[m][1] / lines["grad"][1],
                 })
                 say(f"{name:12s} {m:14s} lower {row['lower_cpu_x_grad']:5.2f}x  compile "
                     f"{row['compile_cpu_x_grad']:5.2f}x grad (cpu time)  hlo "
-                    f"{row['hlo_lines_x_grad']:4.2f}x", flush=True)
+                    f"{row['hlo_lines_x_grad']:4.2f}x  stablehlo "
+                    f"{row['stablehlo_lines_x_grad']:4.2f}x", flush=True)
             else:
                 say(f"{name:12s} grad           lower {med[1]:.2f} s  compile {med[3]:.2f} s "
                     f"(cpu time)", flush=True)
