@@ -68,12 +68,16 @@ class Model:
         p = jax.nn.softmax(jnp.where(self.mask, s, -1e9), -1)
         return jnp.einsum("bhts,bshk->bthk", p, v)
 
+    def projections(self, a, lp):
+        """The attention's query, key and value of the normalised stream ``a``."""
+        return [jnp.einsum("btd,dhk->bthk", a, lp[w]) for w in ("wq", "wk", "wv")]
+
     def block(self, h, lp, z):
         """One layer; ``z``: zeros added to each site's output. Returns the layer's output
         and its sites' inputs (``a``: of wq, wk, wv; ``o``: of wo; ``m``: of w1; ``g``:
         of w2)."""
         a = _ln(h)
-        q, k, v = (jnp.einsum("btd,dhk->bthk", a, lp[w]) + z[w] for w in ("wq", "wk", "wv"))
+        q, k, v = (p + z[w] for p, w in zip(self.projections(a, lp), ("wq", "wk", "wv")))
         o = self.attention(q, k, v)
         h = h + jnp.einsum("bthk,hkd->btd", o, lp["wo"]) + z["wo"]
         m = _ln(h)
@@ -113,8 +117,7 @@ class Model:
     def inner(self, lp, a, m, do, d2):
         """The inner sites' values of one layer from the residual stream's: ``wo``'s and
         ``w2``'s inputs, ``wq``/``wk``/``wv``'s and ``w1``'s cotangents."""
-        qkv = [jnp.einsum("btd,dhk->bthk", a, lp[w]) for w in ("wq", "wk", "wv")]
-        o, pull = jax.vjp(self.attention, *qkv)
+        o, pull = jax.vjp(self.attention, *self.projections(a, lp))
         dq, dk, dv = pull(jnp.einsum("btd,hkd->bthk", do, lp["wo"]))
         g, pull = jax.vjp(jax.nn.gelu, m @ lp["w1"])
         (d1,) = pull(d2 @ lp["w2"].T)
