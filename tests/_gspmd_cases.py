@@ -520,6 +520,57 @@ def run_memory_tied(name, setup="2d"):
                              for s in ("second_moment", "kurtosis")}}
 
 
+def run_segments(name, setup="tp", weights=False):
+    """A scan-over-``checkpoint`` transformer (benchmarks.models.scan_remat) whose clipped
+    mean, global and per layer, recomputes each layer's attention and MLP inner values
+    from its kept input and cotangent (segments.py): against the oracle (float64), equal
+    to the form that keeps every site's values, and with less per-device temporary
+    memory than it (``memory_analysis``, the same model in float32)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks import models, shard_bench  # noqa: PLC0415
+    from jaxpr_surgery._src import segments  # noqa: PLC0415
+
+    m = models.scan_remat(T=8, d=32, V=64, layers=3, heads=4)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), m.params)
+    batch = m.make_batch(16)
+    G, tree = per_example_grads(m.loss, params, batch)
+    w = None
+    if weights:
+        w = np.random.default_rng(5).integers(0, 3, 16).astype(np.float64)
+        w[1] = 0.0
+    want = oracle(G, tree, w)
+    shape, names = shard_bench.MESHES[setup]
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    pspec, bspec = shard_bench.specs(setup, params)
+    pshard = jax.tree.map(lambda s: NamedSharding(mesh, s), pspec,
+                          is_leaf=lambda s: isinstance(s, P))
+    bshard = NamedSharding(mesh, bspec)
+    p, b = jax.device_put(params, pshard), jax.device_put(batch, bshard)
+    kw = {} if w is None else {"example_weights": jax.device_put(jnp.asarray(w), bshard)}
+    stats = {"clipped_mean": js.stats.clipped_mean(CLIP),
+             PER_LAYER: js.stats.clipped_mean(jax.tree.map(lambda _: CLIP, params))}
+    got, temp = {}, {}
+    for on in (True, False):
+        segments.ENABLED = on
+        try:
+            f = jax.jit(js.per_example_stat(m.loss, stats, chunk_size=None))
+            got[on] = f(p, b, **kw)
+            p32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32,
+                                                              sharding=x.sharding), p)
+            b32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                              sharding=x.sharding), b)
+            k32 = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32, sharding=v.sharding)
+                   for k, v in kw.items()}
+            c = jax.jit(js.per_example_stat(m.loss, stats["clipped_mean"],
+                                            chunk_size=None)).lower(p32, b32, **k32).compile()
+            temp[on] = c.memory_analysis().temp_size_in_bytes
+        finally:
+            segments.ENABLED = True
+    errors = {k: error(got[True][k], want[k], k, 16) for k in stats}
+    errors.update({f"{k}_vs_kept": error(got[True][k], got[False][k], k, 16) for k in stats})
+    return {"case": name, "errors": errors, "temp_ratio": temp[True] / temp[False]}
+
+
 def run_explicit_tp(name, B=6, T=8, d=32, V=64):
     """Tensor parallelism written for sharding in types: the lookup and the matmuls
     annotated with ``out_sharding=`` (the hidden layer over 'model'), an elementwise gain;
@@ -609,6 +660,9 @@ CASES = {
     "constrained:fsdp": lambda: run_case("constrained:fsdp",
                                          lambda: lm(L=1, constrained="fsdp"), "fsdp", None,
                                          light=True, reference=lambda: lm(L=1)),
+    # (a clipped sum's layers recomputed from kept values: segments.py)
+    "segments:tp": lambda: run_segments("segments:tp"),
+    "segments:2d:weights": lambda: run_segments("segments:2d:weights", "2d", weights=True),
     "comms:constrained:tp": lambda: run_comms(
         "comms:constrained:tp", lambda: lm(B=16, T=32, d=128, L=2, V=2048, constrained="tp"),
         "tp"),

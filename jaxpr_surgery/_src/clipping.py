@@ -17,6 +17,7 @@ from jaxpr_surgery._src.clip_reductions import nonfinite_examples
 from jaxpr_surgery._src.interpreter import Evaluator
 from jaxpr_surgery._src.norms import combine_norms
 from jaxpr_surgery._src.plans import Mode, example_weights_sink
+from jaxpr_surgery._src.segments import leaf_sums
 from jaxpr_surgery._src.site_fns import make_weighted_site_fn
 from jaxpr_surgery._src.sites.base import acc_dtype_for, stacked, weighted_sum_materialised
 
@@ -85,7 +86,7 @@ def clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
         if plan.clip_recompute:
             p = plan if keep is None else _without(plan, keep)
             return _reweighted_sums(p, ch, cache, [cs[k] for k in ks])
-        return [[deferred[i](cs[k][i]) for i in range(n)] for k in ks]
+        return [leaf_sums(deferred, cs[k], False, n) for k in ks]
 
     every = list(range(len(clips)))
     drop = [] if bad is None else [
@@ -111,7 +112,7 @@ def clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
         # conditional around the sums kept copies of every site's inputs alive: twice
         # the temporary memory, or one more copy of the sums, and compiled a second
         # form of every sum.)
-        out = [[deferred[i](cs[k][i], k in drop) for i in range(n)] for k in every]
+        out = [leaf_sums(deferred, cs[k], k in drop, n) for k in every]
     for k, j in enumerate(clips):
         for i in range(n):
             values[j][i] = out[k][i]

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpr_surgery._src import compat, cuts, meshes, walker
+from jaxpr_surgery._src import compat, cuts, meshes, segments, walker
 
 AXIS = "jaxpr_surgery:devices"  # the vmap axis of the split (never a user's axis name)
 
@@ -114,6 +114,18 @@ def auto_mesh_size(arrays) -> int:
     return size
 
 
+def auto_axes(arrays) -> tuple:
+    """The Auto axes of more than one device of the meshes ``arrays`` are typed on."""
+    out = []
+    for x in arrays:
+        mesh = meshes.abstract_mesh_of(x)
+        if mesh is None:
+            continue
+        out += [n for n, s, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+                if s > 1 and meshes.is_auto(t) and n not in out]
+    return tuple(out)
+
+
 def split_count(prep, opts) -> int:
     """``D`` for this call (1: no split): under an Auto mesh of more than one device,
     without ``axis_name``, outside ``shard_map`` and without Explicit axes (a call on
@@ -135,7 +147,15 @@ def split_run(prep, call, args, spec, D: int):
     those axes too (jax refuses it under ``spmd_axis_name``) runs the split again with
     the parts placed by XLA's propagation alone."""
     axes = spmd_axes(prep.batch_constraints(), D)
-    run = lambda axes: split_call(call, args, spec, prep.batch_argnums, prep.B, D, axes)  # noqa: E731
+    # a clipped sum recomputes a layer's inner values (segments.py) unless the model's
+    # constraints put its examples on every mesh axis (FSDP: there it would gather the
+    # weights once more, and no axis holds the examples' values whole)
+    whole = axes is not None and set(auto_axes([*prep.ex_leaves, *prep.diff_leaves])) <= set(axes)
+
+    def run(axes):
+        with segments.worth_it(not whole):
+            return split_call(call, args, spec, prep.batch_argnums, prep.B, D, axes)
+
     if axes is None:
         return run(None)
     try:

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import compat, cuts
+from jaxpr_surgery._src import compat, cuts, segments
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src import sink_keys as K
@@ -30,7 +30,7 @@ from jaxpr_surgery._src.plans import (
     site_request,
     value_dtype,
 )
-from jaxpr_surgery._src.site_fns import make_site_fn
+from jaxpr_surgery._src.site_fns import make_site_fn, traced_ingredient_avals
 from jaxpr_surgery._src.sites.base import acc_dtype_for, weighted_sum_materialised
 
 
@@ -54,31 +54,20 @@ def _sink_avals(plan, site, B, cache):
                               at.aval(r.aval(layer, kernel.acc, B)))
     if K.kept_as_ingredients(out) or not want_ing or K.INGREDIENTS in out:
         return out
+    if want_ing is not K.Kept.ALL:  # (a segment's site: its inputs or cotangents alone)
+        vs = site.ext_vars if want_ing is K.Kept.X else site.eqn.outvars
+        out[K.INGREDIENTS] = tuple(jax.ShapeDtypeStruct(lead + (B,) + tuple(v.aval.shape),
+                                                        v.aval.dtype) for v in vs)
+        return out
     # the ingredients: as the kernel states them, else traced once for repeated layers
     ing = kernel.ingredient_avals(B)
     if ing is None:
         sk = cache.site_key(site, kernel)
         key = sk and ("sink-ingredients", sk, B)
-        ing = cache.value(key, lambda: _traced_ingredient_avals(site, kernel, B))
+        ing = cache.value(key, lambda: traced_ingredient_avals(site, kernel, B))
     out[K.INGREDIENTS] = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(lead + tuple(a.shape), a.dtype), ing)
     return out
-
-
-def _traced_ingredient_avals(site, kernel, B):
-    """The shapes of a site's ingredients for ``B`` examples, by tracing its kernel."""
-    w = jax.ShapeDtypeStruct(site.view_shape, site.base.aval.dtype)
-    ext = tuple(
-        jax.ShapeDtypeStruct(((B,) if b else ()) + tuple(v.aval.shape), v.aval.dtype)
-        for v, b in zip(site.ext_vars, site.ext_batched)
-    )
-    dy = tuple(jax.ShapeDtypeStruct((B,) + tuple(v.aval.shape), v.aval.dtype)
-               for v in site.eqn.outvars)
-
-    def f(w, ext, dy):
-        return kernel.ingredients(kernel.prepare_site(w, ext, site.ext_batched, dy))
-
-    return jax.eval_shape(f, w, ext, dy)
 
 
 def _typed(plan, i, v, axes):
@@ -206,6 +195,7 @@ def _run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry, weight
     for i in range(len(ch.diff)):
         _combine_shards(plan, i, values, norms_leaf, tuple(sorted(ch.leaf_axes(i) - data_axes)))
     if plan.has_clip:
+        segments.install(plan, plan.segments, sink_cts, ch.diff, deferred)
         clipped_sums(plan, ch, cache, values, norms_leaf, deferred)
     at_site = combined_pairs(plan, B)  # (typed where they were combined)
     for j, r in enumerate(plan.reductions):
@@ -303,7 +293,8 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
                     values[j][i] = ct[k] if k in done else plan.bound(r, i).to_leaf(ct[k], site, B)
             if plan.has_clip:  # the norms came with the other statistics
                 norms_leaf[i] = S.Norms().to_leaf(ct[K.CLIP_NORMS], site, B)
-            if plan.keep_for_clip:  # and the ingredients, for the reweighted sum
+            if plan.keep_for_clip and site.path not in plan.kept:  # and the ingredients,
+                # for the reweighted sum (a segment's sites: `segments.install`)
                 deferred[i] = weighted_leaf(
                     [(site, plan.kernels[site.path], ct[K.INGREDIENTS])], cache)
         else:  # ingredients (merged afterwards: measured slower when its tile loop

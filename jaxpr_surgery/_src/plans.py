@@ -67,6 +67,10 @@ class Plan:
     # the leaves traced varying over the examples' axes inside typed shard_map
     # (`api.replicated_leaves`): `engine.run` casts their values so too
     varying_leaves: frozenset = frozenset()
+    # clipped sums under a batch split: sites whose inner values are recomputed from
+    # a few kept ones (`segments.find`), and what each of those sites keeps
+    segments: tuple = ()
+    kept: dict = dataclasses.field(default_factory=dict)  # path -> `Kept` or None
 
     def with_consts(self, consts):
         """This plan with ``consts`` for its jaxpr's constants (the same values, passed
@@ -156,6 +160,9 @@ def make_plan(
         dts = [site.base.aval.dtype] + [v.aval.dtype for v in site.eqn.outvars]
         plan.kernels[p] = kernel_for(site, acc_dtype_for(*dts), budget, cache_blocks,
                                      split_blocks)
+    if cuts.split_count() > 1:  # (segments.py: what recomputing costs there is FLOPs)
+        from jaxpr_surgery._src import segments
+        plan.segments, plan.kept = segments.find(plan, Mode.DIRECT)
     return plan
 
 
@@ -167,8 +174,10 @@ def site_request(plan, site):
             # the norms' tile loop keeps each G_b for the clipped sum: no contraction
             # after the norms, and less memory than x and dy (`keeps_products_for_clip`)
             req[K.KEPT] = KeptExamples()
-        return req, plan.keep_for_clip
-    return {}, True
+        if not plan.keep_for_clip:
+            return req, None
+        return req, plan.kept.get(site.path, K.Kept.ALL)
+    return {}, K.Kept.ALL
 
 
 def combined_at_site(plan, site) -> dict:

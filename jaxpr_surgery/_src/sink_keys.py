@@ -25,6 +25,16 @@ class Role(enum.IntEnum):
     SUMS = 9  # ... and the weighted sums out
 
 
+class Kept(enum.Enum):
+    """What a site keeps for its leaf's values afterwards (`INGREDIENTS`): its kernel's
+    ingredients, or, a site of a recomputed segment (segments.py), its inputs as the
+    site read them or its output cotangents alone."""
+
+    ALL = enum.auto()
+    X = enum.auto()
+    DY = enum.auto()
+
+
 class Key(NamedTuple):
     """A key of a request or sink: its `Role`, and for a reduction the plan's index."""
 

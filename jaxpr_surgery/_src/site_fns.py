@@ -25,7 +25,7 @@ def _site_key(sk, direct, want_ing, sink, combined=()):
         "site",
         sk,
         fp.value_key(direct),
-        bool(want_ing),
+        want_ing,
         jax.tree.structure(sink),
         tuple((tuple(x.shape), x.dtype) for x in jax.tree.leaves(sink)),
         combined,
@@ -180,7 +180,8 @@ def make_site_fn(reduction_plan, cache, finish_first=False, combined=None):
             for k, (fn, _, _) in fin.items():  # (typed as the sink: varying over its axes)
                 out[k] = jax.tree.map(compat.make_varying, fn(out[k], B), vmas[k])
             if want_ing and not K.kept_as_ingredients(out):  # (else the tile loop's kept ones)
-                out[K.INGREDIENTS] = kernel.ingredients(ctx)
+                out[K.INGREDIENTS] = (kernel.ingredients(ctx) if want_ing is K.Kept.ALL
+                                      else tuple(sx) if want_ing is K.Kept.X else tuple(sdy))
             for k in (K.EX_WEIGHTS, K.CARRY_WEIGHT):  # (inputs: no cotangent)
                 if sink is not None and k in sink:
                     out[k] = compat.zeros_like_varying(sink[k])
@@ -338,3 +339,19 @@ def make_weighted_site_fn(cache):
     site_fn.key_of = key_of
     site_fn.tap = tap
     return site_fn
+
+
+def traced_ingredient_avals(site, kernel, B):
+    """The shapes of a site's ingredients for ``B`` examples, by tracing its kernel."""
+    w = jax.ShapeDtypeStruct(site.view_shape, site.base.aval.dtype)
+    ext = tuple(
+        jax.ShapeDtypeStruct(((B,) if b else ()) + tuple(v.aval.shape), v.aval.dtype)
+        for v, b in zip(site.ext_vars, site.ext_batched)
+    )
+    dy = tuple(jax.ShapeDtypeStruct((B,) + tuple(v.aval.shape), v.aval.dtype)
+               for v in site.eqn.outvars)
+
+    def f(w, ext, dy):
+        return kernel.ingredients(kernel.prepare_site(w, ext, site.ext_batched, dy))
+
+    return jax.eval_shape(f, w, ext, dy)

@@ -1,0 +1,354 @@
+"""Clipped sums under a batch split: a layer's inner values recomputed, not kept.
+
+A clipped sum in one pass keeps every site's input ``x`` and output cotangent ``dy``
+until every example's norm is known, then forms ``sum_b c_b x_b^T dy_b`` per site
+(clipping.py). Inside a scan over layers that is every layer's values at once. Under
+tensor parallelism some of them (a column-parallel layer's input, a row-parallel
+layer's cotangent: the residual stream) are whole on every device of the model axis,
+and the rest (the attention's heads, the MLP's hidden units) are split over it.
+
+A *segment* is a run of a layer's sites whose inner values follow from a few kept ones
+by the layer's own equations: the attention's ``wq``, ``wk``, ``wv`` read one input
+``a``, their outputs reach only the attention, whose output is ``wo``'s input; the
+MLP's ``w1`` (and bias) feed only ``w2`` through the activation. Keeping ``a`` and
+``wo``'s cotangent, the clipped sums recompute, one layer at a time (``lax.map``), the
+inner inputs by the forward equations and the inner cotangents by their VJP from the
+kept cotangent. Where no collective sits between them (the equations of one device's
+heads or hidden units under tensor parallelism) that costs FLOPs, not bytes, and the
+layer's inner values are never held for every layer at once.
+
+`find` picks the segments of a `plans.Plan` (`sink_keys.Kept`: what each of their sites
+keeps); `install` gives their leaves' clipped sums (``engine._leaf_values``'s
+``deferred``) from the kept values. A segment's sites are direct-mode sites of one scan
+body, each its leaf's only site, whose view is the scan's layer of the leaf; the values
+between them are read by nothing else (so the cotangent the VJP gives is the whole of
+each inner cotangent), and every free input of their equations is a literal, a site's
+view or computed from those alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpr_surgery._src import compat, cuts, tiling, views, walker
+from jaxpr_surgery._src import sink_keys as K
+from jaxpr_surgery._src.sites.generic import composite
+
+#: whether `find` looks for segments (tests switch it to compare both forms)
+ENABLED = True
+_WORTH = [True]  # `worth_it`: whether the batch split being traced recomputes
+
+#: site primitives whose input's cotangent is its output's, elementwise (a bias, a
+#: scale): a segment may pass through them. Any other site (a matmul, whose input's
+#: cotangent contracts its output's features: under tensor parallelism a collective,
+#: as in grad's own backward pass) only begins a segment, its input kept.
+PASS_THROUGH = frozenset({compat.add_p, compat.sub_p, compat.mul_p})
+
+
+@contextlib.contextmanager
+def worth_it(on: bool):
+    """While this runs, `find` looks for segments only where ``on``: a batch split by
+    device whose examples' values some mesh axis holds whole on each of its devices
+    (tensor parallelism), or whose placement is unknown (devices.py decides)."""
+    _WORTH.append(bool(on))
+    try:
+        yield
+    finally:
+        _WORTH.pop()
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Sites of one scan body recomputed together.
+
+    ``members``: the sites' paths in equation order (``target`` last among those it
+    reads); ``target``: the site whose cotangent is kept; ``holders``: each kept input
+    variable -> the path of the source site that keeps it; ``eqns``: the body's
+    equations evaluated between them (indices, in order; sites included)."""
+
+    scope: tuple
+    jaxpr: Any
+    target: tuple
+    members: tuple
+    holders: tuple  # ((var, path), ...)
+    eqns: tuple
+
+
+class _Res(tuple):
+    """A backward closure: (equation indices, source site indices, interior site
+    indices, kept variables). Immutable; `_union` merges."""
+
+
+def _res(eqns=(), sources=(), interior=(), kept=()):
+    return _Res((frozenset(eqns), frozenset(sources), frozenset(interior), frozenset(kept)))
+
+
+def _union(*rs):
+    return _Res(tuple(frozenset().union(*(r[k] for r in rs)) for k in range(4)))
+
+
+def _scan_body(top, scope):
+    """The open jaxpr at ``scope`` (a path of equation indices) where that path enters
+    exactly one scan, and calls and checkpoints besides; else None."""
+    j, scans = top, 0
+    for idx in scope:
+        eqn = j.eqns[idx]
+        nest = walker.nest_of(eqn)
+        if nest not in (walker.Nest.CALL, walker.Nest.REMAT, walker.Nest.SCAN):
+            return None
+        scans += nest is walker.Nest.SCAN
+        j = walker.nested(eqn).jaxpr
+    return j if scans == 1 else None
+
+
+def find(plan, direct_mode):
+    """``(segments, kept)``: the plan's `Segment` s and, for each of their sites, what
+    it keeps (`sink_keys.Kept`, or None: nothing). ``direct_mode``: the `plans.Mode` of
+    a leaf whose single site computes its values in the backward pass."""
+    if not (ENABLED and _WORTH[-1]) or not plan.keep_for_clip:
+        return (), {}
+    an = plan.analysis
+    top = plan.closed.jaxpr
+
+    def eligible(s):
+        i = s.leaf
+        return (plan.modes[i] is direct_mode and len(an.leaves[i].sites) == 1
+                and s.depth == 1 and s.chain and s.chain[0].kind is views.Step.SCAN
+                and not s.pads and not s.scales and s.tap_of is None and i not in plan.at_site
+                and len(s.ext_vars) == 1 and all(s.ext_batched)
+                and len(an.at(s.path)) == 1
+                and not plan.kernels[s.path].keeps_products_for_clip())
+
+    scopes = {}
+    for p, s in an.sites.items():
+        scopes.setdefault(p[:-1], {})[p[-1]] = s
+    segments, kept = [], {}
+    for scope, here in scopes.items():
+        j = _scan_body(top, scope)
+        if j is None:
+            continue
+        here = {i: s for i, s in here.items() if eligible(s) and j.eqns[i] is s.eqn}
+        segments += _segments_of(j, scope, here, an, lambda s: _kept_bytes(plan, s))
+    for seg in segments:
+        held = {p for _, p in seg.holders}
+        for p in seg.members:
+            kept[p] = (K.Kept.DY if p == seg.target else K.Kept.X if p in held else None)
+    return tuple(segments), kept
+
+
+def _nbytes(avals):
+    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(avals))
+
+
+def _kept_bytes(plan, site):
+    """The bytes of two examples' ingredients a site keeps for a clipped sum otherwise
+    (a scale's or bias's: its per-example gradient, smaller than its input)."""
+    from jaxpr_surgery._src.site_fns import traced_ingredient_avals
+
+    k = plan.kernels[site.path]
+    ing = k.ingredient_avals(2)
+    return _nbytes(traced_ingredient_avals(site, k, 2) if ing is None else ing)
+
+
+def _raw_bytes(vs):
+    return 2 * sum(math.prod(v.aval.shape) * jnp.dtype(v.aval.dtype).itemsize for v in vs)
+
+
+def _segments_of(j, scope, here, an, kept_bytes):
+    producer = {v: i for i, e in enumerate(j.eqns) for v in e.outvars}
+    uses = {}
+    for i, e in enumerate(j.eqns):
+        for v in e.invars:
+            if not isinstance(v, compat.Literal):
+                uses.setdefault(v, set()).add(i)
+    outs = {v for v in j.outvars if not isinstance(v, compat.Literal)}
+    bases = {s.base for s in here.values()}
+    specials = {p[-1] for p in an.scopes if p[:-1] == scope} | {
+        p[-1] for p in an.sites if p[:-1] == scope}
+    memo = {}
+
+    def back(v):
+        if isinstance(v, compat.Literal):
+            return _res()
+        if v in memo:
+            return memo[v]
+        memo[v] = None  # (a jaxpr has no cycles; a guard all the same)
+        r = None
+        if v in bases:
+            r = _res()
+        elif v in producer:
+            i = producer[v]
+            e = j.eqns[i]
+            if i in here:
+                s = here[i]
+                (x,) = s.ext_vars
+                rx = back(x) if e.primitive in PASS_THROUGH else None
+                r = (_res({i}, sources={i}, kept={x}) if rx is None
+                     else _union(rx, _res({i}, interior={i})))
+            elif i not in specials:
+                rs = [back(u) for u in e.invars]
+                if all(q is not None for q in rs):
+                    r = _union(_res({i}), *rs)
+        memo[v] = r
+        return r
+
+    taken, found = set(), []
+    for t in sorted(here, reverse=True):  # the last first: the largest segments
+        if t in taken:
+            continue
+        (x,) = here[t].ext_vars
+        r = back(x)
+        if r is None or not r[1]:
+            continue
+        eqns, sources, interior, keep = r
+        members = sources | interior | {t}
+        if members & taken or not _closed(j, eqns, sources | interior, t, uses, outs):
+            continue
+        # (worth it where what the segment keeps is less than its sites' ingredients)
+        if (_raw_bytes(list(keep)) + _raw_bytes(here[t].eqn.outvars)
+                >= sum(kept_bytes(here[i]) for i in members)):
+            continue
+        taken |= members
+        holders = []
+        for v in keep:
+            p = min(i for i in sources if here[i].ext_vars[0] is v)
+            holders.append((v, scope + (p,)))
+        found.append(Segment(scope, j, scope + (t,), tuple(scope + (i,) for i in sorted(members)),
+                             tuple(holders), tuple(sorted(eqns | {t}))))
+    return found
+
+
+def _closed(j, eqns, inner, t, uses, outs):
+    """Whether every value computed from the inner sites' outputs is read by the
+    segment's equations alone (so the VJP from the target's cotangent is each one's
+    whole cotangent)."""
+    dep = set()
+    for i in sorted(eqns):
+        e = j.eqns[i]
+        if i in inner or any(v in dep for v in e.invars if not isinstance(v, compat.Literal)):
+            dep.update(e.outvars)
+    allowed = eqns | {t}
+    return all(v not in outs and uses.get(v, set()) <= allowed for v in dep)
+
+
+class Member:
+    """A leaf's clipped sum given by its segment (`install`): ``group(cs, finite_only)``
+    gives every member leaf's at once, for the per-leaf weights ``cs``."""
+
+    def __init__(self, group):
+        self.group = group
+
+
+def install(plan, segments, sink_cts, diff, deferred):
+    """``deferred[i]`` of every leaf of ``segments`` a `Member` of its segment's sums."""
+    for seg in segments:
+        fn = _group(plan, seg, sink_cts, diff)
+        for p in seg.members:
+            deferred[plan.analysis.sites[p].leaf] = Member(fn)
+
+
+def leaf_sums(deferred, cs, finite_only, n):
+    """``[sum_b c_b g_b per leaf]``: each leaf's ``deferred`` value for its weights
+    ``cs[i]``, a segment's leaves from one recomputation."""
+    done, out = {}, []
+    for i in range(n):
+        d = deferred[i]
+        if isinstance(d, Member):
+            if d.group not in done:
+                done[d.group] = d.group(cs, finite_only)
+            out.append(done[d.group][i])
+        else:
+            out.append(d(cs[i], finite_only))
+    return out
+
+
+def _share(v):
+    """A layer's sum, under a batch split by device, as each part's share of the sum
+    over the parts (`Reduction.combined_share`'s: the same on every part, so that
+    ``lax.map`` stacks one for every part, not one per part; the clipped sum's
+    ``psum`` at the end makes it whole). Exact where the parts are a power of two."""
+    if not cuts.shares():
+        return v
+    return jax.lax.psum(v, cuts.split_axis()) / cuts.split_count()
+
+
+def _group(plan, seg, sink_cts, diff):
+    """``(cs, finite_only) -> {leaf: sum_b c_b g_b}`` of the segment's leaves, one layer
+    at a time (``lax.map`` over the scan's layers)."""
+    from jaxpr_surgery._src.clipping import _finite_inputs
+
+    an = plan.analysis
+    sites = {p: an.sites[p] for p in seg.members}
+    kept_vars = [v for v, _ in seg.holders]
+    kept = [sink_cts[p][K.INGREDIENTS][0] for _, p in seg.holders]
+    dy_t = tuple(sink_cts[seg.target][K.INGREDIENTS])
+    ws = {p: views.from_leaf(diff[s.leaf], s) for p, s in sites.items()}
+    by_idx = {p[-1]: p for p in seg.members}
+    inner = [p for p in seg.members if p != seg.target]
+    eqns = [seg.jaxpr.eqns[i] for i in seg.eqns]
+
+    def layer(xs, cs, finite_only):
+        kept_l, dy_l, w_l = xs
+
+        def one(kv, probes):  # one example: the segment's equations from the kept inputs
+            env = dict(zip(kept_vars, kv))
+            env.update((sites[p].base, w_l[p]) for p in seg.members)
+            read = lambda v: v.val if isinstance(v, compat.Literal) else env[v]  # noqa: E731
+            ext = {}
+            for i, e in zip(seg.eqns, eqns):
+                p = by_idx.get(i)
+                if p is None:
+                    env.update(zip(e.outvars, compat.bind_eqn(e, [read(v) for v in e.invars])))
+                    continue
+                s = sites[p]
+                ext[p] = tuple(read(v) for v in s.ext_vars)
+                outs = composite(s)(w_l[p], *ext[p])
+                if p in probes:
+                    outs = tuple(o + d for o, d in zip(outs, probes[p]))
+                env.update(zip(e.outvars, outs))
+            return tuple(env[v] for v in sites[seg.target].eqn.outvars), ext
+
+        B = dy_l[0].shape[0]
+        probes = {p: tuple(jnp.zeros((B,) + tuple(v.aval.shape), v.aval.dtype)
+                           for v in sites[p].eqn.outvars) for p in inner}
+        _, pull, ext = jax.vjp(lambda pr: jax.vmap(one)(kept_l, pr), probes, has_aux=True)
+        (dys,) = pull(tuple(d.astype(v.aval.dtype) for d, v in
+                            zip(dy_l, sites[seg.target].eqn.outvars)))
+        out = {}
+        for p in seg.members:
+            s, k = sites[p], plan.kernels[p]
+            dy = dy_l if p == seg.target else dys[p]
+            ing = k.ingredients(k.prepare_site(w_l[p], ext[p], s.ext_batched, dy))
+            c = cs[s.leaf]
+            if finite_only:
+                ing = _finite_inputs(ing, c)
+            out[p] = _share(k.weighted_sum(ing, c))
+        return out
+
+    def group(cs, finite_only=False):
+        # the layers' sums accumulate in place into zeros made from the clip factors:
+        # stacked by ``lax.map`` their buffers were zeros XLA made at the program's
+        # start and held through it (a leaf's size each)
+        L = dy_t[0].shape[0]
+        zero = tiling.zero_after(cs[sites[seg.target].leaf])
+        if cuts.shares():  # (one for every part, as the shares it accumulates)
+            zero = jax.lax.psum(zero, cuts.split_axis())
+        accs = {p: jnp.full((L,) + tuple(s.view_shape), zero, plan.kernels[p].acc)
+                for p, s in sites.items()}
+
+        def step(accs, xs):
+            l, rest = xs
+            out = layer(rest, cs, finite_only)
+            return {p: jax.lax.dynamic_update_index_in_dim(
+                a, out[p].astype(a.dtype), l, 0) for p, a in accs.items()}, None
+
+        sums, _ = jax.lax.scan(step, accs, (jnp.arange(L), (kept, dy_t, ws)))
+        return {sites[p].leaf: views.to_leaf(v, sites[p]) for p, v in sums.items()}
+
+    return group
