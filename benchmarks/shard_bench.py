@@ -261,6 +261,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="results JSON (default: print only)")
     ap.add_argument("--setups", default=",".join(MESHES))
     ap.add_argument("--models", default="transformer,scan")
+    ap.add_argument("--stats", default=None,
+                    help="comma-separated statistics to measure (default: every one)")
     a = ap.parse_args(argv)
     if jax.device_count() < 8:
         raise SystemExit("shard_bench: needs 8 devices; run it as python -m "
@@ -269,6 +271,12 @@ def main(argv=None):
     stats = {"mean": S.mean(), "second_moment": S.second_moment(), "sign_mean": S.sign_mean(),
              "sq_norms": S.sq_norms(), "clipped_mean": S.clipped_mean(1.0),
              "variance": S.variance(), "kurtosis": S.kurtosis()}
+    if a.stats:
+        unknown = set(a.stats.split(",")) - set(stats)
+        if unknown:
+            raise SystemExit(f"shard_bench: --stats: unknown {sorted(unknown)}; "
+                             f"choose among {sorted(stats)}")
+        stats = {k: v for k, v in stats.items() if k in a.stats.split(",")}
     size, B = SIZES["quick" if a.quick else a.size]
     builders = {"transformer": models.transformer, "scan": models.scan_remat}
     rows, bad = [], []
@@ -303,6 +311,7 @@ def main(argv=None):
                         print(f"  {k:14s} collectives {rc:5.2f}x  temp {rt:5.2f}x  "
                               f"remat {v['remat']}" + ("  MISS" if miss else ""), flush=True)
     result = {"machine": output.machine_info(), "quick": a.quick, "batch": B, "size": size,
+              "stats": sorted(stats),
               "limits": {"collectives": LIMITS, "temp": TEMP_LIMIT}, "rows": rows,
               "missed": bad}
     if a.out:

@@ -177,6 +177,7 @@ LAYERS = (
     ("leaves",),  # a leaf's statistics from its sites' ingredients (single site, tying)
     ("clipping", "ghost_cross"),
     ("plans",),  # each leaf's mode, each site's kernel and requests
+    ("segments",),  # a clipped sum's layers recomputed from a few kept values
     ("interpreter",),
     ("site_fns",),  # the call at each site: its forward, and a backward into its sink
     # the analysis asks the site registry (sites.base.kind_for) which kernel serves a site

@@ -17,7 +17,7 @@ from jaxpr_surgery._src.clip_reductions import nonfinite_examples
 from jaxpr_surgery._src.interpreter import Evaluator
 from jaxpr_surgery._src.norms import combine_norms
 from jaxpr_surgery._src.plans import Mode, example_weights_sink
-from jaxpr_surgery._src.segments import leaf_sums
+from jaxpr_surgery._src.segments import Member
 from jaxpr_surgery._src.site_fns import make_weighted_site_fn
 from jaxpr_surgery._src.sites.base import acc_dtype_for, stacked, weighted_sum_materialised
 
@@ -116,6 +116,22 @@ def clipped_sums(plan, ch, cache, values, norms_leaf, deferred):
     for k, j in enumerate(clips):
         for i in range(n):
             values[j][i] = out[k][i]
+
+
+def leaf_sums(deferred, cs, finite_only, n):
+    """``[sum_b c_b g_b per leaf]``: each leaf's ``deferred`` value for its weights
+    ``cs[i]`` (``finite_only``: its ingredients' non-finite entries read as zeros), a
+    recomputed segment's leaves from one pass over its layers (`segments.Member`)."""
+    done, out = {}, []
+    for i in range(n):
+        d = deferred[i]
+        if isinstance(d, Member):
+            if d.group not in done:
+                done[d.group] = d.group(cs, _finite_inputs if finite_only else None)
+            out.append(done[d.group][i])
+        else:
+            out.append(d(cs[i], finite_only))
+    return out
 
 
 def _without(plan, keep):

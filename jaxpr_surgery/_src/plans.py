@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import compat, cuts, views, walker
+from jaxpr_surgery._src import compat, cuts, segments, views, walker
 from jaxpr_surgery._src import sink_keys as K
 from jaxpr_surgery._src import stats as S
 from jaxpr_surgery._src.analysis_types import LeafUse
@@ -161,7 +161,6 @@ def make_plan(
         plan.kernels[p] = kernel_for(site, acc_dtype_for(*dts), budget, cache_blocks,
                                      split_blocks)
     if cuts.split_count() > 1:  # (segments.py: what recomputing costs there is FLOPs)
-        from jaxpr_surgery._src import segments
         plan.segments, plan.kept = segments.find(plan, Mode.DIRECT)
     return plan
 

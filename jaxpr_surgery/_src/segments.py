@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat, cuts, tiling, views, walker
 from jaxpr_surgery._src import sink_keys as K
+from jaxpr_surgery._src.site_fns import traced_ingredient_avals
 from jaxpr_surgery._src.sites.generic import composite
 
 #: whether `find` looks for segments (tests switch it to compare both forms)
@@ -149,8 +150,6 @@ def _nbytes(avals):
 def _kept_bytes(plan, site):
     """The bytes of two examples' ingredients a site keeps for a clipped sum otherwise
     (a scale's or bias's: its per-example gradient, smaller than its input)."""
-    from jaxpr_surgery._src.site_fns import traced_ingredient_avals
-
     k = plan.kernels[site.path]
     ing = k.ingredient_avals(2)
     return _nbytes(traced_ingredient_avals(site, k, 2) if ing is None else ing)
@@ -238,8 +237,10 @@ def _closed(j, eqns, inner, t, uses, outs):
 
 
 class Member:
-    """A leaf's clipped sum given by its segment (`install`): ``group(cs, finite_only)``
-    gives every member leaf's at once, for the per-leaf weights ``cs``."""
+    """A leaf's clipped sum given by its segment (`install`): ``group(cs, prepare=None)``
+    gives every member leaf's at once, for the per-leaf weights ``cs``, each site's
+    ingredients read through ``prepare(ing, c)`` where given (clipping.py: their
+    non-finite entries as zeros)."""
 
     def __init__(self, group):
         self.group = group
@@ -253,21 +254,6 @@ def install(plan, segments, sink_cts, diff, deferred):
             deferred[plan.analysis.sites[p].leaf] = Member(fn)
 
 
-def leaf_sums(deferred, cs, finite_only, n):
-    """``[sum_b c_b g_b per leaf]``: each leaf's ``deferred`` value for its weights
-    ``cs[i]``, a segment's leaves from one recomputation."""
-    done, out = {}, []
-    for i in range(n):
-        d = deferred[i]
-        if isinstance(d, Member):
-            if d.group not in done:
-                done[d.group] = d.group(cs, finite_only)
-            out.append(done[d.group][i])
-        else:
-            out.append(d(cs[i], finite_only))
-    return out
-
-
 def _share(v):
     """A layer's sum, under a batch split by device, as each part's share of the sum
     over the parts (`Reduction.combined_share`'s: the same on every part, so that
@@ -279,10 +265,8 @@ def _share(v):
 
 
 def _group(plan, seg, sink_cts, diff):
-    """``(cs, finite_only) -> {leaf: sum_b c_b g_b}`` of the segment's leaves, one layer
-    at a time (``lax.map`` over the scan's layers)."""
-    from jaxpr_surgery._src.clipping import _finite_inputs
-
+    """``(cs, prepare=None) -> {leaf: sum_b c_b g_b}`` of the segment's leaves, one
+    layer at a time (a scan over the layers, `Member`)."""
     an = plan.analysis
     sites = {p: an.sites[p] for p in seg.members}
     kept_vars = [v for v, _ in seg.holders]
@@ -293,7 +277,7 @@ def _group(plan, seg, sink_cts, diff):
     inner = [p for p in seg.members if p != seg.target]
     eqns = [seg.jaxpr.eqns[i] for i in seg.eqns]
 
-    def layer(xs, cs, finite_only):
+    def layer(xs, cs, prepare):
         kept_l, dy_l, w_l = xs
 
         def one(kv, probes):  # one example: the segment's equations from the kept inputs
@@ -326,12 +310,12 @@ def _group(plan, seg, sink_cts, diff):
             dy = dy_l if p == seg.target else dys[p]
             ing = k.ingredients(k.prepare_site(w_l[p], ext[p], s.ext_batched, dy))
             c = cs[s.leaf]
-            if finite_only:
-                ing = _finite_inputs(ing, c)
+            if prepare is not None:
+                ing = prepare(ing, c)
             out[p] = _share(k.weighted_sum(ing, c))
         return out
 
-    def group(cs, finite_only=False):
+    def group(cs, prepare=None):
         # the layers' sums accumulate in place into zeros made from the clip factors:
         # stacked by ``lax.map`` their buffers were zeros XLA made at the program's
         # start and held through it (a leaf's size each)
@@ -344,7 +328,7 @@ def _group(plan, seg, sink_cts, diff):
 
         def step(accs, xs):
             l, rest = xs
-            out = layer(rest, cs, finite_only)
+            out = layer(rest, cs, prepare)
             return {p: jax.lax.dynamic_update_index_in_dim(
                 a, out[p].astype(a.dtype), l, 0) for p, a in accs.items()}, None
 
