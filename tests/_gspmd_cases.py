@@ -568,7 +568,11 @@ def run_segments(name, setup="tp", weights=False):
             segments.ENABLED = True
     errors = {k: error(got[True][k], want[k], k, 16) for k in stats}
     errors.update({f"{k}_vs_kept": error(got[True][k], got[False][k], k, 16) for k in stats})
-    return {"case": name, "errors": errors, "temp_ratio": temp[True] / temp[False]}
+    notes = js.explain(m.loss, stats["clipped_mean"])(p, b).notes
+    note = next((n for n in notes if n.startswith("Clipped sums recompute")), "")
+    return {"case": name, "errors": errors, "temp_ratio": temp[True] / temp[False],
+            "explained": ["wo" in note and "w2" in note and "the input of ['layers']['wq']"
+                          in note]}
 
 
 def run_explicit_tp(name, B=6, T=8, d=32, V=64):

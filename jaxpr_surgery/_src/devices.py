@@ -138,6 +138,17 @@ def split_count(prep, opts) -> int:
     return math.gcd(prep.B, n) if n > 1 else 1
 
 
+def recomputes(prep, D: int) -> bool:
+    """Whether a clipped sum under this split recomputes its scan layers' inner values
+    (segments.py): unless the model's sharding constraints put its examples on every
+    mesh axis (FSDP, where the recompute would gather the weights once more and no axis
+    holds an example's values whole). Without constraints the placement is XLA's, unseen
+    while tracing: recomputed (tensor parallelism's memory bounded; under FSDP the
+    weights gathered once more)."""
+    axes = spmd_axes(prep.batch_constraints(), D)
+    return axes is None or not set(auto_axes([*prep.ex_leaves, *prep.diff_leaves])) <= set(axes)
+
+
 def split_run(prep, call, args, spec, D: int):
     """`split_call` of ``call`` for the `arguments.Prepared` call ``prep`` over ``D``
     parts: one example traced first (the parts' ``call`` reuses it: `Prepared.traces`;
@@ -147,13 +158,10 @@ def split_run(prep, call, args, spec, D: int):
     those axes too (jax refuses it under ``spmd_axis_name``) runs the split again with
     the parts placed by XLA's propagation alone."""
     axes = spmd_axes(prep.batch_constraints(), D)
-    # a clipped sum recomputes a layer's inner values (segments.py) unless the model's
-    # constraints put its examples on every mesh axis (FSDP: there it would gather the
-    # weights once more, and no axis holds the examples' values whole)
-    whole = axes is not None and set(auto_axes([*prep.ex_leaves, *prep.diff_leaves])) <= set(axes)
+    worth = recomputes(prep, D)
 
     def run(axes):
-        with segments.worth_it(not whole):
+        with segments.worth_it(worth):
             return split_call(call, args, spec, prep.batch_argnums, prep.B, D, axes)
 
     if axes is None:

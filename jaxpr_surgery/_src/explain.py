@@ -24,6 +24,7 @@ from jaxpr_surgery._src import (
     independence,
     kron,
     meshes,
+    segments,
     tiling,
     walker,
 )
@@ -326,8 +327,10 @@ def explain(
         act = front.activation_bytes()
         D = devices.split_count(prep, opts)
         split_note = None
+        seg_note = None
         if D > 1:  # (a batch sharded by XLA: the call runs in parts, api.py)
             chunk, split_note = _split(prep, opts, D, front, reductions)
+            seg_note = _segments_note(prep, D, front.plan)
         recompute = not prep.data_axes and clips_by_recompute(closed.jaxpr)
         site_notes = {}
         at = [k for k, a in enumerate(prep.diff_is_arr) if a]  # flat index of each float leaf
@@ -348,6 +351,8 @@ def explain(
         notes.extend(_custom_op_notes(prep))
         if split_note:
             notes.insert(1, split_note)
+        if seg_note:
+            notes.insert(2, seg_note)
         return prep, an, B, chunk, act, leaves, notes, verdict, closed, site_notes
 
     return run
@@ -368,6 +373,27 @@ def _split(prep, opts, D, front, reductions):
         f"{D} parts of {b} examples, each part's examples reduced on its device ({how}; "
         "the tiles above are per part) and the parts' values combined across the devices, "
         "as jax.grad combines its gradients.")
+
+
+def _segments_note(prep, D, plan):
+    """A note naming the scan layers' sites whose clipped sums recompute their inner
+    values under the split (segments.py), or None."""
+    if not plan.has_clip or not devices.recomputes(prep, D):
+        return None
+    with cuts.split_over(D, devices.AXIS):
+        found, kept = segments.find(dataclasses.replace(plan, keep_for_clip=True), Mode.DIRECT)
+    if not found:
+        return None
+    name = lambda p: prep.diff_paths[plan.analysis.sites[p].leaf]  # noqa: E731
+    parts = []
+    for seg in found:
+        held = [name(p) for p in seg.members if kept[p] is segments.K.Kept.X]
+        parts.append(f"{', '.join(name(p) for p in seg.members)} (keeping the input of "
+                     f"{' and '.join(held)} and the output cotangent of {name(seg.target)})")
+    return ("Clipped sums recompute, one scan layer at a time, what sites would otherwise "
+            "keep for every layer until each example's norm is known: "
+            + "; ".join(parts) + ". Under tensor parallelism the kept values are those "
+            "each device holds whole; the recomputed ones its own heads' and hidden units'.")
 
 
 def _custom_op_notes(prep):
