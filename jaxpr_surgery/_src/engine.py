@@ -190,6 +190,7 @@ def _run(plan, diff_leaves, ex_leaves, other_leaves, B, data_axes, carry, weight
                            lambda s: combined_at_site(plan, s))
     ev = Evaluator(plan.analysis, plan.kernels, site_fn, B, cache)
     sink_cts, copy_cts, loss_b, aux = ch.backward(plan, ev, sinks, ch.copies(plan))
+    sink_cts = segments.tail_ingredients(plan, sink_cts, ch)
     with live_examples(None if plan.weights is None else ew.live(plan.weights[0])):
         values, norms_leaf, deferred = _leaf_values(plan, sink_cts, copy_cts, B, cache)
     for i in range(len(ch.diff)):
@@ -262,6 +263,7 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
     values = {j: [None] * n for j in range(len(plan.reductions))}
     norms_leaf = [None] * n
     deferred = {}
+    layered = segments.in_layers(plan)
     for i, aval in enumerate(plan.leaf_avals):
         mode = plan.modes[i]
         acc = acc_dtype_for(aval.dtype)
@@ -293,8 +295,8 @@ def _leaf_values(plan, sink_cts, copy_cts, B, cache):
                     values[j][i] = ct[k] if k in done else plan.bound(r, i).to_leaf(ct[k], site, B)
             if plan.has_clip:  # the norms came with the other statistics
                 norms_leaf[i] = S.Norms().to_leaf(ct[K.CLIP_NORMS], site, B)
-            if plan.keep_for_clip and site.path not in plan.kept:  # and the ingredients,
-                # for the reweighted sum (a segment's sites: `segments.install`)
+            if plan.keep_for_clip and site.path not in layered:  # and the ingredients,
+                # for the reweighted sum (a scan layer's segment's: `segments.install`)
                 deferred[i] = weighted_leaf(
                     [(site, plan.kernels[site.path], ct[K.INGREDIENTS])], cache)
         else:  # ingredients (merged afterwards: measured slower when its tile loop

@@ -381,13 +381,19 @@ def _segments_note(prep, D, plan):
     if not plan.has_clip or not devices.recomputes(prep, D):
         return None
     with cuts.split_over(D, devices.AXIS):
-        found, kept = segments.find(dataclasses.replace(plan, keep_for_clip=True), Mode.DIRECT)
+        found, kept = segments.find(dataclasses.replace(plan, keep_for_clip=True), Mode.DIRECT,
+                                    Mode.INGREDIENTS)
     if not found:
         return None
     name = lambda p: prep.diff_paths[plan.analysis.sites[p].leaf]  # noqa: E731
     parts = []
     for seg in found:
         held = [name(p) for p in seg.members if kept[p] is segments.K.Kept.X]
+        if seg.target is None:
+            parts.append(f"{', '.join(name(p) for p in seg.members)} (the loss's tail: keeping "
+                         f"the input of {' and '.join(held)}, its cotangent recomputed from "
+                         "the loss after the backward pass)")
+            continue
         parts.append(f"{', '.join(name(p) for p in seg.members)} (keeping the input of "
                      f"{' and '.join(held)} and the output cotangent of {name(seg.target)})")
     return ("Clipped sums recompute, one scan layer at a time, what sites would otherwise "

@@ -161,7 +161,7 @@ def make_plan(
         plan.kernels[p] = kernel_for(site, acc_dtype_for(*dts), budget, cache_blocks,
                                      split_blocks)
     if cuts.split_count() > 1:  # (segments.py: what recomputing costs there is FLOPs)
-        plan.segments, plan.kept = segments.find(plan, Mode.DIRECT)
+        plan.segments, plan.kept = segments.find(plan, Mode.DIRECT, Mode.INGREDIENTS)
     return plan
 
 
@@ -176,7 +176,7 @@ def site_request(plan, site):
         if not plan.keep_for_clip:
             return req, None
         return req, plan.kept.get(site.path, K.Kept.ALL)
-    return {}, K.Kept.ALL
+    return {}, plan.kept.get(site.path, K.Kept.ALL)
 
 
 def combined_at_site(plan, site) -> dict:

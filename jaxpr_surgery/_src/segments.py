@@ -108,10 +108,12 @@ def _scan_body(top, scope):
     return j if scans == 1 else None
 
 
-def find(plan, direct_mode):
+def find(plan, direct_mode, ingredients_mode=None):
     """``(segments, kept)``: the plan's `Segment` s and, for each of their sites, what
     it keeps (`sink_keys.Kept`, or None: nothing). ``direct_mode``: the `plans.Mode` of
-    a leaf whose single site computes its values in the backward pass."""
+    a leaf whose single site computes its values in the backward pass;
+    ``ingredients_mode``: of a leaf whose sites' ingredients give them afterwards (a
+    tied table)."""
     if not (ENABLED and _WORTH[-1]) or not plan.keep_for_clip:
         return (), {}
     an = plan.analysis
@@ -126,21 +128,57 @@ def find(plan, direct_mode):
                 and len(an.at(s.path)) == 1
                 and not plan.kernels[s.path].keeps_products_for_clip())
 
+    def tail_eligible(s):  # (a tied table's head among them: its other sites keep theirs)
+        return (s.depth == 0 and plan.modes[s.leaf] in (direct_mode, ingredients_mode)
+                and not s.pads and not s.scales and s.tap_of is None
+                and s.leaf not in plan.at_site and len(s.ext_vars) == 1 and all(s.ext_batched)
+                and len(an.at(s.path)) == 1
+                and not plan.kernels[s.path].keeps_products_for_clip())
+
     scopes = {}
     for p, s in an.sites.items():
         scopes.setdefault(p[:-1], {})[p[-1]] = s
     segments, kept = [], {}
+    nbytes = lambda s: _kept_bytes(plan, s)  # noqa: E731
     for scope, here in scopes.items():
         j = _scan_body(top, scope)
         if j is None:
             continue
         here = {i: s for i, s in here.items() if eligible(s) and j.eqns[i] is s.eqn}
-        segments += _segments_of(j, scope, here, an, lambda s: _kept_bytes(plan, s))
+        segments += _segments_of(j, scope, here, an, nbytes)
+    here = {p[-1]: s for p, s in an.sites.items() if len(p) == 1 and tail_eligible(s)}
+    segments += _tail_of(top, here, an, nbytes)
     for seg in segments:
         held = {p for _, p in seg.holders}
         for p in seg.members:
             kept[p] = (K.Kept.DY if p == seg.target else K.Kept.X if p in held else None)
     return tuple(segments), kept
+
+
+def _tail_of(j, here, an, kept_bytes):
+    """The loss's tail (a `Segment` without target: ``target`` None), or none: the sites
+    whose outputs reach the per-example loss through no other site (a language model's
+    head, and its bias), kept as their input alone; their cotangents are recomputed after
+    the backward pass by the VJP of the equations from them to the loss (the log-softmax:
+    under tensor parallelism a few ``[B, T]`` sums across the vocabulary's shards), where
+    the backward pass had kept them for every site's norms and weighted sums."""
+    if not here or isinstance(j.outvars[0], compat.Literal):
+        return []
+    free = set(j.invars) | set(j.constvars)
+    back, uses, outs = _closure(j, (), here, an, free)
+    end = j.outvars[0]
+    r = back(end)
+    if r is None or not r[1]:
+        return []
+    eqns, sources, interior, keep = r
+    members = sources | interior
+    if not _closed(j, eqns, members, None, uses, outs, end):
+        return []
+    if _raw_bytes(list(keep)) >= sum(kept_bytes(here[i]) for i in members):
+        return []
+    holders = tuple((v, (min(i for i in sources if here[i].ext_vars[0] is v),)) for v in keep)
+    return [Segment((), j, None, tuple((i,) for i in sorted(members)), holders,
+                    tuple(sorted(eqns)))]
 
 
 def _nbytes(avals):
@@ -159,7 +197,12 @@ def _raw_bytes(vs):
     return 2 * sum(math.prod(v.aval.shape) * jnp.dtype(v.aval.dtype).itemsize for v in vs)
 
 
-def _segments_of(j, scope, here, an, kept_bytes):
+def _closure(j, scope, here, an, free):
+    """``(back, uses, outs)`` for the jaxpr ``j`` at ``scope`` whose eligible sites are
+    ``here`` (equation index -> site): ``back(v)`` the equations that compute ``v`` from
+    ``free`` variables, literals and sites' outputs (`_Res`: a site that passes its
+    input's cotangent through, `PASS_THROUGH`, is computed from its input where that is
+    computable too; any other is a source, its input kept), or None."""
     producer = {v: i for i, e in enumerate(j.eqns) for v in e.outvars}
     uses = {}
     for i, e in enumerate(j.eqns):
@@ -167,7 +210,6 @@ def _segments_of(j, scope, here, an, kept_bytes):
             if not isinstance(v, compat.Literal):
                 uses.setdefault(v, set()).add(i)
     outs = {v for v in j.outvars if not isinstance(v, compat.Literal)}
-    bases = {s.base for s in here.values()}
     specials = {p[-1] for p in an.scopes if p[:-1] == scope} | {
         p[-1] for p in an.sites if p[:-1] == scope}
     memo = {}
@@ -179,7 +221,7 @@ def _segments_of(j, scope, here, an, kept_bytes):
             return memo[v]
         memo[v] = None  # (a jaxpr has no cycles; a guard all the same)
         r = None
-        if v in bases:
+        if v in free:
             r = _res()
         elif v in producer:
             i = producer[v]
@@ -187,15 +229,23 @@ def _segments_of(j, scope, here, an, kept_bytes):
             if i in here:
                 s = here[i]
                 (x,) = s.ext_vars
+                rw = back(s.base)
                 rx = back(x) if e.primitive in PASS_THROUGH else None
-                r = (_res({i}, sources={i}, kept={x}) if rx is None
-                     else _union(rx, _res({i}, interior={i})))
+                if rw is not None:
+                    r = _union(rw, _res({i}, sources={i}, kept={x}) if rx is None
+                               else _union(rx, _res({i}, interior={i})))
             elif i not in specials:
                 rs = [back(u) for u in e.invars]
                 if all(q is not None for q in rs):
                     r = _union(_res({i}), *rs)
         memo[v] = r
         return r
+
+    return back, uses, outs
+
+
+def _segments_of(j, scope, here, an, kept_bytes):
+    back, uses, outs = _closure(j, scope, here, an, {s.base for s in here.values()})
 
     taken, found = set(), []
     for t in sorted(here, reverse=True):  # the last first: the largest segments
@@ -223,7 +273,7 @@ def _segments_of(j, scope, here, an, kept_bytes):
     return found
 
 
-def _closed(j, eqns, inner, t, uses, outs):
+def _closed(j, eqns, inner, t, uses, outs, end=None):
     """Whether every value computed from the inner sites' outputs is read by the
     segment's equations alone (so the VJP from the target's cotangent is each one's
     whole cotangent)."""
@@ -232,8 +282,8 @@ def _closed(j, eqns, inner, t, uses, outs):
         e = j.eqns[i]
         if i in inner or any(v in dep for v in e.invars if not isinstance(v, compat.Literal)):
             dep.update(e.outvars)
-    allowed = eqns | {t}
-    return all(v not in outs and uses.get(v, set()) <= allowed for v in dep)
+    allowed = eqns if t is None else eqns | {t}
+    return all((v not in outs or v is end) and uses.get(v, set()) <= allowed for v in dep)
 
 
 class Member:
@@ -246,12 +296,82 @@ class Member:
         self.group = group
 
 
+def in_layers(plan) -> set:
+    """The paths of the sites whose clipped sums a scan layer's segment gives
+    (`install`; a tail's sites get their ingredients back: `tail_ingredients`)."""
+    return {p for seg in plan.segments if seg.target is not None for p in seg.members}
+
+
 def install(plan, segments, sink_cts, diff, deferred):
-    """``deferred[i]`` of every leaf of ``segments`` a `Member` of its segment's sums."""
+    """``deferred[i]`` of every leaf of the scan layers' ``segments`` a `Member` of its
+    segment's sums."""
     for seg in segments:
+        if seg.target is None:
+            continue
         fn = _group(plan, seg, sink_cts, diff)
         for p in seg.members:
             deferred[plan.analysis.sites[p].leaf] = Member(fn)
+
+
+def tail_ingredients(plan, sink_cts, ch):
+    """``sink_cts`` with the ingredients of the loss tail's sites (`_tail_of`) formed
+    again: their inputs as kept, their output cotangents by the VJP of the equations from
+    them to the per-example loss (seeded with ones, as the backward pass), once every
+    other site's values are out of the backward pass (so that XLA does not form them
+    early and hold them through it). ``ch``: the chunk's leaves (engine._Chunk)."""
+    tails = [seg for seg in plan.segments if seg.target is None]
+    if not tails:
+        return sink_cts
+    from jaxpr_surgery._src.site_fns import mask_examples
+
+    an, out = plan.analysis, dict(sink_cts)
+    (seg,) = tails
+    others = [ct for p, ct in sink_cts.items() if p not in seg.members]
+    late = sum((tiling.zero_after(jax.tree.leaves(ct)[0]) for ct in others
+                if jax.tree.leaves(ct)), jnp.zeros((), jnp.float32))
+    sites = {p: an.sites[p] for p in seg.members}
+    by_idx = {p[-1]: p for p in seg.members}
+    kept_vars = [v for v, _ in seg.holders]
+    kept = [sink_cts[p][K.INGREDIENTS][0] for _, p in seg.holders]
+    kept = [x + late.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+            for x in kept]
+    j = seg.jaxpr
+    n_diff, n_ex = len(ch.diff), len(ch.ex)
+    ex_vars = j.invars[n_diff:n_diff + n_ex]
+    const = dict(zip(j.constvars, plan.closed.consts))
+    const.update(zip(j.invars[:n_diff], ch.diff))
+    const.update(zip(j.invars[n_diff + n_ex:], ch.other))
+    eqns = [j.eqns[i] for i in seg.eqns]
+
+    def one(ex, kv, probes):  # one example: the tail from its kept inputs to its loss
+        env = {**const, **dict(zip(ex_vars, ex)), **dict(zip(kept_vars, kv))}
+        read = lambda v: v.val if isinstance(v, compat.Literal) else env[v]  # noqa: E731
+        ext, w = {}, {}
+        for i, e in zip(seg.eqns, eqns):
+            p = by_idx.get(i)
+            if p is None:
+                env.update(zip(e.outvars, compat.bind_eqn(e, [read(v) for v in e.invars])))
+                continue
+            s = sites[p]
+            ext[p], w[p] = tuple(read(v) for v in s.ext_vars), read(s.base)
+            outs = composite(s)(w[p], *ext[p])
+            env.update(zip(e.outvars, (o + d for o, d in zip(outs, probes[p]))))
+        return read(j.outvars[0]), (ext, w)
+
+    B = ch.B
+    probes = {p: tuple(jnp.zeros((B,) + tuple(v.aval.shape), v.aval.dtype)
+                       for v in sites[p].eqn.outvars) for p in seg.members}
+    run = jax.vmap(one, in_axes=(0, 0, 0), out_axes=(0, (0, None)))
+    loss, pull, (ext, w) = jax.vjp(lambda pr: run(list(ch.ex), kept, pr), probes, has_aux=True)
+    (dys,) = pull(jnp.ones_like(loss))
+    for p in seg.members:
+        s, k = sites[p], plan.kernels[p]
+        x, dy = ext[p], dys[p]
+        if plan.weights is not None:  # (as the site read them: `site_fns.mask_examples`)
+            x, dy = mask_examples(plan.weights[0], x, s.ext_batched, dy)
+        out[p] = {**out[p], K.INGREDIENTS: k.ingredients(k.prepare_site(w[p], x,
+                                                                           s.ext_batched, dy))}
+    return out
 
 
 def _share(v):
