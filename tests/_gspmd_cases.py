@@ -523,9 +523,10 @@ def run_memory_tied(name, setup="2d"):
 def run_segments(name, setup="tp", weights=False):
     """A scan-over-``checkpoint`` transformer (benchmarks.models.scan_remat) whose clipped
     mean, global and per layer, recomputes each layer's attention and MLP inner values
-    from its kept input and cotangent (segments.py): against the oracle (float64), equal
-    to the form that keeps every site's values, and with less per-device temporary
-    memory than it (``memory_analysis``, the same model in float32)."""
+    from its kept input and cotangent, and the tied head's cotangent from the loss
+    (segments.py): against the oracle (float64), equal to the form that keeps every
+    site's values, and with less per-device temporary memory than it
+    (``memory_analysis``, the same model in float32)."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks import models, shard_bench  # noqa: PLC0415
     from jaxpr_surgery._src import segments  # noqa: PLC0415
@@ -572,7 +573,7 @@ def run_segments(name, setup="tp", weights=False):
     note = next((n for n in notes if n.startswith("Clipped sums recompute")), "")
     return {"case": name, "errors": errors, "temp_ratio": temp[True] / temp[False],
             "explained": ["wo" in note and "w2" in note and "the input of ['layers']['wq']"
-                          in note]}
+                          in note, "['embed'] (the loss's tail" in note]}
 
 
 def run_explicit_tp(name, B=6, T=8, d=32, V=64):
