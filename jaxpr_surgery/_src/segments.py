@@ -17,9 +17,14 @@ kept cotangent. Where no collective sits between them (the equations of one devi
 heads or hidden units under tensor parallelism) that costs FLOPs, not bytes, and the
 layer's inner values are never held for every layer at once.
 
+The loss's *tail* is a segment too: the sites whose outputs reach the per-example loss
+through no other site (a language model's head) keep their input alone, and their
+vocabulary-sized cotangent is recomputed from the loss once the backward pass is done
+(`tail_ingredients`), where it had been held through the whole backward pass.
+
 `find` picks the segments of a `plans.Plan` (`sink_keys.Kept`: what each of their sites
-keeps); `install` gives their leaves' clipped sums (``engine._leaf_values``'s
-``deferred``) from the kept values. A segment's sites are direct-mode sites of one scan
+keeps); `install` gives the layers' segments' leaves their clipped sums
+(``engine._leaf_values``'s ``deferred``) from the kept values. A segment's sites are direct-mode sites of one scan
 body, each its leaf's only site, whose view is the scan's layer of the leaf; the values
 between them are read by nothing else (so the cotangent the VJP gives is the whole of
 each inner cotangent), and every free input of their equations is a literal, a site's
@@ -38,7 +43,7 @@ import jax.numpy as jnp
 
 from jaxpr_surgery._src import compat, cuts, tiling, views, walker
 from jaxpr_surgery._src import sink_keys as K
-from jaxpr_surgery._src.site_fns import traced_ingredient_avals
+from jaxpr_surgery._src.site_fns import mask_examples, traced_ingredient_avals
 from jaxpr_surgery._src.sites.generic import composite
 
 #: whether `find` looks for segments (tests switch it to compare both forms)
@@ -322,8 +327,6 @@ def tail_ingredients(plan, sink_cts, ch):
     tails = [seg for seg in plan.segments if seg.target is None]
     if not tails:
         return sink_cts
-    from jaxpr_surgery._src.site_fns import mask_examples
-
     an, out = plan.analysis, dict(sink_cts)
     (seg,) = tails
     others = [ct for p, ct in sink_cts.items() if p not in seg.members]
