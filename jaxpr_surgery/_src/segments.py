@@ -26,10 +26,9 @@ vocabulary-sized cotangent is recomputed from the loss once the backward pass is
 keeps); `install` gives the layers' segments' leaves their clipped sums
 (``engine._leaf_values``'s ``deferred``) from the kept values. A layer's segment's sites
 are direct-mode sites of one scan body, each its leaf's only site, whose view is the
-scan's layer of the leaf; the values
-between them are read by nothing else (so the cotangent the VJP gives is the whole of
-each inner cotangent), and every free input of their equations is a literal, a site's
-view or computed from those alone.
+scan's layer of the leaf; the values between them are read by nothing else (so the
+cotangent the VJP gives is the whole of each inner cotangent), and every free input of
+their equations is a literal, a site's view or computed from those alone.
 """
 
 from __future__ import annotations
