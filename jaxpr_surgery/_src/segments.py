@@ -318,6 +318,34 @@ def install(plan, segments, sink_cts, diff, deferred):
             deferred[plan.analysis.sites[p].leaf] = Member(fn)
 
 
+def _evaluate(seg, sites, env, probes):
+    """The segment's equations for one example from ``env`` (its kept inputs, and free
+    values: views, the call's other inputs), each site's outputs plus its zero probe
+    (``probes``: their cotangents are the sites' output cotangents under ``jax.vjp``).
+    Returns ``(read, ext)``: a reader of ``env`` after them, and each site's inputs."""
+    read = lambda v: v.val if isinstance(v, compat.Literal) else env[v]  # noqa: E731
+    by_idx = {p[-1]: p for p in seg.members}
+    ext = {}
+    for i in seg.eqns:
+        e, p = seg.jaxpr.eqns[i], by_idx.get(i)
+        if p is None:
+            env.update(zip(e.outvars, compat.bind_eqn(e, [read(v) for v in e.invars])))
+            continue
+        s = sites[p]
+        ext[p] = tuple(read(v) for v in s.ext_vars)
+        outs = composite(s)(read(s.base), *ext[p])
+        if p in probes:
+            outs = tuple(o + d for o, d in zip(outs, probes[p]))
+        env.update(zip(e.outvars, outs))
+    return read, ext
+
+
+def _probes(sites, paths, B):
+    """Zeros shaped like the outputs of the sites at ``paths`` for ``B`` examples."""
+    return {p: tuple(jnp.zeros((B,) + tuple(v.aval.shape), v.aval.dtype)
+                     for v in sites[p].eqn.outvars) for p in paths}
+
+
 def tail_ingredients(plan, sink_cts, ch):
     """``sink_cts`` with the ingredients of the loss tail's sites (`_tail_of`) formed
     again: their inputs as kept, their output cotangents by the VJP of the equations from
@@ -333,7 +361,6 @@ def tail_ingredients(plan, sink_cts, ch):
     late = sum((tiling.zero_after(jax.tree.leaves(ct)[0]) for ct in others
                 if jax.tree.leaves(ct)), jnp.zeros((), jnp.float32))
     sites = {p: an.sites[p] for p in seg.members}
-    by_idx = {p[-1]: p for p in seg.members}
     kept_vars = [v for v, _ in seg.holders]
     kept = [sink_cts[p][K.INGREDIENTS][0] for _, p in seg.holders]
     kept = [x + late.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
@@ -344,27 +371,14 @@ def tail_ingredients(plan, sink_cts, ch):
     const = dict(zip(j.constvars, plan.closed.consts))
     const.update(zip(j.invars[:n_diff], ch.diff))
     const.update(zip(j.invars[n_diff + n_ex:], ch.other))
-    eqns = [j.eqns[i] for i in seg.eqns]
 
     def one(ex, kv, probes):  # one example: the tail from its kept inputs to its loss
         env = {**const, **dict(zip(ex_vars, ex)), **dict(zip(kept_vars, kv))}
-        read = lambda v: v.val if isinstance(v, compat.Literal) else env[v]  # noqa: E731
-        ext, w = {}, {}
-        for i, e in zip(seg.eqns, eqns):
-            p = by_idx.get(i)
-            if p is None:
-                env.update(zip(e.outvars, compat.bind_eqn(e, [read(v) for v in e.invars])))
-                continue
-            s = sites[p]
-            ext[p], w[p] = tuple(read(v) for v in s.ext_vars), read(s.base)
-            outs = composite(s)(w[p], *ext[p])
-            env.update(zip(e.outvars, (o + d for o, d in zip(outs, probes[p]))))
-        return read(j.outvars[0]), (ext, w)
+        read, ext = _evaluate(seg, sites, env, probes)
+        return read(j.outvars[0]), (ext, {p: read(sites[p].base) for p in seg.members})
 
-    B = ch.B
-    probes = {p: tuple(jnp.zeros((B,) + tuple(v.aval.shape), v.aval.dtype)
-                       for v in sites[p].eqn.outvars) for p in seg.members}
     run = jax.vmap(one, in_axes=(0, 0, 0), out_axes=(0, (0, None)))
+    probes = _probes(sites, seg.members, ch.B)
     loss, pull, (ext, w) = jax.vjp(lambda pr: run(list(ch.ex), kept, pr), probes, has_aux=True)
     (dys,) = pull(jnp.ones_like(loss))
     for p in seg.members:
@@ -380,7 +394,7 @@ def tail_ingredients(plan, sink_cts, ch):
 def _share(v):
     """A layer's sum, under a batch split by device, as each part's share of the sum
     over the parts (`Reduction.combined_share`'s: the same on every part, so that
-    ``lax.map`` stacks one for every part, not one per part; the clipped sum's
+    the layers' loop holds one for every part, not one per part; the clipped sum's
     ``psum`` at the end makes it whole). Exact where the parts are a power of two."""
     if not cuts.shares():
         return v
@@ -396,9 +410,7 @@ def _group(plan, seg, sink_cts, diff):
     kept = [sink_cts[p][K.INGREDIENTS][0] for _, p in seg.holders]
     dy_t = tuple(sink_cts[seg.target][K.INGREDIENTS])
     ws = {p: views.from_leaf(diff[s.leaf], s) for p, s in sites.items()}
-    by_idx = {p[-1]: p for p in seg.members}
     inner = [p for p in seg.members if p != seg.target]
-    eqns = [seg.jaxpr.eqns[i] for i in seg.eqns]
 
     def layer(xs, cs, prepare):
         kept_l, dy_l, w_l = xs
@@ -406,24 +418,10 @@ def _group(plan, seg, sink_cts, diff):
         def one(kv, probes):  # one example: the segment's equations from the kept inputs
             env = dict(zip(kept_vars, kv))
             env.update((sites[p].base, w_l[p]) for p in seg.members)
-            read = lambda v: v.val if isinstance(v, compat.Literal) else env[v]  # noqa: E731
-            ext = {}
-            for i, e in zip(seg.eqns, eqns):
-                p = by_idx.get(i)
-                if p is None:
-                    env.update(zip(e.outvars, compat.bind_eqn(e, [read(v) for v in e.invars])))
-                    continue
-                s = sites[p]
-                ext[p] = tuple(read(v) for v in s.ext_vars)
-                outs = composite(s)(w_l[p], *ext[p])
-                if p in probes:
-                    outs = tuple(o + d for o, d in zip(outs, probes[p]))
-                env.update(zip(e.outvars, outs))
-            return tuple(env[v] for v in sites[seg.target].eqn.outvars), ext
+            read, ext = _evaluate(seg, sites, env, probes)
+            return tuple(read(v) for v in sites[seg.target].eqn.outvars), ext
 
-        B = dy_l[0].shape[0]
-        probes = {p: tuple(jnp.zeros((B,) + tuple(v.aval.shape), v.aval.dtype)
-                           for v in sites[p].eqn.outvars) for p in inner}
+        probes = _probes(sites, inner, dy_l[0].shape[0])
         _, pull, ext = jax.vjp(lambda pr: jax.vmap(one)(kept_l, pr), probes, has_aux=True)
         (dys,) = pull(tuple(d.astype(v.aval.dtype) for d, v in
                             zip(dy_l, sites[seg.target].eqn.outvars)))
