@@ -576,6 +576,49 @@ def run_segments(name, setup="tp", weights=False):
                           in note, "['embed'] (the loss's tail" in note]}
 
 
+def run_segments_reader(name, B=16, T=4, d=16, f=32, L=3):
+    """A scan stack ``h + tanh(h @ wq) @ wo`` under tensor parallelism, alone and with its
+    loss also reading each layer's inner value ``tanh(h @ wq)`` (the scan's stacked
+    output): a segment is recomputed in the first (`explain` says so), not in the second,
+    where the VJP from ``wo``'s cotangent would miss that reader's part of ``wq``'s; the
+    clipped mean equals the oracle in both."""
+    rng = np.random.default_rng(4)
+    params = {"wq": jnp.asarray(rng.normal(size=(L, d, f)) / np.sqrt(d)),
+              "wo": jnp.asarray(rng.normal(size=(L, f, d)) / np.sqrt(f)),
+              "head": jnp.asarray(rng.normal(size=(d, 3)) / np.sqrt(d))}
+    batch = {"x": jnp.asarray(rng.normal(size=(B, T, d))),
+             "y": jnp.asarray(rng.normal(size=(B, T, 3)))}
+
+    def make(read):
+        def loss(p, b):
+            @jax.checkpoint
+            def layer(h, w):
+                s = jnp.tanh(h @ w[0])
+                return h + s @ w[1], (jnp.mean(s ** 2) if read else None)
+            h, inner = jax.lax.scan(layer, b["x"], (p["wq"], p["wo"]))
+            out = jnp.mean((h @ p["head"] - b["y"]) ** 2)
+            return out + 0.5 * jnp.sum(inner) if read else out
+        return loss
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    specs = {"wq": P(None, None, "model"), "wo": P(None, "model", None), "head": P()}
+    pshard = jax.tree.map(lambda sp: NamedSharding(mesh, sp), specs,
+                          is_leaf=lambda sp: isinstance(sp, P))
+    p = jax.device_put(params, pshard)
+    b = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    errors, recomputed = {}, {}
+    for read in (False, True):
+        loss = make(read)
+        want = oracle(*per_example_grads(loss, params, batch))["clipped_mean"]
+        st = js.stats.clipped_mean(CLIP)
+        got = jax.jit(js.per_example_stat(loss, st, chunk_size=None))(p, b)
+        errors[f"read={read}"] = error(got, want, "clipped_mean", B)
+        notes = js.explain(loss, st)(p, b).notes
+        recomputed[f"read={read}"] = any(
+            n.startswith("Clipped sums recompute") and "['wq']" in n for n in notes)
+    return {"case": name, "errors": errors, "recomputed": recomputed}
+
+
 def run_explicit_tp(name, B=6, T=8, d=32, V=64):
     """Tensor parallelism written for sharding in types: the lookup and the matmuls
     annotated with ``out_sharding=`` (the hidden layer over 'model'), an elementwise gain;
@@ -668,6 +711,7 @@ CASES = {
     # (a clipped sum's layers recomputed from kept values: segments.py)
     "segments:tp": lambda: run_segments("segments:tp"),
     "segments:2d:weights": lambda: run_segments("segments:2d:weights", "2d", weights=True),
+    "segments:reader": lambda: run_segments_reader("segments:reader"),
     "comms:constrained:tp": lambda: run_comms(
         "comms:constrained:tp", lambda: lm(B=16, T=32, d=128, L=2, V=2048, constrained="tp"),
         "tp"),

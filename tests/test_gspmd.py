@@ -38,7 +38,7 @@ DEFAULT = ("fsdp:3", "batchnorm")
 # scan stack under it: conftest.TWINS, which CI runs at the newest jax; a subprocess of
 # their own, for the default tier's time)
 TWIN = ("dp:fsdp", "explicit:fsdp", "tp", "2d", "scan:tp", "constrained:fsdp",
-        "comms:constrained:tp", "memory:constrained:2d", "segments:tp")
+        "comms:constrained:tp", "memory:constrained:2d", "segments:tp", "segments:reader")
 # (blocks of features, more forms of the batch and the model, the collective bytes and
 # memory against grad's, which the benchmark measures: the extended tier, which CI does
 # not run; its subprocess took 20 minutes at jax 0.12 on 2 busy cores)
@@ -106,6 +106,17 @@ def test_clipped_sums_recompute_layers_exactly(case):
     assert not bad, f"{case}: wrong {bad}"
     assert r["temp_ratio"] < 0.9, r
     assert r["explained"] == [True, True], r
+
+
+def test_clipped_sums_recompute_no_value_read_elsewhere():
+    """A layer's inner value that the loss also reads (a scan stack's stacked output) is
+    not recomputed by the VJP from the next site's cotangent alone: the segment is not
+    taken there (taken in the same stack without that reader, as `explain` says), and the
+    clipped mean equals the oracle in both."""
+    r = _result("segments:reader")
+    assert "crash" not in r, r.get("crash")
+    assert all(e <= TOL for e in r["errors"].values()), r
+    assert r["recomputed"] == {"read=False": True, "read=True": False}, r
 
 
 def test_interacting_examples_refused_on_the_whole_batch():
