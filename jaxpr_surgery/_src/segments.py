@@ -124,21 +124,20 @@ def find(plan, direct_mode, ingredients_mode=None):
     an = plan.analysis
     top = plan.closed.jaxpr
 
-    def eligible(s):
-        i = s.leaf
-        return (plan.modes[i] is direct_mode and len(an.leaves[i].sites) == 1
-                and s.depth == 1 and s.chain and s.chain[0].kind is views.Step.SCAN
-                and not s.pads and not s.scales and s.tap_of is None and i not in plan.at_site
-                and len(s.ext_vars) == 1 and all(s.ext_batched)
-                and len(an.at(s.path)) == 1
-                and not plan.kernels[s.path].keeps_products_for_clip())
-
-    def tail_eligible(s):  # (a tied table's head among them: its other sites keep theirs)
-        return (s.depth == 0 and plan.modes[s.leaf] in (direct_mode, ingredients_mode)
-                and not s.pads and not s.scales and s.tap_of is None
+    def plain(s):  # one batched input, its own site at its equation, no view factors
+        return (not s.pads and not s.scales and s.tap_of is None
                 and s.leaf not in plan.at_site and len(s.ext_vars) == 1 and all(s.ext_batched)
                 and len(an.at(s.path)) == 1
                 and not plan.kernels[s.path].keeps_products_for_clip())
+
+    def eligible(s):  # a layer's: its leaf's only site, the scan's layer of the leaf
+        return (plain(s) and plan.modes[s.leaf] is direct_mode
+                and len(an.leaves[s.leaf].sites) == 1
+                and s.depth == 1 and s.chain and s.chain[0].kind is views.Step.SCAN)
+
+    def tail_eligible(s):  # (a tied table's head among them: its other sites keep theirs)
+        return plain(s) and s.depth == 0 and plan.modes[s.leaf] in (direct_mode,
+                                                                   ingredients_mode)
 
     scopes = {}
     for p, s in an.sites.items():
