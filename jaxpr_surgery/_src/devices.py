@@ -101,28 +101,27 @@ def part_options(opts, D: int):
     return dataclasses.replace(opts, axis_name=AXIS, chunk_size=cs, check=False)
 
 
+def _auto_sizes(x) -> dict:
+    """``{axis name: size}`` of the Auto axes of the mesh ``x`` is typed on ({} without a
+    mesh, inside ``shard_map`` or for Explicit axes)."""
+    mesh = meshes.abstract_mesh_of(x)
+    if mesh is None:
+        return {}
+    return {n: s for n, s, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+            if meshes.is_auto(t)}
+
+
 def auto_mesh_size(arrays) -> int:
     """The number of devices of the mesh that ``arrays`` are typed on whose axes XLA
     partitions (Auto; 1 without a mesh, inside ``shard_map`` or for Explicit axes)."""
-    size = 1
-    for x in arrays:
-        mesh = meshes.abstract_mesh_of(x)
-        if mesh is None:
-            continue
-        n = math.prod(s for s, t in zip(mesh.axis_sizes, mesh.axis_types) if meshes.is_auto(t))
-        size = max(size, n)
-    return size
+    return max([1] + [math.prod(_auto_sizes(x).values()) for x in arrays])
 
 
 def auto_axes(arrays) -> tuple:
     """The Auto axes of more than one device of the meshes ``arrays`` are typed on."""
     out = []
     for x in arrays:
-        mesh = meshes.abstract_mesh_of(x)
-        if mesh is None:
-            continue
-        out += [n for n, s, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
-                if s > 1 and meshes.is_auto(t) and n not in out]
+        out += [n for n, s in _auto_sizes(x).items() if s > 1 and n not in out]
     return tuple(out)
 
 
