@@ -87,6 +87,8 @@ def _block(b, d, depth=0):
     kind = b.r.choice(b.kinds)
     if kind in MORE_KINDS:
         return _more(b, d, kind)
+    if kind == "layer_stack":
+        return _layer_stack(b, d) if not depth else _block(b, d, depth)
     if kind in ("attention", "conv", "rnn") and not b.T or kind in ("scan", "remat") and depth:
         kind = "dense"
     if kind == "dense":
@@ -208,6 +210,67 @@ MORE_KINDS = ("lora", "positional", "column_gather", "left", "weight_norm", "sca
               "cast", "masked", "col_scaled", "row_scaled", "at_set", "dyn_slice", "concat",
               "stack", "dpa", "lax_map", "temperature", "stop_grad", "remat_policy", "named",
               "custom_jvp", "einsum_twice", "where_select")
+
+
+# A third family (`make_model(..., kinds=LAYER_KINDS)`): stacks of transformer layers
+# under ``lax.scan`` (pre-norm attention and MLP, biases, with or without
+# ``jax.checkpoint``), whose inner inputs and cotangents clipped sums under a device
+# split recompute one layer at a time (segments.py), among a few plain blocks.
+LAYER_KINDS = ("layer_stack", "layer_stack", "layer_stack", "dense", "layer_norm", "act")
+
+
+def _norm(h, g, c):
+    m = h.mean(-1, keepdims=True)
+    v = ((h - m) ** 2).mean(-1, keepdims=True)
+    return (h - m) * jax.lax.rsqrt(v + 1e-5) * g + c
+
+
+def _layer_stack(b, d):
+    """`_block` of kind ``layer_stack``: ``L`` stacked pre-norm layers under ``lax.scan``,
+    attention (separate ``wq``/``wk``/``wv``, ``wo``; with tokens, drawn) then an MLP
+    (``w1``, ``b1``, an activation, ``w2``, ``b2``); the body under ``jax.checkpoint``
+    or not, the layers' leaves in the scan's ``xs`` or closed over and indexed."""
+    L, H, k, f = b.r.choice([2, 3]), 2, b.r.choice([2, 4]), b.r.choice(b.widths)
+    attn = bool(b.T) and b.r.random() < 0.7
+    remat, act = b.r.random() < 0.5, b.r.choice([jax.nn.gelu, jnp.tanh, jax.nn.relu])
+    names = {"g2": b.param(L, d, scale=1.0), "c2": b.param(L, d, scale=0.1),
+             "w1": b.param(L, d, f, scale=1 / np.sqrt(d)), "b1": b.param(L, f, scale=0.1),
+             "w2": b.param(L, f, d, scale=1 / np.sqrt(f)), "b2": b.param(L, d, scale=0.1)}
+    if attn:
+        names.update(g1=b.param(L, d, scale=1.0), c1=b.param(L, d, scale=0.1),
+                     wq=b.param(L, d, H, k, scale=1 / np.sqrt(d)),
+                     wk=b.param(L, d, H, k, scale=1 / np.sqrt(d)),
+                     wv=b.param(L, d, H, k, scale=1 / np.sqrt(d)),
+                     wo=b.param(L, H, k, d, scale=1 / np.sqrt(H * k)))
+
+    def layer(h, q):
+        if attn:
+            x = _norm(h, q["g1"], q["c1"])
+            Q, K, V = (jnp.einsum("...td,dhk->...thk", x, q[n]) for n in ("wq", "wk", "wv"))
+            a = jax.nn.softmax(jnp.einsum("...thk,...shk->...hts", Q, K) / np.sqrt(k), -1)
+            h = h + jnp.einsum("...thk,hkd->...td", jnp.einsum("...hts,...shk->...thk", a, V),
+                               q["wo"])
+        x = _norm(h, q["g2"], q["c2"])
+        u = act(x @ q["w1"] + q["b1"])
+        return h + u @ q["w2"] + q["b2"], (jnp.mean(u, -1) if read else None)
+
+    closed = b.r.random() < 0.3
+    # (an inner value, the MLP's hidden mean per layer, stacked by the scan and read
+    # again after it: its layer's sites are then not recomputed)
+    read = not closed and b.r.random() < 0.3
+    body = jax.checkpoint(layer) if remat else layer
+
+    def f(p, h):
+        stack = {n: p[v] for n, v in names.items()}
+        if closed:  # the stack closed over, each layer's slice taken by the loop's index
+            return jax.lax.fori_loop(
+                0, L, lambda i, c: body(c, jax.tree.map(lambda t: t[i], stack))[0], h)
+        h, ys = jax.lax.scan(body, h, stack)
+        return h + 0.1 * jnp.mean(ys, 0)[..., None] if read else h
+
+    desc = f"layer_stack(L={L}{', attention' if attn else ''}{', remat' if remat else ''}" \
+           f"{', closed' if closed else ''}{', inner value read' if read else ''})"
+    return f, d, desc
 
 
 @jax.custom_jvp
@@ -584,12 +647,14 @@ def main(argv=None):
     ap.add_argument("start", type=int)
     ap.add_argument("stop", type=int)
     ap.add_argument("--more", action="store_true", help="both families of blocks")
+    ap.add_argument("--layers", action="store_true",
+                    help="the third family: stacks of transformer layers under lax.scan")
     ap.add_argument("--float32", action="store_true", help="float32 (else float64)")
     ap.add_argument("--shard-map", type=int, default=0, metavar="N",
                     help="the batch split over N devices by jax.shard_map (float64)")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this long")
     a = ap.parse_args(argv)
-    kinds = KINDS + MORE_KINDS if a.more else KINDS
+    kinds = LAYER_KINDS if a.layers else KINDS + MORE_KINDS if a.more else KINDS
     t0, n, failed = time.time(), 0, 0
     for seed in range(a.start, a.stop):
         if a.minutes is not None and time.time() - t0 > 60 * a.minutes:

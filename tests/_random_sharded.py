@@ -6,7 +6,9 @@ device.
 
 Run as a script (tests/test_random_models.py does, in a subprocess: the device count is
 set before jax starts): one JSON line per case given, a seed (a model of the first
-family of blocks) or ``more<seed>`` (of both families, ``_random_models.MORE_KINDS``).
+family of blocks), ``more<seed>`` (of both families, ``_random_models.MORE_KINDS``) or
+``layers<seed>`` (stacks of transformer layers under ``lax.scan``, whose clipped sums
+recompute their layers' inner values: ``_random_models.LAYER_KINDS``).
 """
 
 from __future__ import annotations
@@ -54,18 +56,23 @@ def placement(seed, params, B, mesh):
 
 
 def run(case):
-    more = case.startswith("more")
-    seed = int(case[4:] if more else case)
+    more, layers = case.startswith("more"), case.startswith("layers")
+    seed = int(case[4:] if more else case[6:] if layers else case)
     r = random.Random(seed + 9)
     shape = random.Random(seed).choice([(2, 4), (4, 2), (8, 1), (1, 8)])
     kind = random.Random(seed * 17 + 1).choice(["Auto", "Auto", "Explicit"])
     mesh = jax.make_mesh(shape, ("data", "model"),
                          axis_types=(getattr(jax.sharding.AxisType, kind),) * 2)
-    kinds = R.KINDS + R.MORE_KINDS if more else R.KINDS
+    kinds = R.KINDS + R.MORE_KINDS if more else R.LAYER_KINDS if layers else R.KINDS
     loss, p, batch_of, desc = R.make_model(seed, jnp.float64, widths=WIDTHS, kinds=kinds)
     _, chunk, budget, weights, req, kws = R.draw_call(seed)
-    B = r.choice([2, 3, 4, 6, 8])
+    B = r.choice([2, 4, 6, 8] if layers else [2, 3, 4, 6, 8])
     weights = R.resized(weights, B)
+    if layers and not any(k[0].startswith("clipped") for k in kws.values()):
+        # (what the layers' recompute serves: a clipped sum, the batch split by device)
+        clip = 0.05 * r.choice([0.1, 1.0, 10.0])
+        req["clipped_sum"] = js.stats.clipped_sum(clip)
+        kws["clipped_sum"] = ("clipped_sum", {"clip_norm": clip})
     if not req:
         return {"case": case, "bad": [], "desc": desc}
     batch = batch_of(B)

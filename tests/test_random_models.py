@@ -8,7 +8,9 @@ conditioning, not the package, sets float32's error); and some sharded on 8 devi
 XLA's partitioner (`_random_sharded`, in a subprocess) or split by ``jax.shard_map``.
 Two families of blocks: the first (`_random_models.KINDS`), and both with the second
 (`_random_models.MORE_KINDS`), whose seeds are their own (a first family's seed keeps
-its model).
+its model); and a third, stacks of transformer layers under ``lax.scan`` among a few
+plain blocks (`_random_models.LAYER_KINDS`), whose clipped sums under a device split
+recompute the layers' inner values.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import _models as M
 import jax.numpy as jnp
 import pytest
 import zoo
-from _random_models import KINDS, MORE_KINDS, check, check_shard_map
+from _random_models import KINDS, LAYER_KINDS, MORE_KINDS, check, check_shard_map
 
 pytestmark = pytest.mark.slow
 
@@ -68,9 +70,28 @@ def test_random_model_of_more_kinds_matches_oracle_float32(seed):
     assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)
 
 
-SHARDED_DEFAULT = ("0", "160029")  # (160029: its activations constrained to the batch's axis)
+# The third family: stacks of transformer layers (`_random_models.LAYER_KINDS`).
+LAYERS_DEFAULT = (2003, 2011)
+LAYERS_EXTENDED = tuple(s for s in range(2000, 2030) if s not in LAYERS_DEFAULT)
+
+
+@pytest.mark.parametrize(
+    "seed", [*LAYERS_DEFAULT,
+             *(pytest.param(s, marks=pytest.mark.extended) for s in LAYERS_EXTENDED)])
+def test_random_layer_stack_matches_oracle(seed):
+    with zoo.x64():
+        bad, desc = check(seed, jnp.float64, kinds=LAYER_KINDS)
+    assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)
+
+
+# ("layers<seed>": the third family, each call with a clipped sum; under the device
+# split layers53 recomputes the inner values of its layers and the loss's tail: 4
+# segments of 10 sites, one stack's inner value read after its scan; the extended ones
+# 2 to 5 segments each, tied heads, closed-over stacks)
+SHARDED_DEFAULT = ("0", "160029", "layers53")  # (160029: activations constrained)
 SHARDED_EXTENDED = (tuple(str(s) for s in range(1, 26))
-                    + tuple(f"more{s}" for s in (*MORE_DEFAULT, *range(1070, 1080))))
+                    + tuple(f"more{s}" for s in (*MORE_DEFAULT, *range(1070, 1080)))
+                    + tuple(f"layers{s}" for s in (46, 50, 54, 58, 64, 71, 72)))
 
 
 @functools.cache
@@ -111,6 +132,15 @@ def test_random_model_under_shard_map(seed):
 def test_random_model_of_more_kinds_under_shard_map(seed):
     with zoo.x64():
         bad, desc = check_shard_map(seed, M.NDEV, kinds=KINDS + MORE_KINDS)
+    assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)
+
+
+@M.needs_devices
+@pytest.mark.parametrize(
+    "seed", [pytest.param(s, marks=pytest.mark.extended) for s in range(2030, 2040)])
+def test_random_layer_stack_under_shard_map(seed):
+    with zoo.x64():
+        bad, desc = check_shard_map(seed, M.NDEV, kinds=LAYER_KINDS)
     assert not bad, f"model {seed} ({', '.join(desc)}): " + "; ".join(bad)
 
 
