@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -78,7 +79,9 @@ def _measure(fn, args):
     """Seconds ``(lower wall, lower cpu, compile wall, compile cpu, lower cpu of this
     thread)``, and the lines of the optimised HLO and of the lowered StableHLO (the
     program the lowering produced: a deterministic proxy of its work, where a lowering of
-    a fraction of a second moves by a third between processes on a shared machine), from
+    a fraction of a second moves by a third between processes on a shared machine) and
+    the fusions of the optimised HLO (XLA:CPU compiles each into a kernel of its own, at
+    about a millisecond each however small: the proxy its compile time follows), from
     a fresh jit with jax's caches cleared. (Lowering is this thread's Python; the
     process's CPU time also counts what other threads do meanwhile.)"""
     jax.clear_caches()
@@ -88,8 +91,12 @@ def _measure(fn, args):
     w1, c1, t1 = time.perf_counter(), _cpu(), time.thread_time()
     comp = low.compile()
     w2, c2 = time.perf_counter(), _cpu()
+    hlo = comp.as_text()
     return ((w1 - w0, c1 - c0, w2 - w1, c2 - c1, t1 - t0),
-            (comp.as_text().count("\n"), low.as_text().count("\n")))
+            (hlo.count("\n"), low.as_text().count("\n"), len(_FUSION.findall(hlo))))
+
+
+_FUSION = re.compile(r"=\s*\S.*?\sfusion\(")  # (a fusion instruction of the optimised HLO)
 
 
 def _paired(num, den):
@@ -123,6 +130,7 @@ def run(quick=False, reps=None, stats=None, quiet=False):
                 "lower_s": med[0], "lower_cpu_s": med[1],
                 "compile_s": med[2], "compile_cpu_s": med[3],
                 "hlo_lines": lines[m][0], "stablehlo_lines": lines[m][1],
+                "fusions": lines[m][2],
             }
             if m != "grad":
                 row.update({
@@ -132,11 +140,13 @@ def run(quick=False, reps=None, stats=None, quiet=False):
                     "compile_wall_x_grad": _paired([x[2] for x in s], [x[2] for x in g]),
                     "hlo_lines_x_grad": lines[m][0] / lines["grad"][0],
                     "stablehlo_lines_x_grad": lines[m][1] / lines["grad"][1],
+                    "fusions_x_grad": lines[m][2] / lines["grad"][2],
                 })
                 say(f"{name:12s} {m:14s} lower {row['lower_cpu_x_grad']:5.2f}x  compile "
                     f"{row['compile_cpu_x_grad']:5.2f}x grad (cpu time)  hlo "
                     f"{row['hlo_lines_x_grad']:4.2f}x  stablehlo "
-                    f"{row['stablehlo_lines_x_grad']:4.2f}x", flush=True)
+                    f"{row['stablehlo_lines_x_grad']:4.2f}x  fusions "
+                    f"{row['fusions_x_grad']:4.2f}x", flush=True)
             else:
                 say(f"{name:12s} grad           lower {med[1]:.2f} s  compile {med[3]:.2f} s "
                     f"(cpu time)", flush=True)

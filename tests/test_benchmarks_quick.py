@@ -255,10 +255,10 @@ def test_compile_time_quick(tmp_path):
     assert any(r.startswith("scan") for r in regimes) and len(regimes) == 2
     for r in rows:
         assert r["compile_cpu_s"] > 0 and r["lower_cpu_s"] > 0 and r["hlo_lines"] > 0
-        assert r["stablehlo_lines"] > 0
+        assert r["stablehlo_lines"] > 0 and r["fusions"] > 0
         if r["method"] != "grad":
             assert 0 < r["compile_cpu_x_grad"] < 100 and 0 < r["hlo_lines_x_grad"] < 100
-            assert 0 < r["stablehlo_lines_x_grad"] < 100
+            assert 0 < r["stablehlo_lines_x_grad"] < 100 and 0 < r["fusions_x_grad"] < 100
 
 
 def test_compile_time_phases_quick():
