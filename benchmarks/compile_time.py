@@ -81,7 +81,8 @@ def _measure(fn, args):
     program the lowering produced: a deterministic proxy of its work, where a lowering of
     a fraction of a second moves by a third between processes on a shared machine) and
     the fusions of the optimised HLO (XLA:CPU compiles each into a kernel of its own, at
-    about a millisecond each however small: the proxy its compile time follows), from
+    about a millisecond each however small: on models of many small layers, the proxy
+    its compile time follows), from
     a fresh jit with jax's caches cleared. (Lowering is this thread's Python; the
     process's CPU time also counts what other threads do meanwhile.)"""
     jax.clear_caches()
