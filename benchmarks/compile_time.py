@@ -117,10 +117,10 @@ def run(quick=False, reps=None, stats=None, quiet=False):
         fns = {"grad": jax.grad(model.loss)}
         fns.update({s: js.per_example_stat(model.loss, js_stat(s)) for s in stats})
         samples = {m: [] for m in fns}
-        lines = {}
+        sizes = {}  # (HLO lines, StableHLO lines, fusions)
         for _ in range(reps):
             for m, fn in fns.items():
-                t, lines[m] = _measure(fn, (params, batch))
+                t, sizes[m] = _measure(fn, (params, batch))
                 samples[m].append(t)
         g = samples["grad"]
         for m in fns:
@@ -130,8 +130,8 @@ def run(quick=False, reps=None, stats=None, quiet=False):
                 "regime": name, "layers": model.info["layers"], "B": B, "method": m,
                 "lower_s": med[0], "lower_cpu_s": med[1],
                 "compile_s": med[2], "compile_cpu_s": med[3],
-                "hlo_lines": lines[m][0], "stablehlo_lines": lines[m][1],
-                "fusions": lines[m][2],
+                "hlo_lines": sizes[m][0], "stablehlo_lines": sizes[m][1],
+                "fusions": sizes[m][2],
             }
             if m != "grad":
                 row.update({
@@ -139,9 +139,9 @@ def run(quick=False, reps=None, stats=None, quiet=False):
                     "compile_cpu_x_grad": _paired([x[3] for x in s], [x[3] for x in g]),
                     "lower_wall_x_grad": _paired([x[0] for x in s], [x[0] for x in g]),
                     "compile_wall_x_grad": _paired([x[2] for x in s], [x[2] for x in g]),
-                    "hlo_lines_x_grad": lines[m][0] / lines["grad"][0],
-                    "stablehlo_lines_x_grad": lines[m][1] / lines["grad"][1],
-                    "fusions_x_grad": lines[m][2] / lines["grad"][2],
+                    "hlo_lines_x_grad": sizes[m][0] / sizes["grad"][0],
+                    "stablehlo_lines_x_grad": sizes[m][1] / sizes["grad"][1],
+                    "fusions_x_grad": sizes[m][2] / sizes["grad"][2],
                 })
                 say(f"{name:12s} {m:14s} lower {row['lower_cpu_x_grad']:5.2f}x  compile "
                     f"{row['compile_cpu_x_grad']:5.2f}x grad (cpu time)  hlo "

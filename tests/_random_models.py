@@ -87,10 +87,11 @@ def _block(b, d, depth=0):
     kind = b.r.choice(b.kinds)
     if kind in MORE_KINDS:
         return _more(b, d, kind)
-    if kind == "layer_stack":
-        return _layer_stack(b, d) if not depth else _block(b, d, depth)
-    if kind in ("attention", "conv", "rnn") and not b.T or kind in ("scan", "remat") and depth:
+    if kind in ("attention", "conv", "rnn") and not b.T or kind in (
+            "scan", "remat", "layer_stack") and depth:
         kind = "dense"
+    if kind == "layer_stack":
+        return _layer_stack(b, d)
     if kind == "dense":
         f, d2, form = _dense(b, d)
         return f, d2, "dense:" + form
@@ -99,12 +100,7 @@ def _block(b, d, depth=0):
         return (lambda p, h: a(h)), d, kind
     if kind == "layer_norm":
         g, bias = b.param(d, scale=1.0), b.param(d, scale=0.1)
-
-        def f(p, h):
-            m = h.mean(-1, keepdims=True)
-            v = ((h - m) ** 2).mean(-1, keepdims=True)
-            return (h - m) * jax.lax.rsqrt(v + 1e-5) * p[g] + p[bias]
-        return f, d, kind
+        return (lambda p, h: _norm(h, p[g], p[bias])), d, kind
     if kind == "scale":
         g = b.param(d, scale=1.0)
         return (lambda p, h: h * p[g]), d, kind
@@ -220,6 +216,7 @@ LAYER_KINDS = ("layer_stack", "layer_stack", "layer_stack", "dense", "layer_norm
 
 
 def _norm(h, g, c):
+    """Layer norm of ``h``'s last axis, gain ``g`` and bias ``c``."""
     m = h.mean(-1, keepdims=True)
     v = ((h - m) ** 2).mean(-1, keepdims=True)
     return (h - m) * jax.lax.rsqrt(v + 1e-5) * g + c
