@@ -138,6 +138,10 @@ class Reduction(abc.ABC):
         d=768, T=256), but under a device split a ``G`` up to `tiling.SPLIT_TILE_BYTES` is
         whole unless ``blocks_under_split`` (many arrays per block: the kurtosis). Calls
         reading each block once take a long sequence's ``G`` whole (`tiling.cache_sized`).
+      additive: the accumulator is one array shaped like the gradient, the sum over the
+        examples of a term of each (``from_examples`` of one example is its term,
+        ``add_examples`` adds it, ``finish`` leaves it): a tile loop of several such
+        sums keeps them in one stacked array (`tiling.additive_loop`).
     """
 
     per_example: ClassVar[bool] = False
@@ -147,6 +151,7 @@ class Reduction(abc.ABC):
     linear: ClassVar[bool] = False
     weighted_by_norm: ClassVar[bool] = False
     knows_total: ClassVar[bool] = False
+    additive: ClassVar[bool] = False
     cache_blocks: ClassVar[bool] = False
     blocks_under_split: ClassVar[bool] = False
 
@@ -393,6 +398,18 @@ def combined_share(r, value, n_local, axis_name, parts):
     return r.combined_share(value, n_local, axis_name, parts)
 
 
+def is_additive(r):
+    """Whether ``r`` is `Reduction.additive`, as the class that says so defines it: a
+    subclass that overrides how the examples are summed (``from_examples``, ``merge``,
+    ``add_examples``, ``start_examples``, ``finish``) without saying so again is not."""
+    cls = type(r)
+    if not cls.additive:
+        return False
+    says = _definer(cls, "additive")
+    return all(issubclass(says, _definer(cls, m)) for m in (
+        "from_examples", "merge", "accumulate", "add_examples", "start_examples", "finish"))
+
+
 def combined_copies(r, value, parts):
     """``r.combine_copies(...)``, guarded as `combined_share`."""
     cls = type(r)
@@ -444,6 +461,8 @@ class PhiSum(ElementwiseReduction):
     # phi(s g) = s^d phi(g) for s >= 0 (`Reduction.weight_degree`; None: unknown)
     _degree: int | None = dataclasses.field(default=None, repr=False)
 
+    additive: ClassVar[bool] = True
+
     def _key(self):
         # A user's name never aliases a built-in reduction of the same name.
         ident = (self._builtin, self.name) if self.name is not None else self.phi
@@ -470,7 +489,10 @@ class PhiSum(ElementwiseReduction):
         return jnp.sum(self.apply(G), axis=0)
 
     def from_weighted(self, G, w):
-        return jnp.tensordot(w.astype(G.dtype), self.apply(G), axes=(0, 0))
+        # (a product and a sum, not a contraction of length B against one vector:
+        # XLA:CPU compiles that dot as an elemental loop nest of its own,
+        # `sites.base.weighted_sum_materialised`)
+        return jnp.sum(_per_example(w, G) * self.apply(G), axis=0)
 
     def merge(self, a, na, b, nb):
         return a + b

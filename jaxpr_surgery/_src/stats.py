@@ -61,6 +61,7 @@ from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names
     combined_copies,
     combined_share,
     gather_over_axis,
+    is_additive,
     lookup,
 )
 from jaxpr_surgery._src.statistic import (  # noqa: F401 - the protocol's names, re-exported

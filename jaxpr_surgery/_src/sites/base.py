@@ -304,7 +304,12 @@ def times_examples(a, s):
 
 
 def weighted_sum_materialised(G, c):
-    return jnp.tensordot(c.astype(G.dtype), G, axes=(0, 0))
+    """``sum_b c_b G_b`` of materialised gradients ``G [B, ...]``: a product and a sum
+    over the examples, one reduction kernel. (Not ``tensordot``: a contraction of
+    length ``B`` against one vector is a dot XLA:CPU compiles as an elemental loop
+    nest of its own, about 5 ms each; GPT-2 small's clipped mean had 147 of them, a
+    fifth of its compile time.)"""
+    return jnp.sum(times_examples(G, c), axis=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,7 @@ from jaxpr_surgery._src.sites.base import (
     scale_examples,
     sqrt0,
     times_examples,
+    weighted_sum_materialised,
 )
 from jaxpr_surgery._src.sites.dense_layout import (
     FALLBACK_TILE_BYTES,
@@ -594,7 +595,7 @@ class DenseKernel(Kernel):
 
     def weighted_sum(self, ing, c):
         if not isinstance(ing, tuple):  # G_b kept for the clip (`keeps_products_for_clip`)
-            return jnp.tensordot(c.astype(ing.dtype), ing, axes=(0, 0))
+            return weighted_sum_materialised(ing, c)
         x, dy = ing
         return self.contract(x, dy, c)
 
