@@ -188,7 +188,8 @@ LAYERS = (
     ("fused",),
     ("stats", "stats_research", "independence"),
     ("statistic",),  # the Statistic protocol and the built-in statistics' classes
-    ("weighting", "clip_reductions"),  # example weights and clipped sums as reductions
+    # example weights and clipped sums as reductions; the Kronecker moments' reduction
+    ("weighting", "clip_reductions", "kron_sum"),
     ("reductions",),  # the Reduction protocol and the built-in reductions
     ("moments", "fn_equality"),  # merges of moments; equality of a reduction's functions
     ("fingerprint",),  # structural keys: repeated layers and per-leaf functions traced once

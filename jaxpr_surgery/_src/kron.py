@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpr_surgery._src import tiling
-from jaxpr_surgery._src.reductions import kron_value_shapes as value_shapes
+from jaxpr_surgery._src.kron_sum import kron_value_shapes as value_shapes
 from jaxpr_surgery._src.views import leaf_axes, leaf_map  # noqa: F401 - kron.leaf_axes
 
 

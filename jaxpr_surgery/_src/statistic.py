@@ -19,9 +19,10 @@ from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src.clip_reductions import ClippedSum, nonfinite_examples
 from jaxpr_surgery._src.example_weights import effective_size
 from jaxpr_surgery._src.fn_equality import equal_as_bool, function_name, same_function
+from jaxpr_surgery._src.kron_sum import KronSum
 from jaxpr_surgery._src.moments import Moments
 from jaxpr_surgery._src.norms import combine_norms, stacked_parts
-from jaxpr_surgery._src.reductions import SUM, Centered, KronSum, Norms, PhiSum, Reduction, SqNorms
+from jaxpr_surgery._src.reductions import SUM, Centered, Norms, PhiSum, Reduction, SqNorms
 
 PyTree = Any
 _builtin_sum = sum

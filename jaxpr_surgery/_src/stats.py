@@ -32,6 +32,7 @@ from jaxpr_surgery._src.fn_equality import (  # noqa: F401 - the protocol's name
     function_name,
     same_function,
 )
+from jaxpr_surgery._src.kron_sum import KronSum  # noqa: F401 - the protocol's names, re-exported
 from jaxpr_surgery._src.moments import (  # noqa: F401 - the protocol's names, re-exported
     Moments,
     Shifted,
@@ -50,7 +51,6 @@ from jaxpr_surgery._src.reductions import (  # noqa: F401 - the protocol's names
     Centered,
     CenteredAbout,
     ElementwiseReduction,
-    KronSum,
     Norms,
     PhiSum,
     Reduction,
