@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxpr_surgery._src import cuts, views
+from jaxpr_surgery._src import cuts, versions, views
 from jaxpr_surgery._src import example_weights as ew
 from jaxpr_surgery._src import fingerprint as fp
 from jaxpr_surgery._src.fn_equality import function_name, same_function
@@ -90,6 +90,20 @@ def lookup(table, r, default=None):
         if cls in table:
             return table[cls]
     return default
+
+
+def weighted_examples(w, X):
+    """``sum_b w_b X_b`` of ``X [B, ...]`` (``w [B]``, in ``X``'s dtype): a product and a
+    sum over the examples where XLA fuses them (`versions.FUSES_PRODUCT_SUMS`: jax 0.12's
+    CPU compiles the contraction as a loop nest of its own, GPT-2 small's clipped mean
+    3.8 s -> 3.0 s with the product), else a contraction; and a contraction under a
+    batch split by device, around which XLA's partitioner placed a layer recompute's
+    kept inputs better (the 2-D scan stack's clipped mean: 1.97x grad's collective
+    bytes, 2.05x with the product)."""
+    w = w.astype(X.dtype)
+    if versions.FUSES_PRODUCT_SUMS and cuts.split_count() == 1:
+        return jnp.sum(X * w.reshape((-1,) + (1,) * (X.ndim - 1)), axis=0)
+    return jnp.tensordot(w, X, axes=(0, 0))
 
 
 def gather_over_axis(x, axis_name):
@@ -488,10 +502,7 @@ class PhiSum(ElementwiseReduction):
         return jnp.sum(self.apply(G), axis=0)
 
     def from_weighted(self, G, w):
-        # (a product and a sum, not a contraction of length B against one vector:
-        # XLA:CPU compiles that dot as an elemental loop nest of its own,
-        # `sites.base.weighted_sum_materialised`)
-        return jnp.sum(_per_example(w, G) * self.apply(G), axis=0)
+        return weighted_examples(w, self.apply(G))
 
     def merge(self, a, na, b, nb):
         return a + b

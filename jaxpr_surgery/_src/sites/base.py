@@ -41,7 +41,7 @@ from jaxpr_surgery._src.norms import (  # noqa: F401 - re-exported for the kerne
     sqrt0,
     with_bound,
 )
-from jaxpr_surgery._src.reductions import acc_dtype_for  # noqa: F401 - re-exported
+from jaxpr_surgery._src.reductions import acc_dtype_for, weighted_examples  # noqa: F401 - re-exported
 from jaxpr_surgery._src.views import Factor
 
 KERNELS: dict = {}  # kind (display name) -> kernel class, every registered kernel
@@ -304,17 +304,8 @@ def times_examples(a, s):
 
 
 def weighted_sum_materialised(G, c):
-    """``sum_b c_b G_b`` of materialised gradients ``G [B, ...]``: a product and a sum
-    over the examples, one reduction kernel. (Not ``tensordot``: a contraction of
-    length ``B`` against one vector is a dot XLA:CPU compiles as an elemental loop
-    nest of its own, about 5 ms each; GPT-2 small's clipped mean had 147 of them, a
-    fifth of its compile time.) Under a batch split by device (cuts.py) the contraction
-    stays: XLA's partitioner placed the kept inputs of a layer's recompute better
-    around it (the 2-D scan stack's clipped mean: 1.97x grad's collective bytes, 2.05x
-    with the product and sum)."""
-    if cuts.split_count() > 1:
-        return jnp.tensordot(c.astype(G.dtype), G, axes=(0, 0))
-    return jnp.sum(times_examples(G, c), axis=0)
+    """``sum_b c_b G_b`` of materialised gradients ``G [B, ...]`` (`weighted_examples`)."""
+    return weighted_examples(c, G)
 
 
 @dataclasses.dataclass(frozen=True)
