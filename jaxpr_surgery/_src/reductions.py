@@ -100,10 +100,9 @@ def weighted_examples(w, X):
     batch split by device, around which XLA's partitioner placed a layer recompute's
     kept inputs better (the 2-D scan stack's clipped mean: 1.97x grad's collective
     bytes, 2.05x with the product)."""
-    w = w.astype(X.dtype)
     if versions.FUSES_PRODUCT_SUMS and cuts.split_count() == 1:
-        return jnp.sum(X * w.reshape((-1,) + (1,) * (X.ndim - 1)), axis=0)
-    return jnp.tensordot(w, X, axes=(0, 0))
+        return jnp.sum(_per_example(w, X) * X, axis=0)
+    return jnp.tensordot(w.astype(X.dtype), X, axes=(0, 0))
 
 
 def gather_over_axis(x, axis_name):
@@ -414,7 +413,8 @@ def combined_share(r, value, n_local, axis_name, parts):
 def is_additive(r):
     """Whether ``r`` is `Reduction.additive`, as the class that says so defines it: a
     subclass that overrides how the examples are summed (``from_examples``, ``merge``,
-    ``add_examples``, ``start_examples``, ``finish``) without saying so again is not."""
+    ``accumulate``, ``add_examples``, ``start_examples``, ``finish``) without saying so
+    again is not."""
     cls = type(r)
     if not cls.additive:
         return False

@@ -419,8 +419,7 @@ def _tile_loop(make, B, reductions, tile, shape, dtype, inits, n0, finish=True):
     k = additive_unroll(B, reductions, tile, shape, dtype)
     if k > 1:
         acc = additive_loop(make, B, reductions, k, shape, dtype, inits, n0)
-        return acc if not finish else [r.finish(a, n0 + B) if i is None else a
-                                       for r, a, i in zip(reductions, acc, inits)]
+        return _finished(reductions, acc, inits, n0 + B) if finish else acc
     nfull, rem = divmod(B, tile)
     bounded = [r.shift_bounded for r in reductions]
     if nfull > 1 and all(r.per_example or r.carries for r in reductions):
@@ -471,9 +470,13 @@ def _tile_loop(make, B, reductions, tile, shape, dtype, inits, n0, finish=True):
             t += k
         else:
             rem = 0
-    if not finish:
-        return acc
-    return [r.finish(a, n0 + B) if i is None and not r.per_example else a
+    return _finished(reductions, acc, inits, n0 + B) if finish else acc
+
+
+def _finished(reductions, acc, inits, n):
+    """The loop's accumulators of ``n`` examples finished, but carried ones and
+    per-example values."""
+    return [r.finish(a, n) if i is None and not r.per_example else a
             for r, a, i in zip(reductions, acc, inits)]
 
 
