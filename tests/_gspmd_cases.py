@@ -665,6 +665,66 @@ def run_explicit_tp(name, B=6, T=8, d=32, V=64):
     return {"case": name, "errors": errors}
 
 
+def flagged(B=16, T=32, d=64, F=64):
+    """A dense layer over tokens whose ghost norms cancel in float32 on some examples
+    (their second half of tokens undoes the first: `tests/test_precision.py`'s case),
+    placed at different places within the parts of a batch split by device (part ``p``
+    holds examples ``2p, 2p + 1``: one part both, one neither, others the first or the
+    second). The float64 oracle's model is the same one in float64."""
+    r = np.random.default_rng(4)
+    x = r.standard_normal((B, T // 2, d))
+    c = r.standard_normal((B, T // 2, F))
+    undo = np.isin(np.arange(B), FLAGGED)
+    x = np.concatenate([x, x + 1e-4 * r.standard_normal(x.shape)], 1)
+    c = np.concatenate([c, np.where(undo[:, None, None], -c, c)], 1)
+    w = r.standard_normal((d, F)) / 8
+
+    def make(dtype):
+        def loss(p, b):
+            return jnp.mean(jnp.sum(jnp.tanh(b["x"] @ p["w2d"]) * b["c"], axis=(-1, -2)))
+
+        return loss, {"w2d": jnp.asarray(w, dtype)}, {"x": jnp.asarray(x, dtype),
+                                                     "c": jnp.asarray(c, dtype)}
+    return make
+
+
+FLAGGED = (1, 2, 4, 5, 11, 14)
+
+
+def run_flagged(name, setup="2d"):
+    """Norms and clipped mean in float32 where some examples' ghost norms cancel, under a
+    batch split by device, against the float64 oracle (to float32's cancellation: the
+    examples' ``G_b`` cancel to ~1e-4 of their terms, in the oracle too) and against the
+    same call on one device. Each flagged example is formed alone (norms.py), in a loop
+    over the examples' places within a part that every part takes at once."""
+    make = flagged()
+    loss, params, batch = make(jnp.float32)
+    want = oracle(*per_example_grads(*make(jnp.float64)))
+    todo = {"sq_norms": js.stats.sq_norms(), "clipped_mean": js.stats.clipped_mean(CLIP)}
+    one = jax.jit(js.per_example_stat(loss, todo, chunk_size=None))(params, batch)
+    p, b, _, _ = place(setup, params, batch)
+    got = jax.jit(js.per_example_stat(loss, todo, chunk_size=None))(p, b)
+    errors = {k: error(got[k], want[k], k, 16) for k in todo}
+    errors.update({k + "_one_device": error(got[k], one[k], k, 16) for k in todo})
+    errors["sq_norms_each"] = _each(got["sq_norms"], want["sq_norms"])
+    # (the ghost form's values, nothing flagged: how far the loop's examples are without it)
+    from jaxpr_surgery._src.sites import dense  # noqa: PLC0415
+
+    dense.GHOST_TOLERANCE, saved = float("inf"), dense.GHOST_TOLERANCE
+    try:
+        ghost = jax.jit(js.per_example_stat(loss, js.stats.sq_norms(), chunk_size=None))(p, b)
+    finally:
+        dense.GHOST_TOLERANCE = saved
+    return {"case": name, "errors": errors,
+            "unflagged": _each(ghost, want["sq_norms"])}
+
+
+def _each(got, want):
+    """The largest relative error of an example's value."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want) / np.abs(want)))
+
+
 CASES = {
     "fsdp": lambda: run_case("fsdp", lm, "fsdp", None),
     "fsdp:3": lambda: run_case("fsdp:3", lambda: lm(L=1), "fsdp", 3, light=True),
@@ -712,6 +772,8 @@ CASES = {
     "segments:tp": lambda: run_segments("segments:tp"),
     "segments:2d:weights": lambda: run_segments("segments:2d:weights", "2d", weights=True),
     "segments:reader": lambda: run_segments_reader("segments:reader"),
+    # (examples whose ghost norms cancel, at different places in the split's parts)
+    "flagged:2d": lambda: run_flagged("flagged:2d"),
     "comms:constrained:tp": lambda: run_comms(
         "comms:constrained:tp", lambda: lm(B=16, T=32, d=128, L=2, V=2048, constrained="tp"),
         "tp"),
