@@ -21,7 +21,9 @@ Chunks: the whole batch (``chunk_size=None``) and the default (``"auto"``).
 Collective bytes are the result sizes of all-gather / all-reduce / reduce-scatter /
 all-to-all / collective-permute ops in the compiled module, *executed*: each
 computation's ops times the number of times it runs (a while loop's body times its
-known trip count), so a chunk or tile loop pays per iteration. Temporary memory is
+known trip count), so a chunk or tile loop pays per iteration; a loop whose trip count is
+not known when compiled counts once (the flagged examples' recompute, norms.py, which
+usually runs no trip). Temporary memory is
 ``compiled.memory_analysis().temp_size_in_bytes`` (per device). "remat" counts XLA's
 "Involuntary full rematerialization" warnings while the program compiles.
 

@@ -103,8 +103,8 @@ def _flagged_in_place(exact, args, values, bad, axis):
     Its index is the same on every part, so each part slices its own example where it
     is; a part's own order of its flagged examples made the slice's index differ between
     the parts, and XLA's partitioner then gathered every part's inputs to every device
-    in the loop (which it compiles, and the bytes of whose collectives count, whether or
-    not it runs: 320 MiB of the 2-D mesh's scan stack's sq_norms at B 16, T 256, d 1024)."""
+    in the loop, which it compiles whether or not it runs (the benchmark's 2-D mesh's
+    scan stack at B 16, T 256, d 1024: sq_norms 1.27x -> 1.23x grad's collective bytes)."""
     place = jnp.where(bad, jnp.arange(1, bad.shape[0] + 1, dtype=jnp.int32), 0)
     n = jax.lax.pmax(jnp.max(place), axis)
 
